@@ -1,0 +1,47 @@
+# kora developer targets. `make test` is the one command a newcomer needs (see README).
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kora-installed
+
+.PHONY: setup test test-unit lint manifests manifests-check testbin cluster-up cluster-down clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade 'pip>=25.1'
+	$(PY) -m pip install --quiet -e '.[operator]' --group dev
+	touch $(STAMP)
+
+setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools
+
+testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries
+	bash hack/testbin.sh
+
+test: setup testbin  ## unit + integration tests against a real local control plane
+	$(PY) -m pytest
+
+test-unit: setup
+	$(PY) -m pytest tests/unit
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy operator/kora_operator cli/kora_cli trainer/kora_trainer/config
+	$(VENV)/bin/lint-imports
+	@if [ -f Dockerfile ]; then $(VENV)/bin/hadolint Dockerfile; fi
+
+manifests: setup  ## regenerate CRDs from the pydantic models
+	$(PY) -m kora_operator.api.crd
+
+manifests-check: setup
+	$(PY) -m kora_operator.api.crd --check
+
+cluster-up: setup testbin  ## etcd + kube-apiserver + kube-controller-manager on 127.0.0.1
+	$(PY) hack/localcluster.py up
+
+cluster-down:
+	$(PY) hack/localcluster.py down
+
+clean: cluster-down
+	rm -rf .kora $(VENV)

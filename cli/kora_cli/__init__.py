@@ -1,0 +1,1 @@
+"""The `kora` command: a thin shell that each wing plugs its subcommands into."""

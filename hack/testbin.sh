@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# Provide the pinned test binaries (etcd, kube-apiserver, kube-controller-manager, kubectl,
+# helm, KubeRay's ray-operator) and KubeRay's CRDs, built once from the Go module proxy into
+# ~/.cache/kora-testbin/<versions> and reused. Prints that directory on its last line.
+#
+# KORA_TESTBIN=/some/dir skips the build and uses binaries already there (same file names).
+#
+# Why wrappers: k8s.io/kubernetes and etcd's server module carry `replace` directives, so
+# `go install mod@ver` refuses them; a throwaway module that requires them (and maps every
+# k8s.io staging module to its published v0.Y.Z tag) builds the real commands unchanged.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+# shellcheck source=versions.env
+source "$here/versions.env"
+
+if [[ -n "${KORA_TESTBIN:-}" ]]; then
+  for b in etcd kube-apiserver kube-controller-manager kubectl helm ray-operator; do
+    [[ -x "$KORA_TESTBIN/$b" ]] || { echo "KORA_TESTBIN=$KORA_TESTBIN lacks $b" >&2; exit 1; }
+  done
+  echo "$KORA_TESTBIN"; exit 0
+fi
+
+key="k8s-${KUBERNETES_VERSION}_etcd-${ETCD_VERSION}_helm-${HELM_VERSION}_kuberay-${KUBERAY_VERSION}"
+dest="${XDG_CACHE_HOME:-$HOME/.cache}/kora-testbin/$key"
+if [[ -f "$dest/.complete" ]]; then echo "$dest"; exit 0; fi
+mkdir -p "$dest"
+log() { echo "[testbin] $*" >&2; }
+export GOFLAGS="-buildvcs=false" CGO_ENABLED=0
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+t0=$SECONDS
+
+# --- Kubernetes: kube-apiserver, kube-controller-manager, kubectl -------------------------
+if [[ ! -x "$dest/kube-apiserver" || ! -x "$dest/kube-controller-manager" || ! -x "$dest/kubectl" ]]; then
+  log "building Kubernetes $KUBERNETES_VERSION (cold: ~15-30 min on 2 cores)"
+  mkdir -p "$work/k8s" && cd "$work/k8s"
+  go mod init kora.dev/testbin/k8s >/dev/null 2>&1
+  kdir=$(go mod download -json "k8s.io/kubernetes@$KUBERNETES_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  staging_ver="v0.${KUBERNETES_VERSION#v1.}"
+  {
+    echo "require k8s.io/kubernetes $KUBERNETES_VERSION"
+    # every `k8s.io/x => ./staging/src/k8s.io/x` replace in kubernetes' go.mod -> published tag
+    grep -oE '^\s*k8s.io/[a-z0-9./-]+ => \./staging' "$kdir/go.mod" | awk '{print "replace " $1 " => " $1 " '"$staging_ver"'"}'
+  } >> go.mod
+  cat > tools.go <<'GO'
+//go:build tools
+
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)
+GO
+  # take kubernetes' own dependency versions, so the build matches its release
+  cp "$kdir/go.mod" "$work/k8s-upstream.mod"
+  go mod tidy -e >/dev/null 2>&1 || true
+  go mod tidy >&2
+  vpkg=k8s.io/component-base/version
+  ld="-s -w -X $vpkg.gitVersion=$KUBERNETES_VERSION -X $vpkg.gitMajor=1 -X $vpkg.gitMinor=$(echo "$KUBERNETES_VERSION" | cut -d. -f2) -X $vpkg.gitTreeState=clean"
+  ld="$ld -X k8s.io/client-go/pkg/version.gitVersion=$KUBERNETES_VERSION"
+  for cmd in kube-apiserver kube-controller-manager kubectl; do
+    log "go build $cmd"
+    go build -tags tools -ldflags "$ld" -o "$dest/$cmd" "k8s.io/kubernetes/cmd/$cmd"
+  done
+fi
+
+# --- etcd ----------------------------------------------------------------------------------
+if [[ ! -x "$dest/etcd" ]]; then
+  log "building etcd $ETCD_VERSION"
+  mkdir -p "$work/etcd" && cd "$work/etcd"
+  go mod init kora.dev/testbin/etcd >/dev/null 2>&1
+  printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' > tools.go
+  go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
+  go mod tidy >&2
+  go build -ldflags "-s -w" -o "$dest/etcd" go.etcd.io/etcd/server/v3
+fi
+
+# --- helm and KubeRay (plain go install works for these) ------------------------------------
+if [[ ! -x "$dest/helm" ]]; then
+  log "building helm $HELM_VERSION"
+  GOBIN="$dest" go install -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+fi
+if [[ ! -x "$dest/ray-operator" ]]; then
+  log "building KubeRay ray-operator $KUBERAY_VERSION"
+  GOBIN="$dest" go install -ldflags "-s -w" "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
+fi
+rdir=$(cd "$work" && go mod download -json "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+mkdir -p "$dest/kuberay-crds"
+cp "$rdir"/config/crd/bases/*.yaml "$dest/kuberay-crds/"
+chmod u+w "$dest/kuberay-crds/"*.yaml
+
+touch "$dest/.complete"
+log "done in $((SECONDS - t0)) s"
+echo "$dest"

@@ -1,0 +1,1 @@
+"""kora operator: reconciles LoRATrainingJob / LoRAAdapter objects into KubeRay RayJobs."""

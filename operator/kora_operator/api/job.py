@@ -1,0 +1,179 @@
+"""LoRATrainingJob: the trainer's config sections plus what Kubernetes needs to run them."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from kora_operator.api.status import LoRATrainingJobStatus
+from kora_trainer.config.base import CamelModel
+from kora_trainer.config.sections import ModelSpec
+from kora_trainer.config.trainer import TrainerConfig
+
+GROUP = "kora.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+
+class PVCSource(CamelModel):
+    """A PersistentVolumeClaim in the job's namespace."""
+
+    claim_name: Annotated[str, Field(min_length=1)]
+    """Name of the claim."""
+    read_only: bool = False
+    """Mount read-only (checkpoints then need another path)."""
+
+
+class HostPathSource(CamelModel):
+    """A directory on the node (single-node clusters and tests)."""
+
+    path: Annotated[str, Field(min_length=1)]
+    """Directory on the host."""
+    type: Literal["", "Directory", "DirectoryOrCreate"] = "Directory"
+    """Directory (must exist) or DirectoryOrCreate."""
+
+
+class EmptyDirSource(CamelModel):
+    """Scratch space that lives as long as the pod."""
+
+    medium: Literal["", "Memory"] = ""
+    """"" for node disk, Memory for tmpfs."""
+    size_limit: Annotated[str, Field(pattern=r"^[0-9]+(\.[0-9]+)?(k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$")] | None = None
+    """Size limit, e.g. 10Gi."""
+
+
+class VolumeSpec(CamelModel):
+    """The volume holding the model, the data and the checkpoints. Set exactly one source."""
+
+    model_config = CamelModel.model_config | {
+        "json_schema_extra": {"x-kubernetes-validations": [{
+            "rule": "[has(self.persistentVolumeClaim), has(self.hostPath), has(self.emptyDir)]"
+                    ".filter(x, x).size() == 1",
+            "message": "model.volume needs exactly one of persistentVolumeClaim, hostPath or emptyDir",
+        }]}
+    }
+
+    mount_path: Annotated[str, Field(pattern=r"^/")] = "/mnt/kora"
+    """Where the volume is mounted in every Ray pod; model.path, data.path and checkpoint.path
+    are paths under it."""
+    persistent_volume_claim: PVCSource | None = None
+    """Use a PersistentVolumeClaim."""
+    host_path: HostPathSource | None = None
+    """Use a host directory."""
+    empty_dir: EmptyDirSource | None = None
+    """Use an emptyDir (data must be fetched by the job itself)."""
+
+
+class ModelVolumeSpec(ModelSpec):
+    """The base model and the volume it lives on."""
+
+    volume: VolumeSpec | None = None
+    """Volume mounted into every Ray pod. Unset for runtime Ray, where paths are the Ray
+    cluster's own."""
+
+
+class Toleration(CamelModel):
+    """A core/v1 Toleration."""
+
+    key: str | None = None
+    """Taint key; empty with operator Exists matches every taint."""
+    operator: Literal["Exists", "Equal"] = "Equal"
+    """Exists or Equal."""
+    value: str | None = None
+    """Taint value for Equal."""
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    """Taint effect to tolerate; empty means all."""
+    toleration_seconds: int | None = None
+    """NoExecute only: how long to stay bound after the taint appears."""
+
+
+_QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+
+
+class ResourcesSpec(CamelModel):
+    """Ray pods: how many workers, what each gets, and where they may run."""
+
+    workers: Annotated[int, Field(ge=0, le=1024)] = 1
+    """Ray worker pods (the head runs the driver and the control-plane API)."""
+    gpus_per_worker: Annotated[int, Field(ge=0, le=16)] = 8
+    """nvidia.com/gpu per worker pod."""
+    cpu: Annotated[str, Field(pattern=_QUANTITY)] = "16"
+    """CPU request/limit per worker pod."""
+    memory: Annotated[str, Field(pattern=_QUANTITY)] = "128Gi"
+    """Memory request/limit per worker pod."""
+    head_cpu: Annotated[str, Field(pattern=_QUANTITY)] = "4"
+    """CPU for the head pod."""
+    head_memory: Annotated[str, Field(pattern=_QUANTITY)] = "16Gi"
+    """Memory for the head pod."""
+    shm_size: Annotated[str, Field(pattern=_QUANTITY)] = "16Gi"
+    """Size of the memory-backed /dev/shm in each pod (NCCL and IPC need it)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the worker pods must match."""
+    tolerations: list[Toleration] = Field(default_factory=list)
+    """Taints the worker pods tolerate (e.g. nvidia.com/gpu)."""
+
+
+class RuntimeKind(StrEnum):
+    KUBERAY = "KubeRay"
+    RAY = "Ray"
+
+
+class RuntimeSpec(CamelModel):
+    """Where the trainer runs."""
+
+    kind: RuntimeKind = RuntimeKind.KUBERAY
+    """KubeRay: a RayJob (its own Ray cluster) per LoRATrainingJob. Ray: submit to an existing
+    Ray cluster through its Jobs API at address."""
+    address: Annotated[str, Field(pattern=r"^https?://")] | None = None
+    """Ray dashboard / Jobs API address for kind Ray, e.g. http://127.0.0.1:8265."""
+
+
+# Spec sections that define what is being trained; they cannot change on a created job.
+IMMUTABLE_SECTIONS = (
+    "model", "lora", "algorithm", "data", "rollout", "parallelism", "deployment", "sync",
+    "multiLora", "backend", "runtime", "image",
+)
+
+
+class LoRATrainingJobSpec(TrainerConfig):
+    """Desired state: the trainer config plus image, resources, lifecycle and runtime."""
+
+    model: ModelVolumeSpec
+    """The base model (frozen) and the volume holding it, the data and the checkpoints."""
+    image: Annotated[str, Field(min_length=1)] = "ghcr.io/kora-dev/kora-trainer:0.1.0"
+    """Trainer image for the Ray head and workers."""
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """Ray worker count, GPUs, CPU/memory, node selector and tolerations."""
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    """KubeRay (a RayJob per job) or Ray (an existing Ray cluster)."""
+    suspend: bool = False
+    """Suspend the job: the Ray cluster is torn down; resuming continues from the last checkpoint."""
+    backoff_limit: Annotated[int, Field(ge=0, le=100)] = 0
+    """Retries after a trainer failure; each retry resumes from the last LoRA-only checkpoint."""
+    ttl_seconds_after_finished: Annotated[int, Field(ge=0)] = 600
+    """Seconds the finished Ray cluster is kept (for logs) before it is deleted."""
+    queue_name: Annotated[str, Field(max_length=63)] | None = None
+    """Kueue LocalQueue; passed as the kueue.x-k8s.io/queue-name label on the RayJob."""
+
+    def trainer_config(self) -> TrainerConfig:
+        """The part the trainer reads (rendered into the job's ConfigMap)."""
+        data = self.model_dump(by_alias=True, mode="json", include=set(TrainerConfig.model_fields))
+        data["model"] = {"path": self.model.path}
+        return TrainerConfig.model_validate(data)
+
+
+class LoRATrainingJob(CamelModel):
+    """A LoRA reinforcement-learning post-training job, run on Ray (KubeRay or an existing cluster)."""
+
+    api_version: Literal["kora.dev/v1alpha1"] = "kora.dev/v1alpha1"
+    """kora.dev/v1alpha1"""
+    kind: Literal["LoRATrainingJob"] = "LoRATrainingJob"
+    """LoRATrainingJob"""
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    """Standard object metadata."""
+    spec: LoRATrainingJobSpec
+    """Desired state."""
+    status: LoRATrainingJobStatus | None = None
+    """Observed state, written by the operator."""

@@ -1,0 +1,1 @@
+"""Pure functions: a LoRATrainingJob in, the Kubernetes objects the operator creates out."""

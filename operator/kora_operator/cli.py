@@ -1,0 +1,90 @@
+"""`kora validate FILE` and `kora render FILE` (plugged into the `kora` CLI by entry points)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kora_operator.api.job import LoRATrainingJob
+from kora_operator.builders.configmap import build_config_map, dump_yaml
+from kora_operator.validation import validate_adapter, validate_job
+
+
+def _documents(path: str) -> list[dict[str, Any]]:
+    text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    return [d for d in yaml.safe_load_all(text) if isinstance(d, dict)]
+
+
+def _name(doc: dict[str, Any]) -> str:
+    return f"{doc.get('kind')}/{(doc.get('metadata') or {}).get('name', '?')}"
+
+
+def validate(args: argparse.Namespace) -> int:
+    """Print every problem of every document; exit 1 if any is an error."""
+    failed = False
+    for path in args.files:
+        try:
+            docs = _documents(path)
+        except (OSError, yaml.YAMLError) as e:
+            print(f"{path}: cannot read: {e}", file=sys.stderr)
+            failed = True
+            continue
+        jobs: dict[str, LoRATrainingJob] = {}
+        for doc in docs:
+            if doc.get("kind") != "LoRATrainingJob":
+                continue
+            job, problems = validate_job(doc)
+            if job is not None:
+                jobs[str(job.metadata.get("name"))] = job
+            failed |= _report(path, _name(doc), problems)
+        for doc in docs:
+            if doc.get("kind") != "LoRAAdapter":
+                continue
+            job_name = str((doc.get("spec") or {}).get("jobName"))
+            _, problems = validate_adapter(doc, jobs.get(job_name))
+            failed |= _report(path, _name(doc), problems)
+    return 1 if failed else 0
+
+
+def _report(path: str, what: str, problems: list[Any]) -> bool:
+    for p in problems:
+        print(f"{path}: {what}: {p}", file=sys.stderr if p.severity == "error" else sys.stdout)
+    if not any(p.severity == "error" for p in problems):
+        print(f"{path}: {what}: valid")
+        return False
+    return True
+
+
+def render(args: argparse.Namespace) -> int:
+    """Print, as YAML, the objects the operator would create for each job in FILE."""
+    out: list[dict[str, Any]] = []
+    for doc in _documents(args.file):
+        if doc.get("kind") != "LoRATrainingJob":
+            continue
+        job, problems = validate_job(doc)
+        errors = [p for p in problems if p.severity == "error"]
+        if job is None or errors:
+            for p in problems:
+                print(f"{args.file}: {_name(doc)}: {p}", file=sys.stderr)
+            return 1
+        job.metadata.setdefault("namespace", args.namespace)
+        out.append(build_config_map(job))
+    sys.stdout.write(dump_yaml(out))
+    return 0
+
+
+def register_validate(sub: Any) -> None:
+    p = sub.add_parser("validate", help="check LoRATrainingJob/LoRAAdapter YAML against every rule")
+    p.add_argument("files", nargs="+", metavar="FILE", help="YAML file(s); - for stdin")
+    p.set_defaults(func=validate)
+
+
+def register_render(sub: Any) -> None:
+    p = sub.add_parser("render", help="print the objects the operator would create for FILE")
+    p.add_argument("file", metavar="FILE", help="YAML file with LoRATrainingJob(s); - for stdin")
+    p.add_argument("-n", "--namespace", default="default", help="namespace when the job names none")
+    p.set_defaults(func=render)

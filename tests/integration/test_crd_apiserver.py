@@ -1,0 +1,118 @@
+"""The generated CRDs against a real kube-apiserver: install, explain, print, CEL, immutability."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kora_operator.api.rules import JOB_RULES
+from kora_trainer.config import SPEC_RULES
+from localcluster import wait_for
+from specs import set_path, valid_job, violating_job
+
+ROOT = Path(__file__).resolve().parents[2]
+CRDS = ROOT / "manifests/crds"
+SAMPLES = sorted((ROOT / "manifests/samples").glob("*.yaml"))
+RULES = {r.id: r for r in (*SPEC_RULES, *JOB_RULES)}
+
+
+@pytest.fixture(scope="module")
+def crds(cluster):
+    cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
+    for name in ("loratrainingjobs.kora.dev", "loraadapters.kora.dev"):
+        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    # discovery can lag Established by a moment; wait until kubectl can resolve the kinds
+    wait_for(lambda: cluster.kubectl("explain", "ltj", check=False).returncode == 0,
+             timeout=30, interval=0.5, what="ltj in discovery")
+    return cluster
+
+
+def apply(cluster, doc, namespace, *extra):
+    return cluster.kubectl("apply", "-n", namespace, *extra, "-f", "-", input=yaml.safe_dump(doc), check=False)
+
+
+def test_crds_are_established_and_explained(crds):
+    out = crds.kubectl("explain", "loratrainingjob.spec.lora").stdout
+    assert "syncMode" in out and "Unset means Merge, with a warning" in out
+    assert "LoRA rank r (>= 1)" in out
+    out = crds.kubectl("explain", "lad.spec.rank").stdout
+    assert "at most the job's lora.rank" in out
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
+def test_samples_pass_server_dry_run(crds, namespace, sample):
+    res = crds.kubectl("apply", "-n", namespace, "--dry-run=server", "-f", str(sample), check=False)
+    assert res.returncode == 0, res.stderr
+    assert "(server dry run)" in res.stdout
+
+
+def test_defaults_are_applied_when_sections_are_omitted(crds, namespace):
+    assert apply(crds, valid_job("defaults"), namespace).returncode == 0
+    spec = json.loads(crds.kubectl("get", "ltj", "defaults", "-n", namespace, "-o", "json").stdout)["spec"]
+    assert spec["rollout"]["dpSize"] == 1 and spec["sync"]["bufferSize"] == 536870912
+    assert spec["lora"]["targetModules"] == ["linear_qkv", "linear_proj"]
+    assert "syncMode" not in valid_job()["spec"]["lora"] or spec["lora"]["syncMode"] == "Merge"
+
+
+def kora_validate(doc, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    exe = Path(sys.executable).with_name("kora")
+    return subprocess.run([str(exe), "validate", str(path)], capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("rule_id", sorted(RULES))
+def test_cel_rule_rejects_with_the_same_message_as_kora_validate(crds, namespace, tmp_path, rule_id):
+    rule = RULES[rule_id]
+    doc = violating_job(rule_id, name=f"bad-{rule_id}")
+    res = apply(crds, doc, namespace)
+    assert res.returncode != 0, f"the API server accepted a job breaking {rule_id}"
+    assert rule.message in res.stderr, res.stderr
+    local = kora_validate(doc, tmp_path)
+    assert local.returncode == 1
+    assert f"error: {rule.message}" in local.stderr
+
+
+def test_immutable_sections_and_mutable_lifecycle(crds, namespace):
+    doc = valid_job("immut")
+    assert apply(crds, doc, namespace).returncode == 0
+    res = apply(crds, set_path(doc, "lora.rank", 16), namespace)
+    assert res.returncode != 0
+    assert "spec.lora is immutable" in res.stderr and "re-create" in res.stderr
+    res = apply(crds, set_path(doc, "model.path", "/other"), namespace)
+    assert "spec.model is immutable" in res.stderr
+    # lifecycle fields may change on a created job
+    assert apply(crds, set_path(doc, "suspend", True), namespace).returncode == 0
+    assert apply(crds, set_path(set_path(doc, "suspend", True), "backoffLimit", 3), namespace).returncode == 0
+
+
+def test_printer_columns_show_status(crds, namespace):
+    assert apply(crds, valid_job("cols"), namespace).returncode == 0
+    status = {"status": {"phase": "Running", "syncMode": "Adapter",
+                         "progress": {"step": 7, "totalSteps": 20, "rewardMean": 0.625}}}
+    crds.kubectl("patch", "ltj", "cols", "-n", namespace, "--subresource=status", "--type=merge",
+                 "-p", json.dumps(status))
+    out = crds.kubectl("get", "ltj", "-n", namespace).stdout.splitlines()
+    assert out[0].split() == ["NAME", "MODE", "PHASE", "STEP", "REWARD", "AGE"]
+    row = next(line.split() for line in out if line.startswith("cols "))
+    assert row[:5] == ["cols", "Adapter", "Running", "7", "0.625"]
+    wide = crds.kubectl("get", "ltj", "cols", "-n", namespace, "-o", "wide").stdout
+    assert "TOTAL" in wide and "20" in wide
+
+
+def test_status_is_not_writable_through_the_main_resource(crds, namespace):
+    assert apply(crds, valid_job("st"), namespace).returncode == 0
+    crds.kubectl("patch", "ltj", "st", "-n", namespace, "--type=merge", "-p", '{"status": {"phase": "Succeeded"}}')
+    got = json.loads(crds.kubectl("get", "ltj", "st", "-n", namespace, "-o", "json").stdout)
+    assert "phase" not in got.get("status", {})
+
+
+def test_unknown_fields_are_rejected(crds, namespace):
+    doc = set_path(valid_job("typo"), "lora.syncmode", "Adapter")
+    res = apply(crds, doc, namespace)
+    assert res.returncode != 0 and "syncmode" in res.stderr

@@ -1,0 +1,54 @@
+"""Shared test data: a valid LoRATrainingJob and, for every CEL-backed rule, a way to break it."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+
+def valid_job(name: str = "job", **spec_overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"path": "/nonexistent/models/tiny", "volume": {"hostPath": {"path": "/tmp"}}},
+        "lora": {"rank": 8, "syncMode": "Merge"},
+        "data": {"path": "/nonexistent/data/train.parquet"},
+        "resources": {"workers": 1, "gpusPerWorker": 8},
+    }
+    spec.update(spec_overrides)
+    return {"apiVersion": "kora.dev/v1alpha1", "kind": "LoRATrainingJob",
+            "metadata": {"name": name}, "spec": spec}
+
+
+def set_path(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    doc = copy.deepcopy(doc)
+    node = doc["spec"]
+    *parents, last = dotted.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[last] = value
+    return doc
+
+
+# rule id -> {dotted spec path: value} that violates exactly that rule
+VIOLATIONS: dict[str, dict[str, Any]] = {
+    "adapter-dp-size": {"lora.syncMode": "Adapter", "rollout.dpSize": 2},
+    "router-needs-adapter": {"lora.targetModules": ["linear_qkv", "router"]},
+    "adapter-colocate-distributed": {"lora.syncMode": "Adapter", "deployment.mode": "Colocate",
+                                     "rollout.distributedEngines": 2},
+    "lora-only-async-save": {"checkpoint.loraOnly": True, "checkpoint.asyncSave": True},
+    "lora-only-dtype": {"checkpoint.dtype": "fp16"},
+    "export-needs-path": {"checkpoint.exportHF": True},
+    "steps-or-epochs": {"algorithm.numSteps": 10, "algorithm.numEpochs": 1},
+    "global-batch-divides": {"algorithm.rolloutBatchSize": 4, "algorithm.nSamplesPerPrompt": 4,
+                             "algorithm.globalBatchSize": 5},
+    "custom-reward-path": {"data.rewardType": "custom"},
+    "multi-lora-needs-adapter": {"multiLora.maxAdapters": 2},
+    "ray-runtime-address": {"runtime.kind": "Ray"},
+    "not-enough-gpus": {"resources.gpusPerWorker": 2, "parallelism.data": 4},
+}
+
+
+def violating_job(rule_id: str, name: str = "job") -> dict[str, Any]:
+    doc = valid_job(name)
+    for path, value in VIOLATIONS[rule_id].items():
+        doc = set_path(doc, path, value)
+    return doc

@@ -1,0 +1,79 @@
+"""`kora validate` and `kora render`, run as the installed console script."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from kora_trainer.config import load_config
+from specs import valid_job, violating_job
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = sorted((ROOT / "manifests/samples").glob("*.yaml"))
+
+
+def kora(*args: str, input: str | None = None) -> subprocess.CompletedProcess[str]:
+    exe = Path(sys.executable).with_name("kora")
+    return subprocess.run([str(exe), *args], capture_output=True, text=True, input=input, timeout=60)
+
+
+def write(tmp_path: Path, *docs) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump_all(docs))
+    return str(path)
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
+def test_samples_are_valid(sample: Path):
+    result = kora("validate", str(sample))
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout
+
+
+def test_samples_cover_the_recipes():
+    names = {p.stem for p in SAMPLES}
+    assert {"merge-mode", "adapter-mode", "moe-adapter-mode", "vl-merge-mode"} <= names
+
+
+def test_validate_reports_each_problem_and_exits_1(tmp_path: Path):
+    path = write(tmp_path, violating_job("adapter-dp-size", "a"), violating_job("router-needs-adapter", "b"))
+    result = kora("validate", path)
+    assert result.returncode == 1
+    assert "LoRATrainingJob/a: error: lora.syncMode Adapter requires rollout.dpSize 1" in result.stderr
+    assert "LoRATrainingJob/b: error: lora.targetModules contains router" in result.stderr
+
+
+def test_validate_warns_without_failing_when_no_mode(tmp_path: Path):
+    doc = valid_job()
+    del doc["spec"]["lora"]["syncMode"]
+    result = kora("validate", write(tmp_path, doc))
+    assert result.returncode == 0
+    assert "warning: lora.syncMode is not set: using Merge" in result.stdout
+
+
+def test_validate_unreadable_file():
+    result = kora("validate", "/nonexistent/job.yaml")
+    assert result.returncode == 1 and "cannot read" in result.stderr
+
+
+def test_render_prints_a_config_map_the_trainer_loads(tmp_path: Path):
+    result = kora("render", "-n", "team-a", write(tmp_path, valid_job("demo")))
+    assert result.returncode == 0, result.stderr
+    (cm,) = list(yaml.safe_load_all(result.stdout))
+    assert cm["kind"] == "ConfigMap" and cm["metadata"]["namespace"] == "team-a"
+    assert cm["metadata"]["name"] == "demo-trainer-config"
+    assert cm["metadata"]["labels"]["kora.dev/job-name"] == "demo"
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(cm["data"]["job.yaml"])
+    cfg, _warnings = load_config(rendered)
+    assert cfg.lora.rank == 8 and cfg.model.path == "/nonexistent/models/tiny"
+    assert "resources" not in cm["data"]["job.yaml"]  # the trainer gets only its own sections
+
+
+def test_render_refuses_an_invalid_job(tmp_path: Path):
+    result = kora("render", write(tmp_path, violating_job("custom-reward-path")))
+    assert result.returncode == 1 and "data.customRewardPath" in result.stderr

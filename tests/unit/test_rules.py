@@ -1,0 +1,167 @@
+"""Every SPEC validation rule, through the same functions `kora validate` and the operator use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kora_operator.api.rules import JOB_RULES
+from kora_operator.validation import validate_adapter, validate_job
+from kora_trainer.config import NO_SYNC_MODE_WARNING, SPEC_RULES, TrainerConfig, adapter_problems
+from specs import VIOLATIONS, set_path, valid_job, violating_job
+
+
+def errors(doc, hf_config=None):
+    _job, problems = validate_job(doc, hf_config)
+    return [p for p in problems if p.severity == "error"]
+
+
+def test_valid_job_has_no_problems():
+    assert errors(valid_job()) == []
+
+
+def test_every_cel_rule_has_a_violation_case():
+    ids = {r.id for r in (*SPEC_RULES, *JOB_RULES)}
+    assert ids == set(VIOLATIONS), "add a VIOLATIONS case in tests/specs.py for each new rule"
+
+
+@pytest.mark.parametrize("rule", [*SPEC_RULES, *JOB_RULES], ids=lambda r: r.id)
+def test_rule_rejects_its_violation_alone(rule):
+    found = errors(violating_job(rule.id))
+    assert [p.rule for p in found] == [rule.id]
+    # the message names the field it is about and says what to do
+    assert rule.field.split(".")[-1] in found[0].message
+    assert ":" in found[0].message
+
+
+def test_rule2_no_mode_means_merge_with_warning():
+    doc = valid_job()
+    del doc["spec"]["lora"]["syncMode"]
+    job, problems = validate_job(doc)
+    assert job is not None and job.spec.lora.effective_sync_mode == "Merge"
+    assert [(p.severity, p.message) for p in problems] == [("warning", NO_SYNC_MODE_WARNING)]
+
+
+def test_rule3_adapter_with_dp1_is_fine():
+    assert errors(set_path(set_path(valid_job(), "lora.syncMode", "Adapter"), "rollout.dpSize", 1)) == []
+
+
+VL_CONFIG = {"model_type": "qwen2_5_vl", "vision_config": {"depth": 32}}
+OMNI_CONFIG = {"model_type": "qwen2_5_omni", "thinker_config": {"audio_config": {"d_model": 8}}}
+
+
+@pytest.mark.parametrize("hf_config", [VL_CONFIG, OMNI_CONFIG], ids=["vision", "omni-nested-audio"])
+def test_rule4_adapter_scope_all_on_multimodal_model(hf_config):
+    doc = set_path(valid_job(), "lora.syncMode", "Adapter")
+    found = errors(doc, hf_config)
+    assert [p.rule for p in found] == ["adapter-vision-scope"]
+    assert "lora.scope" in found[0].message and "language" in found[0].message
+    # the two fixes the message offers both work
+    assert errors(set_path(doc, "lora.scope", "language"), hf_config) == []
+    assert errors(set_path(doc, "lora.syncMode", "Merge"), hf_config) == []
+
+
+def test_rule4_reads_config_json_from_model_path(tmp_path: Path):
+    (tmp_path / "config.json").write_text(json.dumps(VL_CONFIG))
+    doc = set_path(set_path(valid_job(), "lora.syncMode", "Adapter"), "model.path", str(tmp_path))
+    assert [p.rule for p in errors(doc)] == ["adapter-vision-scope"]
+    assert str(tmp_path) in errors(doc)[0].message
+
+
+def test_rule4_text_model_is_fine():
+    doc = set_path(valid_job(), "lora.syncMode", "Adapter")
+    assert errors(doc, {"model_type": "qwen3"}) == []
+
+
+MOE = {"model_type": "qwen3_moe", "num_experts": 128}
+
+
+def _moe_job(mode: str, **extra):
+    doc = set_path(valid_job(), "lora.syncMode", mode)
+    doc = set_path(doc, "lora.targetModules", ["linear_qkv", "linear_fc1", "linear_fc2"])
+    doc = set_path(doc, "parallelism.expertTensor", 2)
+    for k, v in extra.items():
+        doc = set_path(doc, k, v)
+    return doc
+
+
+def test_rule6_moe_merge_needs_expert_tensor_1():
+    found = errors(_moe_job("Merge"), MOE)
+    assert [p.rule for p in found] == ["moe-expert-tensor"]
+    assert "parallelism.expertTensor" in found[0].message
+    assert errors(set_path(_moe_job("Merge"), "parallelism.expertTensor", 1), MOE) == []
+
+
+def test_rule6_adapter_mode_only_with_a_reference_role():
+    assert errors(_moe_job("Adapter"), MOE) == []  # fully on-policy: nothing is folded
+    found = errors(_moe_job("Adapter", **{"algorithm.klCoef": 0.01}), MOE)
+    assert [p.rule for p in found] == ["moe-expert-tensor"]
+    assert [p.rule for p in errors(_moe_job("Adapter", **{"deployment.async": True}), MOE)] == [
+        "moe-expert-tensor"]
+
+
+def test_rule6_dense_model_unaffected_and_expert_parallel_implies_moe():
+    assert errors(_moe_job("Merge"), {"model_type": "qwen3"}) == []
+    doc = set_path(_moe_job("Merge"), "parallelism.expert", 4)  # no config.json readable
+    doc = set_path(doc, "resources.gpusPerWorker", 8)
+    assert [p.rule for p in errors(doc)] == ["moe-expert-tensor"]
+
+
+def _multi_job(dp: int = 2) -> TrainerConfig:
+    doc = valid_job(**{"multiLora": {"maxAdapters": 4}})
+    doc = set_path(doc, "lora.syncMode", "Adapter")
+    doc = set_path(doc, "lora.rank", 32)
+    doc = set_path(doc, "parallelism.data", dp)
+    doc = set_path(doc, "algorithm.rolloutBatchSize", 8)
+    doc = set_path(doc, "algorithm.nSamplesPerPrompt", 4)
+    job, problems = validate_job(doc)
+    assert job is not None and not [p for p in problems if p.severity == "error"]
+    return job
+
+
+def adapter_doc(**spec):
+    base = {"jobName": "job", "rank": 16, "data": {"path": "/d.parquet"}}
+    base.update(spec)
+    return {"apiVersion": "kora.dev/v1alpha1", "kind": "LoRAAdapter", "metadata": {"name": "a"}, "spec": base}
+
+
+def test_rule9_adapter_fits():
+    _, problems = validate_adapter(adapter_doc(), _multi_job())
+    assert problems == []
+
+
+@pytest.mark.parametrize(("spec", "rule"), [
+    ({"rank": 64}, "adapter-rank"),
+    ({"nSamplesPerPrompt": 3}, "adapter-samples-dp"),
+    ({"nSamplesPerPrompt": 6, "rolloutBatchSize": 4}, "adapter-samples-dp"),
+    ({"rolloutBatchSize": 1000}, "adapter-batch-cap"),
+])
+def test_rule9_adapter_violations(spec, rule):
+    _, problems = validate_adapter(adapter_doc(**spec), _multi_job(dp=4))
+    assert rule in [p.rule for p in problems]
+
+
+def test_rule9_groups_must_split_evenly_across_dp():
+    job = _multi_job(dp=8)
+    # 2 samples/prompt on 8 DP ranks: 4 groups fill one split, so 6 groups cannot be split
+    found = adapter_problems(job.spec, name="a", rank=8, rollout_batch_size=6, n_samples_per_prompt=2)
+    assert [p.rule for p in found] == ["adapter-batch-groups"]
+    assert "multiple of 4" in found[0].message
+    assert adapter_problems(job.spec, name="a", rank=8, rollout_batch_size=8, n_samples_per_prompt=2) == []
+
+
+def test_adapter_on_a_single_adapter_job_is_rejected():
+    job, _ = validate_job(valid_job())
+    _, problems = validate_adapter(adapter_doc(), job)
+    assert "adapter-needs-multi-lora" in [p.rule for p in problems]
+
+
+def test_schema_errors_name_the_field():
+    doc = set_path(valid_job(), "lora.rank", 0)
+    doc = set_path(doc, "lora.syncmode", "Adapter")  # misspelt
+    _, problems = validate_job(doc)
+    text = "\n".join(p.message for p in problems)
+    assert "spec.lora.rank: Input should be greater than or equal to 1" in text
+    assert "spec.lora.syncmode: unknown field" in text

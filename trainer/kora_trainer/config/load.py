@@ -1,0 +1,102 @@
+"""Load a TrainerConfig: YAML file (a bare spec or a whole LoRATrainingJob) + `key=value` overrides."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from kora_trainer.config.rules import Problem, model_problems, spec_problems
+from kora_trainer.config.trainer import TrainerConfig
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; `problems` holds one line per broken field or rule."""
+
+    def __init__(self, problems: list[str]):
+        super().__init__("invalid kora config:\n  " + "\n  ".join(problems))
+        self.problems = problems
+
+
+def format_validation_error(err: ValidationError, prefix: str = "") -> list[str]:
+    """pydantic errors as 'spec.lora.rank: Input should be ...' lines (camelCase paths)."""
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = ("unknown field: remove it or fix its spelling (fields are camelCase, e.g. "
+                   "syncMode; `kubectl explain loratrainingjob.spec` lists them)")
+        elif e["type"] == "missing":
+            msg = "required field is missing: set it"
+        lines.append(f"{prefix}{loc}: {msg}" if loc else f"{prefix.rstrip('.')}: {msg}")
+    return lines
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """`lora.syncMode=Adapter algorithm.numSteps=20` -> nested keys; values parsed as YAML."""
+    out: dict[str, Any] = json.loads(json.dumps(data))  # deep copy; inputs are plain YAML data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError([f"override {item!r}: write it as dotted.key=value, e.g. lora.syncMode=Adapter"])
+        node = out
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError([f"override {item!r}: {part} is not a section"])
+        node[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def spec_of(document: Mapping[str, Any]) -> dict[str, Any]:
+    """Accept either a bare trainer spec or a whole LoRATrainingJob manifest."""
+    if document.get("kind") == "LoRATrainingJob":
+        return dict(document.get("spec") or {})
+    return dict(document)
+
+
+def read_hf_config(model_path: str) -> dict[str, Any] | None:
+    """The model's config.json when it is readable from here (else None: those rules wait)."""
+    path = Path(model_path) / "config.json"
+    try:
+        loaded = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def check(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None = None) -> list[Problem]:
+    """Every rule: spec-only ones, and config.json ones when the model is readable."""
+    if hf_config is None:
+        hf_config = read_hf_config(cfg.model.path)
+    return spec_problems(cfg) + model_problems(cfg, hf_config)
+
+
+def load_config(path: str | Path | None, overrides: Iterable[str] = (),
+                base: Mapping[str, Any] | None = None) -> tuple[TrainerConfig, list[Problem]]:
+    """Parse, apply overrides, validate. Raises ConfigError on any error; returns warnings."""
+    data: dict[str, Any] = dict(base or {})
+    if path is not None:
+        try:
+            document = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as e:
+            raise ConfigError([f"--config {path}: {e.strerror}"]) from e
+        except yaml.YAMLError as e:
+            raise ConfigError([f"--config {path}: not valid YAML: {e}"]) from e
+        data.update(spec_of(document))
+    data = apply_overrides(data, overrides)
+    try:
+        cfg = TrainerConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e)) from e
+    problems = check(cfg)
+    errors = [p.message for p in problems if p.severity == "error"]
+    if errors:
+        raise ConfigError(errors)
+    return cfg, [p for p in problems if p.severity == "warning"]

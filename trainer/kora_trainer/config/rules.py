@@ -1,0 +1,257 @@
+"""The SPEC's validation rules, each written once.
+
+Every rule has one message that names the fields and the fix. Rules the API server can decide
+from the object alone carry a CEL expression; the CRD generator attaches those to the spec, so
+`kubectl apply` and `kora validate` reject with the same words. Rules that need the model's
+config.json, or LoRAAdapter objects, are checked by `kora validate`, the operator and the trainer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from kora_trainer.config.sections import (
+    CheckpointDType,
+    DeploymentMode,
+    SyncMode,
+    TargetModule,
+)
+from kora_trainer.config.trainer import TrainerConfig
+
+Severity = Literal["error", "warning"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One broken rule: which rule, where, and what to do about it."""
+
+    rule: str
+    field: str
+    message: str
+    severity: Severity = "error"
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.message}"
+
+
+@dataclass(frozen=True)
+class SpecRule:
+    """A rule over the spec alone; `cel` (when set) must hold, evaluated on the spec object."""
+
+    id: str
+    field: str
+    message: str
+    violated: Callable[[Any], bool]  # takes a TrainerConfig (or the operator spec, a subclass)
+    cel: str | None = None
+
+    def cel_validation(self) -> dict[str, Any]:
+        assert self.cel is not None
+        return {"rule": self.cel, "message": self.message, "fieldPath": "." + self.field}
+
+
+_ADAPTER = "(has(self.lora.syncMode) && self.lora.syncMode == 'Adapter')"
+
+
+def _adapter(c: TrainerConfig) -> bool:
+    return c.lora.sync_mode is SyncMode.ADAPTER
+
+
+SPEC_RULES: tuple[SpecRule, ...] = (
+    # SPEC rule 3
+    SpecRule(
+        "adapter-dp-size", "rollout.dpSize",
+        "lora.syncMode Adapter requires rollout.dpSize 1 (SGLang's runtime LoRA loading does not "
+        "support DP attention): set rollout.dpSize to 1, or use lora.syncMode Merge",
+        lambda c: _adapter(c) and c.rollout.dp_size != 1,
+        f"!{_ADAPTER} || self.rollout.dpSize == 1",
+    ),
+    # SPEC rule 5
+    SpecRule(
+        "router-needs-adapter", "lora.targetModules",
+        "lora.targetModules contains router, which requires lora.syncMode Adapter (Merge and "
+        "EngineMerge fold plain linear layers only, so the router adapter would be dropped at "
+        "sync): remove router, or set lora.syncMode to Adapter",
+        lambda c: TargetModule.ROUTER in c.lora.target_modules and not _adapter(c),
+        f"!('router' in self.lora.targetModules) || {_ADAPTER}",
+    ),
+    # SPEC rule 7
+    SpecRule(
+        "adapter-colocate-distributed", "rollout.distributedEngines",
+        "lora.syncMode Adapter with deployment.mode Colocate cannot feed distributed rollout "
+        "engines (the adapter is pushed to colocated engines only): set rollout.distributedEngines "
+        "to 0, use deployment.mode Disaggregated, or use lora.syncMode Merge",
+        lambda c: _adapter(c) and c.deployment.mode is DeploymentMode.COLOCATE
+        and c.rollout.distributed_engines > 0,
+        f"!({_ADAPTER} && self.deployment.mode == 'Colocate' && self.rollout.distributedEngines > 0)",
+    ),
+    # SPEC rule 8 (the rest of it, "every trainable parameter is a LoRA parameter", is checked by
+    # the trainer when it builds the model)
+    SpecRule(
+        "lora-only-async-save", "checkpoint.asyncSave",
+        "checkpoint.loraOnly is incompatible with checkpoint.asyncSave: set asyncSave to false, "
+        "or loraOnly to false for a full checkpoint",
+        lambda c: c.checkpoint.lora_only and c.checkpoint.async_save,
+        "!self.checkpoint.loraOnly || !self.checkpoint.asyncSave",
+    ),
+    SpecRule(
+        "lora-only-dtype", "checkpoint.dtype",
+        "checkpoint.loraOnly needs a bf16 or fp32 checkpoint, not fp16/fp8: set checkpoint.dtype "
+        "to bf16",
+        lambda c: c.checkpoint.lora_only and c.checkpoint.dtype in (CheckpointDType.FP16, CheckpointDType.FP8),
+        "!self.checkpoint.loraOnly || !(self.checkpoint.dtype in ['fp16', 'fp8'])",
+    ),
+    SpecRule(
+        "export-needs-path", "checkpoint.path",
+        "checkpoint.exportHF needs checkpoint.path: set checkpoint.path to a directory on the "
+        "job's volume",
+        lambda c: c.checkpoint.export_hf and c.checkpoint.path is None,
+        "!self.checkpoint.exportHF || has(self.checkpoint.path)",
+    ),
+    SpecRule(
+        "steps-or-epochs", "algorithm.numEpochs",
+        "algorithm.numSteps and algorithm.numEpochs are both set: keep one of them",
+        lambda c: c.algorithm.num_steps is not None and c.algorithm.num_epochs is not None,
+        "!(has(self.algorithm.numSteps) && has(self.algorithm.numEpochs))",
+    ),
+    SpecRule(
+        "global-batch-divides", "algorithm.globalBatchSize",
+        "algorithm.globalBatchSize must divide rolloutBatchSize x nSamplesPerPrompt (the samples "
+        "of one step): change globalBatchSize, or leave it unset for one optimizer step per rollout",
+        lambda c: (c.algorithm.rollout_batch_size * c.algorithm.n_samples_per_prompt)
+        % c.algorithm.effective_global_batch_size != 0,
+        "!has(self.algorithm.globalBatchSize) || (self.algorithm.rolloutBatchSize * "
+        "self.algorithm.nSamplesPerPrompt) % self.algorithm.globalBatchSize == 0",
+    ),
+    SpecRule(
+        "custom-reward-path", "data.customRewardPath",
+        "data.rewardType custom needs data.customRewardPath: set it to a dotted path such as "
+        "mypkg.rewards.reward (a `def reward(sample) -> float`)",
+        lambda c: c.data.reward_type == "custom" and c.data.custom_reward_path is None,
+        "self.data.rewardType != 'custom' || has(self.data.customRewardPath)",
+    ),
+    SpecRule(
+        "multi-lora-needs-adapter", "multiLora.maxAdapters",
+        "multiLora.maxAdapters > 0 serves several adapters on one base, which requires "
+        "lora.syncMode Adapter: set lora.syncMode to Adapter, or multiLora.maxAdapters to 0",
+        lambda c: c.multi_lora.max_adapters > 0 and not _adapter(c),
+        f"self.multiLora.maxAdapters == 0 || {_ADAPTER}",
+    ),
+)
+
+# SPEC rule 2: not an error. Same words in the operator's Warning event and the trainer's log.
+NO_SYNC_MODE_WARNING = (
+    "lora.syncMode is not set: using Merge (set lora.syncMode to Merge, Adapter or EngineMerge "
+    "to choose and silence this warning)"
+)
+
+VISION_SCOPE_MESSAGE = (
+    "lora.syncMode Adapter with lora.scope all is not supported on a model with a vision/audio "
+    "encoder ({path}/config.json declares {keys}): SGLang serves LoRA on language layers only, so "
+    "the vision adapter would train and never be served. Set lora.scope to language, or use "
+    "lora.syncMode Merge to train the vision tower"
+)
+EXPERT_TENSOR_MESSAGE = (
+    "MoE expert LoRA folding requires parallelism.expertTensor 1 (experts are folded on their "
+    "owning rank; expert tensor parallelism would leave one rank alone in a collective and hang): "
+    "set parallelism.expertTensor to 1 (parallelism.expert may stay > 1){why}"
+)
+
+
+def spec_problems(cfg: TrainerConfig) -> list[Problem]:
+    """Rules decidable from the spec alone (what the CRD's CEL also enforces), plus rule 2."""
+    problems = [Problem(r.id, r.field, r.message) for r in SPEC_RULES if r.violated(cfg)]
+    if cfg.lora.sync_mode is None:
+        problems.append(Problem("no-sync-mode", "lora.syncMode", NO_SYNC_MODE_WARNING, "warning"))
+    return problems
+
+
+def _declared_encoders(hf_config: Mapping[str, Any]) -> list[str]:
+    """vision_config / audio_config anywhere in config.json (omni models nest them)."""
+    found: list[str] = []
+    for key, value in hf_config.items():
+        if key in ("vision_config", "audio_config") and value:
+            found.append(key)
+        elif isinstance(value, Mapping):
+            found.extend(_declared_encoders(value))
+    return sorted(set(found))
+
+
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def is_moe(hf_config: Mapping[str, Any]) -> bool:
+    if any(isinstance(hf_config.get(k), int) and hf_config[k] > 1 for k in _EXPERT_KEYS):
+        return True
+    return any(isinstance(v, Mapping) and is_moe(v) for v in hf_config.values())
+
+
+def model_problems(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None) -> list[Problem]:
+    """Rules that need the base model's config.json (SPEC rules 4 and 6).
+
+    Rule 6 is also decided without config.json when parallelism.expert > 1 (only MoE models have
+    expert parallelism).
+    """
+    problems: list[Problem] = []
+    mode = cfg.lora.effective_sync_mode
+    if hf_config is not None and mode is SyncMode.ADAPTER and cfg.lora.scope == "all":
+        keys = _declared_encoders(hf_config)
+        if keys:
+            problems.append(Problem("adapter-vision-scope", "lora.scope",
+                                    VISION_SCOPE_MESSAGE.format(path=cfg.model.path, keys="/".join(keys))))
+    moe = cfg.parallelism.expert > 1 or (hf_config is not None and is_moe(hf_config))
+    adapts_experts = {TargetModule.LINEAR_FC1, TargetModule.LINEAR_FC2} & set(cfg.lora.target_modules)
+    # With LoRA the reference policy is the base with the adapter off; an off-policy (async) or KL
+    # run still has a forward role with no adapter transport, whose expert delta gets folded.
+    reference_role = cfg.algorithm.kl_coef > 0 or cfg.deployment.async_
+    folds = mode is not SyncMode.ADAPTER or reference_role
+    if moe and adapts_experts and folds and cfg.parallelism.expert_tensor != 1:
+        why = "" if mode is not SyncMode.ADAPTER else (
+            "; Adapter mode folds here because a reference/actor-forward role exists "
+            "(algorithm.klCoef > 0 or deployment.async)")
+        problems.append(Problem("moe-expert-tensor", "parallelism.expertTensor",
+                                EXPERT_TENSOR_MESSAGE.format(why=why)))
+    return problems
+
+
+def min_groups_per_dp_split(n_samples_per_prompt: int, dp_size: int) -> int:
+    """Smallest number of prompt groups whose samples split evenly across the DP ranks."""
+    return dp_size // math.gcd(dp_size, n_samples_per_prompt)
+
+
+def adapter_problems(
+    cfg: TrainerConfig,
+    *,
+    name: str,
+    rank: int,
+    rollout_batch_size: int,
+    n_samples_per_prompt: int,
+) -> list[Problem]:
+    """SPEC rule 9: may this adapter join this multi-LoRA job?"""
+    problems: list[Problem] = []
+    dp = cfg.parallelism.data
+    if rank > cfg.lora.rank:
+        problems.append(Problem("adapter-rank", "rank",
+            f"LoRAAdapter {name}: rank {rank} exceeds the job's lora.rank {cfg.lora.rank} (the "
+            f"largest rank a slot holds): lower the adapter's rank or raise the job's lora.rank"))
+    if n_samples_per_prompt % dp and dp % n_samples_per_prompt:
+        problems.append(Problem("adapter-samples-dp", "nSamplesPerPrompt",
+            f"LoRAAdapter {name}: nSamplesPerPrompt {n_samples_per_prompt} must divide, or be a "
+            f"multiple of, the trainer's data-parallel size {dp}: pick e.g. {dp} or "
+            f"{max(1, math.gcd(dp, n_samples_per_prompt))}"))
+    groups = min_groups_per_dp_split(n_samples_per_prompt, dp)
+    if rollout_batch_size % groups:
+        problems.append(Problem("adapter-batch-groups", "rolloutBatchSize",
+            f"LoRAAdapter {name}: rolloutBatchSize {rollout_batch_size} must be a multiple of "
+            f"{groups} (the fewest prompt groups whose samples split evenly across {dp} "
+            f"data-parallel ranks): use e.g. {groups * max(1, rollout_batch_size // groups)}"))
+    cap = cfg.multi_lora.max_adapter_global_batch_size or 4 * cfg.algorithm.effective_global_batch_size
+    gbs = rollout_batch_size * n_samples_per_prompt
+    if gbs > cap:
+        problems.append(Problem("adapter-batch-cap", "rolloutBatchSize",
+            f"LoRAAdapter {name}: rolloutBatchSize x nSamplesPerPrompt = {gbs} exceeds the "
+            f"job's cap {cap} (multiLora.maxAdapterGlobalBatchSize, default 4 x "
+            f"algorithm.globalBatchSize): lower the adapter's batch or raise the cap"))
+    return problems

@@ -1,0 +1,265 @@
+"""The spec sections shared by the trainer config and the operator's LoRATrainingJob API.
+
+One typed source: the operator's CRD schema, `kora validate`, and the trainer's
+`--config job.yaml` are all built from these models. Bounds and enums live on the fields; rules
+across fields live in `rules.py`, which also turns them into the CRD's CEL validations.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field
+
+from kora_trainer.config.base import CamelModel
+from kora_trainer.config.quantity import ByteQuantity
+
+
+class SyncMode(StrEnum):
+    """How the trained policy reaches the rollout engines."""
+
+    MERGE = "Merge"
+    ADAPTER = "Adapter"
+    ENGINE_MERGE = "EngineMerge"
+
+
+class Scope(StrEnum):
+    ALL = "all"
+    LANGUAGE = "language"
+    VISION = "vision"
+
+
+class TargetModule(StrEnum):
+    """Megatron-style module names; see MEGATRON_TO_HF for what each wraps."""
+
+    LINEAR_QKV = "linear_qkv"
+    LINEAR_PROJ = "linear_proj"
+    LINEAR_FC1 = "linear_fc1"
+    LINEAR_FC2 = "linear_fc2"
+    ROUTER = "router"
+    IN_PROJ = "in_proj"
+    OUT_PROJ = "out_proj"
+
+
+# Megatron name -> HF projection names (the HF-PEFT export and torch backend use these).
+MEGATRON_TO_HF: dict[TargetModule, tuple[str, ...]] = {
+    TargetModule.LINEAR_QKV: ("q_proj", "k_proj", "v_proj"),
+    TargetModule.LINEAR_PROJ: ("o_proj",),
+    TargetModule.LINEAR_FC1: ("gate_proj", "up_proj"),
+    TargetModule.LINEAR_FC2: ("down_proj",),
+    TargetModule.ROUTER: ("gate",),
+    TargetModule.IN_PROJ: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+    TargetModule.OUT_PROJ: ("out_proj",),
+}
+# SGLang fuses the GDN input projection into one module; everything else matches HF.
+MEGATRON_TO_SGLANG: dict[TargetModule, tuple[str, ...]] = {
+    **MEGATRON_TO_HF,
+    TargetModule.IN_PROJ: ("in_proj_qkvz",),
+}
+
+
+class LoRASpec(CamelModel):
+    """The adapter being trained and how it is synced to the rollout engines."""
+
+    rank: Annotated[int, Field(ge=1, le=4096)]
+    """LoRA rank r (>= 1). In a multi-adapter job this is the largest rank any adapter may use."""
+    alpha: Annotated[float, Field(gt=0)] = 32.0
+    """LoRA alpha; the adapter's output is scaled by alpha/rank."""
+    dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    """Dropout probability applied to the adapter's input (training only)."""
+    target_modules: Annotated[list[TargetModule], Field(min_length=1, max_length=7)] = Field(
+        default=[TargetModule.LINEAR_QKV, TargetModule.LINEAR_PROJ],
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
+    """Megatron-style modules to adapt: linear_qkv (q,k,v), linear_proj (o), linear_fc1 (gate,up),
+    linear_fc2 (down), router (MoE gate; Adapter mode only), in_proj / out_proj (GDN layers)."""
+    scope: Scope = Scope.ALL
+    """Which region of a vision-language / omni model gets adapters: all, language, or vision.
+    No effect on text-only models."""
+    sync_mode: SyncMode | None = None
+    """Merge (fold the adapter into the base, push the full model), Adapter (push the base once,
+    then only the adapter, served as `kora-policy`), or EngineMerge (push raw lora_A/lora_B pairs;
+    the engine folds them). Unset means Merge, with a warning."""
+
+    @property
+    def effective_sync_mode(self) -> SyncMode:
+        return self.sync_mode or SyncMode.MERGE
+
+    def hf_module_names(self) -> list[str]:
+        return [hf for m in self.target_modules for hf in MEGATRON_TO_HF[m]]
+
+
+class Algorithm(StrEnum):
+    GRPO = "GRPO"
+
+
+class AlgorithmSpec(CamelModel):
+    """The RL algorithm and its batch shape."""
+
+    name: Algorithm = Algorithm.GRPO
+    """The policy-gradient algorithm. GRPO: group-relative advantages, clipped ratio, optional KL."""
+    lr: Annotated[float, Field(gt=0, le=1.0)] = 1e-5
+    """Adapter learning rate (AdamW)."""
+    num_steps: Annotated[int, Field(ge=1)] | None = None
+    """Optimizer steps to train. Exclusive with numEpochs; neither set means one epoch."""
+    num_epochs: Annotated[int, Field(ge=1)] | None = None
+    """Passes over the dataset (steps = numEpochs x dataset rows / rolloutBatchSize)."""
+    rollout_batch_size: Annotated[int, Field(ge=1)] = 32
+    """Prompt groups generated per step."""
+    n_samples_per_prompt: Annotated[int, Field(ge=1)] = 8
+    """Responses sampled per prompt (the GRPO group size)."""
+    global_batch_size: Annotated[int, Field(ge=1)] | None = None
+    """Samples per optimizer step; defaults to rolloutBatchSize x nSamplesPerPrompt."""
+    max_new_tokens: Annotated[int, Field(ge=1)] = 1024
+    """Longest response the engines generate."""
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    """Sampling temperature for rollouts."""
+    clip_eps: Annotated[float, Field(gt=0.0, lt=1.0)] = 0.2
+    """PPO-style clip range of the importance ratio."""
+    kl_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    """Weight of the KL penalty to the frozen base (the policy with the adapter switched off)."""
+    inner_epochs: Annotated[int, Field(ge=1, le=16)] = 1
+    """Optimizer passes over each rollout batch."""
+    seed: int = 1234
+    """Random seed for sampling, dropout and data order."""
+
+    @property
+    def effective_global_batch_size(self) -> int:
+        return self.global_batch_size or self.rollout_batch_size * self.n_samples_per_prompt
+
+
+class RewardType(StrEnum):
+    MATH = "math"
+    DEEPSCALER = "deepscaler"
+    CUSTOM = "custom"
+
+
+class DataSpec(CamelModel):
+    """The prompt dataset and how responses are scored."""
+
+    path: Annotated[str, Field(min_length=1)]
+    """Prompt dataset: a .parquet or .jsonl file (absolute path inside the job's volume)."""
+    input_key: Annotated[str, Field(min_length=1)] = "prompt"
+    """Column holding the prompt."""
+    label_key: Annotated[str, Field(min_length=1)] = "label"
+    """Column holding the reference answer the reward compares against."""
+    reward_type: RewardType = RewardType.MATH
+    """math (final-answer match), deepscaler (boxed-answer style), or custom (see customRewardPath)."""
+    custom_reward_path: Annotated[str, Field(pattern=r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")] | None = None
+    """Dotted path to `def reward(sample) -> float`, importable in the trainer image."""
+
+
+class Engine(StrEnum):
+    SGLANG = "sglang"
+    HF = "hf"
+
+
+class RolloutSpec(CamelModel):
+    """The rollout engines that generate responses with the current policy."""
+
+    engine: Engine = Engine.SGLANG
+    """sglang (production) or hf (kora's reference engine speaking SGLang's HTTP API)."""
+    num_engines: Annotated[int, Field(ge=1)] = 1
+    """Number of engine servers."""
+    gpus_per_engine: Annotated[int, Field(ge=0)] = 1
+    """GPUs per engine (tensor parallel inside SGLang); 0 runs the hf engine on CPU."""
+    dp_size: Annotated[int, Field(ge=1)] = 1
+    """SGLang data-parallel attention size inside each engine. Adapter mode requires 1."""
+    distributed_engines: Annotated[int, Field(ge=0)] = 0
+    """With deployment Colocate: engines placed off the training GPUs and fed over NCCL rather than
+    in-memory. Adapter mode cannot feed them; use Merge mode for that layout."""
+
+
+class ParallelismSpec(CamelModel):
+    """How the training actor is split across GPUs (Megatron terms)."""
+
+    data: Annotated[int, Field(ge=1)] = 1
+    """Data-parallel size of the actor."""
+    tensor: Annotated[int, Field(ge=1)] = 1
+    """Tensor-parallel size."""
+    pipeline: Annotated[int, Field(ge=1)] = 1
+    """Pipeline-parallel size."""
+    expert: Annotated[int, Field(ge=1)] = 1
+    """Expert-parallel size (MoE models)."""
+    expert_tensor: Annotated[int, Field(ge=1)] = 1
+    """Expert tensor-parallel size. MoE expert folding requires 1."""
+    context: Annotated[int, Field(ge=1)] = 1
+    """Context-parallel size."""
+
+    @property
+    def actor_gpus(self) -> int:
+        return self.data * self.tensor * self.pipeline * self.context
+
+
+class DeploymentMode(StrEnum):
+    COLOCATE = "Colocate"
+    DISAGGREGATED = "Disaggregated"
+
+
+class DeploymentSpec(CamelModel):
+    """Where training and rollout run relative to each other."""
+
+    mode: DeploymentMode = DeploymentMode.COLOCATE
+    """Colocate: train and rollout share GPUs, weights move in memory (CUDA IPC). Disaggregated:
+    separate GPUs, weights move over NCCL."""
+    async_: bool = Field(default=False, alias="async")
+    """Fully-async rollout producer with bounded staleness (rollouts may lag the policy)."""
+    max_staleness: Annotated[int, Field(ge=0)] = 1
+    """Async only: most policy versions a rollout may lag; the WeightsSynced condition turns False
+    when the engines are further behind."""
+
+
+class SyncSpec(CamelModel):
+    """Weight-sync tuning."""
+
+    buffer_size: ByteQuantity = 512 * 2**20
+    """Largest bucket pushed at once (bytes or a quantity such as 512Mi); bounds peak memory."""
+    delta_skip_threshold: Annotated[float, Field(ge=0.0)] = 1e-6
+    """Adapter mode: skip the push when no adapter tensor moved more than this on any rank."""
+
+
+class CheckpointDType(StrEnum):
+    BF16 = "bf16"
+    FP32 = "fp32"
+    FP16 = "fp16"
+    FP8 = "fp8"
+
+
+class CheckpointSpec(CamelModel):
+    """Resumable checkpoints and the exported adapter."""
+
+    path: str | None = None
+    """Directory for checkpoints and the exported adapter (inside the job's volume). Unset: none."""
+    interval: Annotated[int, Field(ge=1)] = 50
+    """Save every this many steps (and at the end)."""
+    keep: Annotated[int, Field(ge=1)] = 2
+    """How many recent checkpoints to keep."""
+    lora_only: bool = True
+    """Save only the adapter, optimizer, scheduler, RNG and step; the base is reloaded from
+    model.path on resume. Fails if any trainable parameter is not a LoRA parameter."""
+    async_save: bool = False
+    """Write checkpoints in the background (not with loraOnly)."""
+    dtype: CheckpointDType = CheckpointDType.BF16
+    """Precision of saved tensors (loraOnly needs bf16 or fp32)."""
+    export_hf: bool = Field(default=False, alias="exportHF")
+    """Also write lora_adapter/ (HF-PEFT) at the end. It is its own save beside the resumable
+    checkpoint, never mixed into it."""
+
+
+class MultiLoRASpec(CamelModel):
+    """Multi-adapter service: many adapters, one base; LoRAAdapter objects register them."""
+
+    max_adapters: Annotated[int, Field(ge=0, le=256)] = 0
+    """Adapter slots; 0 turns multi-LoRA off, > 0 makes the job a multi-adapter service."""
+    max_adapter_global_batch_size: Annotated[int, Field(ge=1)] | None = None
+    """Largest samples-per-step an adapter may ask for; default 4 x algorithm.globalBatchSize."""
+    max_coalesce_wait_seconds: Annotated[float, Field(gt=0)] = 5.0
+    """How long a non-empty train batch waits for more adapters' groups before it trains anyway."""
+
+
+class ModelSpec(CamelModel):
+    """The base model."""
+
+    path: Annotated[str, Field(min_length=1)]
+    """HF checkpoint directory (config.json, safetensors, tokenizer), inside the job's volume."""
