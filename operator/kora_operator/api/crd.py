@@ -62,21 +62,13 @@ def _structural(node: Schema, defs: dict[str, Schema]) -> Schema:
         elif key == "additionalProperties":
             if isinstance(value, dict):
                 out[key] = _structural(value, defs)
-        elif key == "exclusiveMinimum":
-            out["minimum"], out["exclusiveMinimum"] = value, True
-        elif key == "exclusiveMaximum":
-            out["maximum"], out["exclusiveMaximum"] = value, True
+        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+            # JSON Schema 2020-12 gives the bound; OpenAPI v3.0 wants the bound plus a flag
+            out[key.replace("exclusiveM", "m")], out[key] = value, True
         else:
             out[key] = value
     if "properties" in out:
         out["type"] = "object"
-        # A section with nothing required defaults to {} so its fields' defaults apply (and CEL
-        # rules can read them) when a user leaves the whole section out.
-        required = set(out.get("required", []))
-        for name, prop in out["properties"].items():
-            if name not in required and prop.get("type") == "object" and "properties" in prop \
-                    and not prop.get("required") and "default" not in prop:
-                prop["default"] = {}
     if "enum" in out and "type" not in out:
         out["type"] = "string"
     return out
@@ -84,7 +76,15 @@ def _structural(node: Schema, defs: dict[str, Schema]) -> Schema:
 
 def openapi_schema(model: type[BaseModel]) -> Schema:
     raw = model.model_json_schema(by_alias=True, mode="validation")
-    return _structural(raw, raw.get("$defs", {}))
+    schema = _structural(raw, raw.get("$defs", {}))
+    # A section whose Python default is an empty instance (default_factory=Section) defaults to
+    # {} in the CRD too, so its fields' defaults apply (and CEL rules can read them) when a user
+    # leaves the whole section out.
+    for name, field in model.model_fields.items():
+        factory = field.default_factory
+        if factory is not None and isinstance(factory(), BaseModel):  # type: ignore[call-arg]
+            schema["properties"][field.alias or name]["default"] = {}
+    return schema
 
 
 def _add_validations(schema: Schema, rules: list[dict[str, Any]]) -> None:

@@ -1,0 +1,78 @@
+"""The weight-update process group the trainer (rank 0) and the engines (ranks 1..) share.
+
+It is a group of its own, not torch's default group: the trainer may already have a default group
+for its data-parallel ranks, and an engine has its own tensor-parallel group. Both sides call
+`init_weight_update_group` with the same address/port/world size — the trainer directly, each
+engine when it receives `POST /init_weights_update_group` (SGLang's route and fields; the engine's
+rank is `rank_offset + tp_rank`). gloo on CPU, NCCL on GPU.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class WeightUpdateGroup:
+    """The group plus the TCP store it was made from (kept alive as long as the group)."""
+
+    pg: dist.ProcessGroup
+    store: dist.Store
+    rank: int
+    world_size: int
+    backend: str
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.pg.broadcast([tensor], opts).wait()
+
+    def allreduce_max(self, tensor: torch.Tensor) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.pg.allreduce([tensor], opts).wait()
+
+
+def init_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str = DEFAULT_GROUP_NAME,
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+) -> WeightUpdateGroup:
+    """Join (rank 0: create) the group. Blocks until all `world_size` members have joined."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    prefixed = dist.PrefixStore(group_name, store)
+    pg: dist.ProcessGroup
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    elif backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+    else:
+        raise ValueError(f"backend {backend!r}: use gloo (CPU) or nccl (GPU)")
+    group = WeightUpdateGroup(pg, store, rank, world_size, backend)
+    # a first collective proves every member is in before anyone sends weights
+    group.allreduce_max(torch.zeros(1, device=group.device))
+    return group

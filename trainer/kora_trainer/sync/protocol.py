@@ -1,0 +1,170 @@
+"""What crosses the weight-update group: flat byte buckets, and the metadata that describes them.
+
+HTTP carries only metadata (names, dtypes, shapes, which byte range of each tensor a bucket holds);
+the bytes go as ONE broadcast per bucket (`load_format: "flattened_bucket"`), whatever the mix of
+dtypes. A bucket never exceeds the cap (`sync.bufferSize`): a tensor larger than the cap is sent as
+byte-range pieces over several buckets and reassembled by the receiver; a *group* (a lora_A/lora_B
+pair for EngineMerge) is never split and must fit in one bucket.
+
+Also supports SGLang's per-tensor form (`load_format: None`: one broadcast per tensor), which is
+what a stock SGLang engine expects; there a tensor is never split.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+FLAT = "flattened_bucket"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """SGLang's spelling: the torch attribute name, e.g. 'bfloat16'."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Bytes [start, end) of tensor `name` (the whole tensor when start == 0 and end == nbytes)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def tensor_nbytes(self) -> int:
+        n = dtype_of(self.dtype).itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass
+class Bucket:
+    pieces: list[Piece] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pieces)
+
+    def metadata(self) -> dict[str, list]:  # type: ignore[type-arg]
+        """The JSON the HTTP call carries (SGLang's names/dtypes/shapes + kora's byte ranges)."""
+        return {
+            "names": [p.name for p in self.pieces],
+            "dtypes": [p.dtype for p in self.pieces],
+            "shapes": [list(p.shape) for p in self.pieces],
+            "byte_ranges": [[p.start, p.end] for p in self.pieces],
+        }
+
+
+Named = tuple[str, torch.Tensor]
+
+
+def plan_buckets(groups: Iterable[Sequence[Named]], cap: int) -> list[Bucket]:
+    """Pack groups of tensors into buckets of at most `cap` bytes, in order.
+
+    A group of one tensor may be split into byte ranges; a group of several (an A/B pair) is
+    kept whole and must fit in `cap`.
+    """
+    if cap <= 0:
+        raise ValueError("sync.bufferSize must be positive")
+    buckets: list[Bucket] = [Bucket()]
+    for group in groups:
+        pieces = [Piece(n, dtype_name(t.dtype), tuple(t.shape), 0, t.numel() * t.element_size()) for n, t in group]
+        size = sum(p.nbytes for p in pieces)
+        if len(pieces) > 1:
+            if size > cap:
+                names = ", ".join(p.name for p in pieces)
+                raise ValueError(f"tensors that must travel together ({names}) take {size} bytes, more than "
+                                 f"sync.bufferSize {cap}: raise sync.bufferSize")
+            if buckets[-1].nbytes + size > cap:
+                buckets.append(Bucket())
+            buckets[-1].pieces.extend(pieces)
+            continue
+        (piece,) = pieces
+        start = 0
+        while start < piece.end or piece.end == 0:
+            room = cap - buckets[-1].nbytes
+            if room <= 0:
+                buckets.append(Bucket())
+                room = cap
+            end = min(piece.end, start + room)
+            buckets[-1].pieces.append(Piece(piece.name, piece.dtype, piece.shape, start, end))
+            start = end
+            if piece.end == 0:
+                break
+    return [b for b in buckets if b.pieces]
+
+
+def pack(bucket: Bucket, tensors: dict[str, torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """One flat uint8 tensor holding every piece's bytes, in bucket order."""
+    flat = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)
+    offset = 0
+    for p in bucket.pieces:
+        src = tensors[p.name].detach().contiguous().reshape(-1).view(torch.uint8)[p.start:p.end]
+        flat[offset:offset + p.nbytes].copy_(src)
+        offset += p.nbytes
+    return flat
+
+
+class Assembler:
+    """Receiver side: feed each bucket's metadata and flat bytes; get back completed tensors."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = device
+        self._partial: dict[str, tuple[torch.Tensor, int]] = {}
+
+    def feed(self, metadata: dict[str, list], flat: torch.Tensor) -> Iterator[Named]:  # type: ignore[type-arg]
+        ranges = metadata.get("byte_ranges")
+        offset = 0
+        for i, name in enumerate(metadata["names"]):
+            dtype, shape = dtype_of(metadata["dtypes"][i]), tuple(metadata["shapes"][i])
+            numel = 1
+            for d in shape:
+                numel *= d
+            total = numel * dtype.itemsize
+            start, end = ranges[i] if ranges else (0, total)
+            chunk = flat[offset:offset + (end - start)]
+            offset += end - start
+            if start == 0 and end == total:
+                yield name, chunk.view(dtype).reshape(shape)
+                continue
+            buf, got = self._partial.get(name, (torch.empty(total, dtype=torch.uint8, device=self.device), 0))
+            buf[start:end].copy_(chunk)
+            got += end - start
+            if got == total:
+                self._partial.pop(name, None)
+                yield name, buf.view(dtype).reshape(shape)
+            else:
+                self._partial[name] = (buf, got)
+        if offset != flat.numel():
+            raise ValueError(f"bucket holds {flat.numel()} bytes but its metadata describes {offset}")
+
+    @property
+    def incomplete(self) -> list[str]:
+        return sorted(self._partial)
+
+
+def checksum(named: Iterable[Named]) -> str:
+    """sha256 over names and bytes in the given order (computed on CPU copies; for reports/tests)."""
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
