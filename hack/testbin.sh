@@ -17,6 +17,8 @@ if [[ -n "${KORA_TESTBIN:-}" ]]; then
   for b in etcd kube-apiserver kube-controller-manager kubectl helm ray-operator; do
     [[ -x "$KORA_TESTBIN/$b" ]] || { echo "KORA_TESTBIN=$KORA_TESTBIN lacks $b" >&2; exit 1; }
   done
+  compgen -G "$KORA_TESTBIN/kuberay-crds/*.yaml" >/dev/null \
+    || { echo "KORA_TESTBIN=$KORA_TESTBIN lacks kuberay-crds/*.yaml" >&2; exit 1; }
   echo "$KORA_TESTBIN"; exit 0
 fi
 
@@ -25,6 +27,14 @@ dest="${XDG_CACHE_HOME:-$HOME/.cache}/kora-testbin/$key"
 if [[ -f "$dest/.complete" ]]; then echo "$dest"; exit 0; fi
 mkdir -p "$dest"
 log() { echo "[testbin] $*" >&2; }
+# One build at a time: a second caller (another shell, pytest next to `localcluster.py up`) waits
+# for the first and then finds the result complete.
+exec 9>"$dest.lock"
+if ! flock -n 9; then
+  log "another hack/testbin.sh is building $dest; waiting for it"
+  flock 9
+fi
+if [[ -f "$dest/.complete" ]]; then echo "$dest"; exit 0; fi
 export GOFLAGS="-buildvcs=false" CGO_ENABLED=0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -53,8 +63,8 @@ import (
 	_ "k8s.io/kubernetes/cmd/kubectl"
 )
 GO
-  # take kubernetes' own dependency versions, so the build matches its release
-  cp "$kdir/go.mod" "$work/k8s-upstream.mod"
+  # the requirement on k8s.io/kubernetes brings its own dependency versions (MVS), so the build
+  # matches the release; only its replaces had to be restated above
   go mod tidy -e >/dev/null 2>&1 || true
   go mod tidy >&2
   vpkg=k8s.io/component-base/version
@@ -62,7 +72,8 @@ GO
   ld="$ld -X k8s.io/client-go/pkg/version.gitVersion=$KUBERNETES_VERSION"
   for cmd in kube-apiserver kube-controller-manager kubectl; do
     log "go build $cmd"
-    go build -tags tools -ldflags "$ld" -o "$dest/$cmd" "k8s.io/kubernetes/cmd/$cmd"
+    go build -tags tools -ldflags "$ld" -o "$dest/.$cmd.tmp" "k8s.io/kubernetes/cmd/$cmd"
+    mv -f "$dest/.$cmd.tmp" "$dest/$cmd"
   done
 fi
 
@@ -74,17 +85,20 @@ if [[ ! -x "$dest/etcd" ]]; then
   printf '//go:build tools\n\npackage tools\n\nimport _ "go.etcd.io/etcd/server/v3"\n' > tools.go
   go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" >&2
   go mod tidy >&2
-  go build -ldflags "-s -w" -o "$dest/etcd" go.etcd.io/etcd/server/v3
+  go build -ldflags "-s -w" -o "$dest/.etcd.tmp" go.etcd.io/etcd/server/v3
+  mv -f "$dest/.etcd.tmp" "$dest/etcd"
 fi
 
 # --- helm and KubeRay (plain go install works for these) ------------------------------------
 if [[ ! -x "$dest/helm" ]]; then
   log "building helm $HELM_VERSION"
-  GOBIN="$dest" go install -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  GOBIN="$work/bin" go install -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$HELM_VERSION" "helm.sh/helm/v3/cmd/helm@$HELM_VERSION"
+  cp "$work/bin/helm" "$dest/.helm.tmp" && mv -f "$dest/.helm.tmp" "$dest/helm"
 fi
 if [[ ! -x "$dest/ray-operator" ]]; then
   log "building KubeRay ray-operator $KUBERAY_VERSION"
-  GOBIN="$dest" go install -ldflags "-s -w" "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
+  GOBIN="$work/bin" go install -ldflags "-s -w" "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION"
+  cp "$work/bin/ray-operator" "$dest/.ray-operator.tmp" && mv -f "$dest/.ray-operator.tmp" "$dest/ray-operator"
 fi
 rdir=$(cd "$work" && go mod download -json "github.com/ray-project/kuberay/ray-operator@$KUBERAY_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
 mkdir -p "$dest/kuberay-crds"

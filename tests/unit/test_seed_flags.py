@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kora_trainer.config import ConfigError, load_config
 from kora_trainer.config.flags import MODE_FLAGS_EXCLUSIVE, as_overrides, parse_seed_flags
 
@@ -15,9 +16,24 @@ def load(argv):
 
 
 def test_relax_adapter_recipe_block():
-    cfg, warnings = load(["--lora-rank", "128", "--lora-alpha", "64", "--lora-target-modules", "linear_qkv",
-                          "linear_proj", "--lora-dropout", "0.0", "--lora-adapter-mode",
-                          "--rollout-num-gpus-per-engine", "1", "--update-weight-buffer-size", "536870912"])
+    cfg, warnings = load(
+        [
+            "--lora-rank",
+            "128",
+            "--lora-alpha",
+            "64",
+            "--lora-target-modules",
+            "linear_qkv",
+            "linear_proj",
+            "--lora-dropout",
+            "0.0",
+            "--lora-adapter-mode",
+            "--rollout-num-gpus-per-engine",
+            "1",
+            "--update-weight-buffer-size",
+            "536870912",
+        ]
+    )
     assert cfg.lora.rank == 128 and cfg.lora.alpha == 64 and cfg.lora.sync_mode == "Adapter"
     assert [m.value for m in cfg.lora.target_modules] == ["linear_qkv", "linear_proj"]
     assert cfg.sync.buffer_size == 2**29 and warnings == []
@@ -36,7 +52,7 @@ def test_rule2_no_mode_flag_means_merge_with_a_warning():
 
 
 def test_rule3_via_flags():
-    with pytest.raises(ConfigError, match="rollout.dpSize 1"):
+    with pytest.raises(ConfigError, match=r"rollout\.dpSize 1"):
         load(["--lora-adapter-mode", "--sglang-dp-size", "2"])
 
 
@@ -48,7 +64,7 @@ def test_rule5_router_in_merge_mode_via_flags():
 def test_rule8_save_lora_only_with_async_save_or_fp16():
     with pytest.raises(ConfigError, match="asyncSave"):
         load(["--save-lora-only", "--async-save"])
-    with pytest.raises(ConfigError, match="checkpoint.dtype"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.dtype"):
         load(["--save-lora-only", "--fp16"])
 
 

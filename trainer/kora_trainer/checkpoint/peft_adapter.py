@@ -1,0 +1,150 @@
+"""Read an HF-PEFT adapter directory and pair each lora_A/lora_B with its base tensor.
+
+Key forms handled (PEFT 0.21 save format, prefix `base_model.model.`):
+- `<module>.lora_A.weight` / `.lora_B.weight` → base `<module>.weight` (a 2-D Linear).
+- grouped experts via `target_parameters` (PEFT's ParamWrapper): base `<module>.<param>` is 3-D
+  [E, X, Y]; lora_A is [E·r, in] (rows expert-major), lora_B is [out, r·E] (columns rank-major).
+  Several target parameters on one module nest: the last one in `target_parameters` is the outer
+  wrapper (`<module>.lora_A`), earlier ones sit under `.base_layer` once per later parameter.
+Anything that does not pair with a base tensor is a hard error naming it — a silently dropped
+adapter tensor is a policy nobody trained.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+PREFIX = "base_model.model."
+_KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
+
+
+class AdapterError(ValueError):
+    """The adapter cannot be merged as it is; the message names the tensor and the fix."""
+
+
+@dataclass(frozen=True)
+class LoRAPair:
+    base_name: str
+    a: torch.Tensor  # [r, in] (2-D) or [E·r, in] (grouped experts)
+    b: torch.Tensor  # [out, r] or [out, r·E]
+    scaling: float
+
+
+def load_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    cfg_path = adapter_dir / "adapter_config.json"
+    weights = adapter_dir / "adapter_model.safetensors"
+    if not cfg_path.exists() or not weights.exists():
+        raise AdapterError(
+            f"{adapter_dir}: expected adapter_config.json and adapter_model.safetensors "
+            "(an HF-PEFT adapter directory, e.g. a kora checkpoint's lora_adapter/)"
+        )
+    config: dict[str, Any] = json.loads(cfg_path.read_text())
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{cfg_path}: peft_type {config.get('peft_type')!r}; kora merge folds LoRA adapters only")
+    if config.get("use_dora"):
+        raise AdapterError(f"{cfg_path}: DoRA adapters are not plain low-rank updates; merge them with peft")
+    return config, load_file(str(weights))
+
+
+def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
+    alpha = float(config.get("lora_alpha", 8))
+    for pattern, value in (config.get("alpha_pattern") or {}).items():
+        if re.search(rf"(^|\.){pattern}$", module):
+            alpha = float(value)
+    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+
+
+def _param_wrapper_target(config: dict[str, Any], module: str, base_names: set[str]) -> str | None:
+    """Base tensor name for a ParamWrapper key (`module` may end in .base_layer repeats)."""
+    depth = 0
+    while module.endswith(".base_layer"):
+        module, depth = module[: -len(".base_layer")], depth + 1
+    params = [
+        p
+        for p in config.get("target_parameters") or []
+        if f"{module}.{p.rsplit('.', 1)[-1]}" in base_names
+        and (module == p.rsplit(".", 1)[0] or module.endswith("." + p.rsplit(".", 1)[0]))
+    ]
+    if depth < len(params):
+        return f"{module}.{params[len(params) - 1 - depth].rsplit('.', 1)[-1]}"
+    return None
+
+
+def pair_with_base(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor], base_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, LoRAPair]:
+    """Base tensor name -> its LoRA pair. Raises AdapterError on anything unpaired."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key.removeprefix(PREFIX))
+        if not m:
+            raise AdapterError(
+                f"adapter tensor {key} is not a lora_A/lora_B weight (embedding LoRA, "
+                "modules_to_save and biases are not supported by kora merge)"
+            )
+        halves.setdefault(m["module"], {})[m["which"]] = tensor
+    base_names = set(base_shapes)
+    pairs: dict[str, LoRAPair] = {}
+    for module, ab in sorted(halves.items()):
+        if set(ab) != {"A", "B"}:
+            missing = "lora_B" if "A" in ab else "lora_A"
+            raise AdapterError(f"adapter tensor {PREFIX}{module}.lora_{next(iter(ab))}.weight has no {missing} partner")
+        target = (
+            f"{module}.weight"
+            if f"{module}.weight" in base_names
+            else _param_wrapper_target(config, module, base_names)
+        )
+        if target is None:
+            raise AdapterError(
+                f"adapter tensor {PREFIX}{module}.lora_A.weight has no base partner: neither "
+                f"{module}.weight nor a target_parameters entry exists in the base checkpoint "
+                "(is --base the model this adapter was trained on?)"
+            )
+        a, b = ab["A"], ab["B"]
+        shape = base_shapes[target]
+        experts = shape[0] if len(shape) == 3 else 1
+        if a.shape[0] % experts or b.shape[1] != a.shape[0]:
+            raise AdapterError(
+                f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not fit {target} {shape}"
+            )
+        rank = a.shape[0] // experts
+        pairs[target] = LoRAPair(target, a, b, _scaling(config, module, rank))
+    return pairs
+
+
+def fold(weight: torch.Tensor, pair: LoRAPair) -> torch.Tensor:
+    """W + s·B·A in fp32, rounded once to W's dtype. Grouped experts are folded one expert at a
+    time so the fp32 temporaries stay the size of one expert."""
+    a, b = pair.a.float(), pair.b.float()
+    if weight.dim() == 2:
+        out_f, in_f = weight.shape
+        if (b.shape[0], a.shape[1]) != (out_f, in_f):
+            raise AdapterError(
+                f"{pair.base_name}: B·A is {(b.shape[0], a.shape[1])} but the base is {tuple(weight.shape)}"
+            )
+        # W[out, in] += s · B[out, r] @ A[r, in]
+        return torch.addmm(weight.float(), b, a, alpha=pair.scaling).to(weight.dtype)
+    experts, x, y = weight.shape
+    rank = a.shape[0] // experts
+    a3 = a.reshape(experts, rank, a.shape[1])  # [E, r, in]
+    b3 = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)  # [E, out, r]
+    out_f, in_f = b3.shape[1], a3.shape[2]
+    if (x, y) == (out_f, in_f):
+        transpose = False  # experts stored [E, out, in] (also chosen when square: PEFT's default layout)
+    elif (x, y) == (in_f, out_f):
+        transpose = True  # experts stored [E, in, out]
+    else:
+        raise AdapterError(f"{pair.base_name}: expert B·A is {(out_f, in_f)} but the base experts are {(x, y)}")
+    merged = torch.empty_like(weight)
+    for e in range(experts):
+        delta = b3[e] @ a3[e]  # [out, in]
+        merged[e] = (weight[e].float() + pair.scaling * (delta.T if transpose else delta)).to(weight.dtype)
+    return merged

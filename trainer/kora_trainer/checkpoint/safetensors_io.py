@@ -1,0 +1,147 @@
+"""Stream safetensors files tensor by tensor, so memory is bounded by one tensor, not one shard.
+
+The `safetensors` library reads through mmap (touched pages count toward RSS) and writes with
+`save_file`, which needs the whole shard in memory. The format is simple and fixed — an 8-byte
+little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the raw
+bytes — so `kora merge` reads and writes it directly and copies untouched tensors in chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+NAMES = {v: k for k, v in DTYPES.items()}
+CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute byte offset in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Header:
+    path: Path
+    entries: dict[str, Entry]
+    metadata: dict[str, str] | None
+
+
+def read_header(path: Path) -> Header:
+    with path.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        raw: dict[str, Any] = json.loads(f.read(n))
+    meta = raw.pop("__metadata__", None)
+    base = 8 + n
+    entries = {
+        name: Entry(
+            name, info["dtype"], tuple(info["shape"]), base + info["data_offsets"][0], base + info["data_offsets"][1]
+        )
+        for name, info in raw.items()
+    }
+    return Header(path, entries, meta)
+
+
+def read_tensor(f: IO[bytes], entry: Entry) -> torch.Tensor:
+    """One tensor, read into memory it owns (no mmap)."""
+    buf = bytearray(entry.nbytes)
+    f.seek(entry.start)
+    f.readinto(buf)
+    flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
+    return flat.view(DTYPES[entry.dtype]).reshape(entry.shape)
+
+
+class StreamWriter:
+    """Writes a safetensors file whose tensor list (names, dtypes, shapes) is known up front."""
+
+    def __init__(
+        self, path: Path, layout: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+    ):
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = metadata
+        offset = 0
+        self._order = []
+        for name, dtype, shape, nbytes in layout:
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._order.append((name, nbytes))
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        self._f = path.open("wb")
+        self._f.write(struct.pack("<Q", len(blob)))
+        self._f.write(blob)
+        self._next = 0
+
+    def _expect(self, name: str, nbytes: int) -> None:
+        want_name, want_bytes = self._order[self._next]
+        if (name, nbytes) != (want_name, want_bytes):
+            raise ValueError(f"writer expected {want_name} ({want_bytes} bytes), got {name} ({nbytes} bytes)")
+        self._next += 1
+
+    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
+        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._expect(name, data.nbytes)
+        self._f.write(memoryview(data))
+
+    def copy_bytes(self, name: str, src: IO[bytes], entry: Entry) -> None:
+        """Copy an untouched tensor in bounded chunks."""
+        self._expect(name, entry.nbytes)
+        src.seek(entry.start)
+        left = entry.nbytes
+        while left:
+            chunk = src.read(min(CHUNK, left))
+            if not chunk:
+                raise ValueError(f"{entry.name}: file ended early")
+            self._f.write(chunk)
+            left -= len(chunk)
+
+    def close(self) -> None:
+        if self._next != len(self._order):
+            raise ValueError(f"writer closed after {self._next} of {len(self._order)} tensors")
+        self._f.flush()
+        self._f.close()
+
+
+def iter_shards(model_dir: Path) -> Iterator[Path]:
+    """The safetensors shards of an HF checkpoint directory, in index order."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        seen: list[str] = []
+        for shard in weight_map.values():
+            if shard not in seen:
+                seen.append(shard)
+        yield from (model_dir / s for s in seen)
+    elif (model_dir / "model.safetensors").exists():
+        yield model_dir / "model.safetensors"
+    else:
+        raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
