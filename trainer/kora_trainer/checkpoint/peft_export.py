@@ -1,0 +1,63 @@
+"""HF-PEFT export: `lora_adapter/` that `peft.PeftModel.from_pretrained(base, dir)` loads as is.
+
+Written beside the resumable checkpoint, never into it (SPEC rule 8: no HF export in the same
+save). Atomic like the checkpoints: a temp dir renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+EXPORT_DIR = "lora_adapter"
+META_FILE = "kora_lora_meta.json"
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_config(*, base_model: str, rank: int, alpha: float, target_modules: list[str],
+                   dropout: float = 0.0) -> dict[str, Any]:
+    """The adapter_config.json peft expects for a plain LoRA on a causal LM."""
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(set(target_modules)),
+        "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
+        "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
+    }
+
+
+def export_peft(checkpoint_root: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any],
+                meta: Mapping[str, Any]) -> Path:
+    """Write `checkpoint_root/lora_adapter/`. Tensor names must be HF-PEFT names
+    (`base_model.model.<module>.lora_A.weight`)."""
+    bad = [k for k in tensors if not k.startswith(PEFT_PREFIX) or not k.endswith((".lora_A.weight", ".lora_B.weight"))]
+    if bad:
+        raise ValueError(f"not HF-PEFT adapter names: {bad[:3]}")
+    root = Path(checkpoint_root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EXPORT_DIR}.tmp-", dir=root))
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
+        (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=2) + "\n")
+        final = root / EXPORT_DIR
+        old = None
+        if final.exists():  # swap: the previous export stays whole until the new one is in place
+            old = root / f".{EXPORT_DIR}.old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
