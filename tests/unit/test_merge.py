@@ -176,3 +176,21 @@ def test_grouped_experts_3d(tmp_path):
             key = f"model.layers.{layer}.{name}"
             assert (merged[key] - state[key]).abs().max() > 1e-3, key  # it moved
             assert (merged[key] - reference[key]).abs().max() < TOL, key
+
+
+def test_bf16_rounding_matches_torch():
+    from kora_trainer.checkpoint.peft_adapter import from_float32, to_float32
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.cat([torch.randn(10000, generator=g) * 10 ** torch.randint(-8, 8, (10000,), generator=g),
+                   torch.tensor([0.0, -0.0, 1.0, 65504.0, 3.4e38, float("inf"), -float("inf"), 1e-40])])
+    want = x.to(torch.bfloat16).view(torch.int16).numpy().view("uint16")
+    got = from_float32(x.numpy(), "BF16")
+    assert (got == want).all()
+    assert (to_float32(got, "BF16") == x.to(torch.bfloat16).float().numpy()).all()
+
+
+def test_merge_does_not_import_torch():
+    """torch alone is ~700 MB of RSS: the merge path must stay numpy-only to keep its memory bound."""
+    code = "import sys, kora_trainer.checkpoint.merge, kora_trainer.checkpoint.cli; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kora_trainer.checkpoint.peft_adapter import AdapterError, fold, load_adapter, pair_with_base
-from kora_trainer.checkpoint.safetensors_io import NAMES, StreamWriter, iter_shards, read_header, read_tensor
+from kora_trainer.checkpoint.safetensors_io import StreamWriter, iter_shards, read_array, read_header
 
 INDEX = "model.safetensors.index.json"
 
@@ -65,9 +65,7 @@ def merge(base: Path, adapter: Path, out: Path, *, force: bool = False, progress
                 with h.path.open("rb") as src:
                     for e in ordered:
                         if e.name in pairs:
-                            merged = fold(read_tensor(src, e), pairs[e.name])
-                            assert NAMES[merged.dtype] == e.dtype
-                            writer.write_tensor(e.name, merged)
+                            writer.write_array(e.name, fold(read_array(src, e), e.dtype, pairs[e.name]))
                             folded += 1
                         else:
                             writer.copy_bytes(e.name, src, e)

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file
+import numpy as np
+
+from kora_trainer.checkpoint.safetensors_io import read_array, read_header
 
 PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
@@ -33,12 +34,13 @@ class AdapterError(ValueError):
 @dataclass(frozen=True)
 class LoRAPair:
     base_name: str
-    a: torch.Tensor  # [r, in] (2-D) or [E·r, in] (grouped experts)
-    b: torch.Tensor  # [out, r] or [out, r·E]
+    a: np.ndarray  # fp32 [r, in] (2-D) or [E·r, in] (grouped experts)
+    b: np.ndarray  # fp32 [out, r] or [out, r·E]
     scaling: float
 
 
-def load_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+def load_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """adapter_config.json and every adapter tensor as fp32 numpy arrays (adapters are small)."""
     cfg_path = adapter_dir / "adapter_config.json"
     weights = adapter_dir / "adapter_model.safetensors"
     if not cfg_path.exists() or not weights.exists():
@@ -51,7 +53,10 @@ def load_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, torch.Ten
         raise AdapterError(f"{cfg_path}: peft_type {config.get('peft_type')!r}; kora merge folds LoRA adapters only")
     if config.get("use_dora"):
         raise AdapterError(f"{cfg_path}: DoRA adapters are not plain low-rank updates; merge them with peft")
-    return config, load_file(str(weights))
+    header = read_header(weights)
+    with weights.open("rb") as f:
+        tensors = {name: to_float32(read_array(f, e), e.dtype) for name, e in header.entries.items()}
+    return config, tensors
 
 
 def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
@@ -62,27 +67,39 @@ def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
     return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
-def _param_wrapper_target(config: dict[str, Any], module: str, base_names: set[str]) -> str | None:
-    """Base tensor name for a ParamWrapper key (`module` may end in .base_layer repeats)."""
-    depth = 0
+def _fits(shape: tuple[int, ...], a: np.ndarray, b: np.ndarray) -> bool:
+    """Can lora_A [E·r, in] / lora_B [out, r·E] fold into a 3-D [E, X, Y] base (either layout)?"""
+    if len(shape) != 3 or a.shape[0] % shape[0] or b.shape[1] != a.shape[0]:
+        return False
+    return sorted(shape[1:]) == sorted((b.shape[0], a.shape[1]))
+
+
+def _param_wrapper_target(
+    config: dict[str, Any], module: str, a: np.ndarray, b: np.ndarray, base_shapes: dict[str, tuple[int, ...]]
+) -> str | None:
+    """Base tensor name for a ParamWrapper key (`module` may end in .base_layer repeats).
+
+    peft's saved target_parameters order does not follow the wrappers' nesting order, so the
+    parameter is chosen by shape among this module's targets; a tie is reported, not guessed."""
     while module.endswith(".base_layer"):
-        module, depth = module[: -len(".base_layer")], depth + 1
-    params = [
-        p
-        for p in config.get("target_parameters") or []
-        if f"{module}.{p.rsplit('.', 1)[-1]}" in base_names
-        and (module == p.rsplit(".", 1)[0] or module.endswith("." + p.rsplit(".", 1)[0]))
-    ]
-    if depth < len(params):
-        return f"{module}.{params[len(params) - 1 - depth].rsplit('.', 1)[-1]}"
-    return None
+        module = module[: -len(".base_layer")]
+    names = []
+    for p in config.get("target_parameters") or []:
+        owner, _, param = p.rpartition(".")
+        if (module == owner or module.endswith("." + owner)) and f"{module}.{param}" in base_shapes:
+            names.append(f"{module}.{param}")
+    fitting = [n for n in names if _fits(base_shapes[n], a, b)]
+    if len(fitting) > 1:
+        raise AdapterError(f"{module}: lora_A {a.shape} / lora_B {b.shape} fit several target parameters "
+                           f"({', '.join(fitting)}); kora merge cannot tell which one this adapter trained")
+    return fitting[0] if fitting else None
 
 
 def pair_with_base(
-    config: dict[str, Any], tensors: dict[str, torch.Tensor], base_shapes: dict[str, tuple[int, ...]]
+    config: dict[str, Any], tensors: dict[str, np.ndarray], base_shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, LoRAPair]:
     """Base tensor name -> its LoRA pair. Raises AdapterError on anything unpaired."""
-    halves: dict[str, dict[str, torch.Tensor]] = {}
+    halves: dict[str, dict[str, np.ndarray]] = {}
     for key, tensor in tensors.items():
         m = _KEY.match(key.removeprefix(PREFIX))
         if not m:
@@ -100,7 +117,7 @@ def pair_with_base(
         target = (
             f"{module}.weight"
             if f"{module}.weight" in base_names
-            else _param_wrapper_target(config, module, base_names)
+            else _param_wrapper_target(config, module, ab["A"], ab["B"], base_shapes)
         )
         if target is None:
             raise AdapterError(
@@ -120,22 +137,43 @@ def pair_with_base(
     return pairs
 
 
-def fold(weight: torch.Tensor, pair: LoRAPair) -> torch.Tensor:
+def to_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":  # bf16 is the top half of an fp32
+        return (array.astype(np.uint32) << 16).view(np.float32)
+    return array.astype(np.float32)
+
+
+def from_float32(array: np.ndarray, dtype: str) -> np.ndarray:
+    """Round once to the checkpoint's dtype (bf16: round-to-nearest-even, as torch does)."""
+    if dtype == "BF16":
+        bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+        rounded = (bits + (np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1)))) >> 16
+        nan = np.isnan(array)
+        if nan.any():  # keep NaNs NaN (rounding could carry into the exponent)
+            rounded[nan] = (bits[nan] >> 16) | np.uint32(0x40)
+        return rounded.astype(np.uint16)
+    if dtype in ("F32", "F16", "F64"):
+        return array.astype({"F32": np.float32, "F16": np.float16, "F64": np.float64}[dtype])
+    raise AdapterError(f"cannot fold into a {dtype} tensor (kora merge folds into bf16/fp16/fp32/fp64 weights)")
+
+
+def fold(weight: np.ndarray, dtype: str, pair: LoRAPair) -> np.ndarray:
     """W + s·B·A in fp32, rounded once to W's dtype. Grouped experts are folded one expert at a
     time so the fp32 temporaries stay the size of one expert."""
-    a, b = pair.a.float(), pair.b.float()
-    if weight.dim() == 2:
+    a, b = pair.a, pair.b
+    if weight.ndim == 2:
         out_f, in_f = weight.shape
         if (b.shape[0], a.shape[1]) != (out_f, in_f):
             raise AdapterError(
                 f"{pair.base_name}: B·A is {(b.shape[0], a.shape[1])} but the base is {tuple(weight.shape)}"
             )
-        # W[out, in] += s · B[out, r] @ A[r, in]
-        return torch.addmm(weight.float(), b, a, alpha=pair.scaling).to(weight.dtype)
+        w = to_float32(weight, dtype)  # [out, in]
+        w += np.float32(pair.scaling) * (b @ a)  # [out, r] @ [r, in]
+        return from_float32(w, dtype)
     experts, x, y = weight.shape
     rank = a.shape[0] // experts
     a3 = a.reshape(experts, rank, a.shape[1])  # [E, r, in]
-    b3 = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)  # [E, out, r]
+    b3 = b.reshape(b.shape[0], rank, experts).transpose(2, 0, 1)  # [E, out, r]
     out_f, in_f = b3.shape[1], a3.shape[2]
     if (x, y) == (out_f, in_f):
         transpose = False  # experts stored [E, out, in] (also chosen when square: PEFT's default layout)
@@ -143,8 +181,10 @@ def fold(weight: torch.Tensor, pair: LoRAPair) -> torch.Tensor:
         transpose = True  # experts stored [E, in, out]
     else:
         raise AdapterError(f"{pair.base_name}: expert B·A is {(out_f, in_f)} but the base experts are {(x, y)}")
-    merged = torch.empty_like(weight)
+    merged = np.empty_like(weight)
     for e in range(experts):
         delta = b3[e] @ a3[e]  # [out, in]
-        merged[e] = (weight[e].float() + pair.scaling * (delta.T if transpose else delta)).to(weight.dtype)
+        w = to_float32(weight[e], dtype)
+        w += np.float32(pair.scaling) * (delta.T if transpose else delta)
+        merged[e] = from_float32(w, dtype)
     return merged

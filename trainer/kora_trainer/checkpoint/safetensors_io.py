@@ -4,6 +4,9 @@ The `safetensors` library reads through mmap (touched pages count toward RSS) an
 `save_file`, which needs the whole shard in memory. The format is simple and fixed — an 8-byte
 little-endian header length, a JSON header of {name: {dtype, shape, data_offsets}}, then the raw
 bytes — so `kora merge` reads and writes it directly and copies untouched tensors in chunks.
+
+numpy, not torch: importing torch alone costs ~700 MB of RSS, more than the tool's whole memory
+budget. bf16 (which numpy lacks) is carried as its raw uint16 bits; `fold.py` converts.
 """
 
 from __future__ import annotations
@@ -15,23 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-import torch
+import numpy as np
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
+# safetensors dtype -> the numpy dtype its bytes are read as (bf16 as raw uint16 bits)
+NUMPY: dict[str, type] = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": np.uint16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
 }
-NAMES = {v: k for k, v in DTYPES.items()}
 CHUNK = 16 * 2**20
 
 
@@ -70,13 +71,15 @@ def read_header(path: Path) -> Header:
     return Header(path, entries, meta)
 
 
-def read_tensor(f: IO[bytes], entry: Entry) -> torch.Tensor:
-    """One tensor, read into memory it owns (no mmap)."""
-    buf = bytearray(entry.nbytes)
+def read_array(f: IO[bytes], entry: Entry) -> np.ndarray:
+    """One tensor, read into memory it owns (no mmap). BF16 comes back as uint16 bits."""
+    if entry.dtype not in NUMPY:
+        raise ValueError(f"{entry.name}: dtype {entry.dtype} is not supported by kora merge")
+    out = np.empty(entry.shape, dtype=NUMPY[entry.dtype])
     f.seek(entry.start)
-    f.readinto(buf)
-    flat = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
-    return flat.view(DTYPES[entry.dtype]).reshape(entry.shape)
+    if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != entry.nbytes:
+        raise ValueError(f"{entry.name}: file ended early")
+    return out
 
 
 class StreamWriter:
@@ -107,8 +110,8 @@ class StreamWriter:
             raise ValueError(f"writer expected {want_name} ({want_bytes} bytes), got {name} ({nbytes} bytes)")
         self._next += 1
 
-    def write_tensor(self, name: str, tensor: torch.Tensor) -> None:
-        data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+    def write_array(self, name: str, array: np.ndarray) -> None:
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self._expect(name, data.nbytes)
         self._f.write(memoryview(data))
 
