@@ -31,8 +31,10 @@ lint: setup
 	$(VENV)/bin/lint-imports
 	@if [ -f Dockerfile ]; then $(VENV)/bin/hadolint Dockerfile; fi
 
-manifests: setup  ## regenerate CRDs from the pydantic models
+manifests: setup  ## regenerate CRDs from the pydantic models, and manifests/install.yaml from the chart
 	$(PY) -m kora_operator.api.crd
+	$$(bash hack/testbin.sh | tail -n 1)/helm template kora charts/kora --namespace kora-system --include-crds \
+		> manifests/install.yaml
 
 manifests-check: setup
 	$(PY) -m kora_operator.api.crd --check

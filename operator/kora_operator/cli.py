@@ -10,7 +10,9 @@ from typing import Any
 import yaml
 
 from kora_operator.api.job import LoRATrainingJob
-from kora_operator.builders.configmap import build_config_map, dump_yaml
+from kora_operator.builders.children import build_children
+from kora_operator.builders.configmap import dump_yaml
+from kora_operator.builders.secret import TOKEN_PLACEHOLDER, new_token
 from kora_operator.validation import validate_adapter, validate_job
 
 
@@ -60,7 +62,12 @@ def _report(path: str, what: str, problems: list[Any]) -> bool:
 
 
 def render(args: argparse.Namespace) -> int:
-    """Print, as YAML, the objects the operator would create for each job in FILE."""
+    """Print, as YAML, the objects the operator would create for each job in FILE.
+
+    The Secret's token is a placeholder unless --generate-token: render is a preview meant to be
+    diffed, reviewed and pasted into tickets, so its output is reproducible and carries no
+    credential; the operator generates the real token once, when it creates the Secret.
+    """
     out: list[dict[str, Any]] = []
     for doc in _documents(args.file):
         if doc.get("kind") != "LoRATrainingJob":
@@ -72,7 +79,7 @@ def render(args: argparse.Namespace) -> int:
                 print(f"{args.file}: {_name(doc)}: {p}", file=sys.stderr)
             return 1
         job.metadata.setdefault("namespace", args.namespace)
-        out.append(build_config_map(job))
+        out.extend(build_children(job, new_token() if args.generate_token else TOKEN_PLACEHOLDER))
     sys.stdout.write(dump_yaml(out))
     return 0
 
@@ -87,4 +94,6 @@ def register_render(sub: Any) -> None:
     p = sub.add_parser("render", help="print the objects the operator would create for FILE")
     p.add_argument("file", metavar="FILE", help="YAML file with LoRATrainingJob(s); - for stdin")
     p.add_argument("-n", "--namespace", default="default", help="namespace when the job names none")
+    p.add_argument("--generate-token", action="store_true",
+                   help="put a fresh random control-plane token in the Secret instead of a placeholder")
     p.set_defaults(func=render)

@@ -63,8 +63,10 @@ def test_validate_unreadable_file():
 def test_render_prints_a_config_map_the_trainer_loads(tmp_path: Path):
     result = kora("render", "-n", "team-a", write(tmp_path, valid_job("demo")))
     assert result.returncode == 0, result.stderr
-    (cm,) = list(yaml.safe_load_all(result.stdout))
-    assert cm["kind"] == "ConfigMap" and cm["metadata"]["namespace"] == "team-a"
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "RayJob"]
+    cm = docs[0]
+    assert cm["metadata"]["namespace"] == "team-a"
     assert cm["metadata"]["name"] == "demo-trainer-config"
     assert cm["metadata"]["labels"]["kora.dev/job-name"] == "demo"
     rendered = tmp_path / "rendered.yaml"
@@ -77,3 +79,11 @@ def test_render_prints_a_config_map_the_trainer_loads(tmp_path: Path):
 def test_render_refuses_an_invalid_job(tmp_path: Path):
     result = kora("render", write(tmp_path, violating_job("custom-reward-path")))
     assert result.returncode == 1 and "data.customRewardPath" in result.stderr
+
+
+def test_render_shows_a_placeholder_token_unless_asked(tmp_path: Path):
+    path = write(tmp_path, valid_job("demo"))
+    secret = list(yaml.safe_load_all(kora("render", path).stdout))[1]
+    assert secret["stringData"]["token"] == "<generated-by-the-operator-at-create-time>"
+    secret = list(yaml.safe_load_all(kora("render", "--generate-token", path).stdout))[1]
+    assert len(secret["stringData"]["token"]) >= 43

@@ -130,10 +130,12 @@ class RuntimeSpec(CamelModel):
     """Ray dashboard / Jobs API address for kind Ray, e.g. http://127.0.0.1:8265."""
 
 
-# Spec sections that define what is being trained; they cannot change on a created job.
+# Spec sections that define what is being trained, or the Ray cluster it runs on (the RayJob's
+# rayClusterSpec is fixed once created); they cannot change on a created job. Lifecycle fields
+# (suspend, backoffLimit, ttlSecondsAfterFinished) can, and the operator passes them on.
 IMMUTABLE_SECTIONS = (
     "model", "lora", "algorithm", "data", "rollout", "parallelism", "deployment", "sync",
-    "multiLora", "backend", "runtime", "image",
+    "multiLora", "backend", "runtime", "image", "resources", "queueName",
 )
 
 

@@ -97,8 +97,8 @@ class LoRATrainingJobStatus(CamelModel):
     """The RayJob (runtime KubeRay) or Ray job submission id (runtime Ray)."""
     ray_cluster_name: str | None = None
     """The Ray cluster running the job."""
-    dashboard_url: str | None = None
-    """Ray dashboard address."""
+    dashboard_url: str | None = Field(default=None, alias="dashboardURL")
+    """Ray dashboard address (as KubeRay reports it in the RayJob's status.dashboardURL)."""
     start_time: datetime | None = None
     """When the trainer started."""
     completion_time: datetime | None = None

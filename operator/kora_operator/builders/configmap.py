@@ -7,18 +7,14 @@ from typing import Any
 import yaml
 
 from kora_operator.api.job import LoRATrainingJob
+from kora_operator.builders.meta import labels, object_meta
 from kora_operator.builders.names import config_map_name
 
 CONFIG_KEY = "job.yaml"
 CONFIG_MOUNT_DIR = "/etc/kora"
 
 
-def labels(job: LoRATrainingJob, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/managed-by": "kora",
-        "kora.dev/job-name": str(job.metadata["name"]),
-        "kora.dev/component": component,
-    }
+__all__ = ["CONFIG_KEY", "CONFIG_MOUNT_DIR", "build_config_map", "dump_yaml", "labels", "trainer_config_yaml"]
 
 
 class _BlockDumper(yaml.SafeDumper):
@@ -44,14 +40,9 @@ def trainer_config_yaml(job: LoRATrainingJob) -> str:
 
 
 def build_config_map(job: LoRATrainingJob) -> dict[str, Any]:
-    name = str(job.metadata["name"])
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": {
-            "name": config_map_name(name),
-            "namespace": job.metadata.get("namespace", "default"),
-            "labels": labels(job, "trainer-config"),
-        },
+        "metadata": object_meta(job, config_map_name(str(job.metadata["name"])), "trainer-config"),
         "data": {CONFIG_KEY: trainer_config_yaml(job)},
     }

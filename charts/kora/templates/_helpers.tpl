@@ -1,0 +1,60 @@
+{{/* Names and labels shared by every template. */}}
+
+{{- define "kora.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kora.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "kora.labels" -}}
+{{ include "kora.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/component: operator
+app.kubernetes.io/part-of: kora
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "kora.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kora.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kora.watchNamespace" -}}
+{{- default .Release.Namespace .Values.watchNamespace -}}
+{{- end -}}
+
+{{/* The operator's rules, shared by the ClusterRole and the Role: nothing more than it uses. */}}
+{{- define "kora.rules" -}}
+# the jobs: watched; annotations patched by kopf (its progress); status written through /status
+- apiGroups: ["kora.dev"]
+  resources: ["loratrainingjobs"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["kora.dev"]
+  resources: ["loratrainingjobs/status"]
+  verbs: ["get", "patch"]
+# children: created, read back, lifecycle fields patched; the garbage collector deletes them
+- apiGroups: ["ray.io"]
+  resources: ["rayjobs"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create"]
+# create only: the operator never reads a Secret back (a 409 tells it the token exists)
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

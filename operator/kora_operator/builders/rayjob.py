@@ -1,0 +1,165 @@
+"""The ray.io/v1 RayJob that runs the trainer: a head (driver + control-plane API) and GPU workers.
+
+Field names follow KubeRay v1.5.0's CRD (apis/ray/v1/rayjob_types.go). Every pod mounts the
+trainer config, a memory-backed /dev/shm and the job's data volume; only the head mounts the
+control-plane token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kora_operator.api.job import EmptyDirSource, LoRATrainingJob, VolumeSpec
+from kora_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_DIR
+from kora_operator.builders.meta import COMPONENT_LABEL, JOB_LABEL, QUEUE_LABEL, labels, object_meta
+from kora_operator.builders.names import config_map_name, ray_job_name, secret_name
+from kora_operator.builders.secret import TOKEN_KEY
+
+CONTROL_PORT = 8068
+TOKEN_DIR = "/var/run/secrets/kora"
+ENTRYPOINT = f"python -m kora_trainer.train --config {CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
+GPU = "nvidia.com/gpu"
+WORKER_GROUP = "gpu-workers"
+HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), ("kora-control", CONTROL_PORT))
+# NCCL over the pod network by default; users on InfiniBand/RoCE override these in their image.
+NCCL_ENV = {
+    "NCCL_DEBUG": "WARN",
+    "NCCL_SOCKET_IFNAME": "eth0",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+}
+
+
+def _env(job: LoRATrainingJob, head: bool) -> list[dict[str, Any]]:
+    env = {
+        **NCCL_ENV,
+        "KORA_JOB_NAME": str(job.metadata["name"]),
+        "KORA_CONFIG": f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}",
+    }
+    if head:  # the driver serves the control-plane API; only it needs the token
+        env["KORA_CONTROL_PORT"] = str(CONTROL_PORT)
+        env["KORA_CONTROL_TOKEN_FILE"] = f"{TOKEN_DIR}/{TOKEN_KEY}"
+    return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _data_volume(vol: VolumeSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": "data"}
+    if vol.persistent_volume_claim is not None:
+        pvc = vol.persistent_volume_claim
+        out["persistentVolumeClaim"] = {"claimName": pvc.claim_name, "readOnly": pvc.read_only}
+    elif vol.host_path is not None:
+        out["hostPath"] = {"path": vol.host_path.path, "type": vol.host_path.type}
+    else:
+        src = vol.empty_dir or EmptyDirSource()
+        out["emptyDir"] = src.model_dump(by_alias=True, exclude_none=True, exclude_defaults=True)
+    return out
+
+
+def _volumes(job: LoRATrainingJob, head: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    name = str(job.metadata["name"])
+    volumes: list[dict[str, Any]] = [
+        {"name": "trainer-config", "configMap": {"name": config_map_name(name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": job.spec.resources.shm_size}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "trainer-config", "mountPath": CONFIG_MOUNT_DIR, "readOnly": True},
+        {"name": "dshm", "mountPath": "/dev/shm"},
+    ]
+    if head:
+        volumes.append({"name": "control-token", "secret": {"secretName": secret_name(name), "defaultMode": 0o400}})
+        mounts.append({"name": "control-token", "mountPath": TOKEN_DIR, "readOnly": True})
+    vol = job.spec.model.volume
+    if vol is not None:
+        volumes.append(_data_volume(vol))
+        mounts.append({"name": "data", "mountPath": vol.mount_path})
+    return volumes, mounts
+
+
+def _resources(cpu: str, memory: str, gpus: int) -> dict[str, Any]:
+    amounts: dict[str, Any] = {"cpu": cpu, "memory": memory}
+    if gpus:
+        amounts[GPU] = str(gpus)  # a quantity: the API server would hand it back as a string
+    # requests == limits: Guaranteed QoS, and extended resources like GPUs require it anyway
+    return {"requests": dict(amounts), "limits": dict(amounts)}
+
+
+def _pod(job: LoRATrainingJob, component: str, container: dict[str, Any], head: bool) -> dict[str, Any]:
+    volumes, mounts = _volumes(job, head)
+    res = job.spec.resources
+    spec: dict[str, Any] = {
+        "containers": [{
+            "name": container["name"],  # first, as kubectl prints it; **container keeps the slot
+            "image": job.spec.image,
+            **container,
+            "env": _env(job, head),
+            "volumeMounts": mounts,
+        }],
+        "volumes": volumes,
+    }
+    if res.node_selector:
+        spec["nodeSelector"] = dict(res.node_selector)
+    if res.tolerations:
+        spec["tolerations"] = [t.model_dump(by_alias=True, exclude_none=True) for t in res.tolerations]
+    return {"metadata": {"labels": labels(job, component)}, "spec": spec}
+
+
+def _head(job: LoRATrainingJob) -> dict[str, Any]:
+    res = job.spec.resources
+    # with no worker pods the head is the whole cluster and takes the GPUs itself
+    gpus = res.gpus_per_worker if res.workers == 0 else 0
+    container = {
+        "name": "ray-head",
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in HEAD_PORTS],
+        "resources": _resources(res.head_cpu, res.head_memory, gpus),
+    }
+    return {
+        "rayStartParams": {"dashboard-host": "0.0.0.0"},
+        "template": _pod(job, "ray-head", container, head=True),
+    }
+
+
+def _workers(job: LoRATrainingJob) -> list[dict[str, Any]]:
+    res = job.spec.resources
+    if res.workers == 0:
+        return []
+    container = {"name": "ray-worker", "resources": _resources(res.cpu, res.memory, res.gpus_per_worker)}
+    return [{
+        "groupName": WORKER_GROUP,
+        "replicas": res.workers,
+        "minReplicas": res.workers,
+        "maxReplicas": res.workers,
+        "rayStartParams": {},
+        "template": _pod(job, "ray-worker", container, head=False),
+    }]
+
+
+def mutable_spec(job: LoRATrainingJob) -> dict[str, Any]:
+    """The RayJob spec fields that follow the LoRATrainingJob after creation (lifecycle fields)."""
+    s = job.spec
+    return {
+        "suspend": s.suspend,
+        "backoffLimit": s.backoff_limit,
+        "ttlSecondsAfterFinished": s.ttl_seconds_after_finished,
+    }
+
+
+def build_ray_job(job: LoRATrainingJob) -> dict[str, Any]:
+    extra = {QUEUE_LABEL: job.spec.queue_name} if job.spec.queue_name else {}
+    return {
+        "apiVersion": "ray.io/v1",
+        "kind": "RayJob",
+        "metadata": object_meta(job, ray_job_name(str(job.metadata["name"])), "rayjob", **extra),
+        "spec": {
+            "entrypoint": ENTRYPOINT,
+            # the Ray cluster goes away when the trainer ends (after the TTL, for logs); KubeRay
+            # also requires it for suspend
+            "shutdownAfterJobFinishes": True,
+            **mutable_spec(job),
+            "rayClusterSpec": {
+                "headGroupSpec": _head(job),
+                "workerGroupSpecs": _workers(job),
+            },
+        },
+    }
+
+
+__all__ = ["COMPONENT_LABEL", "CONTROL_PORT", "ENTRYPOINT", "JOB_LABEL", "build_ray_job", "mutable_spec"]

@@ -1,0 +1,127 @@
+"""The few Kubernetes API calls the operator makes, over the official client (sync; kopf runs sync
+handlers in its thread pool). Nothing here decides anything; handlers/reconcile.py does."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+from collections.abc import Mapping
+from typing import Any, cast
+
+from kubernetes import client
+from kubernetes import config as _config
+from kubernetes.client.exceptions import ApiException
+
+from kora_operator.api.job import GROUP, VERSION
+from kora_operator.conditions import truncate
+
+JOB_PLURAL = "loratrainingjobs"
+RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayjobs"
+COMPONENT = "kora-operator"
+
+Obj = dict[str, Any]
+
+__all__ = ["ApiException", "Kube", "now_rfc3339"]
+
+
+def now_rfc3339() -> str:
+    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# The client's generated signatures want its V1* model classes; we hand it plain dicts (the
+# builders' output), which it serialises just the same. So its objects are typed Any here.
+config: Any = _config
+
+
+def _load_config() -> Any:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    cfg = client.Configuration.get_default_copy()
+    # kopf runs up to max_workers handlers at once; one pooled connection each avoids
+    # urllib3's "connection pool is full" churn
+    cfg.connection_pool_maxsize = 32
+    return cfg
+
+
+class Kube:
+    def __init__(self, api_client: Any = None) -> None:
+        self.api: Any = api_client or client.ApiClient(_load_config())
+        self.core: Any = client.CoreV1Api(self.api)
+        self.custom: Any = client.CustomObjectsApi(self.api)
+        self.instance = os.environ.get("POD_NAME") or socket.gethostname()
+
+    # -- reads: None when absent
+    def get_job(self, ns: str, name: str) -> Obj | None:
+        return self._absent_is_none(lambda: self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, ns, JOB_PLURAL, name))
+
+    def get_ray_job(self, ns: str, name: str) -> Obj | None:
+        return self._absent_is_none(lambda: self.custom.get_namespaced_custom_object(
+            RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, name))
+
+    def get_child(self, obj: Mapping[str, Any]) -> Obj | None:
+        ns, name = obj["metadata"]["namespace"], obj["metadata"]["name"]
+        kind = obj["kind"]
+        if kind == "ConfigMap":
+            return self._absent_is_none(lambda: self.api.sanitize_for_serialization(
+                self.core.read_namespaced_config_map(name, ns)))
+        if kind == "RayJob":
+            return self.get_ray_job(ns, name)
+        raise ValueError(f"unknown child kind {kind}")
+
+    @staticmethod
+    def _absent_is_none(call: Any) -> Obj | None:
+        try:
+            return cast(Obj, call())
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    # -- writes
+    def create_child(self, obj: Mapping[str, Any]) -> Obj | None:
+        """Create `obj`; None if it exists already (someone, maybe our former self, made it)."""
+        ns, kind = obj["metadata"]["namespace"], obj["kind"]
+        try:
+            if kind == "ConfigMap":
+                return cast(Obj, self.api.sanitize_for_serialization(self.core.create_namespaced_config_map(ns, obj)))
+            if kind == "Secret":
+                # only whether it was made matters: never hold the token longer than needed
+                self.core.create_namespaced_secret(ns, obj)
+                return {}
+            if kind == "RayJob":
+                made = self.custom.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, obj)
+                return cast(Obj, made)
+        except ApiException as e:
+            if e.status == 409:
+                return None
+            raise
+        raise ValueError(f"unknown child kind {kind}")
+
+    def patch_ray_job(self, ns: str, name: str, patch: Mapping[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, name, patch)
+
+    def patch_job_status(self, ns: str, name: str, status: Mapping[str, Any]) -> None:
+        """A merge patch of the /status subresource (the main resource ignores status)."""
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, JOB_PLURAL, name, {"status": status})
+
+    def event(self, job: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on the job (what `kubectl describe` lists)."""
+        meta = job["metadata"]
+        now = dt.datetime.now(dt.UTC)
+        body = {
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": job.get("apiVersion", f"{GROUP}/{VERSION}"), "kind": job.get("kind", "LoRATrainingJob"),
+                "name": meta["name"], "namespace": meta["namespace"], "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_, "reason": reason, "message": truncate(message),
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT, "reportingInstance": self.instance,
+            "firstTimestamp": now, "lastTimestamp": now, "count": 1,
+        }
+        self.core.create_namespaced_event(meta["namespace"], body)

@@ -1,0 +1,43 @@
+"""`kora operator`: run the kopf operator in-process (what `kopf run -m kora_operator.handlers`
+does), against the current kubeconfig or the in-cluster service account."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+
+
+def run(args: argparse.Namespace) -> int:
+    # imported here so `kora validate/render` never pay for (or need) kopf and the k8s client
+    import kopf
+
+    import kora_operator.handlers  # noqa: F401  (registers the handlers)
+    from kora_operator import metrics
+
+    kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)
+    logging.getLogger("kubernetes").setLevel(logging.WARNING)
+    metrics.serve(args.metrics_port, args.metrics_address)
+    namespaces = args.namespace or []
+    kopf.run(
+        clusterwide=not namespaces,
+        namespaces=namespaces,
+        standalone=True,  # one replica (the chart's Deployment uses Recreate): no peering objects
+        liveness_endpoint=args.liveness or None,
+        memo=kopf.Memo(),
+    )
+    return 0
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("operator", help="run the kora operator (kopf) against the current cluster")
+    p.add_argument("-n", "--namespace", action="append", metavar="NS",
+                   help="watch only this namespace (repeatable; globs like team-* work); default: all namespaces")
+    p.add_argument("--liveness", default=DEFAULT_LIVENESS, metavar="URL",
+                   help=f"kopf's liveness endpoint (default {DEFAULT_LIVENESS}; empty turns it off)")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port (0: off)")
+    p.add_argument("--metrics-address", default="0.0.0.0", help="address /metrics binds to")
+    p.add_argument("-v", "--verbose", action="store_true", help="log every handler call")
+    p.set_defaults(func=run)

@@ -1,0 +1,71 @@
+"""Every condition type, condition reason and Event reason the operator writes, in one place.
+
+Reasons are CamelCase (metav1.Condition requires it); Event reasons reuse them, so what
+`kubectl describe` lists under Events matches the Reason column of the conditions above it.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class ConditionType(StrEnum):
+    VALIDATED = "Validated"
+    CLUSTER_READY = "ClusterReady"
+    TRAINING = "Training"
+    WEIGHTS_SYNCED = "WeightsSynced"
+    CHECKPOINTED = "Checkpointed"
+    COMPLETE = "Complete"
+    FAILED = "Failed"
+
+
+class EventType(StrEnum):
+    NORMAL = "Normal"
+    WARNING = "Warning"
+
+
+class Reason(StrEnum):
+    # validation
+    VALIDATED = "Validated"
+    VALIDATION_FAILED = "ValidationFailed"
+    SYNC_MODE_DEFAULTED = "SyncModeDefaulted"
+    RUNTIME_NOT_SUPPORTED = "RuntimeNotSupported"
+    # children
+    CREATED_CONFIG_MAP = "CreatedConfigMap"
+    CREATED_SECRET = "CreatedSecret"
+    CREATED_RAY_JOB = "CreatedRayJob"
+    UPDATED_RAY_JOB = "UpdatedRayJob"
+    FAILED_TO_CREATE_CONFIG_MAP = "FailedToCreateConfigMap"
+    FAILED_TO_CREATE_SECRET = "FailedToCreateSecret"
+    FAILED_TO_CREATE_RAY_JOB = "FailedToCreateRayJob"
+    FAILED_TO_UPDATE_RAY_JOB = "FailedToUpdateRayJob"
+    RAY_JOB_MISSING = "RayJobMissing"
+    # the Ray cluster and the trainer, as KubeRay reports them
+    RAY_JOB_PENDING = "RayJobPending"
+    CLUSTER_PROVISIONING = "ClusterProvisioning"
+    CLUSTER_READY = "ClusterReady"
+    CLUSTER_SHUT_DOWN = "ClusterShutDown"
+    RETRYING = "Retrying"
+    RESUMING = "Resuming"
+    SUSPENDED = "Suspended"
+    TRAINER_PENDING = "TrainerPending"
+    TRAINER_RUNNING = "TrainerRunning"
+    SUCCEEDED = "Succeeded"
+    # failures: KubeRay's RayJob reasons (rayjob_types.go JobFailedReason) mapped onto ours
+    TRAINER_FAILED = "TrainerFailed"
+    TRAINER_STOPPED = "TrainerStopped"
+    SUBMISSION_FAILED = "SubmissionFailed"
+    DEADLINE_EXCEEDED = "DeadlineExceeded"
+    RAY_JOB_REJECTED = "RayJobRejected"
+    CLUSTER_STUCK = "ClusterStuck"
+    RAY_JOB_FAILED = "RayJobFailed"
+
+
+# RayJob .status.reason -> our reason (anything else is RAY_JOB_FAILED)
+KUBERAY_FAILURE_REASONS: dict[str, Reason] = {
+    "AppFailed": Reason.TRAINER_FAILED,
+    "SubmissionFailed": Reason.SUBMISSION_FAILED,
+    "DeadlineExceeded": Reason.DEADLINE_EXCEEDED,
+    "ValidationFailed": Reason.RAY_JOB_REJECTED,
+    "JobDeploymentStatusTransitionGracePeriodExceeded": Reason.CLUSTER_STUCK,
+}

@@ -1,0 +1,206 @@
+"""The operator (`kora operator`, a real subprocess) against the real API server with KubeRay's CRDs.
+
+KubeRay's controller does not run here (test_kuberay.py runs it): these tests write the RayJob's
+status themselves, as KubeRay would, and watch the LoRATrainingJob follow.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from localcluster import wait_for
+from operatorkit import Operator, apply, children, events, get, install_crds, job_status, patch_ray_status
+from specs import set_path, valid_job
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLES = sorted((ROOT / "manifests/samples").glob("*.yaml"))
+LOGS = Path("/tmp/kora-logs")
+WAIT = 30
+
+
+@pytest.fixture(scope="module")
+def ns(cluster):
+    install_crds(cluster)
+    name = f"op-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    yield name
+    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture(scope="module")
+def operator(cluster, ns):
+    op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log").start()
+    yield op
+    op.stop()
+
+
+def wait_phase(cluster, name, ns, phase):
+    return wait_for(lambda: (s := job_status(cluster, name, ns)).get("phase") == phase and s,
+                    timeout=WAIT, interval=0.2, what=f"ltj {name} phase {phase} (now {job_status(cluster, name, ns)})")
+
+
+def wait_children(cluster, name, ns):
+    def one_each():
+        got = children(cluster, name, ns)
+        return got if all(len(v) == 1 for v in got.values()) else None
+    return wait_for(one_each, timeout=WAIT, interval=0.2, what=f"the children of {name}")
+
+
+def condition(status, type_):
+    return next(c for c in status["conditions"] if c["type"] == type_)
+
+
+def reasons(cluster, name, ns):
+    return [(e["type"], e["reason"]) for e in events(cluster, name, ns)]
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
+def test_each_sample_gets_exactly_one_configmap_secret_and_rayjob(cluster, ns, operator, sample):
+    doc = yaml.safe_load(sample.read_text())
+    name = doc["metadata"]["name"]
+    cluster.kubectl("apply", "-n", ns, "-f", str(sample))
+    kids = wait_children(cluster, name, ns)
+    uid = get(cluster, "ltj", name, ns)["metadata"]["uid"]
+    for (obj,) in kids.values():
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("LoRATrainingJob", name, uid, True)
+    (rayjob,) = kids["RayJob"]
+    # the API server accepted it against KubeRay's own schema; KubeRay's defaults were applied
+    assert rayjob["spec"]["submissionMode"] == "K8sJobMode"
+    assert rayjob["spec"]["entrypoint"] == "python -m kora_trainer.train --config /etc/kora/job.yaml"
+    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert 8068 in [p["containerPort"] for p in head["ports"]]
+    (secret,) = kids["Secret"]
+    assert len(secret["data"]["token"]) > 40  # base64 of a real token, not the render placeholder
+    status = wait_phase(cluster, name, ns, "Pending")
+    assert condition(status, "Validated")["status"] == "True"
+    assert status["rayJobName"] == rayjob["metadata"]["name"]
+    assert status["syncMode"] == doc["spec"]["lora"].get("syncMode", "Merge")
+    got = reasons(cluster, name, ns)
+    for r in ("CreatedConfigMap", "CreatedSecret", "CreatedRayJob", "Validated"):
+        assert ("Normal", r) in got
+
+
+def test_status_follows_the_rayjob_to_succeeded(cluster, ns, operator):
+    apply(cluster, valid_job("happy", lora={"rank": 8, "syncMode": "Adapter"}), ns)
+    rj = wait_children(cluster, "happy", ns)["RayJob"][0]["metadata"]["name"]
+    wait_phase(cluster, "happy", ns, "Pending")
+    patch_ray_status(cluster, rj, ns, {"jobDeploymentStatus": "Initializing", "rayClusterName": f"{rj}-x7k2p",
+                                       "startTime": "2026-11-30T10:00:00Z"})
+    s = wait_phase(cluster, "happy", ns, "Provisioning")
+    assert condition(s, "ClusterReady")["reason"] == "ClusterProvisioning"
+    assert s["rayClusterName"] == f"{rj}-x7k2p" and s["startTime"] == "2026-11-30T10:00:00Z"
+    patch_ray_status(cluster, rj, ns, {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING",
+                                       "dashboardURL": f"{rj}-x7k2p-head-svc.{ns}.svc.cluster.local:8265"})
+    s = wait_phase(cluster, "happy", ns, "Running")
+    ready_at = condition(s, "ClusterReady")["lastTransitionTime"]
+    assert condition(s, "ClusterReady")["status"] == "True" and condition(s, "Training")["status"] == "True"
+    assert s["dashboardURL"].endswith(":8265")
+    row = cluster.kubectl("get", "ltj", "happy", "-n", ns, "--no-headers").stdout.split()
+    assert row[:3] == ["happy", "Adapter", "Running"]
+    patch_ray_status(cluster, rj, ns, {"jobDeploymentStatus": "Complete", "jobStatus": "SUCCEEDED",
+                                       "endTime": "2026-11-30T11:00:00Z"})
+    s = wait_phase(cluster, "happy", ns, "Succeeded")
+    assert condition(s, "Complete")["status"] == "True" and s["completionTime"] == "2026-11-30T11:00:00Z"
+    assert condition(s, "ClusterReady")["lastTransitionTime"] >= ready_at
+    got = reasons(cluster, "happy", ns)
+    for r in ("ClusterProvisioning", "ClusterReady", "TrainerRunning", "Succeeded"):
+        assert ("Normal", r) in got, got
+    describe = cluster.kubectl("describe", "ltj", "happy", "-n", ns).stdout
+    LOGS.mkdir(exist_ok=True)
+    (LOGS / "describe-ltj-succeeded.txt").write_text(describe)
+    assert "Phase:" in describe and "Succeeded" in describe and "CreatedRayJob" in describe
+
+
+def test_a_failed_rayjob_fails_the_job_with_a_warning(cluster, ns, operator):
+    apply(cluster, valid_job("sad"), ns)
+    rj = wait_children(cluster, "sad", ns)["RayJob"][0]["metadata"]["name"]
+    patch_ray_status(cluster, rj, ns, {"jobDeploymentStatus": "Running", "jobStatus": "RUNNING"})
+    wait_phase(cluster, "sad", ns, "Running")
+    patch_ray_status(cluster, rj, ns, {"jobDeploymentStatus": "Failed", "jobStatus": "FAILED", "reason": "AppFailed",
+                                       "message": "Job entrypoint command failed with exit code 1", "failed": 1})
+    s = wait_phase(cluster, "sad", ns, "Failed")
+    failed = condition(s, "Failed")
+    assert (failed["status"], failed["reason"]) == ("True", "TrainerFailed")
+    assert "exit code 1" in failed["message"]
+    assert ("Warning", "TrainerFailed") in reasons(cluster, "sad", ns)
+
+
+def test_an_invalid_spec_fails_validation_and_gets_no_rayjob(cluster, ns, operator, tmp_path):
+    # rule 4 needs the model's config.json, so the CRD cannot check it; the operator (which can
+    # read this path, being a local process here) can
+    model = tmp_path / "vl-model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2_5_vl", "vision_config": {"depth": 2}}))
+    doc = valid_job("vl-bad", lora={"rank": 8, "syncMode": "Adapter", "scope": "all"})
+    doc["spec"]["model"]["path"] = str(model)
+    apply(cluster, doc, ns)
+    s = wait_phase(cluster, "vl-bad", ns, "Failed")
+    validated = condition(s, "Validated")
+    assert (validated["status"], validated["reason"]) == ("False", "ValidationFailed")
+    assert "lora.scope" in validated["message"]
+    assert ("Warning", "ValidationFailed") in reasons(cluster, "vl-bad", ns)
+    assert all(v == [] for v in children(cluster, "vl-bad", ns).values())
+
+
+def test_unset_sync_mode_warns_and_uses_merge(cluster, ns, operator):
+    doc = valid_job("nomode")
+    del doc["spec"]["lora"]["syncMode"]
+    apply(cluster, doc, ns)
+    wait_children(cluster, "nomode", ns)
+    assert job_status(cluster, "nomode", ns).get("syncMode") == "Merge"
+    wait_for(lambda: ("Warning", "SyncModeDefaulted") in reasons(cluster, "nomode", ns), timeout=WAIT,
+             what="a SyncModeDefaulted warning")
+
+
+def test_suspend_and_lifecycle_fields_reach_the_rayjob(cluster, ns, operator):
+    doc = valid_job("pause")
+    apply(cluster, doc, ns)
+    rj = wait_children(cluster, "pause", ns)["RayJob"][0]["metadata"]["name"]
+    apply(cluster, set_path(set_path(doc, "suspend", True), "backoffLimit", 2), ns)
+    wait_for(lambda: get(cluster, "rayjob", rj, ns)["spec"]["suspend"] is True, timeout=WAIT, what="suspended RayJob")
+    assert get(cluster, "rayjob", rj, ns)["spec"]["backoffLimit"] == 2
+    s = wait_phase(cluster, "pause", ns, "Suspended")
+    assert condition(s, "ClusterReady")["reason"] == "Suspended"
+    patch_ray_status(cluster, rj, ns, {"jobDeploymentStatus": "Suspended"})
+    apply(cluster, set_path(doc, "backoffLimit", 2), ns)  # resume
+    wait_for(lambda: get(cluster, "rayjob", rj, ns)["spec"]["suspend"] is False, timeout=WAIT, what="resumed RayJob")
+    s = wait_phase(cluster, "pause", ns, "Provisioning")
+    assert condition(s, "ClusterReady")["reason"] == "Resuming"
+    assert ("Normal", "UpdatedRayJob") in reasons(cluster, "pause", ns)
+
+
+def test_a_deleted_rayjob_is_recreated(cluster, ns, operator):
+    apply(cluster, valid_job("phoenix"), ns)
+    old = wait_children(cluster, "phoenix", ns)["RayJob"][0]["metadata"]
+    cluster.kubectl("delete", "rayjob", old["name"], "-n", ns)
+    wait_for(lambda: (r := get(cluster, "rayjob", old["name"], ns)) and r["metadata"]["uid"] != old["uid"],
+             timeout=WAIT, what="the RayJob to come back")
+
+
+def test_deleting_the_job_garbage_collects_its_children(cluster, ns, operator):
+    apply(cluster, valid_job("doomed"), ns)
+    wait_children(cluster, "doomed", ns)
+    cluster.kubectl("delete", "ltj", "doomed", "-n", ns, "--wait=true", "--timeout=30s")
+    wait_for(lambda: all(v == [] for v in children(cluster, "doomed", ns).values()), timeout=60, interval=0.5,
+             what="kube-controller-manager's garbage collector to remove the children")
+
+
+def test_metrics_count_reconciles(operator):
+    wait_for(lambda: 'kora_reconciles_total{result="success"' in operator.metrics()
+             or 'result="success",trigger=' in operator.metrics(), timeout=WAIT, what="reconcile metrics")
+    text = operator.metrics()
+    assert "kora_reconcile_duration_seconds_bucket" in text and "kora_children_created_total" in text
+
+
+def test_cluster_shape_cannot_change_on_a_created_job(cluster, ns, operator):
+    doc = valid_job("frozen")
+    apply(cluster, doc, ns)
+    res = cluster.kubectl("apply", "-n", ns, "-f", "-", check=False,
+                          input=yaml.safe_dump(set_path(doc, "resources.workers", 4)))
+    assert res.returncode != 0 and "spec.resources is immutable" in res.stderr

@@ -1,0 +1,120 @@
+"""Helpers for tests that run the real operator (`kora operator`, a subprocess) against the local
+control plane: CRD installation (ours and KubeRay's), the operator process, and object queries."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from localcluster import LocalCluster, free_ports, wait_for
+
+ROOT = Path(__file__).resolve().parents[1]
+KORA = Path(sys.executable).with_name("kora")
+CHILD_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "rayjobs.ray.io": "RayJob"}
+
+
+def install_crds(cluster: LocalCluster) -> None:
+    """Our CRDs and KubeRay's (rayjobs is > 256 KiB: server-side apply, no last-applied annotation)."""
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(ROOT / "manifests/crds"))
+    cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(cluster.bin_dir / "kuberay-crds"))
+    names = ["loratrainingjobs.kora.dev", "loraadapters.kora.dev", "rayjobs.ray.io", "rayclusters.ray.io"]
+    # right after creation a CRD has no conditions yet and `kubectl wait` errors out: retry it
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", *[f"crd/{n}" for n in names],
+                                     "--timeout=30s", check=False).returncode == 0, timeout=60, what="CRDs established")
+    wait_for(lambda: cluster.kubectl("get", "ltj,rayjobs", "-A", check=False).returncode == 0,
+             timeout=30, interval=0.3, what="ltj and rayjobs in discovery")
+
+
+class Operator:
+    """`kora operator` as a subprocess in its own session, stopped by its pid."""
+
+    def __init__(self, cluster: LocalCluster, namespaces: list[str], log: Path, kubeconfig: Path | None = None) -> None:
+        self.cluster, self.namespaces, self.log, self.kubeconfig = cluster, namespaces, log, kubeconfig
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.liveness_port, self.metrics_port = free_ports(2)
+
+    def start(self, timeout: float = 60) -> Operator:
+        args = [str(KORA), "operator", "--liveness", f"http://127.0.0.1:{self.liveness_port}/healthz",
+                "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"]
+        for ns in self.namespaces:
+            args += ["--namespace", ns]
+        env = self.cluster.env()
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.kubeconfig is not None:  # e.g. a service account's credentials instead of the admin's
+            env["KUBECONFIG"] = str(self.kubeconfig)
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as fh:
+            self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
+                                         env=env, start_new_session=True)
+        wait_for(self.healthy, timeout=timeout, interval=0.2, what=f"the operator's liveness (log {self.log})")
+        return self
+
+    def healthy(self) -> bool:
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the operator exited {self.proc.returncode}; log:\n{self.log.read_text()[-3000:]}")
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.liveness_port}/healthz", timeout=2) as r:
+            return bool(r.status == 200)
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return str(r.read().decode())
+
+    def kill(self) -> None:
+        """SIGKILL: no cleanup, as when a node dies or the OOM killer strikes."""
+        assert self.proc is not None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+
+def get(cluster: LocalCluster, kind: str, name: str, ns: str) -> dict[str, Any] | None:
+    res = cluster.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
+    return json.loads(res.stdout) if res.returncode == 0 else None
+
+
+def children(cluster: LocalCluster, job: str, ns: str) -> dict[str, list[dict[str, Any]]]:
+    """Every ConfigMap, Secret and RayJob labelled as this job's, by kind."""
+    out = cluster.kubectl("get", ",".join(CHILD_KINDS), "-n", ns, "-l", f"kora.dev/job-name={job}", "-o", "json")
+    items = json.loads(out.stdout)["items"]
+    return {kind: [i for i in items if i["kind"] == kind] for kind in CHILD_KINDS.values()}
+
+
+def apply(cluster: LocalCluster, doc: dict[str, Any], ns: str) -> None:
+    cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+
+
+def patch_ray_status(cluster: LocalCluster, name: str, ns: str, status: dict[str, Any]) -> None:
+    """Write the RayJob's status as KubeRay would (through its /status subresource)."""
+    cluster.kubectl("patch", "rayjob", name, "-n", ns, "--subresource=status", "--type=merge",
+                    "-p", json.dumps({"status": status}))
+
+
+def job_status(cluster: LocalCluster, name: str, ns: str) -> dict[str, Any]:
+    got = get(cluster, "ltj", name, ns)
+    return (got or {}).get("status") or {}
+
+
+def events(cluster: LocalCluster, name: str, ns: str) -> list[dict[str, Any]]:
+    out = cluster.kubectl("get", "events", "-n", ns, "--field-selector",
+                          f"involvedObject.name={name},involvedObject.kind=LoRATrainingJob", "-o", "json")
+    return list(json.loads(out.stdout)["items"])

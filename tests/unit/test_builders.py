@@ -1,0 +1,136 @@
+"""The pure builders: ConfigMap, Secret and RayJob from a LoRATrainingJob."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from kora_operator.builders.children import build_children
+from kora_operator.builders.names import MAX_RAYJOB_NAME, ray_job_name, secret_name
+from kora_operator.builders.rayjob import CONTROL_PORT, ENTRYPOINT, build_ray_job, mutable_spec
+from kora_operator.builders.secret import build_secret, new_token
+from kora_operator.validation import validate_job
+from specs import set_path, valid_job
+
+UID = "0b8c7d52-1111-4222-8333-444455556666"
+
+
+def job(doc=None, **meta):
+    doc = doc or valid_job("demo")
+    doc["metadata"].update({"namespace": "team-a", "uid": UID, **meta})
+    parsed, problems = validate_job(doc)
+    assert parsed is not None and not [p for p in problems if p.severity == "error"], problems
+    return parsed
+
+
+def container(pod_template):
+    (c,) = pod_template["spec"]["containers"]
+    return c
+
+
+def test_every_child_is_owned_by_the_job_and_labelled():
+    for obj in build_children(job(), "tok"):
+        meta = obj["metadata"]
+        assert meta["namespace"] == "team-a"
+        (owner,) = meta["ownerReferences"]
+        assert owner == {"apiVersion": "kora.dev/v1alpha1", "kind": "LoRATrainingJob", "name": "demo",
+                         "uid": UID, "controller": True, "blockOwnerDeletion": True}
+        assert meta["labels"]["kora.dev/job-name"] == "demo"
+        assert meta["labels"]["kora.dev/component"]
+    kinds = [o["kind"] for o in build_children(job(), "tok")]
+    assert kinds == ["ConfigMap", "Secret", "RayJob"]
+
+
+def test_no_owner_reference_without_a_uid():
+    parsed, _ = validate_job(valid_job("demo"))
+    assert parsed is not None
+    assert all("ownerReferences" not in o["metadata"] for o in build_children(parsed, "tok"))
+
+
+def test_runtime_ray_gets_no_rayjob():
+    doc = set_path(set_path(valid_job("demo"), "runtime.kind", "Ray"), "runtime.address", "http://127.0.0.1:8265")
+    assert [o["kind"] for o in build_children(job(doc), "tok")] == ["ConfigMap", "Secret"]
+
+
+def test_secret_carries_the_given_token_and_tokens_are_random():
+    s = build_secret(job(), "abc")
+    assert s["stringData"] == {"token": "abc"} and s["type"] == "Opaque"
+    assert s["metadata"]["name"] == secret_name("demo") == "demo-control-token"
+    a, b = new_token(), new_token()
+    assert a != b and len(a) >= 43 and re.fullmatch(r"[A-Za-z0-9_-]+", a)
+
+
+def test_rayjob_lifecycle_fields_follow_the_spec():
+    doc = valid_job("demo", suspend=True, backoffLimit=3, ttlSecondsAfterFinished=60, queueName="team-a-q")
+    rj = build_ray_job(job(doc))
+    assert rj["apiVersion"] == "ray.io/v1" and rj["kind"] == "RayJob"
+    spec = rj["spec"]
+    assert spec["entrypoint"] == ENTRYPOINT == "python -m kora_trainer.train --config /etc/kora/job.yaml"
+    assert spec["suspend"] is True and spec["backoffLimit"] == 3
+    assert spec["shutdownAfterJobFinishes"] is True and spec["ttlSecondsAfterFinished"] == 60
+    assert rj["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a-q"
+    assert mutable_spec(job(doc)) == {"suspend": True, "backoffLimit": 3, "ttlSecondsAfterFinished": 60}
+
+
+def test_no_queue_label_without_queue_name():
+    assert "kueue.x-k8s.io/queue-name" not in build_ray_job(job())["metadata"]["labels"]
+
+
+def test_head_and_workers_get_resources_volumes_and_ports():
+    doc = valid_job("demo", resources={
+        "workers": 2, "gpusPerWorker": 4, "cpu": "8", "memory": "64Gi", "shmSize": "8Gi",
+        "nodeSelector": {"gpu": "h100"}, "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}],
+    })
+    doc["spec"]["model"]["volume"] = {"persistentVolumeClaim": {"claimName": "models"}, "mountPath": "/mnt/m"}
+    rc = build_ray_job(job(doc))["spec"]["rayClusterSpec"]
+    head = container(rc["headGroupSpec"]["template"])
+    assert head["image"] == "ghcr.io/kora-dev/kora-trainer:0.1.0"
+    assert "nvidia.com/gpu" not in head["resources"]["limits"]
+    assert {"name": "kora-control", "containerPort": CONTROL_PORT, "protocol": "TCP"} in head["ports"]
+    (group,) = rc["workerGroupSpecs"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2
+    worker = container(group["template"])
+    assert worker["resources"]["limits"] == {"cpu": "8", "memory": "64Gi", "nvidia.com/gpu": "4"}
+    assert worker["resources"]["requests"] == worker["resources"]["limits"]
+    assert group["template"]["spec"]["nodeSelector"] == {"gpu": "h100"}
+    assert group["template"]["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    for tmpl, component in ((rc["headGroupSpec"]["template"], "ray-head"), (group["template"], "ray-worker")):
+        assert tmpl["metadata"]["labels"]["kora.dev/component"] == component
+        vols = {v["name"]: v for v in tmpl["spec"]["volumes"]}
+        mounts = {m["name"]: m["mountPath"] for m in container(tmpl)["volumeMounts"]}
+        assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"} and mounts["dshm"] == "/dev/shm"
+        assert vols["trainer-config"]["configMap"]["name"] == "demo-trainer-config"
+        assert mounts["trainer-config"] == "/etc/kora"
+        assert vols["data"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": False}
+        assert mounts["data"] == "/mnt/m"
+        env = {e["name"]: e["value"] for e in container(tmpl)["env"]}
+        assert env["NCCL_DEBUG"] and env["NCCL_SOCKET_IFNAME"] and env["KORA_JOB_NAME"] == "demo"
+        # only the head (the driver, which serves :8068) sees the token
+        assert ("control-token" in vols) == (component == "ray-head")
+        assert ("KORA_CONTROL_TOKEN_FILE" in env) == (component == "ray-head")
+
+
+def test_zero_workers_puts_the_gpus_on_the_head():
+    doc = valid_job("demo", resources={"workers": 0, "gpusPerWorker": 2})
+    rc = build_ray_job(job(doc))["spec"]["rayClusterSpec"]
+    assert rc["workerGroupSpecs"] == []
+    assert container(rc["headGroupSpec"]["template"])["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_builders_are_pure():
+    a, b = job(), job()
+    assert build_children(a, "t") == build_children(b, "t")
+
+
+@pytest.mark.parametrize("name", ["demo", "a" * 63, "1st-job", "my.job.v2", "x" * 253])
+def test_rayjob_names_fit_kuberay(name):
+    got = ray_job_name(name)
+    assert len(got) <= MAX_RAYJOB_NAME
+    assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", got), got
+    assert got == ray_job_name(name)  # deterministic
+
+
+def test_distinct_long_names_do_not_collide():
+    assert ray_job_name("a" * 60 + "1") != ray_job_name("a" * 60 + "2")
+    assert ray_job_name("my.job") != ray_job_name("my-job")
