@@ -1,0 +1,163 @@
+"""Shared helpers for the engine tests: start the reference engine as a real process, build PEFT
+adapters with `peft` itself, compute reference log-probs with plain transformers forwards, and
+play the trainer's side of a weight push (rank 0 of a real gloo group)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kora_trainer.rollout.client import EngineClient
+from kora_trainer.sync.group import WeightUpdateGroup, free_port, init_weight_update_group
+from kora_trainer.sync.protocol import FLAT, Bucket, pack, plan_buckets
+
+PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14], [1, 9, 9, 13, 9, 9, 14, 4]]
+ATOL = 1e-4  # fp32 engine vs fp32 reference forward: batching/padding/KV-cache change summation order only
+
+
+@dataclass
+class EngineProc:
+    proc: subprocess.Popen
+    url: str
+    log: Path
+
+    def client(self, **kw: object) -> EngineClient:
+        return EngineClient(self.url, **kw)  # type: ignore[arg-type]
+
+
+def start_engine(model_dir: Path, log_dir: Path, *extra: str, device: str = "cpu",
+                 timeout_s: float = 120.0) -> EngineProc:
+    """`python -m kora_trainer.rollout.hf_server` on a free port; waits (bounded) for /health."""
+    port = free_port()
+    log = log_dir / f"engine-{port}.log"
+    cmd = [sys.executable, "-m", "kora_trainer.rollout.hf_server", "--model-path", str(model_dir),
+           "--port", str(port), "--device", device, "--num-threads", "1", *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    engine = EngineProc(proc, f"http://127.0.0.1:{port}", log)
+    try:
+        with engine.client() as c:
+            c.wait_healthy(timeout_s=timeout_s)
+    except TimeoutError:
+        stop_engine(engine)
+        raise RuntimeError(f"engine did not start:\n{log.read_text()[-3000:]}") from None
+    return engine
+
+
+def stop_engine(engine: EngineProc) -> None:
+    engine.proc.terminate()
+    try:
+        engine.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        engine.proc.kill()
+        engine.proc.wait(timeout=10)
+
+
+def load_hf(model_dir: Path, device: str = "cpu") -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.to(device).eval()
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, prompt: Sequence[int], output_ids: Sequence[int]) -> list[float]:
+    """log p(output token t | prompt, outputs < t) from one plain forward over prompt + output."""
+    ids = torch.tensor([list(prompt) + list(output_ids)], device=next(model.parameters()).device)
+    logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)  # [T, V]
+    start = len(prompt) - 1
+    return [float(logp[start + i, tok]) for i, tok in enumerate(output_ids)]
+
+
+def make_peft_adapter(model_dir: Path, out_dir: Path, seed: int, r: int = 4, alpha: float = 8.0,
+                      targets: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"), device: str = "cpu",
+                      ) -> tuple[Path, torch.nn.Module]:
+    """A LoRA adapter made by `peft` itself (B non-zero so it changes the output), saved with save_pretrained."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=r, lora_alpha=alpha, target_modules=list(targets))
+    peft_model = get_peft_model(load_hf(model_dir, device), config)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.3)
+    peft_model.save_pretrained(out_dir)
+    return out_dir, peft_model.eval()
+
+
+def peft_tensors(peft_model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The adapter as PEFT saves it: base_model.model.<module>.lora_A.weight, ..."""
+    from peft import get_peft_model_state_dict
+
+    return [(k, v.detach().clone()) for k, v in get_peft_model_state_dict(peft_model).items()]
+
+
+def peft_config_dict(peft_model: torch.nn.Module) -> dict:
+    """adapter_config.json's contents (JSON-safe: sets become sorted lists)."""
+    return json.loads(json.dumps(peft_model.peft_config["default"].to_dict(),
+                                 default=lambda v: sorted(v) if isinstance(v, set) else str(v)))
+
+
+def random_weights(model: torch.nn.Module, seed: int,
+                   names: Sequence[str] | None = None) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    return [(n, torch.randn(params[n].shape, generator=g) * 0.2) for n in (names or list(params))]
+
+
+@contextmanager
+def trainer_group(client: EngineClient, group_name: str = "weight_update_group",
+                  backend: str = "gloo") -> Iterator[WeightUpdateGroup]:
+    """The test process as trainer rank 0, the engine as rank 1 (gloo on CPU, nccl on GPU)."""
+    port = free_port()
+    fut = client.submit(client.init_weights_update_group, "127.0.0.1", port, 1, 2, group_name, backend)
+    group = init_weight_update_group("127.0.0.1", port, 0, 2, group_name, backend, timeout_s=60)
+    assert fut.result(timeout=60)["success"]
+    try:
+        yield group
+    finally:
+        client.destroy_weights_update_group(group_name)
+
+
+def broadcast_bucket(group: WeightUpdateGroup, bucket: Bucket, tensors: dict[str, torch.Tensor],
+                     load_format: str | None) -> None:
+    if load_format == FLAT:
+        group.broadcast(pack(bucket, tensors, group.device))
+    else:
+        for name in bucket.metadata()["names"]:
+            group.broadcast(tensors[name].detach().to(group.device).contiguous())
+
+
+def push_weights(client: EngineClient, group: WeightUpdateGroup, named: list[tuple[str, torch.Tensor]], cap: int,
+                 load_format: str | None, **fields: object) -> list[dict]:
+    """The trainer's side of a full-weight push: one HTTP call (in a thread) + one broadcast per bucket."""
+    tensors = dict(named)
+    results = []
+    for bucket in plan_buckets([[nt] for nt in named], cap):
+        fut = client.submit(client.update_weights_from_distributed, bucket.metadata(), load_format=load_format,
+                            **fields)
+        broadcast_bucket(group, bucket, tensors, load_format)
+        results.append(fut.result(timeout=60))
+    return results
+
+
+def engine_vs_reference(client: EngineClient, reference: torch.nn.Module, lora_path: str | None = None,
+                        prompts: Sequence[Sequence[int]] = PROMPTS, max_new_tokens: int = 4) -> float:
+    """Largest |engine log-prob - reference log-prob| over greedy continuations of `prompts`."""
+    outs = client.generate(prompts, {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+                           lora_path=lora_path)
+    worst = 0.0
+    for prompt, out in zip(prompts, outs, strict=True):
+        ref = reference_logprobs(reference, prompt, out.output_ids)
+        worst = max(worst, max(abs(a - b) for a, b in zip(out.output_logprobs, ref, strict=True)))
+    return worst

@@ -1,0 +1,69 @@
+"""A tiny random Qwen3ForCausalLM and its tokenizer, written to disk for tests.
+
+Tests load models the way production does (`from_pretrained` on a directory), so this module
+saves a real checkpoint (config.json + model.safetensors) and a real tokenizer
+(tokenizer.json + tokenizer_config.json) rather than handing objects around. The vocabulary is
+the toy task's: the ten digits, `+`, `=`, and the special tokens pad, bos, eos (15 tokens; the
+model's embedding has `vocab` >= 15 rows, the rest unused).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SPECIALS = ("<pad>", "<bos>", "<eos>")
+SYMBOLS = (*"0123456789", "+", "=")
+TOKENS = (*SPECIALS, *SYMBOLS)  # id = position: pad 0, bos 1, eos 2, '0' 3 … '9' 12, '+' 13, '=' 14
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+
+def make_tokenizer():  # -> transformers.PreTrainedTokenizerFast
+    """A character-level WordLevel tokenizer: every digit/symbol is one token, bos is prepended."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(TOKENS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    # split into single characters (and drop whitespace) so "12+34=" -> 1 2 + 3 4 =
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Split("", behavior="isolated")])
+    tok.decoder = decoders.Fuse()  # join tokens without spaces: "1 2" decodes to "12"
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", BOS_ID)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<pad>",
+        clean_up_tokenization_spaces=False)
+
+
+def make_tiny_model(dir: str | Path, seed: int = 0, vocab: int = 16, hidden: int = 64, layers: int = 2,
+                    heads: int = 4, kv_heads: int = 2, intermediate: int = 128) -> Path:
+    """Write a randomly initialised Qwen3ForCausalLM (float32) plus tokenizer to `dir`; returns its path."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    if vocab < len(TOKENS):
+        raise ValueError(f"vocab must hold the {len(TOKENS)} toy tokens")
+    out = Path(dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = Qwen3Config(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        num_key_value_heads=kv_heads, head_dim=hidden // heads, intermediate_size=intermediate,
+        max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=PAD_ID, bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID, dtype="float32")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # from_config's init is small (std 0.02); widen it so random models give varied, non-flat logits
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.generation_config.pad_token_id = PAD_ID
+    model.save_pretrained(out, safe_serialization=True)
+    make_tokenizer().save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(make_tiny_model(sys.argv[1] if len(sys.argv) > 1 else "/tmp/kora-tiny"))

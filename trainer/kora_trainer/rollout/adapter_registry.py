@@ -1,0 +1,105 @@
+"""Which adapters the engine serves, under which names — with SGLang's load/unload semantics.
+
+sglang 0.5.23 (`sglang/srt/lora/lora_manager.py`, `lora_registry.py`, TM `_resolve_lora_path`):
+- loading a name that is already loaded fails: "Failed to load LoRA adapter <name> because it is
+  already loaded" (replace = unload then load);
+- unloading an unknown name fails: "LoRA with name <name> does not exist. Loaded LoRAs: …";
+- unload is not permanent: a later request naming an unloaded adapter silently reloads it from its
+  original path; only a name that was never loaded is an error ("Got LoRA adapter that has never
+  been loaded: …"). An adapter that came over the wire has no path to reload from, so naming it
+  after its unload is an error here ⚠ (0.5.23 would try to load the path "__tensor__").
+- kora's `upsert` (the `/load_lora_adapter_from_distributed` extension) replaces the adapter
+  under a name atomically, loaded or not; requests already admitted keep the old object.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import torch
+
+from kora_trainer.rollout.engine_model import EngineModel
+from kora_trainer.rollout.lora_adapters import LoRAAdapter, build_adapter, read_peft_dir
+
+WIRE_SOURCES = ("__tensor__", "__distributed__")
+
+
+class AdapterRegistry:
+    def __init__(self, engine: EngineModel):
+        self.engine = engine
+        self._adapters: dict[str, LoRAAdapter] = {}
+        self._ref_cache: dict[str, str] = {}  # every name ever loaded -> its source (never shrinks)
+        self._lock = threading.Lock()
+
+    def loaded(self) -> dict[str, str]:
+        with self._lock:
+            return {name: a.source for name, a in self._adapters.items()}
+
+    def get(self, name: str) -> LoRAAdapter | None:
+        return self._adapters.get(name)
+
+    def _build(self, name: str, source: str, config: dict, named: Iterable[tuple[str, torch.Tensor]],
+               version: str | None = None) -> LoRAAdapter:
+        e = self.engine
+        return build_adapter(name, source, config, named, e.model, e.dtype, e.device, e.max_lora_rank, version)
+
+    def _register(self, adapter: LoRAAdapter, upsert: bool = False) -> None:
+        with self._lock:
+            if not upsert and adapter.name in self._adapters:
+                raise ValueError(f"Failed to load LoRA adapter {adapter.name} because it is already loaded")
+            self._adapters[adapter.name] = adapter
+            self._ref_cache[adapter.name] = adapter.source
+
+    def _check_new(self, name: str) -> None:
+        if name in self._adapters:
+            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
+
+    def load_from_dir(self, name: str, path: str) -> LoRAAdapter:
+        self._check_new(name)
+        config, named = read_peft_dir(path)
+        adapter = self._build(name, path, config, named)
+        self._register(adapter)
+        return adapter
+
+    def load_from_tensors(self, name: str, config: dict, named: list[tuple[str, torch.Tensor]]) -> LoRAAdapter:
+        self._check_new(name)
+        adapter = self._build(name, "__tensor__", config, named)
+        self._register(adapter)
+        return adapter
+
+    def upsert(self, name: str, config: dict, named: list[tuple[str, torch.Tensor]],
+               version: str | None) -> LoRAAdapter:
+        adapter = self._build(name, "__distributed__", config, named, version)
+        self._register(adapter, upsert=True)
+        return adapter
+
+    def unload(self, name: str) -> None:
+        with self._lock:
+            if name not in self._adapters:
+                names = OrderedDict.fromkeys(self._adapters).keys()  # prints odict_keys([...]) like SGLang
+                raise ValueError(f"LoRA with name {name} does not exist. Loaded LoRAs: {names}")
+            del self._adapters[name]
+
+    def resolve(self, name: str | None) -> LoRAAdapter | None:
+        """The adapter a request names, admitted now (None = the base model)."""
+        if name is None:
+            return None
+        adapter = self._adapters.get(name)
+        if adapter is not None:
+            return adapter
+        source = self._ref_cache.get(name)
+        if source is None:
+            raise ValueError(f"Got LoRA adapter that has never been loaded: {name}\n"
+                             f"All loaded adapters: {dict(self._ref_cache).keys()}.")
+        if source in WIRE_SOURCES:
+            raise ValueError(f"LoRA adapter {name} was unloaded and was loaded from tensors ({source}); "
+                             "it cannot be reloaded implicitly: load it again.")
+        try:
+            return self.load_from_dir(name, source)  # SGLang's "Reloading evicted adapter"
+        except ValueError:
+            adapter = self._adapters.get(name)  # a concurrent request reloaded it first
+            if adapter is None:
+                raise
+            return adapter

@@ -1,0 +1,427 @@
+"""The model side of the reference engine: an HF causal LM, its adapters, batched KV-cached
+generation, and in-place weight updates (full weights, or LoRA pairs folded into a pristine base).
+
+Concurrency (the HTTP layer calls these from worker threads):
+- `lock` is held by a generate call for its whole run and by every weight write, so a weight
+  update waits for in-flight generation — SGLang's model-update writer lock. A generation paused
+  with mode `in_place`/`retract` releases it while paused, which is what lets weight updates run
+  at once during a pause (SGLANG_API.md §4), and `retract` recomputes the KV cache on resume.
+- Adapters are immutable objects in a dict; a request resolves its adapter once, at admission,
+  so an upsert under the same name lets in-flight requests finish on the old adapter.
+- Nothing here is needed to answer `/model_info` or `/health` while an update runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from kora_trainer.rollout.lora_adapters import LoRAAdapter, MultiLoRAHooks
+from kora_trainer.rollout.sampling import SamplingParams, apply_penalties, check_stop, needs_processing, sample_rows
+
+DEFAULT_WEIGHT_VERSION = "default"  # SGLang's ServerArgs.weight_version default
+
+
+@dataclass
+class GenRequest:
+    """One sequence to generate (a prompt expanded by `n` gives n of these)."""
+
+    input_ids: list[int]
+    params: SamplingParams
+    adapter: LoRAAdapter | None = None
+    rid: str = field(default_factory=lambda: uuid.uuid4().hex)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+
+
+@dataclass
+class GenResult:
+    request: GenRequest
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top: list[list[tuple[float, int]]] = field(default_factory=list)
+    input_logprobs: list[float | None] = field(default_factory=list)  # for input positions [start, L)
+    input_top: list[list[tuple[float, int]] | None] = field(default_factory=list)
+    finish_reason: dict[str, Any] | None = None
+    text: str = ""
+    weight_version: str | None = None
+    num_retractions: int = 0
+    started: float = field(default_factory=time.monotonic)
+    latency: float = 0.0
+
+
+class GenerationControl:
+    """`/pause_generation` and `/continue_generation` state shared by all generate calls."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.paused = False
+        self.mode = "abort"
+        self.abort_epoch = 0
+        self.active = 0  # generate calls admitted and not finished
+
+    def pause(self, mode: str) -> None:
+        with self.cond:
+            self.paused, self.mode = True, mode
+            if mode == "abort":
+                self.abort_epoch += 1
+            self.cond.notify_all()
+
+    def abort_all(self) -> None:
+        """`abort_all_requests`: in-flight generations end with finish_reason abort at their next step."""
+        with self.cond:
+            self.abort_epoch += 1
+            self.cond.notify_all()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
+
+    def wait_idle(self, timeout: float) -> bool:
+        with self.cond:
+            return self.cond.wait_for(lambda: self.active == 0, timeout=timeout)
+
+    def admit(self) -> int:
+        """Block while paused (new requests queue, as in SGLang); returns the abort epoch seen."""
+        with self.cond:
+            self.cond.wait_for(lambda: not self.paused)
+            self.active += 1
+            return self.abort_epoch
+
+    def release(self) -> None:
+        with self.cond:
+            self.active -= 1
+            self.cond.notify_all()
+
+
+def _dtype(name: str, config_dtype: Any) -> torch.dtype:
+    if name == "auto":
+        return config_dtype if isinstance(config_dtype, torch.dtype) else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+class EngineModel:
+    def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_loras_per_batch: int = 8,
+                 max_lora_rank: int | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = model_path
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(model_path)
+        self.dtype = _dtype(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
+        self.model: nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        self.model.eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.config = self.model.config
+        self.max_context = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.max_loras_per_batch = max_loras_per_batch
+        self.max_lora_rank = max_lora_rank
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.eos_ids = self._eos_ids()
+        self.lock = threading.Lock()
+        self.control = GenerationControl()
+        self.hooks = MultiLoRAHooks(self.model)
+        self.weight_version = DEFAULT_WEIGHT_VERSION
+        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        # transformers 5.x renames `past_key_values` to `cache` (the old name is deprecated)
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
+        self._keep_kw = "logits_to_keep" in forward_args
+        self._pristine: dict[str, torch.Tensor] = {}  # base W0 of weights a lora_merge has changed
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (self.config, getattr(self.model, "generation_config", None)):
+            eos = getattr(source, "eos_token_id", None)
+            ids.update([eos] if isinstance(eos, int) else list(eos or []))
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # ---- generation -------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenRequest], admit: bool = True) -> list[GenResult]:
+        """Run every request; sub-batches hold at most max_loras_per_batch distinct adapters (base counts).
+
+        admit=False (the health probe) skips the pause gate and the in-flight count.
+        """
+        if not admit:
+            with self.lock:
+                probe = [GenResult(r) for r in requests]
+                self._run_batch(probe, self.control.abort_epoch)
+                return probe
+        epoch = self.control.admit()
+        try:
+            with self.lock:
+                results: list[GenResult] = [GenResult(r) for r in requests]
+                for chunk in self._chunks(requests):
+                    self._run_batch([results[i] for i in chunk], epoch)
+                return results
+        finally:
+            self.control.release()
+
+    def _chunks(self, requests: list[GenRequest]) -> list[list[int]]:
+        chunks: list[list[int]] = []
+        keys: list[set[int]] = []
+        for i, r in enumerate(requests):
+            key = id(r.adapter) if r.adapter is not None else 0
+            for chunk, seen in zip(chunks, keys, strict=True):
+                if key in seen or len(seen) < self.max_loras_per_batch:
+                    chunk.append(i)
+                    seen.add(key)
+                    break
+            else:
+                chunks.append([i])
+                keys.append({key})
+        return chunks
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
+                 last_only: bool = True) -> torch.Tensor:
+        kwargs: dict[str, Any] = {self._cache_kw: cache}
+        if last_only and self._keep_kw:
+            kwargs["logits_to_keep"] = 1  # the lm_head for the last position only
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
+        return out.logits  # [B, T, V]
+
+    def _prefill(self, seq: torch.Tensor, mask: torch.Tensor, all_logits: bool = False) -> tuple[Any, torch.Tensor]:
+        """A fresh KV cache over seq [B, T]; logits [B, T, V] (all_logits) or [B, 1, V]."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding keeps real positions 0..len-1
+        return cache, self._forward(seq, mask, pos, cache, last_only=not all_logits)
+
+    @torch.no_grad()
+    def _run_batch(self, results: list[GenResult], epoch: int) -> None:
+        reqs = [r.request for r in results]
+        b = len(reqs)
+        lens = [len(r.input_ids) for r in reqs]
+        width = max(lens)
+        for n in lens:
+            if n >= self.max_context:
+                raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
+                                 f"({self.max_context} tokens).")
+        seq = torch.full((b, width), self.pad_id, dtype=torch.long, device=self.device)  # [B, L] left-padded
+        mask = torch.zeros((b, width), dtype=torch.long, device=self.device)  # [B, L]
+        for i, r in enumerate(reqs):
+            seq[i, width - lens[i]:] = torch.tensor(r.input_ids, dtype=torch.long)
+            mask[i, width - lens[i]:] = 1
+        adapters = [r.adapter for r in reqs]
+        want_input = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
+        with self.hooks.rows(adapters, self.device):
+            cache, logits = self._prefill(seq, mask, all_logits=want_input)  # [B, L or 1, V]
+        if want_input:
+            for i, res in enumerate(results):
+                self._input_logprobs(res, logits[i, width - lens[i]:], lens[i])
+        next_logits = logits[:, -1, :].float()  # [B, V]
+        active = [True] * b
+        for i, res in enumerate(results):
+            if res.request.params.max_new_tokens == 0:
+                active[i] = False
+                res.finish_reason = {"type": "length", "length": 0}
+        step = 0
+        while any(active):
+            if self.control.abort_epoch != epoch:
+                for i, res in enumerate(results):
+                    if active[i]:
+                        active[i] = False
+                        res.finish_reason = {"type": "abort", "message": "Abort all requests.",
+                                             "status_code": None, "err_type": None}
+                break
+            raw = torch.log_softmax(next_logits, dim=-1).cpu()  # [B, V] raw model log-probs (no temperature)
+            rows = [i for i in range(b) if active[i]]
+            toks = sample_rows(self._processed(results, rows, next_logits), [reqs[i].params for i in rows],
+                               [lens[i] + step for i in rows])
+            chosen = torch.full((b, 1), self.pad_id, dtype=torch.long)
+            for i, tok in zip(rows, toks, strict=True):
+                chosen[i, 0] = tok
+                self._record(results[i], raw[i], tok)
+                active[i] = self._still_running(results[i], lens[i])
+            chosen = chosen.to(self.device)
+            if not any(active):
+                break
+            seq = torch.cat([seq, chosen], dim=1)  # [B, L+t+1]
+            mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
+            step += 1
+            if self._pause_point(results):  # retract: the KV cache is dropped and recomputed
+                with self.hooks.rows(adapters, self.device):
+                    cache, logits = self._prefill(seq, mask)
+                next_logits = logits[:, -1, :].float()
+                continue
+            pos = mask.sum(-1, keepdim=True) - 1  # [B, 1]
+            with self.hooks.rows(adapters, self.device):
+                next_logits = self._forward(chosen, mask, pos, cache)[:, -1, :].float()
+        for res in results:
+            self._finish(res)
+
+    def _pause_point(self, results: list[GenResult]) -> bool:
+        """While paused in place / retract: let weight updates in (release the lock) until continued."""
+        control = self.control
+        with control.cond:
+            if not control.paused or control.mode == "abort":
+                return False
+            mode = control.mode
+            self.lock.release()
+            control.cond.wait_for(lambda: not control.paused)
+        self.lock.acquire()
+        if mode == "retract":
+            for res in results:
+                res.num_retractions += 1
+            return True
+        return False
+
+    def _processed(self, results: list[GenResult], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] -> [len(rows), V] on CPU, with each row's bias / penalties / min_new_tokens mask."""
+        out = logits[rows].float().cpu()  # [R, V]
+        for j, i in enumerate(rows):
+            res = results[i]
+            p = res.request.params
+            if needs_processing(p, len(res.output_ids)):
+                stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+                out[j] = apply_penalties(out[j].clone(), p, res.output_ids, len(res.output_ids), stop_ids)
+        return out
+
+    def _record(self, res: GenResult, raw: torch.Tensor, tok: int) -> None:
+        res.output_ids.append(tok)
+        req = res.request
+        if req.return_logprob:
+            res.output_logprobs.append(float(raw[tok]))
+            if req.top_logprobs_num > 0:
+                top = torch.topk(raw, min(req.top_logprobs_num, raw.numel()))
+                res.output_top.append(list(zip(top.values.tolist(), top.indices.tolist(), strict=True)))
+
+    def _still_running(self, res: GenResult, prompt_len: int) -> bool:
+        p = res.request.params
+        text = str(self.tokenizer.decode(res.output_ids, skip_special_tokens=p.skip_special_tokens)) \
+            if (p.stop or p.stop_regex) else ""
+        stop = check_stop(p, res.output_ids, text, self.eos_ids, self.max_context - prompt_len - len(res.output_ids))
+        if stop.finish_reason is None:
+            return True
+        res.finish_reason = stop.finish_reason
+        if stop.trim_to is not None:
+            res.text = text[: stop.trim_to]
+        return False
+
+    def _input_logprobs(self, res: GenResult, logits: torch.Tensor, n: int) -> None:
+        """logits [n, V] of the prompt's own positions; entry j is log p(token j | tokens < j)."""
+        req = res.request
+        if not req.return_logprob or req.logprob_start_len < 0:
+            return
+        start = min(req.logprob_start_len, n - 1)
+        lp = torch.log_softmax(logits.float(), dim=-1)  # [n, V]
+        ids = req.input_ids
+        for j in range(start, n):
+            if j == 0:
+                res.input_logprobs.append(None)
+                res.input_top.append(None)
+                continue
+            res.input_logprobs.append(float(lp[j - 1, ids[j]]))
+            if req.top_logprobs_num > 0:
+                top = torch.topk(lp[j - 1], min(req.top_logprobs_num, lp.shape[-1]))
+                res.input_top.append(list(zip(top.values.tolist(), top.indices.tolist(), strict=True)))
+
+    def _finish(self, res: GenResult) -> None:
+        p = res.request.params
+        if not res.text:
+            res.text = str(self.tokenizer.decode(res.output_ids, skip_special_tokens=p.skip_special_tokens))
+        adapter = res.request.adapter
+        res.weight_version = adapter.version if adapter is not None and adapter.version else self.weight_version
+        res.latency = time.monotonic() - res.started
+
+    def decode_token(self, tok: int) -> str:
+        return str(self.tokenizer.decode([tok]))
+
+    # ---- weights -----------------------------------------------------------------------------
+
+    def _param(self, name: str) -> torch.Tensor:
+        p = self._params.get(name)
+        if p is None:
+            raise ValueError(f"the model has no weight named {name}")
+        return p
+
+    def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
+        """Full-weight update: copy each tensor in; it becomes the new pristine base for lora_merge."""
+        with self.lock, torch.no_grad():
+            for name, tensor in named:
+                if name not in self._params and name.endswith("rotary_emb.inv_freq"):
+                    continue  # a buffer HF checkpoints sometimes carry; SGLang skips it too
+                p = self._param(name)
+                if tuple(p.shape) != tuple(tensor.shape):
+                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(p.shape)}")
+                p.copy_(tensor.to(device=p.device, dtype=p.dtype))
+                self._pristine.pop(name, None)
+
+    def merge_lora(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, fp32: bool) -> None:
+        """W = W0 + scaling · B A for each module, from the pristine W0 (so merges never accumulate).
+
+        With fp32 the sum is formed in float32 and rounded to the weight dtype once.
+        """
+        with self.lock, torch.no_grad():
+            for module, (a, b) in pairs.items():
+                p = self._param(f"{module}.weight")  # [out, in]
+                if (b.shape[0], a.shape[1]) != tuple(p.shape):
+                    raise ValueError(f"{module}: B {tuple(b.shape)} · A {tuple(a.shape)} does not match weight "
+                                     f"{tuple(p.shape)}")
+                w0 = self._pristine.get(f"{module}.weight")
+                if w0 is None:
+                    w0 = self._pristine[f"{module}.weight"] = p.detach().clone()
+                work = torch.float32 if fp32 else p.dtype
+                a_, b_ = a.to(device=p.device, dtype=work), b.to(device=p.device, dtype=work)
+                merged = w0.to(work) + scaling * (b_ @ a_)  # [out, in]
+                p.copy_(merged.to(p.dtype))
+
+
+@dataclass
+class _Call:
+    requests: list[GenRequest]
+    results: list[GenResult] | None = None
+    error: BaseException | None = None
+
+
+class CallBatcher:
+    """Merges /generate calls that wait for the engine into one forward batch.
+
+    SGLang batches across requests continuously; this is the simple form: while one batch runs, the
+    calls that arrive queue up, and the next thread to get the engine runs all of them together. A
+    trainer that sends a rollout batch as many concurrent calls thus still gets batched forwards.
+    Requests are validated before they queue, so one call's bad input cannot fail another call.
+    """
+
+    def __init__(self, engine: EngineModel):
+        self.engine = engine
+        self._pending: list[_Call] = []
+        self._pending_lock = threading.Lock()
+        self._leader = threading.Lock()  # one merged batch at a time; the rest queue here
+
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        call = _Call(requests)
+        with self._pending_lock:
+            self._pending.append(call)
+        with self._leader:
+            if call.results is None and call.error is None:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                try:
+                    results = self.engine.generate([r for c in batch for r in c.requests])
+                except BaseException as e:  # every merged call sees the failure
+                    for c in batch:
+                        c.error = e
+                else:
+                    start = 0
+                    for c in batch:
+                        c.results = results[start:start + len(c.requests)]
+                        start += len(c.requests)
+        if call.error is not None:
+            raise call.error
+        assert call.results is not None
+        return call.results

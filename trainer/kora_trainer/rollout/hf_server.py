@@ -1,0 +1,501 @@
+"""kora's reference rollout engine: an HTTP server that speaks SGLang's API (sglang 0.5.23).
+
+    python -m kora_trainer.rollout.hf_server --model-path DIR [--host 127.0.0.1] [--port N]
+        [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--max-loras-per-batch N]
+        [--max-lora-rank R] [--api-key K] [--admin-api-key K] [--num-threads T]
+
+SGLang cannot run on our CPU machines, so this server is its stand-in (`rollout.engine: hf`):
+tests, the local demo and the GPU benchmarks drive it through the same client and the same
+routes, fields, defaults, response shapes and error bodies as a real SGLang server
+(../shared/SGLANG_API.md cites the SGLang source lines). It holds an HF model loaded with
+`AutoModelForCausalLM.from_pretrained` and generates with a plain KV-cached loop, one batch per
+`/generate` call (engine_model.py). Log-probs are the raw `log_softmax` of the model's logits
+for each sampled token — temperature, penalties and filters are NOT applied to them — so the
+trainer can compare them with its own policy log-probs.
+
+Routes (SGLang's): /generate, /health, /health_generate, /model_info, /get_model_info,
+/init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
+/update_weights_from_tensor, /load_lora_adapter, /load_lora_adapter_from_tensors,
+/unload_lora_adapter, /flush_cache, /pause_generation, /continue_generation.
+
+kora extensions — SGLang 0.5.23 has no route or field for these:
+- `POST /load_lora_adapter_from_distributed` {lora_name, config_dict, names, dtypes, shapes,
+  byte_ranges?, group_name, load_format, bucket_index, num_buckets, weight_version?}: the adapter's
+  HF-PEFT tensors arrive in buckets over the weight-update group; after the last bucket the
+  adapter under lora_name is replaced atomically (upsert). A stock SGLang cannot receive an
+  adapter over a process group; there the trainer unloads and reloads the adapter from a PEFT
+  directory or from tensors (`/load_lora_adapter_from_tensors`, same host only).
+- EngineMerge: `/update_weights_from_distributed` and `/update_weights_from_tensor` accept
+  `weight_update_mode: "lora_merge"`, `lora_alpha`, `lora_rank`, `merge_fp32`: the tensors are
+  PEFT lora_A/lora_B pairs that the engine folds into a pristine copy of its base,
+  W = W0 + (alpha/rank)·B·A (fp32 then rounded once when merge_fp32). A stock SGLang LLM engine
+  ignores these fields (unknown keys) and would try to load lora_A/lora_B as weights and fail;
+  the mode comes from sglang-diffusion (miles' `LORA_IPC_WEIGHT_UPDATE_MODE`).
+- Weight-update responses add `weight_version` and `checksum` (`sync.protocol.checksum` of the
+  tensors the call applied, in order — `client.applied_checksum` computes the same on the sender;
+  for the adapter route: of the whole adapter, on its last bucket). `/model_info` adds
+  `kora_engine: "hf"`. A request served by an adapter pushed with a `weight_version` reports that
+  version in `meta_info.weight_version` (per-adapter staleness); otherwise the server's version.
+
+Differences from SGLang that a caller can see: no prefix cache (`/flush_cache` only checks for
+idle); no constrained decoding (json_schema/regex/ebnf → 400); `stream: true` sends one final
+chunk per item; `/unload_lora_adapter` returns at once (requests already running keep the adapter
+object they were admitted with); /generate calls that queue while a batch runs are merged into
+the next batch (SGLang batches continuously).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from kora_trainer.rollout import request_bodies as rq
+from kora_trainer.rollout.adapter_registry import AdapterRegistry
+from kora_trainer.rollout.contract import generate_contract_error
+from kora_trainer.rollout.engine_model import CallBatcher, EngineModel, GenRequest
+from kora_trainer.rollout.engine_sync import BucketMeta, WeightReceiver
+from kora_trainer.rollout.generate_io import format_result, parse_generate
+from kora_trainer.rollout.lora_adapters import pair_lora_tensors
+from kora_trainer.rollout.sampling import SamplingParams
+from kora_trainer.sync.protocol import FLAT, checksum
+from kora_trainer.sync.serialize import deserialize_named_tensors, deserialize_payload
+
+log = logging.getLogger("kora.hf_engine")
+
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+OPEN, NORMAL, ADMIN = "open", "normal", "admin"
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
+
+
+@dataclass
+class _AdapterStaging:
+    """Buckets of one adapter received so far (kora's /load_lora_adapter_from_distributed)."""
+
+    next_bucket: int
+    num_buckets: int
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+
+
+class HFEngineServer:
+    def __init__(self, engine: EngineModel, api_key: str | None = None, admin_api_key: str | None = None,
+                 workers: int = 32):
+        self.engine = engine
+        self.adapters = AdapterRegistry(engine)
+        self.batcher = CallBatcher(engine)
+        self.receiver = WeightReceiver()
+        self.api_key, self.admin_api_key = api_key, admin_api_key
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="engine")
+        # every group operation on one thread: collectives must be issued in order
+        self.sync_pool = ThreadPoolExecutor(1, thread_name_prefix="weight-sync")
+        self._staging: dict[str, _AdapterStaging] = {}
+        self._running = asyncio.Event()  # cleared by /pause_generation (created inside the server's loop)
+        self._running.set()
+        self._levels: dict[str, str] = {}
+
+    # ---- app, auth --------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        routes: list[tuple[str, str, Any, str]] = [
+            ("*", "/generate", self.generate, NORMAL),
+            ("GET", "/health", self.health, OPEN),
+            ("GET", "/health_generate", self.health, OPEN),
+            ("GET", "/model_info", self.model_info, NORMAL),
+            ("GET", "/get_model_info", self.get_model_info, NORMAL),
+            ("POST", "/init_weights_update_group", self.init_weights_update_group, ADMIN),
+            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, ADMIN),
+            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, ADMIN),
+            ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor, ADMIN),
+            ("POST", "/load_lora_adapter", self.load_lora_adapter, ADMIN),
+            ("POST", "/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors, ADMIN),
+            ("POST", "/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed, ADMIN),
+            ("POST", "/unload_lora_adapter", self.unload_lora_adapter, ADMIN),
+            ("*", "/flush_cache", self.flush_cache, ADMIN),
+            ("POST", "/pause_generation", self.pause_generation, ADMIN),
+            ("POST", "/continue_generation", self.continue_generation, ADMIN),
+        ]
+        for method, path, handler, level in routes:
+            if method == "*":  # SGLang serves these on GET|POST (flush_cache) or POST|PUT (generate)
+                for m in (("GET", "POST") if path == "/flush_cache" else ("POST", "PUT")):
+                    app.router.add_route(m, path, handler)
+            else:
+                app.router.add_route(method, path, handler)
+            self._levels[path] = level
+        app.on_shutdown.append(self._shutdown)
+        return app
+
+    async def _shutdown(self, _app: web.Application) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.sync_pool.shutdown(wait=False, cancel_futures=True)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """SGLang's `decide_request_auth`: admin routes need the admin key if set, else the api key."""
+        level = self._levels.get(request.path, OPEN)
+        if level == ADMIN:
+            wanted = [self.admin_api_key] if self.admin_api_key else ([self.api_key] if self.api_key else [])
+        elif level == NORMAL:
+            wanted = [k for k in (self.api_key, self.admin_api_key) if k] if self.api_key else []
+        else:
+            wanted = []
+        if wanted and request.headers.get("Authorization", "") not in {f"Bearer {k}" for k in wanted}:
+            return _json({"error": "Unauthorized"}, 401)
+        response: web.StreamResponse = await handler(request)
+        return response
+
+    async def _run(self, fn: Any, *args: Any, sync: bool = False) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.sync_pool if sync else self.pool, fn, *args)
+
+    @staticmethod
+    async def _body(request: web.Request, struct: str, fields: dict[str, rq.F]) -> dict[str, Any]:
+        try:
+            raw = await request.json()
+        except json.JSONDecodeError as e:
+            raise rq.BadRequest(f"JSON decode error: {e}") from None
+        return rq.parse(struct, fields, raw)
+
+    # ---- generate ---------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        try:
+            body = await request.json()
+        except json.JSONDecodeError as e:
+            return _json(rq.bad_request_body(f"JSON decode error: {e}"), 400)
+        problem = generate_contract_error(body)
+        if problem is not None:
+            return _json({"error": problem}, 400)
+        engine = self.engine
+        await self._running.wait()  # while paused, new requests wait here (SGLang queues them)
+        try:
+            parsed = parse_generate(body, lambda t: engine.tokenizer(t)["input_ids"], self.adapters.resolve)
+            for r in parsed.requests:
+                if len(r.input_ids) >= engine.max_context:
+                    raise ValueError(f"The input ({len(r.input_ids)} tokens) is longer than the model's context "
+                                     f"length ({engine.max_context} tokens).")
+            results = await self._run(self.batcher.generate, parsed.requests)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        except ValueError as e:
+            return _json(rq.value_error_body(str(e)), 400)
+        outs = [format_result(r, parsed.return_prompt_token_ids, engine.decode_token) for r in results]
+        if parsed.stream:  # one cumulative chunk per item (generation is not incremental here)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i, out in enumerate(outs):
+                chunk = out if parsed.single else {**out, "index": i}
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        return _json(outs[0] if parsed.single else outs)
+
+    # ---- health, info -----------------------------------------------------------------------
+
+    def _probe(self) -> None:
+        params = SamplingParams(max_new_tokens=1, temperature=0.0)
+        self.engine.generate([GenRequest(input_ids=[0], params=params)], admit=False)
+
+    async def health(self, request: web.Request) -> web.Response:
+        """SGLang's probe: a 1-token generate from input_ids [0]; any work in progress already proves the
+        engine alive (SGLang counts any scheduler output), so a busy or paused engine answers at once."""
+        control = self.engine.control
+        if self.engine.lock.locked() or control.paused or control.active:
+            return web.Response(status=200)
+        try:
+            await asyncio.wait_for(self._run(self._probe), HEALTH_CHECK_TIMEOUT_S)
+        except Exception:
+            log.exception("health check failed")
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return _json({
+            "model_path": e.model_path, "served_model_name": e.model_path, "tokenizer_path": e.model_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": e.weight_version,
+            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": getattr(e.config, "model_type", None),
+            "architectures": getattr(e.config, "architectures", None),
+            "kora_engine": "hf",
+        })
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        log.warning("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
+                    "Please use '/model_info' instead.")
+        return await self.model_info(request)
+
+    # ---- weight-update group ----------------------------------------------------------------
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            b = await self._body(request, "InitWeightsUpdateGroupReqInput", rq.INIT_WEIGHTS_UPDATE_GROUP)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        ok, message = await self._run(self.receiver.init_group, b["master_address"], b["master_port"],
+                                      b["rank_offset"], b["world_size"], b["group_name"], b["backend"],
+                                      self.engine.device, sync=True)
+        return _json({"success": ok, "message": message}, 200 if ok else 400)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        try:
+            b = await self._body(request, "DestroyWeightsUpdateGroupReqInput", rq.DESTROY_WEIGHTS_UPDATE_GROUP)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        ok, message = await self._run(self.receiver.destroy_group, b["group_name"], sync=True)
+        return _json({"success": ok, "message": message}, 200 if ok else 400)
+
+    # ---- weight updates ---------------------------------------------------------------------
+
+    def _apply(self, named: list[tuple[str, torch.Tensor]], b: dict[str, Any]) -> None:
+        """Full weights, or (weight_update_mode lora_merge) A/B pairs folded into the pristine base."""
+        mode = b.get("weight_update_mode")
+        if mode in (None, "full"):
+            self.engine.load_weights(named)
+            return
+        if mode != "lora_merge":
+            raise ValueError(f"Unknown weight_update_mode={mode}")
+        if b.get("lora_alpha") is None or not b.get("lora_rank"):
+            raise ValueError("weight_update_mode lora_merge needs lora_alpha and lora_rank")
+        pairs = pair_lora_tensors(named)
+        for module, (a, _) in pairs.items():
+            if a.shape[0] != b["lora_rank"]:
+                raise ValueError(f"{module}: lora_A has rank {a.shape[0]}, the request says lora_rank {b['lora_rank']}")
+        self.engine.merge_lora(pairs, float(b["lora_alpha"]) / float(b["lora_rank"]), bool(b["merge_fp32"]))
+
+    def _weights_done(self, named: list[tuple[str, torch.Tensor]], b: dict[str, Any], message: str) -> dict[str, Any]:
+        if b.get("weight_version") is not None:
+            self.engine.weight_version = b["weight_version"]
+            message += f" Weight version updated to {b['weight_version']}."
+        return {"success": True, "message": message, "weight_version": self.engine.weight_version,
+                "checksum": checksum(named)}
+
+    def _abort_if_asked(self, b: dict[str, Any]) -> None:
+        if b.get("abort_all_requests"):
+            self.engine.control.abort_all()
+
+    def _update_from_distributed(self, b: dict[str, Any]) -> dict[str, Any]:
+        meta = BucketMeta(b["names"], b["dtypes"], b["shapes"], b["byte_ranges"], b["load_format"])
+        self._abort_if_asked(b)
+        named = self.receiver.receive(meta, b["group_name"])
+        try:
+            self._apply(named, b)
+        except Exception as e:
+            return {"success": False, "message": f"Failed to update parameter online: {e}. The full weights of the "
+                                                 "ModelRunner are partially updated. Please discard the whole weights."}
+        return self._weights_done(named, b, "Succeeded to update parameter online.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            b = await self._body(request, "UpdateWeightsFromDistributedReqInput", rq.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
+            out = await self._run(self._update_from_distributed, b, sync=True)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        except Exception as e:  # any failure is the route's {"success": false, "message"} (SGLang reports them so)
+            log.exception("update_weights_from_distributed failed")
+            return _json({"success": False, "message": str(e)}, 400)
+        return _json(out, 200 if out["success"] else 400)
+
+    def _update_from_tensor(self, b: dict[str, Any]) -> dict[str, Any]:
+        payload = b["serialized_named_tensors"][self.receiver.tp_rank]
+        if b["load_format"] == FLAT:
+            bucket = deserialize_payload(payload)
+            named = _unflatten_sglang_bucket(bucket)
+        elif b["load_format"] in (None, "direct"):
+            named = deserialize_named_tensors(payload)
+        else:
+            raise ValueError(f"Unknown load_format={b['load_format']}")
+        self._abort_if_asked(b)
+        self._apply(named, b)
+        return self._weights_done(named, b, "Success")
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        try:
+            b = await self._body(request, "UpdateWeightsFromTensorReqInput", rq.UPDATE_WEIGHTS_FROM_TENSOR)
+            out = await self._run(self._update_from_tensor, b)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        except Exception as e:  # a bad payload (unpickling, names, shapes) fails the call, not the server
+            log.exception("update_weights_from_tensor failed")
+            return _json({"success": False, "message": str(e)}, 400)
+        return _json(out)
+
+    # ---- LoRA -------------------------------------------------------------------------------
+
+    async def _lora_call(self, request: web.Request, struct: str, fields: dict[str, rq.F], fn: Any) -> web.Response:
+        try:
+            b = await self._body(request, struct, fields)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        try:
+            extra = await fn(b) or {}
+        except Exception as e:  # SGLang answers every failed LoRA operation with success false + the message
+            return _json(rq.lora_update_output(False, str(e), self.adapters.loaded()), 400)
+        return _json({**rq.lora_update_output(True, "", self.adapters.loaded()), **extra})
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        async def do(b: dict[str, Any]) -> None:
+            await self._run(self.adapters.load_from_dir, b["lora_name"], b["lora_path"])
+
+        return await self._lora_call(request, "LoadLoRAAdapterReqInput", rq.LOAD_LORA_ADAPTER, do)
+
+    async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        def load(b: dict[str, Any]) -> None:
+            if b.get("added_tokens_config"):
+                raise ValueError("LoRA adapters that add tokens are not supported.")
+            named = deserialize_named_tensors(b["serialized_named_tensors"][self.receiver.tp_rank])
+            self.adapters.load_from_tensors(b["lora_name"], b["config_dict"], named)
+
+        async def do(b: dict[str, Any]) -> None:
+            await self._run(load, b)
+
+        return await self._lora_call(request, "LoadLoRAAdapterFromTensorsReqInput",
+                                     rq.LOAD_LORA_ADAPTER_FROM_TENSORS, do)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        async def do(b: dict[str, Any]) -> None:
+            self.adapters.unload(b["lora_name"])
+
+        return await self._lora_call(request, "UnloadLoRAAdapterReqInput", rq.UNLOAD_LORA_ADAPTER, do)
+
+    def _adapter_bucket(self, b: dict[str, Any]) -> dict[str, Any]:
+        name, index, total = b["lora_name"], b["bucket_index"], b["num_buckets"]
+        meta = BucketMeta(b["names"], b["dtypes"], b["shapes"], b["byte_ranges"], b["load_format"])
+        stream = f"adapter:{name}"
+        if index == 0:
+            self.receiver.reset_stream(b["group_name"], stream)
+        # receive first, whatever the bookkeeping says: the trainer is already broadcasting
+        named = self.receiver.receive(meta, b["group_name"], stream)
+        staging = self._staging.get(name)
+        if index == 0:
+            staging = self._staging[name] = _AdapterStaging(0, total)
+        if staging is None or index != staging.next_bucket or total != staging.num_buckets or not 0 <= index < total:
+            self._staging.pop(name, None)
+            expected = staging.next_bucket if staging else 0
+            raise ValueError(f"adapter {name}: got bucket {index} of {total}, expected bucket {expected}; "
+                             "start again from bucket_index 0")
+        staging.tensors.extend(named)
+        staging.next_bucket += 1
+        if staging.next_bucket < total:
+            return {"weight_version": None, "checksum": None}
+        del self._staging[name]
+        adapter = self.adapters.upsert(name, b["config_dict"], staging.tensors, b["weight_version"])
+        return {"weight_version": adapter.version, "checksum": checksum(staging.tensors)}
+
+    async def load_lora_adapter_from_distributed(self, request: web.Request) -> web.Response:
+        async def do(b: dict[str, Any]) -> dict[str, Any]:
+            out: dict[str, Any] = await self._run(self._adapter_bucket, b, sync=True)
+            return out
+
+        return await self._lora_call(request, "LoadLoRAAdapterFromDistributedReqInput",
+                                     rq.LOAD_LORA_ADAPTER_FROM_DISTRIBUTED, do)
+
+    # ---- control ----------------------------------------------------------------------------
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """No prefix cache to drop; succeed when idle (waiting up to ?timeout= seconds), as SGLang does."""
+        try:
+            timeout = float(request.query.get("timeout", "0"))
+        except ValueError:
+            return _json(rq.bad_request_body("timeout must be a number"), 400)
+        idle = await self._run(self.engine.control.wait_idle, max(timeout, 0.0))
+        if idle:
+            return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
+                                     "running or waiting requests, the operation will not be performed.)\n")
+        return web.Response(text="Timed out waiting for idle state." if timeout > 0 else "Flush cache failed.\n",
+                            status=400)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        try:
+            b = await self._body(request, "PauseGenerationReqInput", rq.PAUSE_GENERATION)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        if b["mode"] not in ("abort", "retract", "in_place"):
+            return _json(rq.bad_request_body(f"mode must be one of abort, retract, in_place, got {b['mode']!r}"), 400)
+        self._running.clear()
+        self.engine.control.pause(b["mode"])
+        if b["mode"] == "abort":  # abort repeats until nothing is in flight
+            await self._run(self.engine.control.wait_idle, None)
+        return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        try:
+            await self._body(request, "ContinueGenerationReqInput", rq.CONTINUE_GENERATION)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        self.engine.control.resume()
+        self._running.set()
+        return _json({"message": "Generation continued successfully.", "status": "ok"})
+
+
+def _unflatten_sglang_bucket(bucket: Any) -> list[tuple[str, torch.Tensor]]:
+    """SGLang's flattened-bucket dict {flattened_tensor, metadata: [{name, shape, dtype, start_idx, end_idx}]}."""
+    flat = bucket["flattened_tensor"]
+    out: list[tuple[str, torch.Tensor]] = []
+    for m in bucket["metadata"]:
+        fields: dict[str, Any] = m if isinstance(m, dict) else {k: getattr(m, k) for k in
+                                                               ("name", "shape", "dtype", "start_idx", "end_idx")}
+        t = flat[fields["start_idx"]:fields["end_idx"]].reshape(tuple(fields["shape"]))
+        dtype = fields["dtype"]
+        out.append((str(fields["name"]), t.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)))
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kora_trainer.rollout.hf_server", description=__doc__.split("\n")[0])
+    p.add_argument("--model-path", required=True, help="HF checkpoint directory (config, safetensors, tokenizer)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--max-loras-per-batch", type=int, default=8,
+                   help="distinct adapters (the base model counts as one) per forward batch, like SGLang")
+    p.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a larger rank")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--log-level", default="warning")
+    return p.parse_args(argv)
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    engine = EngineModel(args.model_path, args.device, args.dtype, args.max_loras_per_batch, args.max_lora_rank)
+    server = HFEngineServer(engine, args.api_key, args.admin_api_key)
+    runner = web.AppRunner(server.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    listener = site._server
+    port = listener.sockets[0].getsockname()[1] if listener is not None else args.port  # type: ignore[attr-defined]
+    print(json.dumps({"event": "ready", "engine": "hf", "url": f"http://{args.host}:{port}", "port": port}), flush=True)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""LoRA adapters held by the reference engine, applied per batch row like SGLang's multi-LoRA batches.
+
+An adapter is a set of `(A [r, in], B [out, r], scaling)` per target Linear module, parsed from
+HF-PEFT names (`base_model.model.<module>.lora_A.weight`, also `...lora_A.<adapter>.weight` as in an
+in-memory PEFT state dict). The engine never wraps its model in PEFT: a forward hook on each
+targeted Linear adds `scaling · (x Aᵀ) Bᵀ` for the rows whose request asked for that adapter, so
+one batch can mix the base model (`lora_path: null`) and several adapters, and an adapter object
+is immutable once built — replacing the one registered under a name (upsert) never changes a
+forward that already holds the old object.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+_PEFT_PREFIX = "base_model.model."
+_LORA_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def split_lora_name(name: str) -> tuple[str, str] | None:
+    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> ('model.layers.0.self_attn.q_proj', 'A')."""
+    m = _LORA_RE.match(name.removeprefix(_PEFT_PREFIX))
+    return (m["module"], m["which"]) if m else None
+
+
+def pair_lora_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Group PEFT tensors into {module: (A [r, in], B [out, r])}; a half pair or a stranger is an error."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named:
+        parsed = split_lora_name(name)
+        if parsed is None:
+            raise ValueError(f"{name} is not a LoRA tensor name (expected <module>.lora_A.weight / .lora_B.weight)")
+        module, which = parsed
+        halves.setdefault(module, {})[which] = tensor
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, h in halves.items():
+        if set(h) != {"A", "B"}:
+            missing = ({"A", "B"} - set(h)).pop()
+            raise ValueError(f"{module}: lora_{missing} is missing (lora_A and lora_B travel together)")
+        a, b = h["A"], h["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{module}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} do not pair")
+        pairs[module] = (a, b)
+    return pairs
+
+
+def _pattern_value(patterns: dict[str, float], module: str, default: float) -> float:
+    """PEFT's rank_pattern / alpha_pattern: a key matches the module name's tail."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def module_scaling(config: dict, module: str, rank: int) -> float:
+    """alpha / r (alpha / sqrt(r) with use_rslora), honouring rank_pattern / alpha_pattern."""
+    r = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", rank))
+    alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", r))
+    return float(alpha) / (math.sqrt(r) if config.get("use_rslora") else float(r))
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    """One immutable adapter: module -> (A [r, in], B [out, r], scaling)."""
+
+    name: str
+    source: str  # the PEFT dir, or "__tensor__" / "__distributed__" for adapters that came over the wire
+    rank: int
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
+    config: dict = field(default_factory=dict)
+    version: str | None = None
+
+    @property
+    def target_modules(self) -> set[str]:
+        return {m.rsplit(".", 1)[-1] for m in self.weights}
+
+
+def validate_config(config: dict) -> None:
+    """The adapter kinds the engine refuses (SGLang's `validate_new_adapter` refuses the same)."""
+    if config.get("use_dora"):
+        raise ValueError("DoRA adapters are not supported.")
+    if config.get("peft_type", "LORA").upper() != "LORA":
+        raise ValueError(f"only LoRA adapters are supported, got peft_type {config.get('peft_type')}")
+
+
+def build_adapter(name: str, source: str, config: dict, named: Iterable[tuple[str, torch.Tensor]],
+                  model: nn.Module, dtype: torch.dtype, device: torch.device,
+                  max_rank: int | None = None, version: str | None = None) -> LoRAAdapter:
+    """Check the tensors against the model and copy them to the engine's device/dtype."""
+    validate_config(config)
+    pairs = pair_lora_tensors(named)
+    if not pairs:
+        raise ValueError(f"adapter {name} holds no LoRA tensors")
+    modules = dict(model.named_modules())
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    rank = 0
+    for module, (a, b) in pairs.items():
+        target = modules.get(module)
+        if not isinstance(target, nn.Linear):
+            raise ValueError(f"adapter {name}: {module} is not a Linear layer of the model")
+        r = a.shape[0]
+        if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
+            raise ValueError(f"adapter {name}: {module} expects A [r, {target.in_features}] and "
+                             f"B [{target.out_features}, r], got {tuple(a.shape)} and {tuple(b.shape)}")
+        rank = max(rank, r)
+        weights[module] = (a.to(device=device, dtype=dtype).clone(), b.to(device=device, dtype=dtype).clone(),
+                           module_scaling(config, module, r))
+    if max_rank is not None and rank > max_rank:
+        raise ValueError(f"LoRA adapter {name} with rank {rank} exceeds max_lora_rank={max_rank}. "
+                         "Restart the server with a larger --max-lora-rank.")
+    return LoRAAdapter(name, source, rank, weights, dict(config), version)
+
+
+def read_peft_dir(path: str | Path) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+    """adapter_config.json + adapter_model.safetensors (or .bin) of a PEFT save_pretrained directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ValueError(f"LoRA adapter path {path} is not a directory (the hf engine loads local PEFT dirs only)")
+    config = json.loads((root / "adapter_config.json").read_text())
+    st = root / "adapter_model.safetensors"
+    if st.exists():
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(st))
+    else:
+        tensors = torch.load(root / "adapter_model.bin", map_location="cpu", weights_only=True)
+    return config, list(tensors.items())
+
+
+class MultiLoRAHooks:
+    """Forward hooks that add each row's adapter delta to the targeted Linear outputs.
+
+    `rows(...)` sets, for the forwards inside it, which adapter each batch row uses
+    (None = base). A hook sits on every Linear from the start, so loading an adapter never
+    touches the model while another thread runs a forward; without adapters a hook returns at once.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._local = threading.local()
+        for name, module in model.named_modules():
+            if isinstance(module, nn.Linear):
+                module.register_forward_hook(self._make_hook(name))
+
+    @contextmanager
+    def rows(self, per_row: list[LoRAAdapter | None], device: torch.device) -> Iterator[None]:
+        groups: list[tuple[LoRAAdapter, torch.Tensor | None]] = []
+        distinct = {id(a): a for a in per_row if a is not None}
+        for adapter in distinct.values():
+            idx = [i for i, a in enumerate(per_row) if a is adapter]
+            # None = every row: skip the gather/scatter
+            groups.append((adapter, None if len(idx) == len(per_row) else torch.tensor(idx, device=device)))
+        self._local.groups = groups
+        try:
+            yield
+        finally:
+            self._local.groups = []
+
+    def _make_hook(self, module: str):
+        def hook(_mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            groups = getattr(self._local, "groups", None)
+            if not groups:
+                return out
+            x = args[0]  # [B, T, in]
+            for adapter, idx in groups:
+                w = adapter.weights.get(module)
+                if w is None:
+                    continue
+                a, b, scaling = w
+                if idx is None:
+                    out = out + scaling * ((x @ a.T) @ b.T)  # [B, T, out]
+                else:
+                    delta = scaling * ((x.index_select(0, idx) @ a.T) @ b.T)  # [b, T, out]
+                    out = out.index_add(0, idx, delta)
+            return out
+
+        return hook

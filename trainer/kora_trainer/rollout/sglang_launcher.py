@@ -1,0 +1,149 @@
+"""Command lines that start a rollout engine for a TrainerConfig: a real SGLang server
+(`python -m sglang.launch_server`, pinned to sglang 0.5.23) or kora's reference engine
+(`python -m kora_trainer.rollout.hf_server`). Both speak the same HTTP API, so the trainer starts
+either with `engine_command(config, ...)` and talks to it with `rollout.client.EngineClient`.
+
+The SGLang flag names were checked against SGLang's `docs/advanced_features/server_arguments.md`
+(search index, commit 004813e1; the flags used here are long-standing ones also listed in
+`python/sglang/srt/server_args.py`): `--model-path`, `--host`, `--port`, `--tp-size`, `--dp-size`,
+`--enable-lora`, `--max-loras-per-batch` ("including base-only requests"), `--max-lora-rank`,
+`--lora-target-modules` (a list; SGLang's names), `--mem-fraction-static`, `--enable-memory-saver`,
+`--disable-radix-cache`, `--api-key`, `--admin-api-key`, `--base-gpu-id`, `--random-seed`.
+
+How the config maps onto them:
+- Merge mode: the engine serves a plain model (the trainer pushes merged weights): no LoRA flags.
+- Adapter mode: `--enable-lora`, rank and target modules from `lora` (Megatron names through
+  MEGATRON_TO_SGLANG), two adapter slots per batch (`kora-policy` plus base-only requests such as
+  the health probe) or `multiLora.maxAdapters + 1`. The adapter is replaced under one name every
+  step, so `--disable-radix-cache`: a cached prefix computed with the previous adapter must not be
+  reused (the adapter routes, unlike the weight routes, do not flush the cache).
+- EngineMerge: needs the engine-side fold (`weight_update_mode: "lora_merge"`), which SGLang 0.5.23's
+  LLM server does not have — only kora's hf engine (see hf_server.py) — so it is refused for sglang.
+- Colocate: training and rollout share the GPUs: `--mem-fraction-static` (default 0.5 here; SGLang's
+  own default fills the GPU) and `--enable-memory-saver` (release/resume memory occupation).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+
+from kora_trainer.config import MEGATRON_TO_SGLANG, DeploymentMode, SyncMode, TrainerConfig
+from kora_trainer.config.sections import Engine
+
+SGLANG_VERSION = "0.5.23"
+SGLANG_REQUIREMENT = f"sglang=={SGLANG_VERSION}"
+POLICY_ADAPTER = "kora-policy"
+COLOCATE_MEM_FRACTION = 0.5
+
+
+class UnsupportedEngineConfig(ValueError):
+    """The config asks for something the chosen engine cannot do."""
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """argv + environment for one engine process, and where it will listen."""
+
+    argv: list[str]
+    host: str
+    port: int
+    engine: str
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+def sync_mode(config: TrainerConfig) -> SyncMode:
+    return config.lora.sync_mode or SyncMode.MERGE
+
+
+def lora_enabled(config: TrainerConfig) -> bool:
+    return sync_mode(config) == SyncMode.ADAPTER or config.multi_lora.max_adapters > 0
+
+
+def sglang_target_modules(config: TrainerConfig) -> list[str]:
+    out: list[str] = []
+    for target in config.lora.target_modules:
+        out.extend(m for m in MEGATRON_TO_SGLANG[target] if m not in out)
+    return out
+
+
+def max_loras_per_batch(config: TrainerConfig) -> int:
+    """Adapters per batch, base-only requests counting as one (SGLang's definition)."""
+    return (config.multi_lora.max_adapters or 1) + 1
+
+
+def sglang_version_problem() -> str | None:
+    """None when the installed sglang is the pinned one; otherwise what is wrong."""
+    try:
+        installed = metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return f"sglang is not installed: install {SGLANG_REQUIREMENT} (the trainer image pins it)"
+    if installed != SGLANG_VERSION:
+        return (f"sglang {installed} is installed but kora speaks the API of {SGLANG_VERSION} "
+                f"(its LoRA routes change between releases): install {SGLANG_REQUIREMENT}")
+    return None
+
+
+def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *, python: str = sys.executable,
+                   api_key: str | None = None, admin_api_key: str | None = None, base_gpu_id: int | None = None,
+                   mem_fraction_static: float | None = None, random_seed: int | None = None) -> EngineLaunch:
+    """`python -m sglang.launch_server ...` for one engine of this job."""
+    mode = sync_mode(config)
+    if mode == SyncMode.ENGINE_MERGE:
+        raise UnsupportedEngineConfig(
+            "lora.syncMode EngineMerge needs an engine that folds lora_A/lora_B into its base "
+            f"(weight_update_mode lora_merge); sglang {SGLANG_VERSION}'s LLM server has none: "
+            "use rollout.engine hf, or lora.syncMode Merge")
+    rollout = config.rollout
+    if rollout.gpus_per_engine < 1:
+        raise UnsupportedEngineConfig("rollout.gpusPerEngine 0 means a CPU engine: use rollout.engine hf")
+    argv = [python, "-m", "sglang.launch_server", "--model-path", config.model.path, "--host", host,
+            "--port", str(port), "--tp-size", str(rollout.gpus_per_engine), "--dp-size", str(rollout.dp_size)]
+    if lora_enabled(config):
+        argv += ["--enable-lora", "--max-loras-per-batch", str(max_loras_per_batch(config)),
+                 "--max-lora-rank", str(config.lora.rank),
+                 "--lora-target-modules", *sglang_target_modules(config),
+                 "--disable-radix-cache"]
+    if config.deployment.mode == DeploymentMode.COLOCATE:
+        fraction = COLOCATE_MEM_FRACTION if mem_fraction_static is None else mem_fraction_static
+        argv += ["--mem-fraction-static", f"{fraction:g}", "--enable-memory-saver"]
+    elif mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", f"{mem_fraction_static:g}"]
+    if base_gpu_id is not None:
+        argv += ["--base-gpu-id", str(base_gpu_id)]
+    if random_seed is not None:
+        argv += ["--random-seed", str(random_seed)]
+    if api_key:
+        argv += ["--api-key", api_key]
+    if admin_api_key:
+        argv += ["--admin-api-key", admin_api_key]
+    return EngineLaunch(argv, host, port, Engine.SGLANG.value)
+
+
+def hf_engine_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *, python: str = sys.executable,
+                      api_key: str | None = None, admin_api_key: str | None = None, dtype: str = "auto",
+                      num_threads: int | None = None) -> EngineLaunch:
+    """`python -m kora_trainer.rollout.hf_server ...`: the reference engine for the same job."""
+    device = "cuda" if config.rollout.gpus_per_engine > 0 else "cpu"
+    argv = [python, "-m", "kora_trainer.rollout.hf_server", "--model-path", config.model.path, "--host", host,
+            "--port", str(port), "--device", device, "--dtype", dtype,
+            "--max-loras-per-batch", str(max_loras_per_batch(config)), "--max-lora-rank", str(config.lora.rank)]
+    if num_threads:
+        argv += ["--num-threads", str(num_threads)]
+    if api_key:
+        argv += ["--api-key", api_key]
+    if admin_api_key:
+        argv += ["--admin-api-key", admin_api_key]
+    return EngineLaunch(argv, host, port, Engine.HF.value)
+
+
+def engine_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", **kwargs: object) -> EngineLaunch:
+    """The command for `config.rollout.engine`; kwargs go to sglang_command / hf_engine_command."""
+    if config.rollout.engine == Engine.SGLANG:
+        return sglang_command(config, port, host, **kwargs)  # type: ignore[arg-type]
+    return hf_engine_command(config, port, host, **kwargs)  # type: ignore[arg-type]
