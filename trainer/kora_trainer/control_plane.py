@@ -1,0 +1,138 @@
+"""The trainer's control-plane HTTP API (port 8068): what the operator polls for `status.progress`.
+
+    GET /status   (Authorization: Bearer <token>)
+      {"step", "totalSteps", "rewardMean",
+       "lastSync": {"mode", "bytes", "milliseconds", "adapterVersion", "checksum", "time"},
+       "lastCheckpoint": {"path", "step"} | null,
+       "phase": "Starting" | "Running" | "Succeeded" | "Failed", "syncMode", "message",
+       "syncedStep": the last step whose policy the engines serve, pushed or delta-skipped}
+    GET /healthz  (open) -> 200 "ok"
+
+The progress keys are exactly the operator's `Progress` model (camelCase), so it can copy them into
+the LoRATrainingJob status; `phase`, `syncMode`, `message` and `syncedStep` are extra. A stale policy on
+the engines shows as `lastSync.adapterVersion < step` (unless `syncedStep` says a skip kept it current).
+
+The token: env KORA_CONTROL_TOKEN, else the file named by KORA_CONTROL_TOKEN_FILE (the operator mounts
+the job's Secret there), else a fresh random token written (mode 0600) into the run directory. The port:
+--control-port, else KORA_CONTROL_PORT, else 8068. It binds 127.0.0.1 unless KORA_CONTROL_HOST says
+otherwise (in a Ray head pod the operator reaches it on the pod IP: set KORA_CONTROL_HOST=0.0.0.0).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import secrets
+import threading
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 8068
+
+
+class Progress:
+    """What the loop knows, behind a lock (the HTTP threads read it while the loop writes it)."""
+
+    def __init__(self, total_steps: int, sync_mode: str):
+        self._lock = threading.Lock()
+        self._data: dict[str, Any] = {"step": 0, "totalSteps": total_steps, "rewardMean": None, "lastSync": None,
+                                      "lastCheckpoint": None, "phase": "Starting", "syncMode": sync_mode,
+                                      "message": "", "syncedStep": None}
+
+    def update(self, **fields: Any) -> None:
+        with self._lock:
+            self._data.update(fields)
+
+    def record_sync(self, report: dict[str, Any], step: int | None = None) -> None:
+        """A sync of policy `step`: pushed, or skipped because the engines' copy is equivalent (delta-skip).
+        Either way the engines serve that step's policy, which `syncedStep` says; `lastSync` keeps the last
+        push (a skip moves no bytes and leaves adapterVersion at the last pushed version)."""
+        if step is not None:
+            with self._lock:
+                self._data["syncedStep"] = step
+        last = {"mode": report["mode"], "bytes": report["bytes"], "milliseconds": report["ms"],
+                "adapterVersion": report["adapter_version"], "checksum": report["checksum"],
+                "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        with self._lock:
+            if report["pushed"] or self._data["lastSync"] is None:
+                self._data["lastSync"] = last
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return json.loads(json.dumps(self._data))
+
+
+def resolve_token(run_dir: Path) -> tuple[str, str]:
+    """(token, where it came from)."""
+    if os.environ.get("KORA_CONTROL_TOKEN"):
+        return os.environ["KORA_CONTROL_TOKEN"], "env KORA_CONTROL_TOKEN"
+    path = os.environ.get("KORA_CONTROL_TOKEN_FILE")
+    if path:
+        token = Path(path).read_text().strip()
+        if not token:
+            raise ValueError(f"KORA_CONTROL_TOKEN_FILE {path} is empty")
+        return token, path
+    run_dir.mkdir(parents=True, exist_ok=True)
+    file = run_dir / "control-token"
+    token = secrets.token_urlsafe(24)
+    file.touch(mode=0o600)
+    file.write_text(token + "\n")
+    return token, str(file)
+
+
+def resolve_port(flag: int | None) -> int:
+    if flag is not None:
+        return flag
+    return int(os.environ.get("KORA_CONTROL_PORT", DEFAULT_PORT))
+
+
+class ControlPlane:
+    def __init__(self, progress: Progress, token: str, port: int = DEFAULT_PORT, host: str | None = None):
+        self.progress, self.token = progress, token
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:  # the operator polls; keep the trainer's log clean
+                pass
+
+            def _send(self, code: int, body: Any) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                if self.path == "/healthz":
+                    self._send(200, "ok")
+                    return
+                if self.path.split("?")[0] != "/status":
+                    self._send(404, {"error": f"no route {self.path}: GET /status or /healthz"})
+                    return
+                given = self.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {outer.token}".encode()):
+                    self._send(401, {"error": "Unauthorized: send Authorization: Bearer <control-plane token>"})
+                    return
+                self._send(200, outer.progress.snapshot())
+
+        self.server = ThreadingHTTPServer((host or os.environ.get("KORA_CONTROL_HOST", "127.0.0.1"), port), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, name="control-plane", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> ControlPlane:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)

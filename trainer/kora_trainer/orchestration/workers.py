@@ -1,0 +1,86 @@
+"""The job's three kinds of worker, as plain classes; `cluster.py` turns them into Ray actors.
+
+- TrainWorker: the torch actor (policy + optimizer) and the weight sender (rank 0 of the weight-update group).
+- EngineWorker: starts one engine process from the launcher's command line and stops it.
+- RolloutWorker: the rollout manager (prompts -> engines -> scored samples).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kora_trainer.backends.batch import RolloutBatch
+from kora_trainer.config import DeploymentMode, TrainerConfig
+from kora_trainer.orchestration.engines import EngineProcess
+from kora_trainer.orchestration.rollout import Rollout
+
+
+def transport_kind(cfg: TrainerConfig) -> str:
+    """Colocate feeds engines in memory; Disaggregated (or Colocate's distributedEngines) over the group."""
+    if cfg.deployment.mode is DeploymentMode.COLOCATE and cfg.rollout.distributed_engines == 0:
+        return "colocated"
+    return "distributed"
+
+
+class TrainWorker:
+    def __init__(self, cfg: TrainerConfig, threads: int | None = None):
+        from kora_trainer.backends.torch_backend import TorchBackend
+
+        self.cfg = cfg
+        self.backend = TorchBackend(cfg, threads=threads)
+        self.sender: Any = None
+
+    def connect(self, engine_urls: list[str], kind: str) -> str:
+        import torch
+
+        from kora_trainer.rollout.client import EngineClient
+        from kora_trainer.sync.sender import WeightSender
+        from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
+
+        clients = [EngineClient(u) for u in engine_urls]
+        if kind == "distributed":
+            backend = "nccl" if self.backend.device.type == "cuda" and torch.distributed.is_nccl_available() else "gloo"
+            transport: Any = DistributedTransport.connect(clients, backend=backend)
+        else:
+            transport = ColocatedTransport(clients)
+        self.sender = WeightSender(self.backend.model, self.cfg, transport)
+        return transport.kind
+
+    def sync(self) -> dict[str, Any]:
+        return self.sender.sync(self.backend.version).as_dict()
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
+        return self.backend.train_step(batch)
+
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        return self.backend.logprobs(prompts, responses)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+class EngineWorker:
+    def __init__(self, cfg: TrainerConfig, log_dir: str, threads: int | None, index: int):
+        self.engine = EngineProcess.start(cfg, Path(log_dir), threads=threads, index=index)
+
+    def url(self) -> str:
+        return self.engine.url
+
+    def pid(self) -> int:
+        return int(self.engine.proc.pid)
+
+    def stop(self) -> None:
+        self.engine.stop()
+
+
+class RolloutWorker:
+    def __init__(self, cfg: TrainerConfig, engine_urls: list[str]):
+        self.rollout = Rollout(cfg, engine_urls)
+
+    def generate(self, step: int) -> tuple[RolloutBatch, dict[str, Any]]:
+        return self.rollout.generate(step)
+
+    def close(self) -> None:
+        self.rollout.close()

@@ -1,0 +1,262 @@
+"""The trainer's half of weight sync: push the policy being trained to the rollout engines.
+
+Three modes (SPEC.md "Weight sync"):
+- Merge: fold each adapter into its base weight (W + (alpha/r)·B·A in fp32, rounded once) and push
+  the whole model under HF names, in buckets ≤ sync.bufferSize. Engines need no LoRA support.
+- Adapter: push the base once (adapter tensors kept out), then only the adapter each step, served
+  under the fixed name `kora-policy` (generate requests carry `lora_path=kora-policy`).
+- EngineMerge: push raw lora_A/lora_B pairs (a pair never split across buckets); the engine folds
+  them into a pristine copy of its base (`weight_update_mode: "lora_merge"`).
+
+Delta-skip (`delta.py`): when no adapter tensor moved more than sync.deltaSkipThreshold on any trainer
+rank since the last push, nothing is pushed. SPEC names it for Adapter mode; it holds for the other
+two as well (the merged model and the A/B pairs are functions of the adapter alone, the base is
+frozen), so it is applied in every mode. The first sync always pushes.
+
+Every rank of the trainer's group calls `sync()` each step (the skip decision is collective); only
+rank 0 holds a transport and talks to the engines.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kora_trainer.config import SyncMode, TrainerConfig
+from kora_trainer.lora import adapter_tensors, peft_config_dict
+from kora_trainer.rollout.client import EngineClient, EngineError, applied_checksum
+from kora_trainer.sync.delta import DeltaTracker, should_push
+from kora_trainer.sync.group import WeightUpdateGroup
+from kora_trainer.sync.protocol import FLAT, Bucket, plan_buckets
+from kora_trainer.sync.protocol import checksum as protocol_checksum
+from kora_trainer.sync.sources import Source, adapter_source, base_source, merged_source
+from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
+
+POLICY_ADAPTER = "kora-policy"
+Named = tuple[str, torch.Tensor]
+
+
+@dataclass
+class SyncReport:
+    mode: str  # Merge | Adapter | EngineMerge
+    transport: str  # distributed | colocated | none (a rank other than 0)
+    pushed: bool
+    bytes: int  # bytes handed to the engines this sync (once, not per engine)
+    ms: float  # wall time of the push (fold + transfer + engines' apply), checksum hashing excluded
+    adapter_version: int  # the policy version the engines serve after this sync
+    checksum: str | None  # protocol.checksum of every tensor pushed, in push order
+    buckets: int = 0
+    max_delta: float | None = None  # the group's max |Δadapter| since the last push (None on the first)
+    what: str = ""  # full | base+adapter | adapter | lora_pairs | skipped
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def as_status(self) -> dict[str, Any]:
+        """The control plane's `lastSync` (camelCase, as the operator's status carries it)."""
+        return {"mode": self.mode, "bytes": self.bytes, "ms": self.ms, "adapterVersion": self.adapter_version,
+                "checksum": self.checksum, "pushed": self.pushed}
+
+
+class RunningChecksum:
+    """protocol.checksum computed one tensor at a time (no list of every pushed tensor kept alive)."""
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self.seconds = 0.0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        t0 = time.perf_counter()
+        self._h.update(name.encode())
+        self._h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        self.seconds += time.perf_counter() - t0
+
+    def timed(self, fn: Any) -> Any:
+        """Run a hashing job (the sender's side of an engine's checksum) on this object's clock."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()[:16]
+
+
+def colocated_buckets(groups: Sequence[Sequence[Named]], cap: int) -> list[list[str]]:
+    """Groups packed greedily into name lists of ≤ cap bytes, never splitting a tensor: the in-memory
+    routes take whole tensors. A single group larger than the cap travels alone."""
+    out: list[list[str]] = [[]]
+    size = 0
+    for g in groups:
+        n = sum(t.numel() * t.element_size() for _, t in g)
+        if out[-1] and size + n > cap:
+            out.append([])
+            size = 0
+        out[-1].extend(name for name, _ in g)
+        size += n
+    return [b for b in out if b]
+
+
+def _completed(bucket: Bucket) -> list[str]:
+    """Names whose last byte is in this bucket (a split tensor counts where it completes)."""
+    done = []
+    for p in bucket.pieces:
+        if p.end == p.tensor_nbytes:
+            done.append(p.name)
+    return done
+
+
+class WeightSender:
+    def __init__(self, model: nn.Module, cfg: TrainerConfig,
+                 transport: DistributedTransport | ColocatedTransport | None,
+                 trainer_group: WeightUpdateGroup | None = None, verify: bool = True):
+        self.model, self.cfg = model, cfg
+        self.mode = cfg.lora.effective_sync_mode
+        self.transport = transport
+        self.trainer_group = trainer_group
+        self.cap = int(cfg.sync.buffer_size)
+        self.threshold = cfg.sync.delta_skip_threshold
+        self.verify = verify
+        self.tracker = DeltaTracker()
+        self.engine_version = 0  # the policy version the engines serve (0: the checkpoint they loaded)
+        self._base_pushed = False
+        self._adapter_loaded = False
+        self.adapter_config = peft_config_dict(model, cfg.lora, cfg.model.path)
+
+    # ---- the one entry point ------------------------------------------------------------------
+
+    def sync(self, version: int) -> SyncReport:
+        """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
+        t0 = time.perf_counter()
+        adapter = adapter_tensors(self.model)
+        first = not self.tracker.ever_pushed
+        push, delta = should_push(self.tracker, adapter, self.threshold, self.trainer_group)
+        if not push:
+            return SyncReport(str(self.mode), self._transport_kind(), False, 0, 0.0, self.engine_version, None,
+                              0, delta, "skipped")
+        checksum = RunningChecksum()
+        nbytes, nbuckets, what = 0, 0, ""
+        if self.transport is not None:
+            nbytes, nbuckets, what = self._push(version, checksum)
+        self.tracker.mark_pushed(adapter)
+        self.engine_version = version
+        ms = (time.perf_counter() - t0 - checksum.seconds) * 1000
+        return SyncReport(str(self.mode), self._transport_kind(), True, nbytes, round(ms, 2), version,
+                          checksum.hexdigest() if self.transport is not None else None, nbuckets,
+                          None if first else delta, what)
+
+    def _transport_kind(self) -> str:
+        return self.transport.kind if self.transport is not None else "none"
+
+    def _push(self, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        if self.mode is SyncMode.MERGE:
+            n, b = self._push_weights(merged_source(self.model), version, checksum, {})
+            return n, b, "full"
+        if self.mode is SyncMode.ENGINE_MERGE:
+            lora = self.cfg.lora
+            extra = {"weight_update_mode": "lora_merge", "lora_alpha": lora.alpha, "lora_rank": lora.rank,
+                     "merge_fp32": True}
+            n, b = self._push_weights(adapter_source(self.model), version, checksum, extra)
+            return n, b, "lora_pairs"
+        what = "adapter"
+        n0 = b0 = 0
+        if not self._base_pushed:
+            n0, b0 = self._push_weights(base_source(self.model), version, checksum, {})
+            self._base_pushed = True
+            what = "base+adapter"
+        n, b = self._push_adapter(adapter_source(self.model), version, checksum)
+        return n0 + n, b0 + b, what
+
+    # ---- full weights / lora pairs through the weight routes ------------------------------------
+
+    def _push_weights(self, src: Source, version: int, checksum: RunningChecksum,
+                      extra: dict[str, Any]) -> tuple[int, int]:
+        wv = str(version)
+        if isinstance(self.transport, DistributedTransport):
+            buckets = plan_buckets(src.groups, self.cap)
+            for bucket in buckets:
+                tensors = src.get(list(dict.fromkeys(p.name for p in bucket.pieces)))
+                results = self.transport.send(bucket, tensors, lambda c, meta: c.update_weights_from_distributed(
+                    meta, load_format=FLAT, weight_version=wv, **extra))
+                meta = bucket.metadata()
+                self._check(results, checksum, lambda meta=meta, tensors=tensors: applied_checksum(meta, tensors))
+                for name in _completed(bucket):
+                    checksum.add(name, tensors[name])
+            return sum(b.nbytes for b in buckets), len(buckets)
+        assert isinstance(self.transport, ColocatedTransport)
+        name_buckets = colocated_buckets(src.groups, self.cap)
+        total = 0
+        for names in name_buckets:
+            tensors = src.get(names)
+            named = [(n, tensors[n]) for n in names]
+            results = self.transport.send(named, lambda c, payload: c.update_weights_from_tensor(
+                payload, weight_version=wv, **extra))
+            self._check(results, checksum, lambda named=named: protocol_checksum(named))
+            for n, t in named:
+                checksum.add(n, t)
+                total += t.numel() * t.element_size()
+        return total, len(name_buckets)
+
+    # ---- the adapter through the LoRA routes ------------------------------------------------------
+
+    def _push_adapter(self, src: Source, version: int, checksum: RunningChecksum) -> tuple[int, int]:
+        wv = str(version)
+        config = self.adapter_config
+        tensors = src.get(src.names)
+        named = [(n, tensors[n]) for n in src.names]
+        if isinstance(self.transport, DistributedTransport):
+            buckets = plan_buckets(src.groups, self.cap)
+            results: list[dict[str, Any]] = []
+            nb = len(buckets)
+            for i, bucket in enumerate(buckets):
+                def call(c: EngineClient, meta: dict[str, list], i: int = i) -> dict[str, Any]:  # type: ignore[type-arg]
+                    return c.load_lora_adapter_from_distributed(POLICY_ADAPTER, config, meta, bucket_index=i,
+                                                                num_buckets=nb, load_format=FLAT, weight_version=wv)
+
+                results = self.transport.send(bucket, tensors, call)
+            self._check(results, checksum, lambda: protocol_checksum(named))  # the engine hashes the whole adapter
+            nbytes, nbuckets = sum(b.nbytes for b in buckets), len(buckets)
+        else:
+            assert isinstance(self.transport, ColocatedTransport)
+            # SGLang refuses to load a name that is loaded: replacing = unload, then load. Before our
+            # first push the engine may still hold kora-policy from an earlier trainer (a restart).
+            first = not self._adapter_loaded
+
+            def replace_adapter(c: EngineClient, payload: str) -> dict[str, Any]:
+                try:
+                    c.unload_lora_adapter(POLICY_ADAPTER)
+                except EngineError as e:
+                    if not (first and "does not exist" in e.message):
+                        raise
+                return c.load_lora_adapter_from_tensors(POLICY_ADAPTER, config, payload)
+
+            self.transport.send(named, replace_adapter)
+            self._adapter_loaded = True
+            nbytes, nbuckets = sum(t.numel() * t.element_size() for _, t in named), 1
+        for n, t in named:
+            checksum.add(n, t)
+        return nbytes, nbuckets
+
+    def _check(self, results: list[dict[str, Any]], checksum: RunningChecksum, expected: Any) -> None:
+        """Each engine's reported checksum must equal what was sent (engines that report none pass).
+        Hashing time is kept out of the reported ms (it is verification, not transfer)."""
+        if not self.verify:
+            return
+        got = [r.get("checksum") for r in results if isinstance(r, dict) and r.get("checksum")]
+        if got:
+            want = checksum.timed(expected)
+            bad = [g for g in got if g != want]
+            if bad:
+                raise SyncError(f"an engine applied different bytes than were sent (checksum {bad[0]} != {want})")
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+

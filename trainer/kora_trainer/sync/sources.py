@@ -1,0 +1,68 @@
+"""What a sync pushes, planned before anything is materialised.
+
+A `Source` lists its tensors as groups of *meta* tensors (names, dtypes, shapes, no storage), so the
+buckets are planned first and each bucket's real tensors are produced only when that bucket goes out:
+a Merge push folds one bucket's weights at a time, so peak extra memory is about one bucket (plus the
+largest single tensor), not a second copy of the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kora_trainer.lora import adapter_pairs, base_state, lora_modules
+from kora_trainer.lora.model import hf_name
+
+Named = tuple[str, torch.Tensor]
+
+
+@dataclass
+class Source:
+    groups: list[list[Named]]  # meta tensors; a group of several (an A/B pair) travels in one bucket
+    get: Callable[[Sequence[str]], dict[str, torch.Tensor]]  # names -> real tensors (folds, or live parameters)
+
+    @property
+    def names(self) -> list[str]:
+        return [n for g in self.groups for n, _ in g]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for g in self.groups for _, t in g)
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def merged_source(model: nn.Module) -> Source:
+    """Merge mode: the whole model, adapters folded in (W + s·B·A in fp32, rounded once), HF names."""
+    live = {hf_name(n): p for n, p in model.named_parameters() if ".lora_A." not in n and ".lora_B." not in n}
+    folded_modules = {f"{name}.weight": m for name, m in lora_modules(model).items()}
+
+    def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for n in names:
+            m = folded_modules.get(n)
+            out[n] = m.folded_weight() if m is not None and m.enabled else live[n].detach()
+        return out
+
+    # a folded weight has its base weight's name, shape and dtype: plan from the base, fold per bucket
+    return Source([[(n, _meta(t))] for n, t in live.items()], get)
+
+
+def base_source(model: nn.Module) -> Source:
+    """Adapter mode, first sync: the frozen base under HF names, adapter tensors kept out."""
+    live = dict(base_state(model))
+    return Source([[(n, _meta(t))] for n, t in live.items()], lambda names: {n: live[n] for n in names})
+
+
+def adapter_source(model: nn.Module) -> Source:
+    """Adapter / EngineMerge: lora_A/lora_B under HF-PEFT names, each pair one group (never split)."""
+    pairs = adapter_pairs(model)
+    live = {n: t for pair in pairs for n, t in pair}
+    groups = [[(a, _meta(ta)), (b, _meta(tb))] for (a, ta), (b, tb) in pairs]
+    return Source(groups, lambda names: {n: live[n] for n in names})
