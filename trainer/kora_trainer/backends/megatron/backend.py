@@ -1,0 +1,181 @@
+"""The megatron training actor: GPTModel from the HF checkpoint, LoRA wrappers, GRPO steps on the adapter.
+
+Same contract and the same GRPO math (rollout/grpo.py) as the torch backend, so one test batch gives the
+same loss on both (tests/gpu/test_megatron_policy.py). One process per GPU; with tensor parallelism every
+TP rank runs the same step on the same batch (the TP group splits the layers, not the data).
+
+Log-probs come from the vocab-sharded logits through megatron's vocab-parallel cross entropy, so the full
+[tokens, vocab] logits are never gathered on one GPU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from kora_trainer.backends.batch import Padded, RolloutBatch, pad
+from kora_trainer.backends.megatron.convert import layout_from_hf_config
+from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora
+from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
+from kora_trainer.backends.megatron.parallel import init_parallel
+from kora_trainer.config import TrainerConfig
+from kora_trainer.rollout.grpo import group_advantages, grpo_loss
+
+
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, L] ids -> [B, L-1] log p(token t+1 | tokens <= t), reduced over the TP group's vocab shards."""
+    from megatron.core import tensor_parallel
+
+    b, length = input_ids.shape
+    position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(b, length)
+    # causal mask built inside (attn_mask_type causal); right padding never reaches a real token's context
+    logits = model(input_ids, position_ids, None)  # [B, L, V/tp]
+    # vocab_parallel_cross_entropy works in place on its input: hand it its own fp32 copy
+    shifted = logits[:, :-1].to(torch.float32, copy=True)  # [B, L-1, V/tp]
+    if temperature > 0 and temperature != 1.0:
+        shifted = shifted / temperature
+    return -tensor_parallel.vocab_parallel_cross_entropy(shifted, input_ids[:, 1:].contiguous())  # [B, L-1]
+
+
+def response_logprobs(model: torch.nn.Module, prompts: list[list[int]], response_ids: torch.Tensor,
+                      response_mask: torch.Tensor, pad_id: int = 0, temperature: float = 1.0) -> torch.Tensor:
+    """[B, R] log p of each response token given its prompt (0 where response_mask is 0).
+
+    prompt+response right-padded into one sequence per sample; response token j of sample i sits at
+    position len(prompt_i)+j and is predicted by position len(prompt_i)+j-1.
+    """
+    device = next(model.parameters()).device
+    b, r = response_ids.shape
+    lens = [len(x) for x in prompts]
+    ids = torch.full((b, max(lens) + r), pad_id, dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        ids[i, :lens[i]] = torch.tensor(prompt, dtype=torch.long)
+        ids[i, lens[i]:lens[i] + r] = response_ids[i]
+    lp = token_logprobs(model, ids.to(device), temperature)  # [B, W-1]
+    pos = (torch.tensor(lens).unsqueeze(1) - 1 + torch.arange(r).unsqueeze(0)).to(device)  # [B, R]
+    return lp.gather(1, pos) * response_mask.to(device)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    """torch's clip_grad_norm_ for a TP-sharded parameter set: shards' squares summed over the TP group,
+    replicated parameters counted once."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    dev = grads[0][0].device
+    sharded = torch.zeros((), device=dev)
+    replicated = torch.zeros((), device=dev)
+    for g, is_shard in grads:
+        sq = g.float().pow(2).sum()
+        if is_shard:
+            sharded += sq
+        else:
+            replicated += sq
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
+    total = torch.sqrt(sharded + replicated)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g, _ in grads:
+        g.mul_(coef.to(g.dtype))
+    return float(total)
+
+
+class MegatronBackend:
+    def __init__(self, cfg: TrainerConfig, dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 256,
+                 max_grad_norm: float = 1.0):
+        from transformers import AutoConfig
+
+        torch.manual_seed(cfg.algorithm.seed)
+        init_parallel(cfg.parallelism.tensor, cfg.algorithm.seed)
+        self.cfg = cfg
+        self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
+        self.layout = layout_from_hf_config(self.hf_config)
+        self.model = build_gpt_model(self.hf_config, dtype)
+        self.device = next(self.model.parameters()).device
+        self.wrapped = apply_lora(self.model, cfg.lora, seed=cfg.algorithm.seed)
+        load_hf_state(self.model, read_hf_state(cfg.model.path), self.layout)
+        self.model.eval()
+        self.pad_id = getattr(self.hf_config, "pad_token_id", None) or 0
+        self.params = adapter_parameters(self.model)
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
+        self.micro_batch_size = micro_batch_size
+        self.max_grad_norm = max_grad_norm
+        self.version = 0
+        self._shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
+
+    def _token_logp(self, p: Padded, temperature: float = 1.0) -> torch.Tensor:
+        """[B, R] log p of each response token (aligned with `p.response_ids`, 0 on padding)."""
+        return response_logprobs(self.model, p.prompts, p.response_ids, p.response_mask, self.pad_id, temperature)
+
+    @torch.no_grad()
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]], adapter: bool = True) -> list[list[float]]:
+        """Raw (T=1) log-probs of each response token, as an engine reports them."""
+        p = pad(prompts, responses, pad_id=self.pad_id)
+        if adapter:
+            lp = self._token_logp(p)
+        else:
+            with adapter_disabled(self.model):
+                lp = self._token_logp(p)
+        return [lp[i, :len(r)].tolist() for i, r in enumerate(responses)]
+
+    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
+        """One GRPO step: the same loop as TorchBackend.train_step (see there for the old-log-prob rule)."""
+        t0 = time.monotonic()
+        alg = self.cfg.algorithm
+        p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, self.pad_id)
+        mask = p.response_mask.to(self.device)  # [B, R]
+        adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(self.device)  # [B]
+        temperature = alg.temperature if alg.temperature > 0 else 1.0
+        with torch.no_grad():
+            old = p.rollout_logp.to(self.device) if temperature == 1.0 else self._token_logp(p, temperature)
+            ref = None
+            if alg.kl_coef > 0:
+                with adapter_disabled(self.model):
+                    ref = self._token_logp(p, temperature)  # [B, R] the base policy: the KL reference
+        n = len(batch)
+        gbs = min(alg.effective_global_batch_size, n)
+        sums: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio": 0.0, "grad_norm": 0.0}
+        gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
+        updates = 0
+        self.model.train()
+        for _ in range(alg.inner_epochs):
+            g = batch.group_size  # shuffle whole groups, as the torch backend does
+            order = (torch.randperm(n // g, generator=self._shuffle).unsqueeze(1) * g + torch.arange(g)).reshape(-1)
+            for start in range(0, n, gbs):
+                idx = order[start:start + gbs]
+                num_tokens = float(p.response_mask[idx].sum())
+                self.optimizer.zero_grad(set_to_none=True)
+                for mb in idx.split(self.micro_batch_size):
+                    mbd = mb.to(self.device)
+                    logp = self._token_logp(p.select(mb), temperature)  # [b, R]
+                    out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
+                                    None if ref is None else ref[mbd], alg.kl_coef, num_tokens=num_tokens)
+                    out.loss.backward()
+                    w = float(mask[mbd].sum()) / max(num_tokens, 1.0)
+                    sums["loss"] += out.pg_loss * w
+                    sums["clip_frac"] += out.clip_frac * w
+                    sums["kl"] += out.kl * w
+                    sums["ratio"] += out.ratio_mean * w
+                    if updates == 0:
+                        gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
+                        gap_max = max(gap_max, float(gap.max()))
+                        gap_sum += float(gap.sum())
+                        gap_n += float(mask[mbd].sum())
+                sums["grad_norm"] += clip_grad_norm(self.params, self.max_grad_norm)
+                self.optimizer.step()
+                updates += 1
+        self.model.eval()
+        self.version += 1
+        rewards = torch.tensor(batch.rewards)
+        return {
+            "version": self.version, "reward_mean": float(rewards.mean()), "samples": n, "updates": updates,
+            **{k: v / updates for k, v in sums.items()},
+            "response_len": float(p.response_mask.sum() / n),
+            "rollout_logp_gap_max": gap_max, "rollout_logp_gap_mean": gap_sum / max(gap_n, 1.0),
+            "train_ms": round((time.monotonic() - t0) * 1000, 1),
+        }

@@ -1,0 +1,222 @@
+"""LoRA for megatron-core's tensor-parallel linears: y = W x + (alpha/r) · B A dropout(x)  (Hu et al. 2021,
+https://arxiv.org/abs/2106.09685). The base stays frozen; only A and B train.
+
+Which factor is sharded under tensor parallelism (TP, no sequence parallelism):
+
+- ColumnParallelLinear (linear_qkv, linear_fc1): W is split on its OUTPUT rows, W_t [out/tp, in], and every
+  rank sees the whole input x. B [out, r] is split like W (B_t [out/tp, r], same row layout — the fused
+  QKV / [gate_t; up_t] order, see convert.py), A [r, in] is replicated. Then y_t = W_t x + s·B_t (A x) is
+  exactly rank t's slice of the full LoRA output, with no collective in the forward. In the backward each
+  rank holds only a part of dL/d(Ax) = Σ_t B_tᵀ g_t, so `A x` passes through megatron's
+  `copy_to_tensor_model_parallel_region` (identity forward, all-reduce backward): the sum is formed once and
+  A's gradient is identical on every rank, as a replicated parameter's must be. Sharding A instead would
+  need an all-gather of A x in every forward.
+- RowParallelLinear (linear_proj, linear_fc2): W is split on its INPUT columns, W_t [out, in/tp], and rank t
+  sees only its slice x_t (`input_is_parallel`). A [r, in] is split like W (A_t [r, in/tp]) so it consumes
+  x_t; the partial products A_t x_t are all-reduced (`reduce_from_tensor_model_parallel_region`: all-reduce
+  forward, identity backward) — r numbers per token, tiny next to the base's own all-reduce of [tokens, out]
+  — and B [out, r] is replicated, producing the full output every rank already holds after the base's
+  reduction. Sharding B instead would leave a partial output needing a second full-width reduction.
+
+So only the factor on W's sharded side is sharded, and LoRA adds at most one r-wide collective per layer.
+
+Dropout: on the replicated input of a column wrapper the mask must be the same on every TP rank (default
+RNG, seeded alike across TP by megatron); on the sharded input of a row wrapper it uses megatron's
+model-parallel RNG (different per rank), as megatron does for its own dropout in TP regions.
+
+Init (PEFT's): A ~ kaiming-uniform(a=√5) = U(±1/√in), B = 0, so training starts from the base policy.
+A is drawn at full size from one CPU generator in model order, then sliced: the same seed gives the same
+adapter whatever the TP size.
+
+megatron is imported lazily: this module imports on machines without megatron-core.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kora_trainer.config import LoRASpec, TargetModule
+
+SUPPORTED = {TargetModule.LINEAR_QKV: "linear_qkv", TargetModule.LINEAR_PROJ: "linear_proj",
+             TargetModule.LINEAR_FC1: "linear_fc1", TargetModule.LINEAR_FC2: "linear_fc2"}
+
+
+def _tp(base: nn.Module) -> tuple[int, int]:
+    group = getattr(base, "tp_group", None)
+    if group is None:
+        return 0, 1
+    return group.rank(), group.size()
+
+
+class _ParallelLoRA(nn.Module):
+    """Shared state of the two wrappers. Parameter names follow PEFT (`base_layer`, `lora_A`, `lora_B`)."""
+
+    column: bool
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
+        super().__init__()
+        if getattr(base, "sequence_parallel", False):
+            raise NotImplementedError("LoRA with sequence parallelism is not wired yet")
+        if getattr(base, "explicit_expert_comm", False):
+            raise NotImplementedError("LoRA on grouped / sequential MoE experts is the next step of issue 7")
+        self.base_layer = base
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.tp_rank, self.tp_size = _tp(base)
+        w = base.weight
+        out_local, in_local = w.shape
+        kw = {"device": w.device, "dtype": w.dtype}
+        if self.column:  # A replicated [r, in], B sharded like W [out/tp, r]
+            self.lora_A = nn.Linear(in_local, rank, bias=False, **kw)
+            self.lora_B = nn.Linear(rank, out_local, bias=False, **kw)
+            a_local = a_full
+        else:  # A sharded like W [r, in/tp], B replicated [out, r]
+            self.lora_A = nn.Linear(in_local, rank, bias=False, **kw)
+            self.lora_B = nn.Linear(rank, out_local, bias=False, **kw)
+            a_local = a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
+        with torch.no_grad():
+            self.lora_A.weight.copy_(a_local)
+            self.lora_B.weight.zero_()
+        from megatron.core import tensor_parallel
+
+        sharded, dim = (self.lora_B.weight, 0) if self.column else (self.lora_A.weight, 1)
+        if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard
+            tensor_parallel.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.enabled = True
+
+    # the attention / MLP modules and megatron utilities look at these on the linear they hold
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def backward_dw(self) -> None:
+        self.base_layer.backward_dw()
+
+    @torch.no_grad()
+    def folded_weight(self) -> torch.Tensor:
+        """This rank's shard of W + (alpha/r)·B·A (fp32, rounded once): the shard of the full fold."""
+        from kora_trainer.kernels.fold import fold
+
+        return fold(self.base_layer.weight, self.lora_A.weight, self.lora_B.weight, self.scaling)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, alpha={self.alpha}, tp={self.tp_rank}/{self.tp_size}, enabled={self.enabled}"
+
+
+class LoRAColumnParallelLinear(_ParallelLoRA):
+    column = True
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        out, bias = self.base_layer(x, *args, **kwargs)  # x [s, b, in] -> out [s, b, out/tp] (or gathered)
+        if not self.enabled:
+            return out, bias
+        from megatron.core import tensor_parallel
+
+        a = F.linear(self.dropout(x.to(self.lora_A.weight.dtype)), self.lora_A.weight)  # [s, b, r]
+        a = tensor_parallel.copy_to_tensor_model_parallel_region(a)  # backward: Σ over TP of the B_tᵀ g_t parts
+        delta = F.linear(a, self.lora_B.weight) * self.scaling  # [s, b, out/tp]
+        gather = kwargs.get("runtime_gather_output")
+        if gather is None:
+            gather = self.base_layer.gather_output
+        if gather and self.tp_size > 1:
+            delta = tensor_parallel.gather_from_tensor_model_parallel_region(delta)
+        return out + delta.to(out.dtype), bias
+
+
+class LoRARowParallelLinear(_ParallelLoRA):
+    column = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.base_layer.input_is_parallel:
+            raise NotImplementedError("LoRA on a RowParallelLinear whose input is not already split")
+        out, bias = self.base_layer(x)  # x [s, b, in/tp] -> out [s, b, out] (reduced over TP)
+        if not self.enabled:
+            return out, bias
+        from megatron.core import tensor_parallel
+
+        x = x.to(self.lora_A.weight.dtype)
+        if isinstance(self.dropout, nn.Dropout) and self.tp_size > 1:
+            with tensor_parallel.get_cuda_rng_tracker().fork():  # each rank drops its own input slice
+                x = self.dropout(x)
+        else:
+            x = self.dropout(x)
+        a = F.linear(x, self.lora_A.weight)  # [s, b, r] partial: this rank's slice of the input
+        a = tensor_parallel.reduce_from_tensor_model_parallel_region(a)  # Σ over TP -> A x, the same on all ranks
+        delta = F.linear(a, self.lora_B.weight) * self.scaling  # [s, b, out]
+        return out + delta.to(out.dtype), bias
+
+
+def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
+    """Wrap the targeted megatron linears in place; freeze everything but the adapters. Returns module names.
+
+    Supported targets: linear_qkv, linear_proj, linear_fc1, linear_fc2 (dense layers). router / GDN
+    projections / grouped experts are the next step of issue 7 and raise here rather than train nothing.
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    unsupported = [str(t) for t in spec.target_modules if TargetModule(t) not in SUPPORTED]
+    if unsupported:
+        raise NotImplementedError(f"lora.targetModules {unsupported}: not yet supported by the megatron backend")
+    leaves = {SUPPORTED[TargetModule(t)] for t in spec.target_modules}
+    gen = torch.Generator().manual_seed(seed)
+    model.requires_grad_(False)
+    names: list[str] = []
+    for name, module in list(model.named_modules()):
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf not in leaves or not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            continue
+        column = isinstance(module, ColumnParallelLinear)
+        in_full = module.weight.shape[1] * (1 if column else _tp(module)[1])
+        bound = 1.0 / math.sqrt(in_full)  # kaiming_uniform_(a=√5) on [r, in]
+        a_full = torch.empty(spec.rank, in_full).uniform_(-bound, bound, generator=gen)
+        cls = LoRAColumnParallelLinear if column else LoRARowParallelLinear
+        wrapper = cls(module, spec.rank, spec.alpha, spec.dropout, a_full)
+        wrapper.train(module.training)
+        parent_name, _, _ = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), leaf, wrapper)
+        names.append(name)
+    if not names:
+        raise ValueError(f"lora.targetModules {[str(t) for t in spec.target_modules]} matched no megatron linear")
+    for p in adapter_parameters(model):
+        p.requires_grad_(True)
+    return names
+
+
+def lora_modules(model: nn.Module) -> dict[str, _ParallelLoRA]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, _ParallelLoRA)}
+
+
+def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+
+
+def check_only_adapters_trainable(model: nn.Module) -> None:
+    adapter_ids = {id(p) for p in adapter_parameters(model)}
+    extra = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in adapter_ids]
+    if extra:
+        raise ValueError(f"trainable parameters that are not LoRA parameters: {extra[:5]}")
+
+
+@contextmanager
+def adapter_disabled(model: nn.Module) -> Iterator[None]:
+    """The base policy (GRPO's KL reference) from the same weights."""
+    modules = list(lora_modules(model).values())
+    before = [m.enabled for m in modules]
+    for m in modules:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, was in zip(modules, before, strict=True):
+            m.enabled = was

@@ -1,0 +1,173 @@
+"""A megatron-core GPTModel built from an HF config (Qwen3 dense) with the local layer spec, and HF weights in it.
+
+Local spec (`get_gpt_layer_local_spec`): ColumnParallelLinear / RowParallelLinear, torch RMSNorm,
+DotProductAttention — no TransformerEngine, no Apex. Qwen3 maps onto it as: RMSNorm everywhere
+(eps = rms_norm_eps), per-head RMSNorm on q and k before RoPE (`qk_layernorm`), GQA (`num_query_groups`),
+SwiGLU (`gated_linear_unit` + silu), no linear biases (`attention_bias` adds the qkv bias), non-interleaved
+RoPE over the full head dim with base `rope_theta`, embeddings tied or not (`tie_word_embeddings`).
+
+Numerics that differ from HF and why logits still agree: megatron's fallback softmax runs in fp32 when
+`attention_softmax_in_fp32`; RoPE's cos/sin are cast to the activation dtype before use in both; HF's
+RMSNorm computes in fp32 and rounds once, torch.nn.RMSNorm in bf16 accumulates in fp32 too. The GPU tests
+state the tolerances measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kora_trainer.backends.megatron.convert import (
+    REPL,
+    Layout,
+    from_megatron_shards,
+    layout_from_hf_config,
+    param_maps,
+    to_megatron_shard,
+)
+from kora_trainer.backends.megatron.parallel import gather_tp, tp_rank_size
+
+
+def rope_theta(cfg: Any) -> float:
+    """RoPE base from an HF config: transformers 5 keeps it in `rope_parameters`, 4.x in `rope_theta`."""
+    params = getattr(cfg, "rope_parameters", None) or {}
+    scaling = getattr(cfg, "rope_scaling", None) or {}
+    kind = (params.get("rope_type") if isinstance(params, dict) else None) or scaling.get("rope_type") or "default"
+    if kind != "default":
+        raise NotImplementedError(f"rope_type {kind!r}: only plain RoPE is mapped onto megatron so far")
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(cfg, "rope_theta", 10000.0))
+
+
+def check_supported(cfg: Any) -> None:
+    model_type = getattr(cfg, "model_type", "")
+    if model_type not in ("qwen3", "qwen2", "llama"):
+        raise NotImplementedError(f"model_type {model_type!r}: the megatron backend maps Qwen3 dense (and its "
+                                  "Llama-family relatives) so far; MoE configs are the next step of issue 7")
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"hidden_act {cfg.hidden_act!r}: only SwiGLU is mapped")
+
+
+def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: int = 1) -> Any:
+    """megatron TransformerConfig for an HF Qwen3 config."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    check_supported(cfg)
+    layout = layout_from_hf_config(cfg)
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=layout.num_heads, num_query_groups=layout.num_kv_heads, kv_channels=layout.head_dim,
+        normalization="RMSNorm", layernorm_epsilon=float(cfg.rms_norm_eps),
+        qk_layernorm=getattr(cfg, "model_type", "") == "qwen3",
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
+        hidden_dropout=0.0, attention_dropout=0.0,
+        # the local spec runs without TransformerEngine / Apex: every fused kernel off
+        bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
+        bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=tensor, sequence_parallel=False,
+        params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
+        perform_initialization=False,  # every base weight is loaded from the HF checkpoint
+    )
+
+
+def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """GPTModel on this process's GPU for the HF config `cfg` (weights uninitialised: `load_hf_state` next).
+
+    Needs `init_parallel` first (megatron's parallel_state gives the tensor-parallel group).
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    _, tp = tp_rank_size()
+    config = transformer_config(cfg, dtype, tp)
+    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    model = GPTModel(
+        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.max_position_embeddings, pre_process=True, post_process=True,
+        parallel_output=True,  # logits stay vocab-sharded; token_logprobs reduces over the TP group
+        share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=rope_theta(cfg),
+    )
+    # the torch norms of the local spec are created on the CPU in fp32: one device and dtype for all
+    return model.cuda(torch.cuda.current_device()).to(dtype)
+
+
+def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF checkpoint directory (*.safetensors), by HF name, on the CPU."""
+    from safetensors.torch import load_file
+
+    files = sorted(Path(path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def base_param_name(name: str) -> str | None:
+    """Megatron base-parameter name for a (possibly LoRA-wrapped) parameter; None for adapter factors."""
+    if ".lora_A." in name or ".lora_B." in name:
+        return None
+    return name.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], layout: Layout) -> None:
+    """Copy HF tensors into the model: fused QKV / gate-up layouts, this TP rank's shards. Strict both ways."""
+    tp_rank, tp_size = tp_rank_size()
+    maps = {pm.megatron: pm for pm in param_maps(layout)}
+    if layout.tied:  # a tied checkpoint may still carry lm_head.weight; it is the embedding
+        maps.pop("output_layer.weight", None)
+    seen: set[str] = set()
+    for name, p in model.named_parameters():
+        base = base_param_name(name)
+        if base is None:
+            continue
+        pm = maps.get(base)
+        if pm is None:
+            raise KeyError(f"megatron parameter {name} has no HF counterpart in the {layout} mapping")
+        missing = [n for n in pm.hf if n not in state]
+        if missing:
+            raise KeyError(f"HF checkpoint lacks {missing} (for megatron {base})")
+        shard = to_megatron_shard(pm.kind, [state[n] for n in pm.hf], layout, tp_rank, tp_size)
+        if tuple(shard.shape) != tuple(p.shape):
+            raise ValueError(f"{base}: HF gives {tuple(shard.shape)} on TP rank {tp_rank}, model has {tuple(p.shape)}")
+        p.copy_(shard.to(device=p.device, dtype=p.dtype))
+        seen.add(base)
+    unloaded = sorted(set(maps) - seen)
+    if unloaded:
+        raise KeyError(f"megatron model has no parameter for {unloaded[:5]}")
+
+
+def hf_state(model: torch.nn.Module, layout: Layout, flavour: str = "hf", merged: bool = False
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base (or, `merged`, the base with every enabled adapter folded in) under HF / SGLang names.
+
+    Collective over the TP group (every rank must iterate): sharded tensors are all-gathered, then unfused.
+    A fold is local to each shard (column: W_t + s·B_t·A; row: W_t + s·B·A_t are exactly the shards of the
+    full fold), computed in fp32 and rounded once (kernels.fold), before the gather.
+    """
+    from kora_trainer.backends.megatron.lora import lora_modules
+    from kora_trainer.kernels.fold import fold
+
+    wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
+    maps = {pm.megatron: pm for pm in param_maps(layout)}
+    hf_names = {pm.megatron: pm for pm in param_maps(layout, flavour)}
+    for name, p in model.named_parameters():
+        base = base_param_name(name)
+        if base is None:
+            continue
+        pm = maps[base]
+        local = p.detach()
+        m = wrapped.get(base)
+        if m is not None and m.enabled:
+            local = fold(local, m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling)
+        shards = [local] if pm.kind == REPL else gather_tp(local)
+        yield from zip(hf_names[base].hf, from_megatron_shards(pm.kind, shards, layout), strict=True)

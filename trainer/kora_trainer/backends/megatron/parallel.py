@@ -1,0 +1,59 @@
+"""torch.distributed + megatron parallel_state set-up, and the tensor-parallel gather the exports use.
+
+One process per GPU. Started by torchrun (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* in the environment) or
+alone: then a real process group of size 1 on 127.0.0.1 — megatron's layers always talk through a group.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_parallel(tensor: int = 1, seed: int = 0, backend: str = "nccl") -> None:
+    """Join (or create) the default process group, then initialise megatron's model-parallel groups and RNG."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not dist.is_initialized():
+        from kora_trainer.sync.group import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", str(rank))))
+        dist.init_process_group(backend, rank=rank, world_size=world)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor)
+    elif parallel_state.get_tensor_model_parallel_world_size() != tensor:
+        raise RuntimeError(f"megatron is already initialised with tensor parallel size "
+                           f"{parallel_state.get_tensor_model_parallel_world_size()}, not {tensor}")
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def tp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def gather_tp(t: torch.Tensor) -> list[torch.Tensor]:
+    """Every TP rank's copy of a sharded tensor, in rank order (the local tensor alone when TP = 1)."""
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    if size == 1:
+        return [t]
+    out = [torch.empty_like(t) for _ in range(size)]
+    dist.all_gather(out, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+    return out
