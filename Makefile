@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: setup test test-unit lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: demo setup test test-unit lint manifests manifests-check testbin cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -18,6 +18,9 @@ setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools
 
 testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries
 	bash hack/testbin.sh
+
+demo: setup testbin  ## control plane + Ray + operator on 127.0.0.1; train the toy job; describe it; clean up
+	$(PY) hack/demo.py
 
 test: setup testbin  ## unit + integration tests against a real local control plane
 	$(PY) -m pytest

@@ -20,6 +20,7 @@ from localcluster import LocalCluster, free_ports, wait_for
 ROOT = Path(__file__).resolve().parents[1]
 KORA = Path(sys.executable).with_name("kora")
 CHILD_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "rayjobs.ray.io": "RayJob"}
+TEST_OPERATOR_KEY = "kora-test-operator-key-0123456789"
 
 
 def install_crds(cluster: LocalCluster) -> None:
@@ -37,8 +38,10 @@ def install_crds(cluster: LocalCluster) -> None:
 class Operator:
     """`kora operator` as a subprocess in its own session, stopped by its pid."""
 
-    def __init__(self, cluster: LocalCluster, namespaces: list[str], log: Path, kubeconfig: Path | None = None) -> None:
+    def __init__(self, cluster: LocalCluster, namespaces: list[str], log: Path, kubeconfig: Path | None = None,
+                 env: dict[str, str] | None = None, args: list[str] | None = None) -> None:
         self.cluster, self.namespaces, self.log, self.kubeconfig = cluster, namespaces, log, kubeconfig
+        self.extra_env, self.extra_args = env or {}, args or []
         self.proc: subprocess.Popen[bytes] | None = None
         self.liveness_port, self.metrics_port = free_ports(2)
 
@@ -47,7 +50,9 @@ class Operator:
                 "--metrics-port", str(self.metrics_port), "--metrics-address", "127.0.0.1"]
         for ns in self.namespaces:
             args += ["--namespace", ns]
-        env = self.cluster.env()
+        args += self.extra_args
+        # a fixed operator key (tokens.py), so that tests never make one in ~/.local/state
+        env = {**self.cluster.env(), "KORA_OPERATOR_KEY": TEST_OPERATOR_KEY, **self.extra_env}
         env["PYTHONUNBUFFERED"] = "1"
         if self.kubeconfig is not None:  # e.g. a service account's credentials instead of the admin's
             env["KUBECONFIG"] = str(self.kubeconfig)

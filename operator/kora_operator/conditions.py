@@ -74,9 +74,12 @@ def set_conditions(
     return out
 
 
-# A condition turning True (False for Validated) in these types is bad news: a Warning event.
+# A condition turning True (False for Validated, WeightsSynced) in these types is bad news: a
+# Warning event. A stale policy on the engines is one.
 _BAD_WHEN_TRUE = {ConditionType.FAILED}
-_BAD_WHEN_FALSE = {ConditionType.VALIDATED}
+_BAD_WHEN_FALSE = {ConditionType.VALIDATED, ConditionType.WEIGHTS_SYNCED}
+# and these reasons are bad news whatever the condition (a Ray cluster the operator cannot use)
+_BAD_REASONS = {Reason.RAY_UNREACHABLE, Reason.RAY_UNAUTHORIZED, Reason.SUBMISSION_FAILED}
 
 
 @dataclass(frozen=True)
@@ -95,7 +98,7 @@ def transitions(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any
         if before is not None and (before.get("status"), before.get("reason")) == (c["status"], c["reason"]):
             continue
         bad = (c["type"] in _BAD_WHEN_TRUE and c["status"] == "True") or (
-            c["type"] in _BAD_WHEN_FALSE and c["status"] == "False")
+            c["type"] in _BAD_WHEN_FALSE and c["status"] == "False") or c["reason"] in _BAD_REASONS
         message = c.get("message") or f"{c['type']} is {c['status']}"
         out.append(Transition(EventType.WARNING if bad else EventType.NORMAL, str(c["reason"]), truncate(message)))
     # one Event per piece of news: two conditions changing for the same reason with the same

@@ -3,6 +3,7 @@ handlers in its thread pool). Nothing here decides anything; handlers/reconcile.
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import os
 import socket
@@ -71,6 +72,28 @@ class Kube:
         if kind == "RayJob":
             return self.get_ray_job(ns, name)
         raise ValueError(f"unknown child kind {kind}")
+
+    def read_secret(self, ns: str, name: str, key: str) -> str | None:
+        """One value of one Secret (the operator key's; RBAC grants `get` on that name only)."""
+        got = self._absent_is_none(lambda: self.api.sanitize_for_serialization(
+            self.core.read_namespaced_secret(name, ns)))
+        if got is None:
+            return None
+        raw = (got.get("data") or {}).get(key)
+        return base64.b64decode(raw).decode() if raw is not None else None
+
+    def create_secret(self, ns: str, name: str, data: Mapping[str, str]) -> bool:
+        """Create an Opaque Secret; False if it exists already."""
+        body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": name, "namespace": ns, "labels": {"app.kubernetes.io/part-of": "kora"}},
+                "stringData": dict(data)}
+        try:
+            self.core.create_namespaced_secret(ns, body)
+        except ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
 
     @staticmethod
     def _absent_is_none(call: Any) -> Obj | None:

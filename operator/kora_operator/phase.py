@@ -114,12 +114,16 @@ def next_status(
     obs: Observation,
     ray: Mapping[str, Any] | None,
     *,
-    ray_name: str,
+    ray_name: str | None,
     generation: int | None,
     now: str,
+    restarts: int | None = None,
 ) -> dict[str, Any]:
     """The status to hold after `obs`. A finished job stays finished: once Succeeded or Failed, a
-    later RayJob change (its cluster torn down, the RayJob deleted by hand) no longer moves it."""
+    later RayJob change (its cluster torn down, the RayJob deleted by hand) no longer moves it.
+
+    `ray` is the RayJob's status (runtime KubeRay) or the same keys made up from the Ray job
+    (runtime Ray); `restarts`, when given, replaces the count derived from KubeRay's `failed`."""
     status = dict(current)
     if status.get("phase") in TERMINAL:
         status["observedGeneration"] = generation
@@ -135,7 +139,8 @@ def next_status(
             status[ours] = ray[theirs]
     if obs.phase in TERMINAL:
         status["completionTime"] = obs.terminal_time or now
-    restarts = _restarts(ray, obs.phase)
+    if restarts is None:
+        restarts = _restarts(ray, obs.phase)
     if restarts or "restarts" in status:
         status["restarts"] = restarts
     return {k: v for k, v in status.items() if v is not None}

@@ -29,7 +29,6 @@ class Reason(StrEnum):
     VALIDATED = "Validated"
     VALIDATION_FAILED = "ValidationFailed"
     SYNC_MODE_DEFAULTED = "SyncModeDefaulted"
-    RUNTIME_NOT_SUPPORTED = "RuntimeNotSupported"
     # children
     CREATED_CONFIG_MAP = "CreatedConfigMap"
     CREATED_SECRET = "CreatedSecret"
@@ -59,6 +58,19 @@ class Reason(StrEnum):
     RAY_JOB_REJECTED = "RayJobRejected"
     CLUSTER_STUCK = "ClusterStuck"
     RAY_JOB_FAILED = "RayJobFailed"
+    # runtime Ray: the submission to an existing Ray cluster
+    SUBMITTED_RAY_JOB = "SubmittedRayJob"
+    FAILED_TO_SUBMIT_RAY_JOB = "FailedToSubmitRayJob"
+    STOPPED_RAY_JOB = "StoppedRayJob"
+    RAY_UNREACHABLE = "RayUnreachable"
+    RAY_UNAUTHORIZED = "RayUnauthorized"
+    # progress, from the trainer's control-plane API
+    WEIGHTS_SYNCED = "WeightsSynced"
+    ENGINES_BEHIND = "EnginesBehind"
+    CHECKPOINTED = "Checkpointed"
+    NO_CHECKPOINT_YET = "NoCheckpointYet"
+    CHECKPOINTS_DISABLED = "CheckpointsDisabled"
+    PROGRESS_UNAVAILABLE = "ProgressUnavailable"
 
 
 # RayJob .status.reason -> our reason (anything else is RAY_JOB_FAILED)

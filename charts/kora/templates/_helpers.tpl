@@ -30,6 +30,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 {{- end -}}
 
+{{- define "kora.keySecretName" -}}
+{{- default (printf "%s-key" (include "kora.fullname" .)) .Values.operatorKey.secretName -}}
+{{- end -}}
+
 {{- define "kora.watchNamespace" -}}
 {{- default .Release.Namespace .Values.watchNamespace -}}
 {{- end -}}

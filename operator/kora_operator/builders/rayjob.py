@@ -16,6 +16,7 @@ from kora_operator.builders.names import config_map_name, ray_job_name, secret_n
 from kora_operator.builders.secret import TOKEN_KEY
 
 CONTROL_PORT = 8068
+CONTROL_LINGER_S = 30
 TOKEN_DIR = "/var/run/secrets/kora"
 ENTRYPOINT = f"python -m kora_trainer.train --config {CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
 GPU = "nvidia.com/gpu"
@@ -38,6 +39,9 @@ def _env(job: LoRATrainingJob, head: bool) -> list[dict[str, Any]]:
     if head:  # the driver serves the control-plane API; only it needs the token
         env["KORA_CONTROL_PORT"] = str(CONTROL_PORT)
         env["KORA_CONTROL_TOKEN_FILE"] = f"{TOKEN_DIR}/{TOKEN_KEY}"
+        env["KORA_CONTROL_HOST"] = "0.0.0.0"  # the operator polls it through the head service (bearer token)
+        # after the last step, wait (at most this long) until the operator has read the final numbers
+        env["KORA_CONTROL_LINGER_S"] = str(CONTROL_LINGER_S)
     return [{"name": k, "value": v} for k, v in env.items()]
 
 

@@ -1,7 +1,8 @@
 """The per-job Secret holding the bearer token of the trainer's control-plane API (port 8068).
 
-The token is an input, not made here: the handler generates it once, when the Secret does not
-exist yet, so the builder stays pure and a restarted operator never rotates a live job's token.
+The token is an input, not made here: the operator derives it from its key and the job's uid
+(tokens.py), so the builder stays pure, a restarted operator never rotates a live job's token, and
+the operator can compute it again to poll the trainer without reading the Secret back.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """kopf handlers: LoRATrainingJob create/resume/update/delete, and changes of the RayJobs we own.
 
-Every handler calls the same level-based reconcile (handlers/reconcile.py); none sleeps.
+Every handler calls the same level-based reconcile (handlers/reconcile.py); none sleeps. The poll
+loop (handlers/poller.py) calls it too, for jobs whose state lives outside Kubernetes.
 """
 
 from __future__ import annotations
@@ -10,12 +11,19 @@ from typing import Any
 
 import kopf
 
-from kora_operator.api.job import GROUP, VERSION
+from kora_operator.api.job import GROUP, VERSION, RuntimeKind
 from kora_operator.builders.meta import JOB_LABEL, MANAGED_BY
-from kora_operator.handlers.reconcile import forget, reconcile
+from kora_operator.handlers.poller import Poller
+from kora_operator.handlers.reconcile import Context, forget, reconcile, stop_ray_job
 from kora_operator.kube import Kube
+from kora_operator.phase import TERMINAL
+from kora_operator.runtimes.rayjobs import RayError
+from kora_operator.settings import Settings
+from kora_operator.tokens import load_tokens
 
 JOBS = (GROUP, VERSION, "loratrainingjobs")
+FINALIZER = f"{GROUP}/stop-ray-job"
+STOP_GIVE_UP_AFTER = 20  # retries (about a minute) before a delete stops waiting for an unreachable Ray
 log = logging.getLogger("kora.handlers")
 
 
@@ -26,32 +34,78 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=GROUP, key="last-handled-configuration")
+    # only runtime-Ray jobs get it (see ray_job_deleted)
+    settings.persistence.finalizer = FINALIZER
     # we post our own Events, one per transition; kopf's log-lines-as-events would double them
     settings.posting.enabled = False
     settings.execution.max_workers = 16
     # no watching of Namespaces and CRDs: the account needs no cluster-wide read rights, at the
     # price that CRDs (ours, KubeRay's) installed after the operator started need a restart
     settings.scanning.disabled = True
-    memo.kube = Kube()
+    ours: Settings = getattr(memo, "settings", None) or Settings.from_env()
+    kube = Kube()
+    tokens = load_tokens(ours, kube)
+    log.info("control-plane tokens are derived from the operator key in %s", tokens.source)
+    ctx = Context(kube=kube, tokens=tokens, settings=ours)
+    ctx.poller = Poller(ours.poll_interval, lambda ns, name: reconcile(ctx, ns, name, trigger="poll")).start()
+    memo.ctx = ctx
+
+
+@kopf.on.cleanup()
+def shutdown(memo: kopf.Memo, **_: Any) -> None:
+    ctx: Context | None = getattr(memo, "ctx", None)
+    if ctx is not None and ctx.poller is not None:
+        ctx.poller.stop()
 
 
 @kopf.on.resume(*JOBS)
 @kopf.on.create(*JOBS)
 def job_created(namespace: str | None, name: str, memo: Any, reason: str, **_: Any) -> None:
-    reconcile(memo.kube, str(namespace), name, trigger=reason)
+    reconcile(memo.ctx, str(namespace), name, trigger=reason)
 
 
 @kopf.on.update(*JOBS, field="spec")
 def job_updated(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-    reconcile(memo.kube, str(namespace), name, trigger="update")
+    reconcile(memo.ctx, str(namespace), name, trigger="update")
 
 
 # optional: no finalizer. Children carry ownerReferences, so the garbage collector removes them
 # even when the operator is down; a finalizer would only make deletes hang on us.
+def _ray_job_may_run(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
+    """Runtime Ray and not finished: a finished job's Ray job has ended (Succeeded and Failed are
+    only reached from a terminal Ray job, or before any submission)."""
+    ray = (spec.get("runtime") or {}).get("kind") == RuntimeKind.RAY
+    return bool(ray and status.get("phase") not in TERMINAL)
+
+
 @kopf.on.delete(*JOBS, optional=True)
-def job_deleted(namespace: str | None, name: str, **_: Any) -> None:
-    forget(str(namespace), name)
+def job_deleted(namespace: str | None, name: str, memo: Any, spec: kopf.Spec, status: kopf.Status,
+                **_: Any) -> None:
+    if not _ray_job_may_run(spec, status):  # else ray_job_deleted forgets it, once its Ray job has stopped
+        forget(getattr(memo, "ctx", None), str(namespace), name)
     log.info("%s/%s deleted; the garbage collector removes its children", namespace, name)
+
+
+# runtime Ray only, and with a finalizer while its Ray job may run: nothing garbage-collects a Ray
+# job on a cluster outside Kubernetes, so the job stays (Terminating) until its Ray job has stopped.
+# kopf drops the finalizer once the job has finished. If the Ray cluster is unreachable for about a
+# minute the delete goes ahead, and the log says what may still run.
+@kopf.on.delete(*JOBS, when=_ray_job_may_run, backoff=3)
+def ray_job_deleted(namespace: str | None, name: str, memo: Any, retry: int, **_: Any) -> None:
+    ctx: Context = memo.ctx
+    try:
+        sub, info = stop_ray_job(ctx, str(namespace), name)
+    except RayError as e:
+        if retry >= STOP_GIVE_UP_AFTER:
+            log.warning("%s/%s deleted without stopping its Ray job, which may still run: %s", namespace, name, e)
+            forget(ctx, str(namespace), name)
+            return
+        raise kopf.TemporaryError(f"stopping the Ray job: {e}", delay=3) from e
+    if info is not None and not info.terminal:
+        raise kopf.TemporaryError(f"waiting for Ray job {sub} to stop (now {info.status})", delay=1)
+    forget(ctx, str(namespace), name)
+    if sub:
+        log.info("%s/%s deleted: its Ray job %s has ended", namespace, name, sub)
 
 
 @kopf.on.event("ray.io", "v1", "rayjobs", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
@@ -59,4 +113,4 @@ def ray_job_changed(body: kopf.Body, namespace: str | None, memo: Any, **_: Any)
     owners = [o for o in body.metadata.get("ownerReferences", []) if o.get("kind") == "LoRATrainingJob"]
     job = owners[0]["name"] if owners else body.metadata.labels.get(JOB_LABEL)
     if job:
-        reconcile(memo.kube, str(namespace), str(job), trigger="rayjob")
+        reconcile(memo.ctx, str(namespace), str(job), trigger="rayjob")

@@ -1,10 +1,11 @@
 """One level-based reconcile for a LoRATrainingJob, whatever woke it up (create, resume after a
-restart, a spec update, or a change of its RayJob).
+restart, a spec update, a change of its RayJob, or the poll loop).
 
 It reads the job afresh, creates whatever child is missing (deterministic names: a second
-attempt finds the first one's objects), nudges the RayJob's lifecycle fields to the spec, derives
-the status from the RayJob's and writes it, through /status, only when it changed. Transient API
-trouble raises kopf.TemporaryError; nothing here sleeps.
+attempt finds the first one's objects), nudges the RayJob's lifecycle fields to the spec (runtime
+KubeRay) or the Ray job's submission to its state (runtime Ray, runtimes/ray.py), reads the
+trainer's progress while it runs, derives the status and writes it, through /status, only when it
+changed. Transient API trouble raises kopf.TemporaryError; nothing here sleeps.
 """
 
 from __future__ import annotations
@@ -12,21 +13,36 @@ from __future__ import annotations
 import logging
 import threading
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
 
 from kora_operator.api.job import LoRATrainingJob, RuntimeKind
+from kora_operator.api.status import Phase
 from kora_operator.builders.children import build_children
 from kora_operator.builders.names import ray_job_name
 from kora_operator.builders.rayjob import mutable_spec
-from kora_operator.builders.secret import new_token
-from kora_operator.conditions import Cond, get_condition, set_condition, transitions
+from kora_operator.conditions import Cond, get_condition, set_condition, set_conditions, transitions
+from kora_operator.handlers.poller import Poller
 from kora_operator.kube import ApiException, Kube, now_rfc3339
 from kora_operator.metrics import CHILDREN_CREATED, observe_reconcile
-from kora_operator.phase import TERMINAL, next_status, observe
+from kora_operator.phase import TERMINAL, Observation, next_status, observe
+from kora_operator.progress import ProgressUnavailable, fetch, progress_conditions, progress_of
 from kora_operator.reasons import ConditionType, EventType, Reason
+from kora_operator.runtimes import kuberay
+from kora_operator.runtimes import ray as rayrt
+from kora_operator.runtimes.rayjobs import (
+    JobInfo,
+    RayError,
+    RayJobsClient,
+    RayRejected,
+    RayUnauthorized,
+    ray_auth_token,
+)
+from kora_operator.settings import Settings
+from kora_operator.tokens import Tokens
 from kora_operator.validation import validate_job
 
 log = logging.getLogger("kora.reconcile")
@@ -43,17 +59,75 @@ def _lock(ns: str, name: str) -> threading.Lock:
         return _locks[(ns, name)]
 
 
-def forget(ns: str, name: str) -> None:
+@dataclass
+class Context:
+    """What a reconcile needs besides the job: the API, the token source, the operator's settings,
+    and the poll loop (None: nothing polls, e.g. in a one-shot reconcile)."""
+
+    kube: Kube
+    tokens: Tokens
+    settings: Settings = field(default_factory=Settings)
+    poller: Poller | None = None
+    ray_token: Callable[[], str | None] = ray_auth_token
+    # the last progress trouble per job, so that it is logged (and a refused token posted) once
+    progress_errors: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    def ray_client(self, address: str) -> RayJobsClient:
+        return RayJobsClient(address, self.ray_token(), self.settings.http_timeout)
+
+
+def forget(ctx: Context | None, ns: str, name: str) -> None:
     with _locks_guard:
         _locks.pop((ns, name), None)
+    if ctx is not None:
+        ctx.progress_errors.pop((ns, name), None)
+        if ctx.poller is not None:
+            ctx.poller.unwatch(ns, name)
 
 
-def reconcile(kube: Kube, ns: str, name: str, trigger: str) -> None:
+def reconcile(ctx: Context, ns: str, name: str, trigger: str) -> None:
     with observe_reconcile(trigger), _lock(ns, name):
-        body = kube.get_job(ns, name)
+        body = ctx.kube.get_job(ns, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
-            return  # gone or going: the garbage collector takes the children
-        _reconcile(kube, body)
+            if ctx.poller is not None:
+                ctx.poller.unwatch(ns, name)
+            return  # gone or going: the garbage collector takes the children (a finalizer stops a Ray job)
+        new = _reconcile(ctx, body, poll=trigger == "poll")
+        if ctx.poller is not None:
+            if _needs_polling(body, new, ctx.settings.kuberay_progress):
+                ctx.poller.watch(ns, name)
+            else:
+                ctx.poller.unwatch(ns, name)
+
+
+def stop_ray_job(ctx: Context, ns: str, name: str) -> tuple[str | None, JobInfo | None]:
+    """For a deleted runtime-Ray job: stop its Ray job; return (submission id, its state after the stop
+    request), (None, None) when nothing was submitted. Under the job's lock, on a fresh read: a
+    reconcile that is submitting right now finishes first, and its submission is the one stopped."""
+    with _lock(ns, name):
+        body = ctx.kube.get_job(ns, name)
+        if body is None:
+            return None, None
+        sub = (body.get("status") or {}).get("rayJobName")
+        address = ((body.get("spec") or {}).get("runtime") or {}).get("address")
+        if not sub or not address:
+            return None, None
+        client = ctx.ray_client(str(address))
+        info = client.get(str(sub))
+        if info is not None and not info.terminal:
+            client.stop(str(sub))
+            info = client.get(str(sub))
+        return str(sub), info
+
+
+def _needs_polling(body: Mapping[str, Any], status: Mapping[str, Any] | None, kuberay_progress: bool) -> bool:
+    """A runtime-Ray job until it ends (only polling sees its Ray job change); a KubeRay job while its
+    trainer runs, for its progress (KubeRay's own changes come as RayJob events)."""
+    phase = (status or {}).get("phase")
+    if status is None or phase in TERMINAL:
+        return False
+    ray_runtime = ((body.get("spec") or {}).get("runtime") or {}).get("kind") == RuntimeKind.RAY
+    return ray_runtime or (kuberay_progress and phase == Phase.RUNNING)
 
 
 def _doc(body: Mapping[str, Any]) -> dict[str, Any]:
@@ -61,18 +135,20 @@ def _doc(body: Mapping[str, Any]) -> dict[str, Any]:
             "spec": body.get("spec") or {}}
 
 
-def _reconcile(kube: Kube, body: dict[str, Any]) -> None:
+def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> dict[str, Any]:
+    """Reconcile one job; return the status it holds now. A `poll` looks at the outside (the RayJob or
+    Ray job, the trainer) and leaves the children alone: events bring those back if they go."""
+    kube = ctx.kube
     meta, current = body["metadata"], body.get("status") or {}
-    name, generation = meta["name"], meta.get("generation")
+    generation = meta.get("generation")
     if current.get("phase") in TERMINAL:
-        return  # finished jobs are history; KubeRay's TTL cleans the cluster up
+        return dict(current)  # finished jobs are history; KubeRay's TTL cleans the cluster up
     now = now_rfc3339()
     job, problems = validate_job(_doc(body))
     errors = [p for p in problems if p.severity == "error"]
     if job is None or errors:
         message = "; ".join(f"{p.field}: {p.message}" for p in errors) or "invalid spec"
-        _fail(kube, body, Cond(ConditionType.VALIDATED, "False", Reason.VALIDATION_FAILED, message), now)
-        return
+        return _fail(kube, body, Cond(ConditionType.VALIDATED, "False", Reason.VALIDATION_FAILED, message), now)
     status: dict[str, Any] = dict(current)
     first_time = get_condition(current.get("conditions") or [], ConditionType.VALIDATED) is None
     if first_time and job.spec.lora.sync_mode is None:
@@ -82,27 +158,38 @@ def _reconcile(kube: Kube, body: dict[str, Any]) -> None:
     status["conditions"] = set_condition(
         current.get("conditions") or [], Cond(ConditionType.VALIDATED, "True", Reason.VALIDATED,
                                              "the spec passed every rule"), generation, now)
-    if job.spec.runtime.kind is not RuntimeKind.KUBERAY:
-        _fail(kube, body, Cond(ConditionType.FAILED, "True", Reason.RUNTIME_NOT_SUPPORTED,
-              "runtime.kind Ray is not reconciled by this operator version yet: use runtime.kind KubeRay, "
-              "or run `python -m kora_trainer.train --config` against the Ray cluster yourself"), now, status)
-        return
-    ray = _ensure_children(kube, body, job)
-    ray_name = ray_job_name(name)
-    ray_status = ray.get("status") if ray else None
-    new = next_status(status, observe(ray_name, ray_status, job.spec.suspend), ray_status,
-                      ray_name=ray_name, generation=generation, now=now)
+    if job.spec.runtime.kind is RuntimeKind.RAY:
+        if not poll:
+            _ensure_children(ctx, body, job)  # the ConfigMap (the rendered config, for people) and the Secret
+        new, url = _reconcile_ray(ctx, body, job, status, now)
+    else:
+        ray_name = ray_job_name(meta["name"])
+        ray = kube.get_ray_job(meta["namespace"], ray_name) if poll else None
+        if ray is None:
+            ray = _ensure_children(ctx, body, job)
+        ray_status = ray.get("status") if ray else None
+        new = next_status(status, observe(ray_name, ray_status, job.spec.suspend), ray_status,
+                          ray_name=ray_name, generation=generation, now=now)
+        url = kuberay.control_url(new, meta["namespace"]) if ctx.settings.kuberay_progress else None
+    # progress while the trainer runs, and one last look when it has just ended (a trainer that
+    # keeps its control plane up a moment after its last step then shows the final numbers)
+    if url and (new.get("phase") == Phase.RUNNING or (current.get("phase") == Phase.RUNNING
+                                                      and new.get("phase") in TERMINAL)):
+        new = _with_progress(ctx, body, job, new, url, now)
     _write(kube, body, current, new)
+    return new
 
 
-def _ensure_children(kube: Kube, body: dict[str, Any], job: LoRATrainingJob) -> dict[str, Any] | None:
-    """Create what is missing; return the RayJob as it stands.
+def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob) -> dict[str, Any] | None:
+    """Create what is missing; return the RayJob as it stands (None for runtime Ray: it has none).
 
     The Secret is never read: create answers 409 when it exists, which is all we need to know, and
-    so the operator's account may create Secrets but needs no right to read any.
+    so the operator's account may create Secrets but needs no right to read any. Its token is
+    derived from the job's uid (tokens.py): the operator can compute it again whenever it polls.
     """
+    kube = ctx.kube
     ray: dict[str, Any] | None = None
-    for child in build_children(job, token=new_token()):
+    for child in build_children(job, token=ctx.tokens.for_job(str(body["metadata"]["uid"]))):
         kind = child["kind"]
         existing = None if kind == "Secret" else kube.get_child(child)
         if existing is None:
@@ -146,7 +233,8 @@ def _align_ray_job(kube: Kube, body: dict[str, Any], job: LoRATrainingJob, ray: 
     kube.event(body, EventType.NORMAL, Reason.UPDATED_RAY_JOB, f"set {changes} on RayJob {meta['name']}")
 
 
-def _fail(kube: Kube, body: dict[str, Any], cond: Cond, now: str, status: dict[str, Any] | None = None) -> None:
+def _fail(kube: Kube, body: dict[str, Any], cond: Cond, now: str,
+          status: dict[str, Any] | None = None) -> dict[str, Any]:
     current = body.get("status") or {}
     status = dict(status if status is not None else current)
     generation = body["metadata"].get("generation")
@@ -156,6 +244,7 @@ def _fail(kube: Kube, body: dict[str, Any], cond: Cond, now: str, status: dict[s
                                    generation, now)
     status.update(phase="Failed", conditions=conditions, observedGeneration=generation, completionTime=now)
     _write(kube, body, current, status)
+    return status
 
 
 def _write(kube: Kube, body: dict[str, Any], current: Mapping[str, Any], new: dict[str, Any]) -> None:
@@ -167,3 +256,101 @@ def _write(kube: Kube, body: dict[str, Any], current: Mapping[str, Any], new: di
         kube.event(body, t.type, t.reason, t.message)
     if new.get("phase") != current.get("phase"):
         log.info("%s/%s: phase %s -> %s", meta["namespace"], meta["name"], current.get("phase"), new.get("phase"))
+
+
+# -- runtime Ray -------------------------------------------------------------------------------
+
+
+def _reconcile_ray(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, status: dict[str, Any],
+                   now: str) -> tuple[dict[str, Any], str | None]:
+    """Move the job's Ray job submission along (runtimes/ray.py decides); return the next status and
+    the trainer's control-plane URL."""
+    meta = body["metadata"]
+    address = str(job.spec.runtime.address)
+    client = ctx.ray_client(address)
+    sub = str(status.get("rayJobName") or rayrt.submission_id(str(meta["uid"])))
+    restarts = int(status.get("restarts") or 0)
+    info = None
+    submitted = False
+    try:
+        info = client.get(sub)
+        decision = rayrt.decide(info, sub=sub, address=address, suspend=job.spec.suspend, phase=status.get("phase"),
+                                restarts=restarts, backoff_limit=job.spec.backoff_limit)
+        obs = decision.obs
+        if decision.action is rayrt.Action.SUBMIT:
+            if status.get("rayJobName") != sub:  # named before it exists: a delete then knows what to stop
+                ctx.kube.patch_job_status(meta["namespace"], meta["name"], {"rayJobName": sub})
+            _submit(ctx, client, body, job, sub)
+            submitted = True
+        elif decision.action is rayrt.Action.STOP:
+            if client.stop(sub):
+                ctx.kube.event(body, EventType.NORMAL, Reason.STOPPED_RAY_JOB,
+                               f"stopped Ray job {sub} (spec.suspend is true)")
+        elif decision.action in (rayrt.Action.RETRY, rayrt.Action.RESUME):
+            failed, sub = sub, rayrt.next_submission_id(sub)
+            if decision.action is rayrt.Action.RETRY:
+                restarts += 1
+                ctx.kube.event(body, EventType.WARNING, Reason.TRAINER_FAILED,
+                               f"restart {restarts} of {job.spec.backoff_limit}: resubmitting as {sub}; "
+                               f"{rayrt.failure_message(info) if info else failed}")
+            # the new id is written before it is submitted: an operator that dies in between finds
+            # the id in the status, sees no such Ray job and submits it, never a second one
+            ctx.kube.patch_job_status(meta["namespace"], meta["name"], {"rayJobName": sub, "restarts": restarts})
+            info = None
+            _submit(ctx, client, body, job, sub)
+            submitted = True
+    except RayRejected as e:
+        obs = Observation(Phase.PROVISIONING, [Cond(ConditionType.TRAINING, "False", Reason.SUBMISSION_FAILED,
+                                                    str(e))])
+    except RayError as e:
+        reason = Reason.RAY_UNAUTHORIZED if isinstance(e, RayUnauthorized) else Reason.RAY_UNREACHABLE
+        obs = rayrt.unreachable(status.get("phase"), reason, str(e))
+    seen = {"dashboardURL": address}
+    if info is not None and info.start_time and not status.get("startTime"):
+        seen["startTime"] = info.start_time
+    # rayJobName names a submission that exists (the delete handler stops it), or the one being made
+    known = info is not None or submitted or status.get("rayJobName") == sub
+    new = next_status(status, obs, seen, ray_name=sub if known else None, generation=meta.get("generation"),
+                      now=now, restarts=restarts)
+    port = rayrt.recorded_port(info, sub, ctx.settings.ray_control_ports)
+    return new, rayrt.control_url(address, port)
+
+
+def _submit(ctx: Context, client: RayJobsClient, body: dict[str, Any], job: LoRATrainingJob, sub: str) -> None:
+    port = rayrt.control_port(sub, ctx.settings.ray_control_ports)
+    request = rayrt.build_submission(job, sub=sub, token=ctx.tokens.for_job(str(body["metadata"]["uid"])),
+                                     port=port, trainer_command=ctx.settings.trainer_command,
+                                     linger_s=ctx.settings.linger_s)
+    try:
+        made = client.submit(request)
+    except RayRejected as e:
+        ctx.kube.event(body, EventType.WARNING, Reason.FAILED_TO_SUBMIT_RAY_JOB, str(e))
+        raise
+    if made:
+        ctx.kube.event(body, EventType.NORMAL, Reason.SUBMITTED_RAY_JOB,
+                       f"submitted the trainer as Ray job {sub} to {client.address} (control plane on port {port})")
+
+
+# -- progress ----------------------------------------------------------------------------------
+
+
+def _with_progress(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, status: dict[str, Any], url: str,
+                   now: str) -> dict[str, Any]:
+    meta = body["metadata"]
+    key = (meta["namespace"], meta["name"])
+    try:
+        snapshot = fetch(url, ctx.tokens.for_job(str(meta["uid"])), ctx.settings.http_timeout)
+        progress = progress_of(snapshot)
+    except ProgressUnavailable as e:
+        if ctx.progress_errors.get(key) != str(e):
+            ctx.progress_errors[key] = str(e)
+            log.info("%s/%s: no progress: %s", *key, e)
+            if e.unauthorized:
+                ctx.kube.event(body, EventType.WARNING, Reason.PROGRESS_UNAVAILABLE, str(e))
+        return status
+    ctx.progress_errors.pop(key, None)
+    new = dict(status)
+    new["progress"] = progress
+    conds = progress_conditions(progress, job.spec, synced_step=snapshot.get("syncedStep"))
+    new["conditions"] = set_conditions(status.get("conditions") or [], conds, meta.get("generation"), now)
+    return new

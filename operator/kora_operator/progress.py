@@ -1,0 +1,109 @@
+"""Training progress, read from the trainer's control-plane API, into the job's status.
+
+`GET <trainer>:<port>/status` with `Authorization: Bearer <the job's token>` answers the keys of
+the `Progress` model (camelCase: step, totalSteps, rewardMean, lastSync, lastCheckpoint) plus a few
+the operator ignores. `fetch` does the one HTTP call; `progress_of` and `progress_conditions` are
+pure: the snapshot (and the spec) in, `status.progress` and the WeightsSynced / Checkpointed
+conditions out.
+
+WeightsSynced is False when the engines serve a policy more than spec.deployment.maxStaleness steps
+older than the trainer's (lastSync.adapterVersion < step - maxStaleness): a stale policy shows, with
+a Warning event, in `kubectl describe`. A trainer that skipped a push because no adapter tensor moved
+more than sync.deltaSkipThreshold leaves the engines on an older version that is nonetheless
+equivalent; it says so with the optional top-level key `syncedStep` (the last step the engines'
+policy was checked against, pushed or skipped), which then counts instead of adapterVersion.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from kora_operator.api.job import LoRATrainingJobSpec
+from kora_operator.api.status import Progress
+from kora_operator.conditions import Cond
+from kora_operator.reasons import ConditionType, Reason
+
+T, F = "True", "False"
+PROGRESS_KEYS = tuple(f.alias or n for n, f in Progress.model_fields.items())
+
+
+class ProgressUnavailable(Exception):
+    """The trainer's /status could not be read; `unauthorized` when it refused the token."""
+
+    def __init__(self, message: str, unauthorized: bool = False) -> None:
+        super().__init__(message)
+        self.unauthorized = unauthorized
+
+
+def fetch(base_url: str, token: str, timeout: float) -> dict[str, Any]:
+    """One GET /status; raises ProgressUnavailable with a message naming the address."""
+    url = base_url.rstrip("/") + "/status"
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            data = json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            raise ProgressUnavailable(
+                f"the trainer at {url} refused the job's control-plane token ({e.code}): the trainer was started "
+                "with another token (an older operator key?)", unauthorized=True) from None
+        raise ProgressUnavailable(f"the trainer at {url} answered {e.code}") from None
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        raise ProgressUnavailable(f"cannot read {url}: {getattr(e, 'reason', e)}") from None
+    if not isinstance(data, dict):
+        raise ProgressUnavailable(f"{url} answered {type(data).__name__}, not an object")
+    return data
+
+
+def progress_of(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """status.progress from a /status answer: the Progress keys only, checked against the model (and
+    so the CRD schema), None values dropped."""
+    picked = {k: snapshot[k] for k in PROGRESS_KEYS if snapshot.get(k) is not None}
+    try:
+        model = Progress.model_validate(picked)
+    except ValidationError as e:
+        raise ProgressUnavailable(f"the trainer's /status does not match the Progress model: {e.errors()[0]}") from None
+    return model.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+def progress_conditions(progress: Mapping[str, Any], spec: LoRATrainingJobSpec,
+                        synced_step: Any = None) -> list[Cond]:
+    """WeightsSynced and Checkpointed from status.progress (and the snapshot's `syncedStep`, if any)."""
+    conds: list[Cond] = []
+    step = int(progress.get("step") or 0)
+    sync = progress.get("lastSync")
+    if sync and sync.get("adapterVersion") is not None:
+        version = int(sync["adapterVersion"])
+        checked = max(version, synced_step) if isinstance(synced_step, int) else version
+        behind = step - checked
+        allowed = spec.deployment.max_staleness
+        if behind > allowed:
+            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, F, Reason.ENGINES_BEHIND,
+                              f"the engines serve policy version {version} while the trainer is at step {step}: "
+                              f"{behind} steps behind, more than spec.deployment.maxStaleness {allowed}"))
+        else:
+            how = ""
+            if sync.get("bytes") is not None and sync.get("milliseconds") is not None:
+                how = f"; last push {sync['bytes']} B in {float(sync['milliseconds']):.0f} ms"
+            same = (f", unchanged within sync.deltaSkipThreshold up to step {checked}"
+                    if checked > version else "")
+            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, T, Reason.WEIGHTS_SYNCED,
+                              f"the engines serve policy version {version}{same} (trainer step {step}, "
+                              f"{sync.get('mode') or spec.lora.effective_sync_mode} mode){how}"))
+    ckpt = progress.get("lastCheckpoint")
+    if ckpt and ckpt.get("path"):
+        conds.append(Cond(ConditionType.CHECKPOINTED, T, Reason.CHECKPOINTED,
+                          f"step {ckpt.get('step', '?')} saved in {ckpt['path']}"))
+    elif spec.checkpoint.path:
+        conds.append(Cond(ConditionType.CHECKPOINTED, F, Reason.NO_CHECKPOINT_YET,
+                          f"no checkpoint yet: one every {spec.checkpoint.interval} steps, in {spec.checkpoint.path}"))
+    else:
+        conds.append(Cond(ConditionType.CHECKPOINTED, F, Reason.CHECKPOINTS_DISABLED,
+                          "spec.checkpoint.path is unset: nothing is saved, and a retry starts over"))
+    return conds

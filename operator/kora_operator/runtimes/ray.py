@@ -1,0 +1,214 @@
+"""Runtime Ray: the trainer as a Ray job on an existing Ray cluster (spec.runtime.address).
+
+Nothing in Kubernetes owns a Ray job, so the operator keeps the submission's lifecycle itself:
+  - one submission at a time, named `kora-<job uid>-<n>`: deterministic, so a restarted operator
+    finds its submission (GET) instead of making a second one, and a lost race to POST answers
+    "already exists"; status.rayJobName holds the current one;
+  - a FAILED submission with restarts < backoffLimit is resubmitted as n+1 (status.restarts counts
+    it; the trainer resumes from its last LoRA-only checkpoint by itself);
+  - spec.suspend stops the submission; resuming submits n+1 (not a restart);
+  - deleting the LoRATrainingJob stops it (handlers/jobs.py: a finalizer for runtime Ray only).
+
+The submission carries the same trainer config as the KubeRay ConfigMap, in the environment
+variable KORA_JOB_YAML, piped to `python -m kora_trainer.train --config /dev/stdin`; the
+control-plane token and port also travel in the environment. This module is pure: `build_submission`
+and `decide` take values and return values; handlers/reconcile.py does the I/O.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shlex
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urlsplit
+
+from kora_operator.api.job import LoRATrainingJob
+from kora_operator.api.status import Phase
+from kora_operator.builders.configmap import trainer_config_yaml
+from kora_operator.conditions import Cond
+from kora_operator.phase import Observation
+from kora_operator.reasons import ConditionType, Reason
+from kora_operator.runtimes.rayjobs import FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, JobInfo
+
+T, F = "True", "False"
+PORT_KEY = "kora.dev/control-port"
+JOB_KEY = "kora.dev/job"
+UID_KEY = "kora.dev/uid"
+RUN_DIR = ".kora/runs"  # relative to the Ray job's working directory (where the Ray head was started)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+MAX_MESSAGE = 1000
+
+
+def submission_id(uid: str, n: int = 0) -> str:
+    return f"kora-{uid}-{n}"
+
+
+def next_submission_id(current: str) -> str:
+    base, _, n = current.rpartition("-")
+    return f"{base}-{int(n) + 1}" if n.isdigit() else f"{current}-1"
+
+
+def control_port(sub: str, ports: tuple[int, int]) -> int:
+    """The submission's control-plane port: stable for the id, spread over the range so that jobs
+    sharing a Ray head rarely collide (a collision fails the trainer; its retry gets a new port)."""
+    lo, hi = ports
+    return lo + int(hashlib.sha256(sub.encode()).hexdigest(), 16) % (hi - lo + 1)
+
+
+def ray_host(address: str) -> str:
+    return urlsplit(address).hostname or "127.0.0.1"
+
+
+def control_url(address: str, port: int) -> str:
+    host = ray_host(address)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def entrypoint(trainer_command: Sequence[str], sub: str) -> str:
+    """`python -m kora_trainer.train --config /dev/stdin`, the config piped in from KORA_JOB_YAML."""
+    return (f"printf '%s' \"$KORA_JOB_YAML\" | {shlex.join(trainer_command)} --config /dev/stdin "
+            f"--run-dir {shlex.quote(f'{RUN_DIR}/{sub}')}")
+
+
+def build_submission(job: LoRATrainingJob, *, sub: str, token: str, port: int,
+                     trainer_command: Sequence[str], linger_s: int = 0) -> dict[str, Any]:
+    """The POST /api/jobs/ body for submission `sub`. `linger_s`: how long the trainer may keep its
+    control plane up after the last step, until the operator has read the final numbers."""
+    meta = job.metadata
+    address = str(job.spec.runtime.address)
+    env = {
+        "KORA_JOB_YAML": trainer_config_yaml(job),
+        "KORA_JOB_NAME": str(meta["name"]),
+        "KORA_JOB_NAMESPACE": str(meta.get("namespace", "default")),
+        "KORA_CONTROL_TOKEN": token,
+        "KORA_CONTROL_PORT": str(port),
+        # the operator reaches the trainer at the Ray head's address: loopback stays loopback
+        "KORA_CONTROL_HOST": "127.0.0.1" if ray_host(address) in LOOPBACK else "0.0.0.0",
+    }
+    if linger_s:
+        env["KORA_CONTROL_LINGER_S"] = str(linger_s)
+    return {
+        "entrypoint": entrypoint(trainer_command, sub),
+        "submission_id": sub,
+        "runtime_env": {"env_vars": env},
+        "metadata": {JOB_KEY: f"{env['KORA_JOB_NAMESPACE']}/{env['KORA_JOB_NAME']}",
+                     UID_KEY: str(meta.get("uid", "")), PORT_KEY: str(port)},
+    }
+
+
+_LOG_NOISE = re.compile(r"^\d{4}-\d\d-\d\d [\d:,]+\s+(INFO|DEBUG)\s|^Running entrypoint for job ")
+
+
+def _fit(head: str, tail: str, limit: int = MAX_MESSAGE) -> str:
+    """head + tail within `limit` bytes, cutting the tail's beginning (its end has the error)."""
+    room = limit - len(head.encode())
+    raw = tail.encode()
+    if len(raw) > room:
+        tail = "..." + raw[len(raw) - room + 3:].decode(errors="ignore")
+    return head + tail
+
+
+def failure_message(info: JobInfo) -> str:
+    """Ray's message ("Job entrypoint command failed with exit code 1, last available logs ...:\\n<logs>")
+    as `Ray job <id> failed (exit code 1): <the trainer's last lines>`, under 1 KiB."""
+    msg = info.message.strip()
+    summary, sep, logs = msg.partition(", last available logs")
+    if not sep:
+        return _fit(f"Ray job {info.submission_id} {info.status.lower()}: ", msg)
+    logs = logs.partition(":\n")[2]
+    lines = [ln.rstrip() for ln in logs.splitlines() if ln.strip() and not _LOG_NOISE.match(ln)]
+    code = f" (exit code {info.driver_exit_code})" if info.driver_exit_code is not None else ""
+    if not lines:
+        return _fit(f"Ray job {info.submission_id} failed{code}: ", summary)
+    return _fit(f"Ray job {info.submission_id} failed{code}; the trainer's last output:\n", "\n".join(lines[-12:]))
+
+
+class Action(StrEnum):
+    NONE = "none"
+    SUBMIT = "submit"  # POST the current submission id (not there yet)
+    STOP = "stop"  # stop the current submission (suspend)
+    RETRY = "retry"  # the current one failed: submit the next id, counting a restart
+    RESUME = "resume"  # the current one was stopped by a suspend: submit the next id
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    obs: Observation
+
+
+def _ready(address: str) -> Cond:
+    return Cond(ConditionType.CLUSTER_READY, T, Reason.CLUSTER_READY, f"the Ray cluster at {address} answers")
+
+
+def decide(info: JobInfo | None, *, sub: str, address: str, suspend: bool, phase: str | None,
+           restarts: int, backoff_limit: int) -> Decision:
+    """What to do about submission `sub` (its Ray status `info`, None before it was submitted),
+    and what the job's status should say."""
+    ready = _ready(address)
+    status = info.status if info is not None else None
+    if status == SUCCEEDED:
+        msg = f"the trainer finished successfully (Ray job {sub})"
+        return Decision(Action.NONE, Observation(Phase.SUCCEEDED, [
+            ready, Cond(ConditionType.TRAINING, F, Reason.SUCCEEDED, msg),
+            Cond(ConditionType.COMPLETE, T, Reason.SUCCEEDED, msg)], terminal_time=info.end_time if info else None))
+    if suspend:
+        action = Action.STOP if info is not None and not info.terminal else Action.NONE
+        return Decision(action, Observation(Phase.SUSPENDED, [
+            Cond(ConditionType.TRAINING, F, Reason.SUSPENDED, f"spec.suspend is true: Ray job {sub} is stopped; "
+                 "set it to false to resubmit (the trainer resumes from its last checkpoint)")]))
+    was_suspended = phase == Phase.SUSPENDED
+    if info is None:
+        return Decision(Action.SUBMIT, Observation(Phase.PROVISIONING, [
+            ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING,
+                        f"submitted the trainer as Ray job {sub}; waiting for it to start")]))
+    if was_suspended:
+        if info.terminal:
+            return Decision(Action.RESUME, Observation(Phase.PROVISIONING, [
+                ready, Cond(ConditionType.TRAINING, F, Reason.RESUMING,
+                            "resuming: resubmitting the trainer, which continues from its last checkpoint")]))
+        return Decision(Action.STOP, Observation(Phase.SUSPENDED, [
+            Cond(ConditionType.TRAINING, F, Reason.RESUMING, f"resuming once Ray job {sub} has stopped")]))
+    if status == FAILED:
+        message = failure_message(info)
+        if restarts < backoff_limit:
+            return Decision(Action.RETRY, Observation(Phase.PROVISIONING, [
+                ready, Cond(ConditionType.TRAINING, F, Reason.RETRYING,
+                            _fit(f"restart {restarts + 1} of {backoff_limit} (spec.backoffLimit): ", message))]))
+        return Decision(Action.NONE, _failed(ready, Reason.TRAINER_FAILED, message, info.end_time))
+    if status == STOPPED:
+        return Decision(Action.NONE, _failed(ready, Reason.TRAINER_STOPPED, f"Ray job {sub} was stopped outside "
+                                             "kora (`ray job stop` or the Ray dashboard)", info.end_time))
+    if status == RUNNING:
+        return Decision(Action.NONE, Observation(Phase.RUNNING, [
+            ready, Cond(ConditionType.TRAINING, T, Reason.TRAINER_RUNNING,
+                        f"the trainer runs as Ray job {sub} on {address}")]))
+    if status != PENDING:
+        unknown = f"Ray job {sub} is in state {status!r}, which this operator does not know"
+        return Decision(Action.NONE, Observation(Phase.PROVISIONING, [
+            ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING, unknown)]))
+    return Decision(Action.NONE, Observation(Phase.PROVISIONING, [
+        ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING,
+                    f"Ray job {sub} waits for the Ray cluster to start it")]))
+
+
+def _failed(ready: Cond, reason: Reason, message: str, end: str | None) -> Observation:
+    return Observation(Phase.FAILED, [ready, Cond(ConditionType.TRAINING, F, reason, message),
+                                      Cond(ConditionType.FAILED, T, reason, message)], terminal_time=end)
+
+
+def unreachable(phase: str | None, reason: Reason, message: str) -> Observation:
+    """The Ray Jobs API cannot be used right now: say so, and keep the phase (the trainer may be fine)."""
+    keep = Phase(phase) if phase in set(Phase) else Phase.PENDING
+    return Observation(keep, [Cond(ConditionType.CLUSTER_READY, F, reason, message)])
+
+
+def recorded_port(info: JobInfo | None, sub: str, ports: tuple[int, int]) -> int:
+    """The control-plane port the submission was given (its metadata), else what it would be given."""
+    raw: Mapping[str, str] = info.metadata if info is not None else {}
+    port = raw.get(PORT_KEY, "")
+    return int(port) if port.isdigit() else control_port(sub, ports)
