@@ -49,7 +49,8 @@ def test_train_command_runs_and_reports(toy_dir, tmp_path, mode, deployment):
     cmd = [sys.executable, "-m", "kora_trainer.train", "--config", str(TOY_YAML), "--control-port", str(port),
            "--run-dir", str(tmp_path / "run"), f"model.path={toy_dir}", f"data.path={toy_dir}/train.parquet",
            f"lora.syncMode={mode}", f"deployment.mode={deployment}", "algorithm.numSteps=3",
-           "algorithm.rolloutBatchSize=8", "algorithm.nSamplesPerPrompt=4", "sync.bufferSize=256Ki",
+           "algorithm.rolloutBatchSize=8", "algorithm.nSamplesPerPrompt=4", "algorithm.globalBatchSize=16",
+           "sync.bufferSize=256Ki",
            "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit"]
     # the Ray workers of a local cluster inherit the driver's environment, PYTHONPATH included
     env = {**os.environ, "KORA_CONTROL_TOKEN": token,
@@ -86,3 +87,4 @@ def test_train_command_runs_and_reports(toy_dir, tmp_path, mode, deployment):
     assert last["totalSteps"] == 3 and last["syncMode"] == mode and last["lastSync"]["checksum"]
     assert last["lastSync"]["adapterVersion"] <= last["step"]
     assert "step 3/3" in out
+    assert last.get("syncedStep") is not None and last["syncedStep"] >= last["lastSync"]["adapterVersion"]
