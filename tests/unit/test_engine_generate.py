@@ -268,3 +268,13 @@ def test_concurrent_calls_are_merged_and_each_gets_its_own_results(client, adapt
     futs = [client.submit(client.generate, p, sp, lora_path=lp) for p, sp, lp in calls]
     together = [[o.output_ids for o in f.result(timeout=60)] for f in futs]
     assert together == alone  # seeded samples do not depend on what else shares the batch
+
+
+def test_update_weight_version_relabels_what_generate_reports(client, engine):
+    before = client.generate([[1, 2]], {"max_new_tokens": 1})[0].weight_version
+    out = client.update_weight_version("v-test")
+    assert out == {"success": True, "message": "Weight version updated to v-test", "new_version": "v-test"}
+    assert client.generate([[1, 2]], {"max_new_tokens": 1})[0].weight_version == "v-test"
+    r = requests.post(engine.url + "/update_weight_version", json={"abort_all_requests": True}, timeout=30)
+    assert r.status_code == 400 and "new_version" in r.json()["message"]  # the field is required, as in SGLang
+    client.update_weight_version(before or "default")

@@ -58,6 +58,11 @@ def gap(client, b: TorchBackend, lora_path: str | None) -> float:
                for x, y in zip(o.output_logprobs, mine, strict=True))
 
 
+def served_version(client, lora_path: str | None) -> str | None:
+    """The policy version the engine says it served (meta_info.weight_version): the staleness signal."""
+    return client.generate(PROMPTS[:1], {"max_new_tokens": 1}, lora_path=lora_path)[0].weight_version
+
+
 def expected_push(b: TorchBackend, mode: str) -> list:
     """What the first sync of each mode pushes (the report's checksum covers exactly this)."""
     if mode == "Merge":
@@ -86,6 +91,7 @@ def test_engine_serves_the_trained_policy_after_sync(engine, model_dir, mode, se
             assert report.pushed and report.adapter_version == 1 and report.bytes > 0
             assert report.checksum == checksum(expected_push(b, mode))  # every tensor pushed, in push order
             assert gap(client, b, lora_path) < ATOL
+            assert served_version(client, lora_path) == "1"  # rollouts are tagged with the version pushed
             if mode == "Adapter":
                 assert report.what == "base+adapter"
                 # a further step changes the adapter: stale until the next sync, equal after it
@@ -95,7 +101,9 @@ def test_engine_serves_the_trained_policy_after_sync(engine, model_dir, mode, se
                 assert gap(client, b, lora_path) > 1e-2
                 again = sender.sync(version=2)
                 assert again.what == "adapter" and again.bytes < report.bytes
+                assert again.checksum == checksum(adapter_tensors(b.model))
                 assert gap(client, b, lora_path) < ATOL
+                assert served_version(client, lora_path) == "2"
         finally:
             sender.close()
 

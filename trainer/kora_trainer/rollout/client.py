@@ -242,6 +242,11 @@ class EngineClient:
             body.pop("byte_ranges", None)
         return self.post("/load_lora_adapter_from_distributed", body)
 
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
+        """The version /generate reports from now on (SGLang's /update_weight_version)."""
+        return self.post("/update_weight_version", {"new_version": new_version,
+                                                    "abort_all_requests": abort_all_requests})
+
     # ---- control ----------------------------------------------------------------------------
 
     def flush_cache(self, timeout: float = 0.0) -> str:

@@ -16,7 +16,7 @@ trainer can compare them with its own policy log-probs.
 Routes (SGLang's): /generate, /health, /health_generate, /model_info, /get_model_info,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
 /update_weights_from_tensor, /load_lora_adapter, /load_lora_adapter_from_tensors,
-/unload_lora_adapter, /flush_cache, /pause_generation, /continue_generation.
+/unload_lora_adapter, /update_weight_version, /flush_cache, /pause_generation, /continue_generation.
 
 kora extensions — SGLang 0.5.23 has no route or field for these:
 - `POST /load_lora_adapter_from_distributed` {lora_name, config_dict, names, dtypes, shapes,
@@ -36,6 +36,8 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
   for the adapter route: of the whole adapter, on its last bucket). `/model_info` adds
   `kora_engine: "hf"`. A request served by an adapter pushed with a `weight_version` reports that
   version in `meta_info.weight_version` (per-adapter staleness); otherwise the server's version.
+  `/load_lora_adapter_from_tensors` answers with the `checksum` of the adapter it loaded too (SGLang
+  gives that route no version: a trainer sets one with `/update_weight_version` afterwards).
 
 Differences from SGLang that a caller can see: no prefix cache (`/flush_cache` only checks for
 idle); no constrained decoding (json_schema/regex/ebnf → 400); `stream: true` sends one final
@@ -123,6 +125,7 @@ class HFEngineServer:
             ("POST", "/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors, ADMIN),
             ("POST", "/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed, ADMIN),
             ("POST", "/unload_lora_adapter", self.unload_lora_adapter, ADMIN),
+            ("POST", "/update_weight_version", self.update_weight_version, ADMIN),
             ("*", "/flush_cache", self.flush_cache, ADMIN),
             ("POST", "/pause_generation", self.pause_generation, ADMIN),
             ("POST", "/continue_generation", self.continue_generation, ADMIN),
@@ -353,14 +356,16 @@ class HFEngineServer:
         return await self._lora_call(request, "LoadLoRAAdapterReqInput", rq.LOAD_LORA_ADAPTER, do)
 
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
-        def load(b: dict[str, Any]) -> None:
+        def load(b: dict[str, Any]) -> dict[str, Any]:
             if b.get("added_tokens_config"):
                 raise ValueError("LoRA adapters that add tokens are not supported.")
             named = deserialize_named_tensors(b["serialized_named_tensors"][self.receiver.tp_rank])
             self.adapters.load_from_tensors(b["lora_name"], b["config_dict"], named)
+            return {"checksum": checksum(named)}  # kora: what was applied, for the sender to compare
 
-        async def do(b: dict[str, Any]) -> None:
-            await self._run(load, b)
+        async def do(b: dict[str, Any]) -> dict[str, Any]:
+            out: dict[str, Any] = await self._run(load, b)
+            return out
 
         return await self._lora_call(request, "LoadLoRAAdapterFromTensorsReqInput",
                                      rq.LOAD_LORA_ADAPTER_FROM_TENSORS, do)
@@ -402,6 +407,17 @@ class HFEngineServer:
 
         return await self._lora_call(request, "LoadLoRAAdapterFromDistributedReqInput",
                                      rq.LOAD_LORA_ADAPTER_FROM_DISTRIBUTED, do)
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        """SGLang's route: only the version label changes (the adapter routes carry none of their own)."""
+        try:
+            b = await self._body(request, "UpdateWeightVersionReqInput", rq.UPDATE_WEIGHT_VERSION)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        self._abort_if_asked(b)
+        self.engine.weight_version = b["new_version"]
+        return _json({"success": True, "message": f"Weight version updated to {b['new_version']}",
+                      "new_version": b["new_version"]})
 
     # ---- control ----------------------------------------------------------------------------
 

@@ -129,5 +129,7 @@ LOAD_LORA_ADAPTER_FROM_DISTRIBUTED = {
     "load_format": F("str", None), "bucket_index": F("int", 0), "num_buckets": F("int", 1),
     "weight_version": F("str", None),
 }
+# SGLang UpdateWeightVersionReqInput: sets the version /generate reports in meta_info.weight_version
+UPDATE_WEIGHT_VERSION = {"new_version": F("str"), "abort_all_requests": F("bool", False)}
 PAUSE_GENERATION = {"mode": F("str", "abort")}
 CONTINUE_GENERATION = {"torch_empty_cache": F("bool", True)}

@@ -235,9 +235,14 @@ class WeightSender:
                 except EngineError as e:
                     if not (first and "does not exist" in e.message):
                         raise
-                return c.load_lora_adapter_from_tensors(POLICY_ADAPTER, config, payload)
+                out = c.load_lora_adapter_from_tensors(POLICY_ADAPTER, config, payload)
+                # SGLang's tensor route takes no version: label the new adapter's rollouts ourselves, after
+                # the load (a request in between shows the older version: a lag, never a false "current")
+                c.update_weight_version(wv)
+                return out
 
-            self.transport.send(named, replace_adapter)
+            results = self.transport.send(named, replace_adapter)
+            self._check(results, checksum, lambda: protocol_checksum(named))
             self._adapter_loaded = True
             nbytes, nbuckets = sum(t.numel() * t.element_size() for _, t in named), 1
         for n, t in named:
