@@ -6,7 +6,7 @@ never fires), times `WeightSender.sync`, and times, in the same run, a raw gloo 
 same bucket sizes from this process to a second process (the anchor: what moving those bytes costs with
 no HTTP, no fold, no apply). Prints a table and one JSON line with the ratios.
 
-    python bench/sync_cpu.py [--model .kora/toy] [--steps 20] [--buffer 1Mi] [--hidden 0]
+    python bench/sync_cpu.py [--model .kora/toy] [--steps 20] [--buffer 1Mi] [--hidden 0] [--out FILE]
 
 --hidden N (> 0) benchmarks a random Qwen3 of that width instead (4 layers; e.g. 512 -> ~60 MB fp32).
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--buffer", default="1Mi")
     p.add_argument("--hidden", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model = args.model
@@ -148,8 +150,17 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['mode']:<12}{r['transport']:<13}{r['bytes_per_step']:>12}{r['buckets']:>9}"
               f"{r['sync_ms_p50']:>10.2f}{r['raw_gloo_ms_p50']:>10.2f}{r['ratio']:>8.1f}")
-    print(json.dumps({"bench": "sync_cpu", "model": model, "buffer": cap, "steps": args.steps,
-                      "threads": args.threads, "rows": rows}))
+    # LoRA's point in one number: an adapter sync against a raw broadcast of the whole model's bytes (what a
+    # full-model sync has to move at the very least), from the same run
+    full = next(r["raw_gloo_ms_p50"] for r in rows if r["mode"] == "Merge" and r["transport"] == "distributed")
+    adapter = next(r["sync_ms_p50"] for r in rows if r["mode"] == "Adapter" and r["transport"] == "distributed")
+    result = {"bench": "sync_cpu", "model": model, "buffer": cap, "steps": args.steps, "threads": args.threads,
+              "adapter_sync_vs_full_model_broadcast": adapter / full, "rows": rows,
+              "command": "python " + " ".join(sys.argv), "torch": torch.__version__, "cpus": os.cpu_count()}
+    print(f"adapter sync / raw broadcast of the whole model: {adapter:.2f} / {full:.2f} ms = {adapter / full:.2f}")
+    print(json.dumps(result))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
 
 
