@@ -194,3 +194,30 @@ def test_merge_does_not_import_torch():
     """torch alone is ~700 MB of RSS: the merge path must stay numpy-only to keep its memory bound."""
     code = "import sys, kora_trainer.checkpoint.merge, kora_trainer.checkpoint.cli; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_fused_expert_adapter_into_a_per_expert_checkpoint(tmp_path):
+    """transformers 5 trains Qwen3-MoE with fused `experts.gate_up_proj` [E, 2I, H] but saves experts one by one
+    (`experts.{e}.gate_proj.weight`, ...): the PEFT adapter's target_parameters must land on those."""
+    torch.manual_seed(0)
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=4,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=3,
+                         num_experts_per_tok=2, tie_word_embeddings=False)
+    model = Qwen3MoeForCausalLM(cfg).float().eval()
+    model.save_pretrained(tmp_path / "base")  # transformers' own per-expert layout
+    peft_model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"],
+                                                  target_parameters=["mlp.experts.gate_up_proj",
+                                                                     "mlp.experts.down_proj"]))
+    _randomise_lora(peft_model)
+    peft_model.save_pretrained(tmp_path / "adapter")
+    res = kora("merge", "--base", str(tmp_path / "base"), "--adapter", str(tmp_path / "adapter"),
+               "--out", str(tmp_path / "m"))
+    assert res.returncode == 0, res.stderr
+    # per layer: q_proj + 3 experts x (gate, up, down)
+    assert "merged 20 adapter pairs" in res.stdout
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    expected = _logits(peft_model.eval(), ids)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32).eval()
+    base_logits = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval(), ids)
+    assert (expected - base_logits).abs().max() > 1e-3  # the adapter matters
+    assert (_logits(merged, ids) - expected).abs().max() < TOL

@@ -6,6 +6,9 @@ Key forms handled (PEFT 0.21 save format, prefix `base_model.model.`):
   [E, X, Y]; lora_A is [E·r, in] (rows expert-major), lora_B is [out, r·E] (columns rank-major).
   Several target parameters on one module nest: the last one in `target_parameters` is the outer
   wrapper (`<module>.lora_A`), earlier ones sit under `.base_layer` once per later parameter.
+- the same fused-expert adapter against a checkpoint that stores experts one by one (transformers 5
+  fuses `experts.{e}.gate_proj/up_proj` into `experts.gate_up_proj` [E, 2I, H] when it loads, and
+  splits them again when it saves): each expert's B·A is cut into its per-expert 2-D weights.
 Anything that does not pair with a base tensor is a hard error naming it — a silently dropped
 adapter tensor is a policy nobody trained.
 """
@@ -95,6 +98,63 @@ def _param_wrapper_target(
     return fitting[0] if fitting else None
 
 
+# transformers 5's fused expert parameters -> the per-expert Linear names a saved checkpoint holds, in
+# the order they are concatenated along the fused tensor's rows ([E, out, in]: gate rows, then up rows)
+_PER_EXPERT = {
+    "gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "down_proj": (("down_proj",), ("w2",)),
+}
+
+
+def _per_expert_pairs(
+    config: dict[str, Any], module: str, a: np.ndarray, b: np.ndarray, base_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, tuple[np.ndarray, np.ndarray]] | None:
+    """A fused-expert adapter on `module` (e.g. `model.layers.3.mlp.experts`) folded into per-expert
+    weights `module.{e}.<part>.weight`: per-expert-weight name -> (A', B') with B'·A' = that weight's
+    slice of expert e's update. None when no target parameter of the module maps that way."""
+    while module.endswith(".base_layer"):
+        module = module[: -len(".base_layer")]
+    found = []
+    for p in config.get("target_parameters") or []:
+        owner, _, param = p.rpartition(".")
+        if not (module == owner or module.endswith("." + owner)):
+            continue
+        for parts in _PER_EXPERT.get(param, ()):
+            experts = 0
+            while all(f"{module}.{experts}.{part}.weight" in base_shapes for part in parts):
+                experts += 1
+            if experts == 0 or a.shape[0] % experts or b.shape[1] != a.shape[0]:
+                continue
+            shapes = [base_shapes[f"{module}.0.{part}.weight"] for part in parts]  # [rows_i, in] each
+            fused = (sum(sh[0] for sh in shapes), shapes[0][1])  # the fused expert's [out, in]
+            if (b.shape[0], a.shape[1]) == fused:
+                transpose = False
+            elif (a.shape[1], b.shape[0]) == fused:
+                transpose = True  # PEFT saw the fused tensor as [E, in, out]
+            else:
+                continue
+            found.append((parts, experts, shapes, transpose))
+    if not found:
+        return None
+    if len(found) > 1:
+        raise AdapterError(f"{module}: lora_A {a.shape} / lora_B {b.shape} fit several per-expert layouts; "
+                           "kora merge cannot tell which one this adapter trained")
+    parts, experts, shapes, transpose = found[0]
+    rank = a.shape[0] // experts
+    a3 = a.reshape(experts, rank, a.shape[1])  # [E, r, in]
+    b3 = b.reshape(b.shape[0], rank, experts).transpose(2, 0, 1)  # [E, out, r]
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    for e in range(experts):
+        # the expert's update as up·down with up [fused_out, r], down [r, fused_in]
+        up, down = (a3[e].T, b3[e].T) if transpose else (b3[e], a3[e])
+        row = 0
+        for part, shape in zip(parts, shapes, strict=True):
+            out[f"{module}.{e}.{part}.weight"] = (np.ascontiguousarray(down),
+                                                  np.ascontiguousarray(up[row:row + shape[0]]))
+            row += shape[0]
+    return out
+
+
 def pair_with_base(
     config: dict[str, Any], tensors: dict[str, np.ndarray], base_shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, LoRAPair]:
@@ -120,6 +180,11 @@ def pair_with_base(
             else _param_wrapper_target(config, module, ab["A"], ab["B"], base_shapes)
         )
         if target is None:
+            split = _per_expert_pairs(config, module, ab["A"], ab["B"], base_shapes)
+            if split is not None:
+                for name, (a_e, b_e) in split.items():
+                    pairs[name] = LoRAPair(name, a_e, b_e, _scaling(config, module, a_e.shape[0]))
+                continue
             raise AdapterError(
                 f"adapter tensor {PREFIX}{module}.lora_A.weight has no base partner: neither "
                 f"{module}.weight nor a target_parameters entry exists in the base checkpoint "
