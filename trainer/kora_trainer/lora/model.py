@@ -31,6 +31,10 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     if not names:
         raise ValueError(f"lora.targetModules {[str(t) for t in spec.target_modules]} with scope {spec.scope} "
                          "matched no Linear layer of this model")
+    unmatched = [str(t) for t in spec.target_modules if not select_targets(model, [t], spec.scope)]
+    if unmatched:  # silently training less than asked for is worse than refusing
+        raise ValueError(f"lora.targetModules {unmatched} matched no Linear layer of this model (scope {spec.scope})"
+                         f"{_fused_hint(model)}; remove them from lora.targetModules")
     model.requires_grad_(False)
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
@@ -42,6 +46,16 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
     for p in adapter_parameters(model):
         p.requires_grad_(True)
     return names
+
+
+def _fused_hint(model: nn.Module) -> str:
+    """Why an MLP / router target can miss: transformers 5 keeps MoE experts (and routers) as bare parameters."""
+    fused = sorted({type(m).__name__ for m in model.modules()
+                    if any(p.dim() == 3 for p in m.parameters(recurse=False))})
+    if not fused:
+        return ""
+    return (f": this model's experts are fused 3-D parameters ({', '.join(fused)}), not Linear layers, and the "
+            "torch backend does not put LoRA on them or on the router")
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
