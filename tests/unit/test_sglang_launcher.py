@@ -56,6 +56,19 @@ def test_adapter_mode_enables_lora_with_sglang_module_names():
     assert sglang_target_modules(cfg) == argv[start:start + 7]
 
 
+def test_seeded_sampling_needs_deterministic_inference_when_the_run_resumes_exactly():
+    # SGLang reads a request's sampling_seed only with --enable-deterministic-inference; kora turns it on
+    # when the run promises exact replay after a resume (checkpoints, synchronous rollouts)
+    plain = sglang_command(config(), port=1).argv
+    assert "--enable-deterministic-inference" not in plain
+    exact = config(checkpoint={"path": "/ckpt"}, deployment={"async": False})
+    assert "--enable-deterministic-inference" in sglang_command(exact, port=1).argv
+    lagged = config(checkpoint={"path": "/ckpt"}, deployment={"async": True})  # exactness is not claimed
+    assert "--enable-deterministic-inference" not in sglang_command(lagged, port=1).argv
+    assert "--enable-deterministic-inference" in sglang_command(lagged, port=1, deterministic=True).argv
+    assert "--enable-deterministic-inference" not in sglang_command(exact, port=1, deterministic=False).argv
+
+
 def test_multi_lora_slots_count_the_base():
     argv = sglang_command(config(lora={"syncMode": "Adapter"}, multiLora={"maxAdapters": 4}), port=1).argv
     assert flag(argv, "--max-loras-per-batch") == "5"

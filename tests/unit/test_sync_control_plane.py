@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from kora_operator.api.status import Progress as OperatorProgress
-from kora_trainer.control_plane import ControlPlane, Progress, resolve_token
+from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_token
 
 
 def get(url: str, token: str | None = None) -> tuple[int, object]:
@@ -66,3 +68,77 @@ def test_token_sources(tmp_path, monkeypatch):
     assert resolve_token(tmp_path)[0] == "from-secret"
     monkeypatch.setenv("KORA_CONTROL_TOKEN", "from-env")
     assert resolve_token(tmp_path) == ("from-env", "env KORA_CONTROL_TOKEN")
+
+
+def test_status_says_where_a_run_resumed_from(plane):
+    cp, progress = plane
+    assert get(f"{cp.url}/status", "s3cret")[1]["resumedFromStep"] is None  # a fresh start
+    progress.update(resumedFromStep=4, step=4, lastCheckpoint={"path": "/ckpt/step_00000004", "step": 4})
+    body = get(f"{cp.url}/status", "s3cret")[1]
+    assert body["resumedFromStep"] == 4 and body["lastCheckpoint"] == {"path": "/ckpt/step_00000004", "step": 4}
+    assert OperatorProgress.model_validate({"lastCheckpoint": body["lastCheckpoint"]}).last_checkpoint.step == 4
+
+
+def _linger_in_thread(cp: ControlPlane, seconds: float) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        out["read"] = cp.linger(seconds)
+        out["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("final", ["Succeeded", "Failed"])
+def test_linger_ends_when_an_authorized_status_read_saw_the_final_phase(final):
+    progress = Progress(total_steps=3, sync_mode="Merge")
+    cp = ControlPlane(progress, "s3cret", port=0, host="127.0.0.1").start()
+    try:
+        progress.update(phase="Running", step=3)
+        assert get(f"{cp.url}/status", "s3cret")[1]["phase"] == "Running"  # not final: does not count
+        progress.update(phase=final)
+        thread, out = _linger_in_thread(cp, 60.0)
+        time.sleep(0.3)
+        assert thread.is_alive()  # still serving, waiting for the operator's read
+        assert get(f"{cp.url}/status")[0] == 401 and get(f"{cp.url}/status", "wrong")[0] == 401  # do not count
+        assert get(f"{cp.url}/healthz") == (200, "ok")  # does not count either
+        time.sleep(0.3)
+        assert thread.is_alive()
+        code, body = get(f"{cp.url}/status", "s3cret")
+        assert code == 200 and body["phase"] == final
+        thread.join(timeout=10)
+        assert not thread.is_alive() and out["read"] is True and out["s"] < 10
+    finally:
+        cp.stop()
+    with pytest.raises(urllib.error.URLError):  # stopped: nothing listens any more
+        urllib.request.urlopen(f"{cp.url}/healthz", timeout=2)
+
+
+def test_linger_gives_up_after_its_time_and_counts_an_earlier_read():
+    progress = Progress(total_steps=3, sync_mode="Merge")
+    cp = ControlPlane(progress, "s3cret", port=0, host="127.0.0.1").start()
+    try:
+        progress.update(phase="Succeeded")
+        t0 = time.monotonic()
+        assert cp.linger(0.5) is False  # nobody read it
+        assert 0.45 <= time.monotonic() - t0 < 5
+        assert cp.linger(0) is False
+        assert get(f"{cp.url}/status", "s3cret")[1]["phase"] == "Succeeded"
+        t0 = time.monotonic()
+        assert cp.linger(60) is True and time.monotonic() - t0 < 1  # the final phase was already read
+    finally:
+        cp.stop()
+
+
+def test_linger_seconds_from_the_environment(monkeypatch):
+    monkeypatch.delenv("KORA_CONTROL_LINGER_S", raising=False)
+    assert resolve_linger() == (0.0, None)
+    monkeypatch.setenv("KORA_CONTROL_LINGER_S", "12.5")
+    assert resolve_linger() == (12.5, None)
+    for bad in ("soon", "-1", "nan", "inf"):
+        monkeypatch.setenv("KORA_CONTROL_LINGER_S", bad)
+        seconds, warning = resolve_linger()
+        assert seconds == 0.0 and "KORA_CONTROL_LINGER_S" in warning

@@ -5,7 +5,8 @@
        "lastSync": {"mode", "bytes", "milliseconds", "adapterVersion", "checksum", "time"},
        "lastCheckpoint": {"path", "step"} | null,
        "phase": "Starting" | "Running" | "Succeeded" | "Failed", "syncMode", "message",
-       "syncedStep": the last step whose policy the engines serve, pushed or delta-skipped}
+       "syncedStep": the last step whose policy the engines serve, pushed or delta-skipped,
+       "resumedFromStep": the checkpoint step this run resumed from | null (a fresh start)}
     GET /healthz  (open) -> 200 "ok"
 
 The progress keys are exactly the operator's `Progress` model (camelCase), so it can copy them into
@@ -16,6 +17,11 @@ The token: env KORA_CONTROL_TOKEN, else the file named by KORA_CONTROL_TOKEN_FIL
 the job's Secret there), else a fresh random token written (mode 0600) into the run directory. The port:
 --control-port, else KORA_CONTROL_PORT, else 8068. It binds 127.0.0.1 unless KORA_CONTROL_HOST says
 otherwise (in a Ray head pod the operator reaches it on the pod IP: set KORA_CONTROL_HOST=0.0.0.0).
+
+Linger: the operator learns the final phase from /status, so a run that ends must not take the API down
+before anyone read it. `ControlPlane.linger(seconds)` keeps serving until one authorized GET /status has
+returned a final phase (Succeeded / Failed) or `seconds` passed, whichever comes first; the trainer calls
+it at the end with env KORA_CONTROL_LINGER_S (default 0: stop at once).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_PORT = 8068
+FINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
 class Progress:
@@ -40,7 +47,8 @@ class Progress:
         self._lock = threading.Lock()
         self._data: dict[str, Any] = {"step": 0, "totalSteps": total_steps, "rewardMean": None, "lastSync": None,
                                       "lastCheckpoint": None, "phase": "Starting", "syncMode": sync_mode,
-                                      "message": "", "syncedStep": None}
+                                      "message": "", "syncedStep": None,
+                                      "resumedFromStep": None}
 
     def update(self, **fields: Any) -> None:
         with self._lock:
@@ -89,9 +97,24 @@ def resolve_port(flag: int | None) -> int:
     return int(os.environ.get("KORA_CONTROL_PORT", DEFAULT_PORT))
 
 
+def resolve_linger() -> tuple[float, str | None]:
+    """(seconds from KORA_CONTROL_LINGER_S, a warning when the value was unusable and 0 is used)."""
+    raw = os.environ.get("KORA_CONTROL_LINGER_S", "").strip()
+    if not raw:
+        return 0.0, None
+    try:
+        value = float(raw)
+    except ValueError:
+        return 0.0, f"KORA_CONTROL_LINGER_S={raw!r} is not a number of seconds: not lingering"
+    if not value >= 0 or value == float("inf"):  # NaN, negative, infinite
+        return 0.0, f"KORA_CONTROL_LINGER_S={raw!r} must be a finite number >= 0: not lingering"
+    return value, None
+
+
 class ControlPlane:
     def __init__(self, progress: Progress, token: str, port: int = DEFAULT_PORT, host: str | None = None):
         self.progress, self.token = progress, token
+        self.final_read = threading.Event()  # set once an authorized GET /status returned a final phase
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -117,7 +140,11 @@ class ControlPlane:
                 if not hmac.compare_digest(given.encode(), f"Bearer {outer.token}".encode()):
                     self._send(401, {"error": "Unauthorized: send Authorization: Bearer <control-plane token>"})
                     return
-                self._send(200, outer.progress.snapshot())
+                snapshot = outer.progress.snapshot()
+                self._send(200, snapshot)
+                if snapshot.get("phase") in FINAL_PHASES:
+                    self.wfile.flush()
+                    outer.final_read.set()  # the whole answer is written: linger() may stop the server now
 
         self.server = ThreadingHTTPServer((host or os.environ.get("KORA_CONTROL_HOST", "127.0.0.1"), port), Handler)
         self.server.daemon_threads = True
@@ -131,6 +158,15 @@ class ControlPlane:
     def start(self) -> ControlPlane:
         self.thread.start()
         return self
+
+    def linger(self, seconds: float) -> bool:
+        """Keep serving until an authorized GET /status has returned a final phase (a read before this call
+        counts too) or `seconds` passed. Call after setting the final phase. True when it was read."""
+        if self.final_read.is_set():
+            return True
+        if seconds <= 0:
+            return False
+        return self.final_read.wait(seconds)
 
     def stop(self) -> None:
         self.server.shutdown()

@@ -1,11 +1,26 @@
 """`python -m kora_trainer.train --config FILE [key=value ...] [seed flags]`: one LoRA GRPO job.
 
-The loop, top to bottom: start Ray and the workers (engines, trainer, rollout manager), push the initial
-policy, then per step generate -> score -> GRPO update -> sync, publishing progress on the control plane.
-With `deployment.async` the next step's rollouts are generated while the current step trains (one policy
-version of staleness). It ends with one JSON line: {"event": "summary", "steps", "sync_mode",
-"reward_first", "reward_last", ...} (reward_first / reward_last: mean training reward over the first /
-last 10 steps).
+The loop, top to bottom: start Ray and the workers (engines, trainer, rollout manager), resume from the
+newest good checkpoint under `checkpoint.path` if there is one, push the (initial or restored) policy,
+then per step generate -> score -> GRPO update -> sync, publishing progress on the control plane, with a
+LoRA-only checkpoint every `checkpoint.interval` steps and at the last step (`checkpoint.exportHF` /
+--save-hf also writes `<checkpoint.path>/lora_adapter/` at the end). With `deployment.async` the next
+step's rollouts are generated while the current step trains (one policy version of staleness). It ends
+with one JSON line: {"event": "summary", "steps", "first_step", "resumed_from_step", "sync_mode",
+"reward_first", "reward_last", "loss_curve", ...} (reward_first / reward_last: mean training reward over
+the first / last 10 steps this process ran; loss_curve: each step's policy loss, unrounded).
+
+Resume: a run restarted on the same checkpoint.path prints `resumed from checkpoint step K (<dir>)` (and
+every newer checkpoint it refused, with the reason: a torn or corrupted one is never loaded), reports
+`resumedFromStep` on /status, pushes the restored policy as its first sync and continues with step K+1.
+With `deployment.async: false`, steps K+1... reproduce the uninterrupted run exactly (same seed, CPU; see
+checkpoint/training.py for what is saved and why that suffices). With `deployment.async: true`
+exactness is not claimed: the uninterrupted run generated step K+1's rollouts with policy K-1 while step
+K trained, and that in-flight generation is not in the checkpoint, so the resumed run regenerates step
+K+1's rollouts from policy K.
+
+At the end the control plane lingers for the operator: until one authorized GET /status has returned
+the final phase, or KORA_CONTROL_LINGER_S seconds (default 0) passed.
 """
 
 from __future__ import annotations
@@ -15,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -57,9 +73,78 @@ def progress_line(step: int, steps: int, metrics: dict[str, Any], rstats: dict[s
     sync = f"{report['ms']:.0f}ms {report['bytes']}B v{report['adapter_version']}" if report["pushed"] else "skipped"
     g = metrics["rollout_logp_gap_max"]
     gap = f"gap {g:.0e}" if g is not None else f"lag {metrics['rollout_version_lag']}"
-    return (f"step {step}/{steps} reward {metrics['reward_mean']:.3f} | gen {rstats['gen_ms'] / 1000:.2f}s "
+    return (f"step {step}/{steps} reward {metrics['reward_mean']:.3f} loss {metrics['loss']:.6g} | "
+            f"gen {rstats['gen_ms'] / 1000:.2f}s "
             f"train {metrics['train_ms'] / 1000:.2f}s clip {metrics['clip_frac']:.3f} "
             f"{gap} | sync {sync} | {time.monotonic() - T_START:.0f}s")
+
+
+@dataclass
+class Run:
+    """What this process did: per-step curves, syncs, and where it started / checkpointed."""
+
+    start: int = 0  # the step resumed from (0: a fresh start); the first step run is start + 1
+    resumed: bool = False
+    data_position: int = 0  # prompt batches taken for the steps done so far
+    rewards: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    syncs: list[dict[str, Any]] = field(default_factory=list)
+    saved_step: int | None = None  # the newest checkpoint's step
+    export: str | None = None
+
+    @property
+    def done(self) -> int:  # the last step whose update is applied
+        return self.start + len(self.rewards)
+
+
+def resume(job: Any, cfg: TrainerConfig, root: str, progress: Any, run: Run) -> None:
+    """SPEC rule 8, then the newest checkpoint under root that verifies (newer refused ones are logged)."""
+    import ray
+
+    if cfg.checkpoint.lora_only:
+        ray.get(job.trainer.check_lora_only.remote())
+    info = ray.get(job.trainer.resume.remote(root))
+    if info is None:
+        print(f"no checkpoint under {root}: starting at step 1", flush=True)
+        return
+    for reason in info["skipped"]:
+        print(f"checkpoint refused, falling back to an older one: {reason}", flush=True)
+    run.start, run.resumed, run.saved_step = info["step"], True, info["step"]
+    run.data_position = ray.get(job.rollout.skip_to.remote(info["data_position"]))
+    print(f"resumed from checkpoint step {info['step']} ({info['path']})", flush=True)
+    progress.update(resumedFromStep=info["step"], step=info["step"],
+                    lastCheckpoint={"path": info["path"], "step": info["step"]})
+
+
+def save_checkpoint(job: Any, cfg: TrainerConfig, root: str, step: int, progress: Any, run: Run) -> None:
+    import ray
+
+    t0 = time.monotonic()
+    meta = {"sync_mode": str(cfg.lora.effective_sync_mode), "base_model": str(Path(cfg.model.path).resolve()),
+            "seed": cfg.algorithm.seed, "async": cfg.deployment.async_}
+    path = ray.get(job.trainer.save_checkpoint.remote(root, run.data_position, cfg.checkpoint.keep, meta))
+    run.saved_step = step
+    progress.update(lastCheckpoint={"path": path, "step": step})
+    print(f"checkpoint step {step} -> {path} ({(time.monotonic() - t0) * 1000:.0f} ms)", flush=True)
+
+
+def make_summary(run: Run, mode: str, job: Any, progress: Any) -> dict[str, Any]:
+    pushed = [s for s in run.syncs if s["pushed"]]
+    rewards = run.rewards
+    return {
+        "event": "summary", "steps": len(rewards), "first_step": run.start + 1,
+        "resumed_from_step": run.start if run.resumed else None,
+        "sync_mode": mode, "transport": job.transport if job else None,
+        "reward_first": round(statistics.fmean(rewards[:10]), 4) if rewards else None,
+        "reward_last": round(statistics.fmean(rewards[-10:]), 4) if rewards else None,
+        "sync_ms_p50": round(statistics.median(s["ms"] for s in pushed), 2) if pushed else None,
+        "sync_bytes_per_step": round(statistics.fmean(s["bytes"] for s in run.syncs)) if run.syncs else 0,
+        "syncs_skipped": len(run.syncs) - len(pushed),
+        "wall_s": round(time.monotonic() - T_START, 1),
+        "reward_curve": [round(r, 3) for r in rewards],
+        "loss_curve": run.losses,  # unrounded: a resumed run's tail is compared with the uninterrupted one
+        "last_checkpoint": progress.snapshot()["lastCheckpoint"], "export": run.export,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,24 +166,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)
         make_toy(cfg.model.path, threads=args.threads)
 
-    from kora_trainer.control_plane import ControlPlane, Progress, resolve_port, resolve_token
+    from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_port, resolve_token
     from kora_trainer.orchestration.cluster import launch, shutdown, start_ray
 
     steps, mode = total_steps(cfg), str(cfg.lora.effective_sync_mode)
+    ck = cfg.checkpoint
+    root = str(Path(ck.path).resolve()) if ck.path else None  # absolute: the workers need not share our cwd
+    linger_s, linger_warning = resolve_linger()
+    if linger_warning:
+        print(f"warning: {linger_warning}", flush=True)
     progress = Progress(steps, mode)
     token, token_from = resolve_token(run_dir)
     control = ControlPlane(progress, token, resolve_port(args.control_port)).start()
     print(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}", flush=True)
     started_ray, temp_dir, job = False, None, None
-    rewards: list[float] = []
-    syncs: list[dict[str, Any]] = []
+    run, ok = Run(), False
     try:
         import ray
 
         started_ray, temp_dir = start_ray()
         job = launch(cfg, run_dir, threads=args.threads)
-        first = ray.get(job.trainer.sync.remote())  # step 0: the engines serve the initial policy
-        progress.record_sync(first, step=0)
+        if root:
+            resume(job, cfg, root, progress, run)
+        first = ray.get(job.trainer.sync.remote())  # the engines serve the initial (or the restored) policy
+        progress.record_sync(first, step=run.start)
         progress.update(phase="Running")
         print(f"ready in {time.monotonic() - T_START:.1f}s: {len(job.engines)} {cfg.rollout.engine} engine(s), "
               f"sync {mode} over {job.transport}, first push {first['bytes']} B in {first['ms']:.0f} ms", flush=True)
@@ -106,46 +197,54 @@ def main(argv: list[str] | None = None) -> int:
         # the policy by one version (the clipped ratio against the engines' own log-probs corrects for it)
         overlap = cfg.deployment.async_
         gen = job.rollout.generate.options(num_returns=2)
-        pending = gen.remote(1)  # (batch, stats): the batch goes to the trainer without visiting the driver
+        # (batch, stats): the batch goes to the trainer without visiting the driver
+        pending = gen.remote(run.start + 1) if run.start < steps else None
         last_step_s = 0.0
-        for step in range(1, steps + 1):
+        for step in range(run.start + 1, steps + 1):
             if args.time_limit and time.monotonic() - T_START + last_step_s + SHUTDOWN_S > args.time_limit:
                 print(f"time limit {args.time_limit:.0f}s: stopping after step {step - 1}", flush=True)
                 break
             t_step = time.monotonic()
+            assert pending is not None  # issued before the loop and at the end of every step but the last
             batch_ref, stats_ref = pending
             metrics_ref = job.trainer.train_step.remote(batch_ref)
             if overlap and step < steps:
                 pending = gen.remote(step + 1)
             metrics, rstats = ray.get([metrics_ref, stats_ref])
             report = ray.get(job.trainer.sync.remote())
-            if not overlap and step < steps:
-                pending = gen.remote(step + 1)
-            rewards.append(metrics["reward_mean"])
-            syncs.append(report)
+            run.rewards.append(metrics["reward_mean"])
+            run.losses.append(metrics["loss"])
+            run.syncs.append(report)
+            run.data_position = rstats["data_position"]
             progress.record_sync(report, step=step)
             progress.update(step=step, rewardMean=metrics["reward_mean"])
             print(progress_line(step, steps, metrics, rstats, report), flush=True)
+            if not overlap and step < steps:
+                pending = gen.remote(step + 1)  # the engines generate while the trainer writes the checkpoint
+            if root and (step % ck.interval == 0 or step == steps):
+                save_checkpoint(job, cfg, root, step, progress, run)
             last_step_s = time.monotonic() - t_step
+        if root and run.rewards and run.done != run.saved_step:  # stopped early (time limit): keep the last step
+            save_checkpoint(job, cfg, root, run.done, progress, run)
+        if root and ck.export_hf:
+            run.export = ray.get(job.trainer.export_hf.remote(root, {"seed": cfg.algorithm.seed}))
+            print(f"exported the adapter (HF-PEFT, step {run.done}) -> {run.export}", flush=True)
         progress.update(phase="Succeeded")
+        ok = True
     except BaseException as e:
-        progress.update(phase="Failed", message=f"{type(e).__name__}: {e}"[:1000])
+        cause = getattr(e, "cause", None)  # a worker's error arrives wrapped in a RayTaskError
+        shown = cause if isinstance(cause, BaseException) else e
+        progress.update(phase="Failed", message=f"{type(shown).__name__}: {shown}"[:1000])
         raise
     finally:
         shutdown(job, started_ray, temp_dir)
+        if ok:
+            print(json.dumps(make_summary(run, mode, job, progress)), flush=True)
+        if linger_s > 0:
+            print(f"control plane: serving the final status for up to {linger_s:g}s", flush=True)
+            read = control.linger(linger_s)
+            print(f"control plane: final status {'read' if read else 'not read'}; stopping", flush=True)
         control.stop()
-    pushed = [s for s in syncs if s["pushed"]]
-    summary = {
-        "event": "summary", "steps": len(rewards), "sync_mode": mode, "transport": job.transport if job else None,
-        "reward_first": round(statistics.fmean(rewards[:10]), 4) if rewards else None,
-        "reward_last": round(statistics.fmean(rewards[-10:]), 4) if rewards else None,
-        "sync_ms_p50": round(statistics.median(s["ms"] for s in pushed), 2) if pushed else None,
-        "sync_bytes_per_step": round(statistics.fmean(s["bytes"] for s in syncs)) if syncs else 0,
-        "syncs_skipped": len(syncs) - len(pushed),
-        "wall_s": round(time.monotonic() - T_START, 1),
-        "reward_curve": [round(r, 3) for r in rewards],
-    }
-    print(json.dumps(summary), flush=True)
     return 0
 
 

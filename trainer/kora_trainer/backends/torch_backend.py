@@ -8,6 +8,10 @@ Old log-probs: at temperature 1 the ratio's denominator is the engine's own log-
 sampled (no extra forward; after a correct sync they equal ours, which `rollout_logp_gap` tracks every
 step). Engines report raw log-probs (before temperature, SGLang's default), so at T != 1 they are not the
 sampling distribution: there the actor recomputes them at T before the first update.
+
+Randomness: the global torch RNG (LoRA dropout) and a private generator for the minibatch shuffle.
+`checkpoint/training.py` saves and restores both (`generator_states`), with the adapter, AdamW state and
+`version`, so a resumed run continues the uninterrupted one's random streams.
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ class TorchBackend:
         self.shared_prefix = shared_prefix  # forward a GRPO group's prompt once (backends/logprobs.py)
         self.version = 0  # GRPO steps applied: the policy version the sender pushes
         self._shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
+
+    # ---- checkpoint hooks (checkpoint/training.py) ------------------------------------------------
+
+    def generator_states(self) -> dict[str, torch.Tensor]:
+        """The backend's own generators (the global RNGs are captured separately)."""
+        return {"shuffle": self._shuffle.get_state()}
+
+    def load_generator_states(self, states: dict[str, torch.Tensor]) -> None:
+        if "shuffle" in states:
+            self._shuffle.set_state(states["shuffle"])
 
     # ---- log-probs ----------------------------------------------------------------------------
 

@@ -5,6 +5,9 @@ size of the adapter and its optimizer state. Writes are atomic: everything goes 
 that is fsynced and renamed to `step_NNNNNNNN`, and only then does the `latest` pointer move. A
 manifest of sha256 sums lets a load refuse a torn or corrupted checkpoint and fall back to the
 previous good one.
+
+What the train loop puts in, and what a resumed run reproduces (exactly with deployment.async false; with
+async true step K+1's rollouts are regenerated from policy K): checkpoint/training.py.
 """
 
 from __future__ import annotations
@@ -113,6 +116,7 @@ def save(root: Path, step: int, *, adapter: Mapping[str, torch.Tensor], optimize
     final = root / step_dir_name(step)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the checkpoint from other readers of the volume
         save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, str(tmp / ADAPTER))
         torch.save({"optimizer": dict(optimizer), "scheduler": dict(scheduler) if scheduler else None,
                     "rng": dict(rng) if rng is not None else capture_rng()}, tmp / TRAINER_STATE)

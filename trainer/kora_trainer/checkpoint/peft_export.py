@@ -44,6 +44,7 @@ def export_peft(checkpoint_root: Path, tensors: Mapping[str, torch.Tensor], conf
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{EXPORT_DIR}.tmp-", dir=root))
     try:
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the adapter from a server reading the volume as another user
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                   str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(dict(config), indent=2) + "\n")

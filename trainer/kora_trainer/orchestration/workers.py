@@ -56,6 +56,30 @@ class TrainWorker:
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
         return self.backend.logprobs(prompts, responses)
 
+    # ---- checkpoints (checkpoint/training.py says what they hold and what resuming reproduces) ----------
+
+    def check_lora_only(self) -> None:
+        from kora_trainer.checkpoint.training import check_trainable
+
+        check_trainable(self.backend.model)
+
+    def resume(self, root: str) -> dict[str, Any] | None:
+        """Restore the newest good checkpoint under root (adapter, optimizer, RNG, version)."""
+        from kora_trainer.checkpoint.training import restore_training_state
+
+        resumed = restore_training_state(Path(root), self.backend)
+        return resumed.as_dict() if resumed is not None else None
+
+    def save_checkpoint(self, root: str, data_position: int, keep: int, meta: dict[str, Any]) -> str:
+        from kora_trainer.checkpoint.training import save_training_state
+
+        return str(save_training_state(Path(root), self.backend, data_position=data_position, keep=keep, meta=meta))
+
+    def export_hf(self, root: str, meta: dict[str, Any]) -> str:
+        from kora_trainer.checkpoint.training import export_adapter
+
+        return str(export_adapter(Path(root), self.backend, self.cfg, meta))
+
     def close(self) -> None:
         if self.sender is not None:
             self.sender.close()
@@ -81,6 +105,9 @@ class RolloutWorker:
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict[str, Any]]:
         return self.rollout.generate(step)
+
+    def skip_to(self, position: int) -> int:
+        return self.rollout.skip_to(position)
 
     def close(self) -> None:
         self.rollout.close()

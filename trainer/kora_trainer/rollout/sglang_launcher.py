@@ -8,7 +8,8 @@ The SGLang flag names were checked against SGLang's `docs/advanced_features/serv
 `python/sglang/srt/server_args.py`): `--model-path`, `--host`, `--port`, `--tp-size`, `--dp-size`,
 `--enable-lora`, `--max-loras-per-batch` ("including base-only requests"), `--max-lora-rank`,
 `--lora-target-modules` (a list; SGLang's names), `--mem-fraction-static`, `--enable-memory-saver`,
-`--disable-radix-cache`, `--api-key`, `--admin-api-key`, `--base-gpu-id`, `--random-seed`.
+`--disable-radix-cache`, `--api-key`, `--admin-api-key`, `--base-gpu-id`, `--random-seed`,
+`--enable-deterministic-inference` (docs/advanced_features/deterministic_inference.md).
 
 How the config maps onto them:
 - Merge mode: the engine serves a plain model (the trainer pushes merged weights): no LoRA flags.
@@ -21,6 +22,15 @@ How the config maps onto them:
   LLM server does not have — only kora's hf engine (see hf_server.py) — so it is refused for sglang.
 - Colocate: training and rollout share the GPUs: `--mem-fraction-static` (default 0.5 here; SGLang's
   own default fills the GPU) and `--enable-memory-saver` (release/resume memory occupation).
+- Reproducible rollouts: for a run that claims exact resume (`reproducible_rollouts`: checkpoint.path
+  set, deployment.async false) the rollout manager sends every sample as its own request with its own
+  `sampling_seed` (orchestration/rollout.py). SGLang reads that seed only with
+  `--enable-deterministic-inference`: `SamplingBatchInfo` builds its per-request seed tensor only when
+  the server flag is on (else the sampler draws from its global RNG and the seed has no effect), and the
+  flag also switches to batch-invariant kernels, the pytorch sampling backend and an attention backend
+  that supports them (fa3 / triton; flashinfer loses the radix cache), so a sample does not depend on
+  what else is in the batch. It costs throughput (SGLang's blog: about a third with CUDA graphs), so it
+  is added only for such runs, or when asked (`deterministic=True`).
 """
 
 from __future__ import annotations
@@ -72,6 +82,11 @@ def sglang_target_modules(config: TrainerConfig) -> list[str]:
     return out
 
 
+def reproducible_rollouts(config: TrainerConfig) -> bool:
+    """The run resumes from checkpoints with exact replay (see the module docstring)."""
+    return config.checkpoint.path is not None and not config.deployment.async_
+
+
 def max_loras_per_batch(config: TrainerConfig) -> int:
     """Adapters per batch, base-only requests counting as one (SGLang's definition)."""
     return (config.multi_lora.max_adapters or 1) + 1
@@ -91,8 +106,10 @@ def sglang_version_problem() -> str | None:
 
 def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *, python: str = sys.executable,
                    api_key: str | None = None, admin_api_key: str | None = None, base_gpu_id: int | None = None,
-                   mem_fraction_static: float | None = None, random_seed: int | None = None) -> EngineLaunch:
-    """`python -m sglang.launch_server ...` for one engine of this job."""
+                   mem_fraction_static: float | None = None, random_seed: int | None = None,
+                   deterministic: bool | None = None) -> EngineLaunch:
+    """`python -m sglang.launch_server ...` for one engine of this job. `deterministic` (default: the
+    config's `reproducible_rollouts`) adds `--enable-deterministic-inference` so `sampling_seed` counts."""
     mode = sync_mode(config)
     if mode == SyncMode.ENGINE_MERGE:
         raise UnsupportedEngineConfig(
@@ -118,6 +135,8 @@ def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *,
         argv += ["--base-gpu-id", str(base_gpu_id)]
     if random_seed is not None:
         argv += ["--random-seed", str(random_seed)]
+    if reproducible_rollouts(config) if deterministic is None else deterministic:
+        argv += ["--enable-deterministic-inference"]
     if api_key:
         argv += ["--api-key", api_key]
     if admin_api_key:

@@ -1,0 +1,113 @@
+"""The train loop's checkpoints: what a LoRA-only checkpoint of a running job holds, how a job resumes from
+one, and the HF-PEFT export written beside them. The files themselves are `lora_only.py`'s (atomic,
+verified, pruned) and `peft_export.py`'s; this module decides what goes in and puts it back.
+
+A checkpoint of step K is written after step K's update and its sync, and holds
+- the adapter under HF-PEFT names (the lora/ view `adapter_tensors`), in its training dtype: a cast would
+  make a resumed run differ from the uninterrupted one;
+- the AdamW state, and the scheduler's (None: the trainer runs a constant learning rate);
+- RNG: the trainer process's torch / python / numpy (/ cuda) states and the backend's own generators
+  (the torch backend's minibatch shuffle);
+- meta: step (= the policy version), `data_position` (prompt batches the rollout manager had taken for
+  steps 1..K), the parameter names in the optimizer state's order, sync mode, base model.
+The base is not saved: it is reloaded from model.path.
+
+Resume with `deployment.async: false`: the trainer restores all of the above, the rollout manager
+fast-forwards its seeded prompt iterator to `data_position`, the engines get policy K as the run's first
+sync, and step K+1 generates from policy K with per-sample seeds derived from the step number — what the
+uninterrupted run did — so steps K+1, K+2, ... reproduce its rewards, losses and adapter exactly (CPU,
+one thread; on GPU as far as the kernels are deterministic; delta-skip threshold 0, or a skipped push
+leaves the uninterrupted run's engines on a policy that differs from the trainer's by up to the threshold).
+
+With `deployment.async: true` the uninterrupted run generated step K+1's rollouts with policy K-1 while
+step K trained (one version of staleness). That in-flight generation is not part of the checkpoint: on
+resume, step K+1's rollouts are regenerated from policy K (same prompts, same seeds, a policy one version
+fresher). Training continues correctly but is not bit-identical to the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kora_trainer.checkpoint import lora_only
+from kora_trainer.checkpoint.lora_only import CheckpointError
+from kora_trainer.checkpoint.peft_export import export_peft
+from kora_trainer.config import MEGATRON_TO_HF, TrainerConfig
+from kora_trainer.lora import adapter_tensors, lora_modules, peft_config_dict
+
+EXPORT_FORMAT = "kora-lora-export/1"
+
+
+@dataclass
+class Resumed:
+    step: int
+    path: str
+    data_position: int
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints refused, with the reason
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step": self.step, "path": self.path, "data_position": self.data_position, "skipped": self.skipped}
+
+
+def check_trainable(model: torch.nn.Module) -> None:
+    """SPEC rule 8 at start: with checkpoint.loraOnly every trainable parameter must be a LoRA one."""
+    lora_only.check_lora_only(n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def save_training_state(root: Path, backend: Any, *, data_position: int, keep: int,
+                        meta: Mapping[str, Any] | None = None) -> Path:
+    """Checkpoint `backend.version` under `root` (atomic; `latest` moves; pruned to `keep`)."""
+    adapter = adapter_tensors(backend.model)  # the order adapter_parameters (the optimizer's params) has
+    rng = {**lora_only.capture_rng(), "generators": backend.generator_states()}
+    return lora_only.save(
+        Path(root), backend.version, adapter=dict(adapter), optimizer=backend.optimizer.state_dict(), scheduler=None,
+        rng=rng, keep=keep,
+        meta={"data_position": data_position, "param_names": [n for n, _ in adapter], **(meta or {})})
+
+
+def restore_training_state(root: Path, backend: Any) -> Resumed | None:
+    """Load the newest checkpoint under `root` that verifies into `backend`; None when there is none.
+
+    A torn or corrupted newer checkpoint is skipped (listed in `Resumed.skipped`); a checkpoint that does
+    not fit this model (other target modules or rank) is an error, not a silent fresh start."""
+    ckpt = lora_only.load_latest(Path(root))
+    if ckpt is None:
+        return None
+    live = dict(adapter_tensors(backend.model))
+    names = ckpt.meta.get("param_names", list(ckpt.adapter))
+    if list(live) != list(names) or set(ckpt.adapter) != set(live):
+        gone, new = sorted(set(ckpt.adapter) - set(live)), sorted(set(live) - set(ckpt.adapter))
+        raise CheckpointError(f"{ckpt.path} does not fit this model's adapter (lora.targetModules / lora.scope "
+                              f"changed?): only in the checkpoint {gone[:3]}, only in the model {new[:3]}")
+    bad = [n for n in names if ckpt.adapter[n].shape != live[n].shape]
+    if bad:
+        raise CheckpointError(f"{ckpt.path}: {bad[0]} is {tuple(ckpt.adapter[bad[0]].shape)} in the checkpoint but "
+                              f"{tuple(live[bad[0]].shape)} in the model (lora.rank changed?)")
+    with torch.no_grad():
+        for n in names:
+            live[n].copy_(ckpt.adapter[n])  # live views share the parameters' storage
+    backend.optimizer.load_state_dict(ckpt.optimizer)
+    lora_only.restore_rng(ckpt.rng)
+    backend.load_generator_states(ckpt.rng.get("generators", {}))
+    backend.version = ckpt.step
+    return Resumed(ckpt.step, str(ckpt.path), int(ckpt.meta.get("data_position", ckpt.step)), list(ckpt.skipped))
+
+
+def export_adapter(root: Path, backend: Any, cfg: TrainerConfig, meta: Mapping[str, Any] | None = None) -> Path:
+    """`root/lora_adapter/`: HF-PEFT names, base_model_name_or_path = the base's absolute directory, and a
+    kora meta file (base, step, sync mode, the Megatron -> HF module map of the targets)."""
+    base = str(Path(cfg.model.path).resolve())
+    model = backend.model
+    lora = cfg.lora
+    info = {
+        "format": EXPORT_FORMAT, "base_model": base, "step": backend.version,
+        "sync_mode": str(lora.effective_sync_mode), "rank": lora.rank, "alpha": lora.alpha, "scope": str(lora.scope),
+        "module_map": {str(t): list(MEGATRON_TO_HF[t]) for t in lora.target_modules},
+        "modules": list(lora_modules(model)), **(meta or {}),
+    }
+    return export_peft(Path(root), dict(adapter_tensors(model)), peft_config_dict(model, lora, base), info)
