@@ -171,3 +171,18 @@ def test_train_command_runs_and_reports(toy_dir, tmp_path, mode, deployment):
     assert last["resumedFromStep"] is None and last["lastCheckpoint"] is None  # no checkpoint.path: none
     assert "step 3/3" in out
     assert last.get("syncedStep") is not None and last["syncedStep"] >= last["lastSync"]["adapterVersion"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("max_staleness", [0, 2])
+def test_async_rollouts_lag_at_most_max_staleness(toy_dir, tmp_path, max_staleness):
+    """deployment.async with maxStaleness k: the engines run up to k steps ahead of training, never more
+    (k = 0 turns the overlap off). The lag is what the engines tagged their rollouts with."""
+    run = TrainRun(toy_dir, tmp_path, "deployment.async=true", f"deployment.maxStaleness={max_staleness}",
+                   "algorithm.numSteps=5")
+    wait_all([run], poll=False)
+    summary = run.summary()
+    assert summary["steps"] == 5
+    assert summary["rollout_lag_max"] <= max_staleness
+    if max_staleness == 0:
+        assert summary["rollout_lag_max"] == 0

@@ -4,8 +4,9 @@ The loop, top to bottom: start Ray and the workers (engines, trainer, rollout ma
 newest good checkpoint under `checkpoint.path` if there is one, push the (initial or restored) policy,
 then per step generate -> score -> GRPO update -> sync, publishing progress on the control plane, with a
 LoRA-only checkpoint every `checkpoint.interval` steps and at the last step (`checkpoint.exportHF` /
---save-hf also writes `<checkpoint.path>/lora_adapter/` at the end). With `deployment.async` the next
-step's rollouts are generated while the current step trains (one policy version of staleness). It ends
+--save-hf also writes `<checkpoint.path>/lora_adapter/` at the end). With `deployment.async` the engines
+generate the next steps' rollouts while the current step trains, at most `deployment.maxStaleness` (default
+1) steps ahead, so a rollout lags the policy by at most that many versions (`rollout_lag_max`). It ends
 with one JSON line: {"event": "summary", "steps", "first_step", "resumed_from_step", "sync_mode",
 "reward_first", "reward_last", "loss_curve", ...} (reward_first / reward_last: mean training reward over
 the first / last 10 steps this process ran; loss_curve: each step's policy loss, unrounded).
@@ -30,6 +31,7 @@ import json
 import statistics
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -88,6 +90,7 @@ class Run:
     data_position: int = 0  # prompt batches taken for the steps done so far
     rewards: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    lags: list[int] = field(default_factory=list)  # policy versions each step's rollouts lagged the trainer
     syncs: list[dict[str, Any]] = field(default_factory=list)
     saved_step: int | None = None  # the newest checkpoint's step
     export: str | None = None
@@ -140,6 +143,7 @@ def make_summary(run: Run, mode: str, job: Any, progress: Any) -> dict[str, Any]
         "sync_ms_p50": round(statistics.median(s["ms"] for s in pushed), 2) if pushed else None,
         "sync_bytes_per_step": round(statistics.fmean(s["bytes"] for s in run.syncs)) if run.syncs else 0,
         "syncs_skipped": len(run.syncs) - len(pushed),
+        "rollout_lag_max": max(run.lags, default=0),
         "wall_s": round(time.monotonic() - T_START, 1),
         "reward_curve": [round(r, 3) for r in rewards],
         "loss_curve": run.losses,  # unrounded: a resumed run's tail is compared with the uninterrupted one
@@ -193,34 +197,41 @@ def main(argv: list[str] | None = None) -> int:
         progress.update(phase="Running")
         print(f"ready in {time.monotonic() - T_START:.1f}s: {len(job.engines)} {cfg.rollout.engine} engine(s), "
               f"sync {mode} over {job.transport}, first push {first['bytes']} B in {first['ms']:.0f} ms", flush=True)
-        # deployment.async: the engines generate step t+1 while the trainer trains step t, so rollouts lag
-        # the policy by one version (the clipped ratio against the engines' own log-probs corrects for it)
-        overlap = cfg.deployment.async_
+        # deployment.async: the engines generate ahead while the trainer trains, up to maxStaleness steps ahead,
+        # so a rollout lags the policy by at most that many versions (the clipped ratio against the engines' own
+        # log-probs corrects for it). Generations are queued on the one rollout actor, which runs them in order.
+        ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
         gen = job.rollout.generate.options(num_returns=2)
-        # (batch, stats): the batch goes to the trainer without visiting the driver
-        pending = gen.remote(run.start + 1) if run.start < steps else None
+        queue: deque[Any] = deque()  # (batch, stats) refs: a batch goes to the trainer without visiting the driver
+        issued = run.start  # the last step whose generation is queued
+
+        def issue_through(last: int) -> None:
+            nonlocal issued
+            while issued < min(last, steps):
+                issued += 1
+                queue.append(gen.remote(issued))
+
+        issue_through(run.start + 1)
         last_step_s = 0.0
         for step in range(run.start + 1, steps + 1):
             if args.time_limit and time.monotonic() - T_START + last_step_s + SHUTDOWN_S > args.time_limit:
                 print(f"time limit {args.time_limit:.0f}s: stopping after step {step - 1}", flush=True)
                 break
             t_step = time.monotonic()
-            assert pending is not None  # issued before the loop and at the end of every step but the last
-            batch_ref, stats_ref = pending
+            batch_ref, stats_ref = queue.popleft()  # issued before the loop or during an earlier step
             metrics_ref = job.trainer.train_step.remote(batch_ref)
-            if overlap and step < steps:
-                pending = gen.remote(step + 1)
+            issue_through(step + ahead)
             metrics, rstats = ray.get([metrics_ref, stats_ref])
             report = ray.get(job.trainer.sync.remote())
             run.rewards.append(metrics["reward_mean"])
             run.losses.append(metrics["loss"])
+            run.lags.append(metrics["rollout_version_lag"])
             run.syncs.append(report)
             run.data_position = rstats["data_position"]
             progress.record_sync(report, step=step)
             progress.update(step=step, rewardMean=metrics["reward_mean"])
             print(progress_line(step, steps, metrics, rstats, report), flush=True)
-            if not overlap and step < steps:
-                pending = gen.remote(step + 1)  # the engines generate while the trainer writes the checkpoint
+            issue_through(step + 1)  # (not async) the engines generate while the trainer writes the checkpoint
             if root and (step % ck.interval == 0 or step == steps):
                 save_checkpoint(job, cfg, root, step, progress, run)
             last_step_s = time.monotonic() - t_step
