@@ -9,9 +9,15 @@
   (LoRA dropout masks on prompt tokens are shared within a group — a different draw, same distribution.)
 
 Both return [B, R] log-probs aligned with `Padded.response_ids` (0 where the mask is 0).
+
+The KV cache keyword moved across transformers 5 releases: 5.24 takes `cache=` (`past_key_values` deprecated),
+5.17 (the GPU image) takes only `past_key_values=` and silently drops an unknown `cache=` into **kwargs, which
+made the continuation run without its prompt. `cache_kwarg` reads the model's forward signature instead.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from torch import nn
@@ -47,6 +53,12 @@ def sequence_logp(model: nn.Module, p: Padded, pad_id: int, temperature: float =
     return _gather(picked, p.response_ids.to(device), temperature) * p.response_mask.to(device)
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The name `model.forward` takes its KV cache under: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: float = 1.0) -> torch.Tensor:
     from transformers import DynamicCache
 
@@ -64,8 +76,9 @@ def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: fl
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)  # [P, Wp] real positions 0..len-1
     cache = DynamicCache()
-    first = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, cache=cache,
-                  use_cache=True).logits[:, -1]  # [P, V] predicts response token 0
+    kw = cache_kwarg(model)
+    first = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
+                  **{kw: cache}).logits[:, -1]  # [P, V] predicts response token 0
     logits = first.index_select(0, owner).unsqueeze(1)  # [B, 1, V]
     r = p.response_ids.shape[1]
     resp_ids, resp_mask = p.response_ids.to(device), p.response_mask.to(device)
@@ -76,7 +89,7 @@ def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: fl
         inp = resp_ids[:, :-1]  # [B, R-1]: tokens 0..R-2 predict 1..R-1
         mask = torch.cat([p_mask.index_select(0, owner), resp_mask[:, :-1].long()], dim=1)  # [B, Wp+R-1]
         pos = p_mask.sum(-1).index_select(0, owner).unsqueeze(1) + torch.arange(r - 1, device=device)  # [B, R-1]
-        rest = model(input_ids=inp, attention_mask=mask, position_ids=pos, cache=cache,
-                     use_cache=True).logits  # [B, R-1, V]
+        rest = model(input_ids=inp, attention_mask=mask, position_ids=pos, use_cache=True,
+                     **{kw: cache}).logits  # [B, R-1, V]
         logits = torch.cat([logits, rest], dim=1)  # [B, R, V]
     return _gather(logits, resp_ids, temperature) * resp_mask

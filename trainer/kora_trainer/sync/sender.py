@@ -128,14 +128,32 @@ class WeightSender:
         self.engine_version = 0  # the policy version the engines serve (0: the checkpoint they loaded)
         self._base_pushed = False
         self._adapter_loaded = False
-        self.adapter_config = peft_config_dict(model, cfg.lora, cfg.model.path)
+        self.adapter_config = self.make_adapter_config()
+
+    # ---- what the policy is made of (the torch backend's HF model; backends/megatron/sync.py overrides) ----
+
+    def make_adapter_config(self) -> dict[str, Any]:
+        return peft_config_dict(self.model, self.cfg.lora, self.cfg.model.path)
+
+    def adapter_named(self) -> list[Named]:
+        """This rank's adapter tensors (live), for the delta-skip decision."""
+        return adapter_tensors(self.model)
+
+    def merged_source(self) -> Source:
+        return merged_source(self.model)
+
+    def base_source(self) -> Source:
+        return base_source(self.model)
+
+    def adapter_source(self) -> Source:
+        return adapter_source(self.model)
 
     # ---- the one entry point ------------------------------------------------------------------
 
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
         t0 = time.perf_counter()
-        adapter = adapter_tensors(self.model)
+        adapter = self.adapter_named()
         first = not self.tracker.ever_pushed
         push, delta = should_push(self.tracker, adapter, self.threshold, self.trainer_group)
         if not push:
@@ -157,21 +175,21 @@ class WeightSender:
 
     def _push(self, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
         if self.mode is SyncMode.MERGE:
-            n, b = self._push_weights(merged_source(self.model), version, checksum, {})
+            n, b = self._push_weights(self.merged_source(), version, checksum, {})
             return n, b, "full"
         if self.mode is SyncMode.ENGINE_MERGE:
             lora = self.cfg.lora
             extra = {"weight_update_mode": "lora_merge", "lora_alpha": lora.alpha, "lora_rank": lora.rank,
                      "merge_fp32": True}
-            n, b = self._push_weights(adapter_source(self.model), version, checksum, extra)
+            n, b = self._push_weights(self.adapter_source(), version, checksum, extra)
             return n, b, "lora_pairs"
         what = "adapter"
         n0 = b0 = 0
         if not self._base_pushed:
-            n0, b0 = self._push_weights(base_source(self.model), version, checksum, {})
+            n0, b0 = self._push_weights(self.base_source(), version, checksum, {})
             self._base_pushed = True
             what = "base+adapter"
-        n, b = self._push_adapter(adapter_source(self.model), version, checksum)
+        n, b = self._push_adapter(self.adapter_source(), version, checksum)
         return n0 + n, b0 + b, what
 
     # ---- full weights / lora pairs through the weight routes ------------------------------------

@@ -52,8 +52,9 @@ def check_supported(cfg: Any) -> None:
         raise NotImplementedError(f"hidden_act {cfg.hidden_act!r}: only SwiGLU is mapped")
 
 
-def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: int = 1) -> Any:
-    """megatron TransformerConfig for an HF Qwen3 config."""
+def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: int = 1, init: bool = False) -> Any:
+    """megatron TransformerConfig for an HF Qwen3 config. `init`: megatron initialises the weights (random
+    models for benchmarks); otherwise they stay uninitialised until `load_hf_state`."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -72,12 +73,13 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tensor, sequence_parallel=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
-        perform_initialization=False,  # every base weight is loaded from the HF checkpoint
+        perform_initialization=init,  # False: every base weight is loaded from the HF checkpoint
     )
 
 
-def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
-    """GPTModel on this process's GPU for the HF config `cfg` (weights uninitialised: `load_hf_state` next).
+def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = False) -> Any:
+    """GPTModel on this process's GPU for the HF config `cfg` (weights uninitialised: `load_hf_state` next;
+    `init=True`: megatron's random init, e.g. a Qwen3-4B-shaped model for bench/gpu_sync.py).
 
     Needs `init_parallel` first (megatron's parallel_state gives the tensor-parallel group).
     """
@@ -85,7 +87,7 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     _, tp = tp_rank_size()
-    config = transformer_config(cfg, dtype, tp)
+    config = transformer_config(cfg, dtype, tp, init)
     spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
@@ -155,7 +157,6 @@ def hf_state(model: torch.nn.Module, layout: Layout, flavour: str = "hf", merged
     full fold), computed in fp32 and rounded once (kernels.fold), before the gather.
     """
     from kora_trainer.backends.megatron.lora import lora_modules
-    from kora_trainer.kernels.fold import fold
 
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout)}
@@ -164,10 +165,17 @@ def hf_state(model: torch.nn.Module, layout: Layout, flavour: str = "hf", merged
         base = base_param_name(name)
         if base is None:
             continue
-        pm = maps[base]
-        local = p.detach()
-        m = wrapped.get(base)
-        if m is not None and m.enabled:
-            local = fold(local, m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling)
-        shards = [local] if pm.kind == REPL else gather_tp(local)
-        yield from zip(hf_names[base].hf, from_megatron_shards(pm.kind, shards, layout), strict=True)
+        yield from param_hf_tensors(p, maps[base].kind, hf_names[base].hf, wrapped.get(base), layout)
+
+
+def param_hf_tensors(p: torch.Tensor, kind: str, hf: tuple[str, ...], lora: Any, layout: Layout
+                     ) -> list[tuple[str, torch.Tensor]]:
+    """One megatron base parameter as its HF tensors; `lora` (a wrapper or None) is folded in when enabled.
+    Collective over the TP group for sharded kinds."""
+    from kora_trainer.kernels.fold import fold
+
+    local = p.detach()
+    if lora is not None and lora.enabled:
+        local = fold(local, lora.lora_A.weight.detach(), lora.lora_B.weight.detach(), lora.scaling)
+    shards = [local] if kind == REPL else gather_tp(local)
+    return list(zip(hf, from_megatron_shards(kind, shards, layout), strict=True))
