@@ -142,3 +142,32 @@ def test_buckets_respect_the_cap_and_keep_pairs_whole(model_dir):
     for names in colocated_buckets(pairs.groups, 4 * 1024):
         assert all((n.replace("lora_A", "lora_B") if "lora_A" in n else n.replace("lora_B", "lora_A")) in names
                    for n in names)
+
+
+@pytest.mark.parametrize("transport", ["distributed", "colocated"])
+def test_the_new_version_is_tagged_only_once_every_bucket_landed(engine, model_dir, transport):
+    """Between two buckets of a Merge push the engine serves half-updated weights: what it generates then
+    must keep the old version's tag (a lag), never claim to be the new policy."""
+    b = policy(model_dir, "Merge", seed=9)
+    with engine.client() as client:
+        t = transport_for(transport, client)
+        sender = WeightSender(b.model, b.cfg, t)
+        try:
+            sender.sync(version=1)
+            seen: list[str | None] = []
+            real_send = t.send
+
+            def send_then_look(*args, **kwargs):
+                out = real_send(*args, **kwargs)
+                seen.append(served_version(client, None))  # what a request arriving now is told
+                return out
+
+            t.send = send_then_look
+            with torch.no_grad():
+                for p in b.params:
+                    p.add_(0.01)
+            report = sender.sync(version=2)
+            assert report.buckets == len(seen) > 2
+            assert seen == ["1"] * (len(seen) - 1) + ["2"]
+        finally:
+            sender.close()

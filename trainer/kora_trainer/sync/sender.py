@@ -196,12 +196,18 @@ class WeightSender:
 
     def _push_weights(self, src: Source, version: int, checksum: RunningChecksum,
                       extra: dict[str, Any]) -> tuple[int, int]:
-        wv = str(version)
+        # Only the last bucket carries the new version: a request the engine serves between two buckets runs on
+        # half-updated weights and must not be tagged as the new policy (it keeps the old tag, a lag, and its
+        # log-probs are still the ones it sampled with, which is what the importance ratio needs).
+        def tag(i: int, n: int) -> str | None:
+            return str(version) if i == n - 1 else None
+
         if isinstance(self.transport, DistributedTransport):
             buckets = plan_buckets(src.groups, self.cap)
-            for bucket in buckets:
+            for i, bucket in enumerate(buckets):
                 tensors = src.get(list(dict.fromkeys(p.name for p in bucket.pieces)))
-                results = self.transport.send(bucket, tensors, lambda c, meta: c.update_weights_from_distributed(
+                wv = tag(i, len(buckets))
+                results = self.transport.send(bucket, tensors, lambda c, meta, wv=wv: c.update_weights_from_distributed(
                     meta, load_format=FLAT, weight_version=wv, **extra))
                 meta = bucket.metadata()
                 self._check(results, checksum, lambda meta=meta, tensors=tensors: applied_checksum(meta, tensors))
@@ -211,10 +217,11 @@ class WeightSender:
         assert isinstance(self.transport, ColocatedTransport)
         name_buckets = colocated_buckets(src.groups, self.cap)
         total = 0
-        for names in name_buckets:
+        for i, names in enumerate(name_buckets):
             tensors = src.get(names)
             named = [(n, tensors[n]) for n in names]
-            results = self.transport.send(named, lambda c, payload: c.update_weights_from_tensor(
+            wv = tag(i, len(name_buckets))
+            results = self.transport.send(named, lambda c, payload, wv=wv: c.update_weights_from_tensor(
                 payload, weight_version=wv, **extra))
             self._check(results, checksum, lambda named=named: protocol_checksum(named))
             for n, t in named:
