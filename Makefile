@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: demo setup test test-unit lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: demo setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -27,6 +27,9 @@ test: setup testbin  ## unit + integration tests against a real local control pl
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+e2e-kind: setup  ## kind + KubeRay (Helm) + our images + charts/kora; the toy job to Succeeded. Skips without Docker/kind
+	$(PY) hack/e2e_kind.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -6,7 +6,8 @@
 3. the kora operator (`kora operator`), as a process of its own;
 4. `kubectl apply` of manifests/samples/toy-local.yaml (the toy task on CPU), with the Ray address
    filled in; progress is streamed like `kubectl get ltj -w`;
-5. `kubectl describe ltj toy-local` of the finished job;
+5. `kubectl describe ltj toy-local` of the finished job (checkpoints and the HF-PEFT adapter in
+   .kora/demo/checkpoints/, made afresh each run);
 and every process it started is stopped by pid at the end, whatever happened.
 
     python hack/demo.py [--steps N] [--timeout SECONDS] [--keep-going]
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from localray import LocalRay  # noqa: E402
 
 STATE = ROOT / ".kora" / "demo"
 SAMPLE = ROOT / "manifests" / "samples" / "toy-local.yaml"
+CHECKPOINTS = STATE / "checkpoints"
 FINAL = ("Succeeded", "Failed")
 
 
@@ -78,6 +81,9 @@ def stop(proc: subprocess.Popen[bytes] | None) -> None:
 def job_doc(address: str, steps: int | None) -> str:
     doc = yaml.safe_load(SAMPLE.read_text())
     doc["spec"]["runtime"]["address"] = address
+    # the demo's own checkpoints, fresh each time: the sample's path would hold the last demo's final
+    # checkpoint, and the trainer would resume from it (with nothing left to train)
+    doc["spec"]["checkpoint"]["path"] = str(CHECKPOINTS)
     if steps:
         doc["spec"]["algorithm"]["numSteps"] = steps
     return yaml.safe_dump(doc)
@@ -119,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--namespace", default="default")
     args = ap.parse_args(argv)
     STATE.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(CHECKPOINTS, ignore_errors=True)
     t0 = time.monotonic()
     cluster = ray = operator = None
     try:
@@ -148,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
         log("kubectl describe ltj toy-local")
         print(cluster.kubectl("describe", "ltj", "toy-local", "-n", args.namespace).stdout, flush=True)
         phase = final["status"]["phase"]
+        adapter = CHECKPOINTS / "lora_adapter"
+        if (adapter / "adapter_config.json").exists():
+            log(f"the trained adapter (HF PEFT): {adapter.relative_to(ROOT)}; LoRA-only checkpoints beside it")
         log(f"{phase} after {time.monotonic() - t0:.0f} s wall (set-up included)")
         return 0 if phase == "Succeeded" else 1
     finally:

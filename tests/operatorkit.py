@@ -1,5 +1,9 @@
 """Helpers for tests that run the real operator (`kora operator`, a subprocess) against the local
-control plane: CRD installation (ours and KubeRay's), the operator process, and object queries."""
+control plane: the control plane itself, CRD installation (ours and KubeRay's), a namespace to work
+in, the operator process, and object queries.
+
+The context managers here are the bodies of the pytest fixtures of tests/integration/conftest.py and
+tests/e2e/: one set-up, whichever directory a test lives in."""
 
 from __future__ import annotations
 
@@ -9,10 +13,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import urllib.request
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from localcluster import LocalCluster, free_ports, wait_for
@@ -21,6 +29,34 @@ ROOT = Path(__file__).resolve().parents[1]
 KORA = Path(sys.executable).with_name("kora")
 CHILD_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "rayjobs.ray.io": "RayJob"}
 TEST_OPERATOR_KEY = "kora-test-operator-key-0123456789"
+SKIP_ENV = "KORA_SKIP_CLUSTER"
+
+
+@contextlib.contextmanager
+def local_cluster(state_dir: Path) -> Iterator[LocalCluster]:
+    """etcd + kube-apiserver + kube-controller-manager on 127.0.0.1 (hack/localcluster.py), stopped after.
+
+    If the pinned binaries cannot be provided, this fails with hack/testbin.sh's error; it skips only
+    when KORA_SKIP_CLUSTER=1 says so."""
+    if os.environ.get(SKIP_ENV) == "1":
+        pytest.skip(f"{SKIP_ENV}=1: not starting the local kube-apiserver/etcd/controller-manager")
+    c = LocalCluster.start(state_dir)
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+@contextlib.contextmanager
+def kora_namespace(cluster: LocalCluster, prefix: str) -> Iterator[str]:
+    """A fresh namespace `<prefix>-<random>`, with our CRDs and KubeRay's installed; deleted after."""
+    install_crds(cluster)
+    name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    cluster.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
 
 
 def install_crds(cluster: LocalCluster) -> None:
@@ -91,6 +127,15 @@ class Operator:
         except subprocess.TimeoutExpired:
             self.kill()
 
+    @contextlib.contextmanager
+    def running(self, timeout: float = 60) -> Iterator[Operator]:
+        """Started (healthy) inside the block, stopped by its pid after it (also when it never got healthy)."""
+        try:
+            self.start(timeout)
+            yield self
+        finally:
+            self.stop()
+
 
 def get(cluster: LocalCluster, kind: str, name: str, ns: str) -> dict[str, Any] | None:
     res = cluster.kubectl("get", kind, name, "-n", ns, "-o", "json", check=False)
@@ -123,3 +168,55 @@ def events(cluster: LocalCluster, name: str, ns: str) -> list[dict[str, Any]]:
     out = cluster.kubectl("get", "events", "-n", ns, "--field-selector",
                           f"involvedObject.name={name},involvedObject.kind=LoRATrainingJob", "-o", "json")
     return list(json.loads(out.stdout)["items"])
+
+
+class Watch:
+    """`kubectl get ltj -w` on one job (started before it exists): every version of its status that the
+    API server stored, as (phase, progress.step, restarts) rows — no transition is missed between polls.
+    The kubectl process is this object's own, stopped by its pid."""
+
+    # ";"-separated: kubectl aligns tab-separated jsonpath output into columns of spaces
+    TEMPLATE = '{.status.phase}{";"}{.status.progress.step}{";"}{.status.restarts}{"\\n"}'
+
+    def __init__(self, cluster: LocalCluster, name: str, ns: str) -> None:
+        cmd = [str(cluster.bin_dir / "kubectl"), "get", "ltj", "-n", ns, "--field-selector",
+               f"metadata.name={name}", "--watch", "-o", f"jsonpath={self.TEMPLATE}"]
+        self.rows: list[tuple[str, int | None, int]] = []
+        self._proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                      stderr=subprocess.DEVNULL, text=True, env=cluster.env())
+        self._thread = threading.Thread(target=self._read, name=f"watch-{name}", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            phase, step, restarts = [*line.strip().split(";"), "", "", ""][:3]
+            self.rows.append((phase, int(step) if step else None, int(restarts) if restarts else 0))
+
+    def phases(self) -> list[str]:
+        """The phases in the order they were stored, repeats folded."""
+        out: list[str] = []
+        for phase, _, _ in self.rows:
+            if phase and (not out or out[-1] != phase):
+                out.append(phase)
+        return out
+
+    def steps(self, restarts: int | None = None) -> list[int]:
+        """progress.step in every stored version (of the attempt after `restarts` restarts, if given)."""
+        return [s for _, s, r in self.rows if s is not None and (restarts is None or r == restarts)]
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        self._thread.join(timeout=10)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

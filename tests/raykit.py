@@ -1,5 +1,6 @@
-"""Helpers for runtime-Ray tests: a real local Ray head (hack/localray.py), the scripted stand-in
-trainer (tests/scripted_trainer.py), and the Ray jobs a LoRATrainingJob made."""
+"""Helpers for runtime-Ray tests: a real local Ray head (hack/localray.py), the operator set up to
+submit to it (the scripted stand-in trainer, tests/scripted_trainer.py, or the real one), and the Ray
+jobs — and processes — a LoRATrainingJob made. Shared by tests/integration (conftest.py) and tests/e2e."""
 
 from __future__ import annotations
 
@@ -13,11 +14,42 @@ from typing import Any
 
 from localcluster import LocalCluster, pid_alive, wait_for
 from localray import LocalRay, tagged_pids
-from operatorkit import apply, get
+from operatorkit import Operator, apply, get
 from specs import valid_job
 
 TESTS = Path(__file__).resolve().parent
+LOGS = Path("/tmp/kora-logs")
 SCRIPTED_TRAINER = f"{sys.executable} {TESTS / 'scripted_trainer.py'}"
+# the real trainer, one torch thread per process (the machine has 2 cores, shared)
+REAL_TRAINER = f"{sys.executable} -m kora_trainer.train --threads 1"
+
+
+@contextlib.contextmanager
+def ray_head(cwd: Path, num_cpus: int = 1, env: dict[str, str] | None = None) -> Iterator[LocalRay]:
+    """A local Ray head whose jobs run in `cwd`; stopped by its pids after, leaving no process behind."""
+    h = LocalRay.start(num_cpus=num_cpus, cwd=cwd, env=env)
+    try:
+        yield h
+    finally:
+        h.stop()
+    assert h.leftovers() == []
+
+
+def operator_env(head: LocalRay, port: int, trainer_command: str = SCRIPTED_TRAINER,
+                 poll_interval: float = 1) -> dict[str, str]:
+    """What an operator needs to submit to `head`: its token, the trainer command, a fast poll, and
+    the one control-plane port the test knows (so it can talk to the trainer too)."""
+    return {"RAY_AUTH_TOKEN": head.token, "KORA_TRAINER_COMMAND": trainer_command,
+            "KORA_POLL_INTERVAL": str(poll_interval), "KORA_RAY_CONTROL_PORTS": f"{port}-{port}"}
+
+
+@contextlib.contextmanager
+def ray_operator(cluster: LocalCluster, ns: str, head: LocalRay, port: int,
+                 trainer_command: str = SCRIPTED_TRAINER) -> Iterator[Operator]:
+    """`kora operator` for namespace `ns`, submitting `trainer_command` to `head`; log in /tmp/kora-logs."""
+    env = operator_env(head, port, trainer_command)
+    with Operator(cluster, [ns], LOGS / f"operator-{ns}.log", env=env).running() as op:
+        yield op
 
 
 def ray_job_doc(name: str, home: Path, address: str, script: dict[str, Any], **spec: Any) -> dict[str, Any]:
@@ -81,3 +113,34 @@ def applied(cluster: LocalCluster, doc: dict[str, Any], ns: str) -> Iterator[str
 
 def all_dead(ps: list[int]) -> bool:
     return not any(pid_alive(p) for p in ps)
+
+
+def cmdline(pid: int) -> list[str]:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")[:-1]
+    return []
+
+
+def trainer_drivers(head: LocalRay, job_name: str) -> list[int]:
+    """The job's `python -m kora_trainer.train` driver processes on this head (not the `sh -c` around them):
+    found among this head's tagged processes by the job's KORA_JOB_NAME, never by a name on the machine."""
+    return [p for p in job_processes(head, job_name) if cmdline(p)[1:3] == ["-m", "kora_trainer.train"]]
+
+
+def ray_job_logs(head: LocalRay, sub: str) -> str:
+    """The driver's output of Ray job `sub` (the Jobs API's GET /api/jobs/<id>/logs)."""
+    req = urllib.request.Request(f"{head.dashboard_url}/api/jobs/{sub}/logs",
+                                 headers={"Authorization": f"Bearer {head.token}"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return str(json.loads(r.read())["logs"])
+
+
+def trainer_status(port: int, token: str) -> dict[str, Any] | None:
+    """One GET /status of the trainer's control plane on 127.0.0.1:`port`; None when it does not answer.
+    Mind that a read of a final phase ends the trainer's linger (KORA_CONTROL_LINGER_S)."""
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/status", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as r:
+            return dict(json.loads(r.read()))
+    except OSError:
+        return None

@@ -15,6 +15,7 @@ DEFAULT_TRAINER_COMMAND = "python -m kora_trainer.train"
 # control-plane port from this range (picked from the submission id, recorded in its metadata).
 DEFAULT_RAY_CONTROL_PORTS = (8068, 8167)
 DEFAULT_KEY_SECRET = "kora-operator-key"
+MAX_LINGER_S = 300
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -50,8 +51,10 @@ class Settings:
 
     @property
     def linger_s(self) -> int:
-        """What the operator asks trainers to wait, at most, for its last poll (KORA_CONTROL_LINGER_S)."""
-        return max(10, math.ceil(3 * self.poll_interval))
+        """What the operator asks trainers to wait, at most, for its last poll (KORA_CONTROL_LINGER_S):
+        three poll intervals, at least 10 s, at most 5 minutes (a trainer whose operator is gone then
+        still ends in bounded time)."""
+        return min(MAX_LINGER_S, max(10, math.ceil(3 * self.poll_interval)))
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:

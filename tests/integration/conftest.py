@@ -3,11 +3,15 @@ kube-controller-manager on 127.0.0.1, started by hack/localcluster.py).
 
 If the pinned binaries cannot be provided, the tests fail with hack/testbin.sh's error; they are
 skipped only when KORA_SKIP_CLUSTER=1 says so.
+
+Runtime-Ray modules also get, one per module: `head` (a real local Ray head), `control_port`, `ns`
+(a namespace with the CRDs installed) and `ray_operator` (`kora operator` submitting the scripted
+trainer to `head`). Their bodies live in tests/operatorkit.py and tests/raykit.py, which tests/e2e
+uses too; a module may override any of them.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,9 +19,12 @@ from subprocess import CompletedProcess
 
 import pytest
 
-from localcluster import LocalCluster
+from localcluster import LocalCluster, free_ports
+from localray import LocalRay
+from operatorkit import Operator, kora_namespace, local_cluster
+from raykit import ray_head
+from raykit import ray_operator as ray_operator_running
 
-SKIP_ENV = "KORA_SKIP_CLUSTER"
 HERE = Path(__file__).resolve().parent
 
 
@@ -30,13 +37,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    if os.environ.get(SKIP_ENV) == "1":
-        pytest.skip(f"{SKIP_ENV}=1: not starting the local kube-apiserver/etcd/controller-manager")
-    c = LocalCluster.start(tmp_path_factory.mktemp("kora-cluster"))
-    try:
+    with local_cluster(tmp_path_factory.mktemp("kora-cluster")) as c:
         yield c
-    finally:
-        c.stop()
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +54,29 @@ def namespace(cluster: LocalCluster) -> Iterator[str]:
         yield name
     finally:
         cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="module")
+def ns(cluster: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """The module's namespace (named after it), with our CRDs and KubeRay's installed."""
+    prefix = request.module.__name__.rpartition(".")[2].removeprefix("test_").replace("_", "-")[:40]
+    with kora_namespace(cluster, prefix) as name:
+        yield name
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRay]:
+    with ray_head(tmp_path_factory.mktemp("ray-cwd")) as h:
+        yield h
+
+
+@pytest.fixture(scope="module")
+def control_port() -> int:
+    """The one port the module's trainers serve their control plane on (KORA_RAY_CONTROL_PORTS)."""
+    return free_ports(1)[0]
+
+
+@pytest.fixture(scope="module")
+def ray_operator(cluster: LocalCluster, ns: str, head: LocalRay, control_port: int) -> Iterator[Operator]:
+    with ray_operator_running(cluster, ns, head, control_port) as op:
+        yield op

@@ -9,64 +9,27 @@ submission, the token derived from the job's uid.
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
-
-import pytest
 
 from kora_operator.tokens import derive_token
 from kora_trainer.control_plane import ControlPlane, Progress
-from localcluster import free_ports, wait_for
-from localray import LocalRay
-from operatorkit import TEST_OPERATOR_KEY, Operator, events, install_crds, job_status
-from raykit import SCRIPTED_TRAINER, applied, ray_job_doc
+from localcluster import wait_for
+from operatorkit import TEST_OPERATOR_KEY, events, job_status
+from raykit import applied, ray_job_doc
 
-LOGS = Path("/tmp/kora-logs")
 WAIT = 60
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    h = LocalRay.start(num_cpus=1, cwd=tmp_path_factory.mktemp("ray-cwd"))
-    yield h
-    h.stop()
-    assert h.leftovers() == []
-
-
-@pytest.fixture(scope="module")
-def ns(cluster):
-    install_crds(cluster)
-    name = f"prog-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-@pytest.fixture(scope="module")
-def port():
-    return free_ports(1)[0]
-
-
-@pytest.fixture(scope="module")
-def operator(cluster, ns, head, port):
-    env = {"RAY_AUTH_TOKEN": head.token, "KORA_TRAINER_COMMAND": SCRIPTED_TRAINER, "KORA_POLL_INTERVAL": "1",
-           "KORA_RAY_CONTROL_PORTS": f"{port}-{port}"}
-    op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log", env=env).start()
-    yield op
-    op.stop()
-
-
 @contextmanager
-def trainer(cluster, ns, head, port, tmp_path, name, total=10, token=None, **spec) -> Iterator[Progress]:
-    """A runtime-Ray job (the Ray job sleeps) and, for it, the trainer's control plane on `port`."""
+def trainer(cluster, ns, head, control_port, tmp_path, name, total=10, token=None, **spec) -> Iterator[Progress]:
+    """A runtime-Ray job (the Ray job sleeps) and, for it, the trainer's control plane on `control_port`."""
     doc = ray_job_doc(name, tmp_path / name, head.dashboard_url, {"mode": "sleep"}, **spec)
     with applied(cluster, doc, ns) as uid:
         wait_for(lambda: job_status(cluster, name, ns).get("phase") == "Running", timeout=WAIT,
                  what=f"ltj {name} Running")
         progress = Progress(total, "Adapter")
-        server = ControlPlane(progress, token or derive_token(TEST_OPERATOR_KEY.encode(), uid), port,
+        server = ControlPlane(progress, token or derive_token(TEST_OPERATOR_KEY.encode(), uid), control_port,
                               host="127.0.0.1").start()
         try:
             yield progress
@@ -88,8 +51,9 @@ def cond(status, type_):
     return next((c for c in status.get("conditions", []) if c["type"] == type_), None)
 
 
-def test_progress_moves_step_and_reward_in_status_and_kubectl_get(cluster, ns, operator, head, port, tmp_path):
-    with trainer(cluster, ns, head, port, tmp_path, "climb", total=10) as progress:
+def test_progress_moves_step_and_reward_in_status_and_kubectl_get(cluster, ns, ray_operator, head, control_port,
+                                                                  tmp_path):
+    with trainer(cluster, ns, head, control_port, tmp_path, "climb", total=10) as progress:
         progress.update(phase="Running")
         for step, reward in ((1, 0.125), (4, 0.5)):
             synced(progress, step)
@@ -109,8 +73,8 @@ def test_progress_moves_step_and_reward_in_status_and_kubectl_get(cluster, ns, o
         assert synced_cond["status"] == "True" and "version 4" in synced_cond["message"]
 
 
-def test_a_stale_policy_turns_weights_synced_false_and_back(cluster, ns, operator, head, port, tmp_path):
-    with trainer(cluster, ns, head, port, tmp_path, "stale", total=20,
+def test_a_stale_policy_turns_weights_synced_false_and_back(cluster, ns, ray_operator, head, control_port, tmp_path):
+    with trainer(cluster, ns, head, control_port, tmp_path, "stale", total=20,
                  deployment={"async": True, "maxStaleness": 2}) as progress:
         synced(progress, 5)
         progress.update(step=5, rewardMean=0.3)
@@ -131,8 +95,8 @@ def test_a_stale_policy_turns_weights_synced_false_and_back(cluster, ns, operato
         assert s["progress"]["lastSync"]["adapterVersion"] == 8
 
 
-def test_checkpointed_follows_the_last_checkpoint(cluster, ns, operator, head, port, tmp_path):
-    with trainer(cluster, ns, head, port, tmp_path, "saver", checkpoint={"path": "/ckpt/saver", "interval": 5}
+def test_checkpointed_follows_the_last_checkpoint(cluster, ns, ray_operator, head, control_port, tmp_path):
+    with trainer(cluster, ns, head, control_port, tmp_path, "saver", checkpoint={"path": "/ckpt/saver", "interval": 5}
                  ) as progress:
         synced(progress, 3)
         progress.update(step=3)
@@ -147,8 +111,8 @@ def test_checkpointed_follows_the_last_checkpoint(cluster, ns, operator, head, p
         assert ("Normal", "Checkpointed") in [(e["type"], e["reason"]) for e in events(cluster, "saver", ns)]
 
 
-def test_a_trainer_with_another_token_is_not_believed(cluster, ns, operator, head, port, tmp_path):
-    with trainer(cluster, ns, head, port, tmp_path, "impostor", token="not-the-derived-token") as progress:
+def test_a_trainer_with_another_token_is_not_believed(cluster, ns, ray_operator, head, control_port, tmp_path):
+    with trainer(cluster, ns, head, control_port, tmp_path, "impostor", token="not-the-derived-token") as progress:
         progress.update(step=9, rewardMean=1.0)
         wait_for(lambda: ("Warning", "ProgressUnavailable") in
                  [(e["type"], e["reason"]) for e in events(cluster, "impostor", ns)],

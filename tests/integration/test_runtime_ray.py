@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import base64
 import subprocess
-import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -20,59 +18,26 @@ import yaml
 
 from kora_operator.tokens import derive_token
 from localcluster import free_ports, pid_alive, wait_for
-from localray import LocalRay
-from operatorkit import KORA, TEST_OPERATOR_KEY, Operator, apply, children, events, get, install_crds, job_status
+from operatorkit import KORA, TEST_OPERATOR_KEY, Operator, apply, children, events, get, job_status, kora_namespace
 from raykit import (
-    SCRIPTED_TRAINER,
+    LOGS,
+    REAL_TRAINER,
     all_dead,
     applied,
     attempt,
     delete_job,
     job_processes,
+    operator_env,
     pids,
     ray_job_doc,
+    ray_operator,
     submissions,
     uid_of,
 )
 from specs import set_path, valid_job
 
 ROOT = Path(__file__).resolve().parents[2]
-LOGS = Path("/tmp/kora-logs")
 WAIT = 60
-
-
-@pytest.fixture(scope="module")
-def head(tmp_path_factory):
-    h = LocalRay.start(num_cpus=1, cwd=tmp_path_factory.mktemp("ray-cwd"))
-    yield h
-    h.stop()
-    assert h.leftovers() == []
-
-
-@pytest.fixture(scope="module")
-def ns(cluster):
-    install_crds(cluster)
-    name = f"rt-{uuid.uuid4().hex[:8]}"
-    cluster.kubectl("create", "namespace", name)
-    yield name
-    cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
-
-
-@pytest.fixture(scope="module")
-def control_port():
-    return free_ports(1)[0]
-
-
-def operator_env(head: LocalRay, port: int) -> dict[str, str]:
-    return {"RAY_AUTH_TOKEN": head.token, "KORA_TRAINER_COMMAND": SCRIPTED_TRAINER, "KORA_POLL_INTERVAL": "1",
-            "KORA_RAY_CONTROL_PORTS": f"{port}-{port}"}
-
-
-@pytest.fixture(scope="module")
-def operator(cluster, ns, head, control_port):
-    op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log", env=operator_env(head, control_port)).start()
-    yield op
-    op.stop()
 
 
 def wait_phase(cluster, name, ns, phase, timeout=WAIT):
@@ -88,7 +53,7 @@ def reasons(cluster, name, ns):
     return [(e["type"], e["reason"]) for e in events(cluster, name, ns)]
 
 
-def test_a_job_is_submitted_once_runs_and_succeeds(cluster, ns, operator, head, control_port, tmp_path):
+def test_a_job_is_submitted_once_runs_and_succeeds(cluster, ns, ray_operator, head, control_port, tmp_path):
     home = tmp_path / "model"
     doc = ray_job_doc("ok", home, head.dashboard_url, {"mode": "serve", "steps": 3, "linger": 4},
                       lora={"rank": 8, "syncMode": "Adapter"})
@@ -125,7 +90,7 @@ def test_a_job_is_submitted_once_runs_and_succeeds(cluster, ns, operator, head, 
         (LOGS / "describe-ltj-ray-succeeded.txt").write_text(describe)
 
 
-def test_a_failed_trainer_fails_the_job_with_its_message(cluster, ns, operator, head, tmp_path):
+def test_a_failed_trainer_fails_the_job_with_its_message(cluster, ns, ray_operator, head, tmp_path):
     doc = ray_job_doc("crash", tmp_path / "m", head.dashboard_url,
                       {"mode": "exit", "code": 3, "say": "ValueError: data.path /data/train.parquet has no rows"})
     with applied(cluster, doc, ns) as uid:
@@ -138,7 +103,7 @@ def test_a_failed_trainer_fails_the_job_with_its_message(cluster, ns, operator, 
         assert [j["status"] for j in submissions(head, uid).values()] == ["FAILED"]
 
 
-def test_backoff_resubmits_and_the_trainer_resumes_from_its_checkpoint(cluster, ns, operator, head, tmp_path):
+def test_backoff_resubmits_and_the_trainer_resumes_from_its_checkpoint(cluster, ns, ray_operator, head, tmp_path):
     home = tmp_path / "m"
     doc = ray_job_doc("retry", home, head.dashboard_url,
                       {"mode": "serve", "steps": 4, "crash_at_step": 2, "step_seconds": 0.3, "linger": 4},
@@ -157,7 +122,7 @@ def test_backoff_resubmits_and_the_trainer_resumes_from_its_checkpoint(cluster, 
         assert [e["reason"] for e in events(cluster, "retry", ns)].count("SubmittedRayJob") == 2
 
 
-def test_suspend_stops_the_ray_job_and_resume_resubmits(cluster, ns, operator, head, tmp_path):
+def test_suspend_stops_the_ray_job_and_resume_resubmits(cluster, ns, ray_operator, head, tmp_path):
     home = tmp_path / "m"
     doc = ray_job_doc("pause", home, head.dashboard_url, {"mode": "sleep"})
     with applied(cluster, doc, ns) as uid:
@@ -176,7 +141,7 @@ def test_suspend_stops_the_ray_job_and_resume_resubmits(cluster, ns, operator, h
         assert submissions(head, uid)[f"kora-{uid}-1"]["status"] == "RUNNING"
 
 
-def test_deleting_a_running_job_stops_its_ray_job_and_leaves_nothing(cluster, ns, operator, head, tmp_path):
+def test_deleting_a_running_job_stops_its_ray_job_and_leaves_nothing(cluster, ns, ray_operator, head, tmp_path):
     home = tmp_path / "m"
     apply(cluster, ray_job_doc("doomed", home, head.dashboard_url, {"mode": "sleep"}), ns)
     uid = uid_of(cluster, "doomed", ns)
@@ -194,28 +159,22 @@ def test_deleting_a_running_job_stops_its_ray_job_and_leaves_nothing(cluster, ns
 
 
 def test_a_restarted_operator_never_submits_twice(cluster, head, control_port, tmp_path):
-    install_crds(cluster)
-    ns = f"rt-restart-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", ns)
-    env = operator_env(head, control_port)
-    op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log", env=env).start()
-    try:
-        apply(cluster, ray_job_doc("once", tmp_path / "m", head.dashboard_url, {"mode": "sleep"}), ns)
-        uid = uid_of(cluster, "once", ns)
-        wait_for(lambda: submissions(head, uid), timeout=WAIT, what="the first submission")
-        op.kill()  # SIGKILL, maybe before it wrote the status
-        op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log", env=env).start()
-        s = wait_phase(cluster, "once", ns, "Running")
-        assert list(submissions(head, uid)) == [f"kora-{uid}-0"] == [s["rayJobName"]]
-        assert [e["reason"] for e in events(cluster, "once", ns)].count("SubmittedRayJob") == 1
-        delete_job(cluster, "once", ns)
-        assert submissions(head, uid)[f"kora-{uid}-0"]["status"] == "STOPPED"
-    finally:
-        op.stop()
-        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+    with kora_namespace(cluster, "rt-restart") as ns:
+        log, env = LOGS / f"operator-{ns}.log", operator_env(head, control_port)
+        with Operator(cluster, [ns], log, env=env).running() as op:
+            apply(cluster, ray_job_doc("once", tmp_path / "m", head.dashboard_url, {"mode": "sleep"}), ns)
+            uid = uid_of(cluster, "once", ns)
+            wait_for(lambda: submissions(head, uid), timeout=WAIT, what="the first submission")
+            op.kill()  # SIGKILL, maybe before it wrote the status
+        with Operator(cluster, [ns], log, env=env).running():
+            s = wait_phase(cluster, "once", ns, "Running")
+            assert list(submissions(head, uid)) == [f"kora-{uid}-0"] == [s["rayJobName"]]
+            assert [e["reason"] for e in events(cluster, "once", ns)].count("SubmittedRayJob") == 1
+            delete_job(cluster, "once", ns)
+            assert submissions(head, uid)[f"kora-{uid}-0"]["status"] == "STOPPED"
 
 
-def test_an_unreachable_ray_cluster_shows_and_deleting_does_not_hang(cluster, ns, operator, tmp_path):
+def test_an_unreachable_ray_cluster_shows_and_deleting_does_not_hang(cluster, ns, ray_operator, tmp_path):
     (closed,) = free_ports(1)
     apply(cluster, ray_job_doc("nowhere", tmp_path / "m", f"http://127.0.0.1:{closed}", {"mode": "sleep"}), ns)
     s = wait_for(lambda: (s := job_status(cluster, "nowhere", ns)).get("conditions") and
@@ -228,7 +187,7 @@ def test_an_unreachable_ray_cluster_shows_and_deleting_does_not_hang(cluster, ns
     delete_job(cluster, "nowhere", ns, timeout=30)  # nothing was submitted: nothing to wait for
 
 
-def test_a_kuberay_job_gets_no_finalizer(cluster, ns, operator):
+def test_a_kuberay_job_gets_no_finalizer(cluster, ns, ray_operator):
     apply(cluster, valid_job("plain"), ns)
     wait_for(lambda: children(cluster, "plain", ns)["RayJob"], timeout=WAIT, what="the RayJob")
     wait_phase(cluster, "plain", ns, "Pending")
@@ -244,9 +203,6 @@ def test_the_real_trainer_runs_as_a_ray_job(cluster, head, tmp_path):
     """The real `python -m kora_trainer.train` (the toy task, an untrained toy model, 4 steps) submitted
     by the operator: the config reaches it through /dev/stdin, the token and port through the
     environment, and its progress comes back into the status while it trains."""
-    install_crds(cluster)
-    ns = f"rt-real-{uuid.uuid4().hex[:6]}"
-    cluster.kubectl("create", "namespace", ns)
     toy = tmp_path / "toy"
     subprocess.run([str(KORA), "make-toy", str(toy), "--target", "0", "--threads", "1"], check=True,
                    capture_output=True, timeout=300)
@@ -257,11 +213,8 @@ def test_the_real_trainer_runs_as_a_ray_job(cluster, head, tmp_path):
     spec["resources"] = {"workers": 0, "gpusPerWorker": 0}
     doc = {"apiVersion": "kora.dev/v1alpha1", "kind": "LoRATrainingJob", "metadata": {"name": "toy"}, "spec": spec}
     (port,) = free_ports(1)
-    env = {"RAY_AUTH_TOKEN": head.token, "KORA_POLL_INTERVAL": "1", "KORA_RAY_CONTROL_PORTS": f"{port}-{port}",
-           "KORA_TRAINER_COMMAND": f"{sys.executable} -m kora_trainer.train --threads 1"}
-    op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log", env=env).start()
     steps_seen: set[int] = set()
-    try:
+    with kora_namespace(cluster, "rt-real") as ns, ray_operator(cluster, ns, head, port, REAL_TRAINER):
         apply(cluster, doc, ns)
 
         def done():
@@ -278,6 +231,3 @@ def test_the_real_trainer_runs_as_a_ray_job(cluster, head, tmp_path):
         # publishes `syncedStep` (see progress.py)
         assert "rewardMean" in s["progress"] and condition(s, "WeightsSynced")
         delete_job(cluster, "toy", ns)
-    finally:
-        op.stop()
-        cluster.kubectl("delete", "namespace", ns, "--wait=false", check=False)

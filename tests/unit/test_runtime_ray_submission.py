@@ -102,21 +102,21 @@ def decide(i, *, suspend=False, phase=None, restarts=0, backoff=0):
 
 
 @pytest.mark.parametrize(("ray", "kw", "action", "phase"), [
-    (None, {}, rt.Action.SUBMIT, "Provisioning"),
-    ("PENDING", {}, rt.Action.NONE, "Provisioning"),
+    (None, {}, rt.Action.SUBMIT, "Pending"),
+    ("PENDING", {}, rt.Action.NONE, "Pending"),
     ("RUNNING", {}, rt.Action.NONE, "Running"),
     ("SUCCEEDED", {}, rt.Action.NONE, "Succeeded"),
     ("SUCCEEDED", {"suspend": True}, rt.Action.NONE, "Succeeded"),  # finished is finished
     ("FAILED", {}, rt.Action.NONE, "Failed"),
-    ("FAILED", {"backoff": 2, "restarts": 1}, rt.Action.RETRY, "Provisioning"),
+    ("FAILED", {"backoff": 2, "restarts": 1}, rt.Action.RETRY, "Pending"),
     ("FAILED", {"backoff": 2, "restarts": 2}, rt.Action.NONE, "Failed"),
     ("STOPPED", {}, rt.Action.NONE, "Failed"),  # stopped by someone else
     ("RUNNING", {"suspend": True}, rt.Action.STOP, "Suspended"),
     ("STOPPED", {"suspend": True}, rt.Action.NONE, "Suspended"),
     (None, {"suspend": True}, rt.Action.NONE, "Suspended"),  # created suspended: nothing to stop
-    ("STOPPED", {"phase": "Suspended"}, rt.Action.RESUME, "Provisioning"),
+    ("STOPPED", {"phase": "Suspended"}, rt.Action.RESUME, "Pending"),
     ("RUNNING", {"phase": "Suspended"}, rt.Action.STOP, "Suspended"),  # resumed before the stop landed
-    (None, {"phase": "Suspended"}, rt.Action.SUBMIT, "Provisioning"),
+    (None, {"phase": "Suspended"}, rt.Action.SUBMIT, "Pending"),
 ])
 def test_decide(ray, kw, action, phase):
     d = decide(info(ray) if ray else None, **kw)

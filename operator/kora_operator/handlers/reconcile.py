@@ -47,6 +47,7 @@ from kora_operator.validation import validate_job
 
 log = logging.getLogger("kora.reconcile")
 RETRY_DELAY = 5.0  # seconds kopf waits before retrying after transient API trouble
+STARTING = "Starting"  # the trainer's /status phase before its first step (control_plane.py)
 
 # Handlers for one job (its own events, its RayJob's) may run in parallel threads; one at a time
 # per job keeps the read-decide-write of the status from racing itself.
@@ -300,7 +301,7 @@ def _reconcile_ray(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, sta
             _submit(ctx, client, body, job, sub)
             submitted = True
     except RayRejected as e:
-        obs = Observation(Phase.PROVISIONING, [Cond(ConditionType.TRAINING, "False", Reason.SUBMISSION_FAILED,
+        obs = Observation(Phase.PENDING, [Cond(ConditionType.TRAINING, "False", Reason.SUBMISSION_FAILED,
                                                     str(e))])
     except RayError as e:
         reason = Reason.RAY_UNAUTHORIZED if isinstance(e, RayUnauthorized) else Reason.RAY_UNREACHABLE
@@ -349,6 +350,11 @@ def _with_progress(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, sta
                 ctx.kube.event(body, EventType.WARNING, Reason.PROGRESS_UNAVAILABLE, str(e))
         return status
     ctx.progress_errors.pop(key, None)
+    shown = (status.get("progress") or {}).get("step")
+    if snapshot.get("phase") == STARTING and isinstance(shown, int) and int(progress.get("step") or 0) < shown:
+        # a resubmitted trainer that has not restored its checkpoint yet says step 0: keep what the
+        # status shows (the last attempt's progress) until it runs, so the Step column never drops to 0
+        return status
     new = dict(status)
     new["progress"] = progress
     conds = progress_conditions(progress, job.spec, synced_step=snapshot.get("syncedStep"))

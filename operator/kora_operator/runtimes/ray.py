@@ -8,6 +8,9 @@ Nothing in Kubernetes owns a Ray job, so the operator keeps the submission's lif
     it; the trainer resumes from its last LoRA-only checkpoint by itself);
   - spec.suspend stops the submission; resuming submits n+1 (not a restart);
   - deleting the LoRATrainingJob stops it (handlers/jobs.py: a finalizer for runtime Ray only).
+Phases: Pending while a submission waits to start (the Ray cluster already exists, so nothing is
+provisioned: KubeRay's Provisioning, a RayCluster being created, has no counterpart here), then Running,
+then Succeeded / Failed.
 
 The submission carries the same trainer config as the KubeRay ConfigMap, in the environment
 variable KORA_JOB_YAML, piped to `python -m kora_trainer.train --config /dev/stdin`; the
@@ -163,12 +166,12 @@ def decide(info: JobInfo | None, *, sub: str, address: str, suspend: bool, phase
                  "set it to false to resubmit (the trainer resumes from its last checkpoint)")]))
     was_suspended = phase == Phase.SUSPENDED
     if info is None:
-        return Decision(Action.SUBMIT, Observation(Phase.PROVISIONING, [
+        return Decision(Action.SUBMIT, Observation(Phase.PENDING, [
             ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING,
                         f"submitted the trainer as Ray job {sub}; waiting for it to start")]))
     if was_suspended:
         if info.terminal:
-            return Decision(Action.RESUME, Observation(Phase.PROVISIONING, [
+            return Decision(Action.RESUME, Observation(Phase.PENDING, [
                 ready, Cond(ConditionType.TRAINING, F, Reason.RESUMING,
                             "resuming: resubmitting the trainer, which continues from its last checkpoint")]))
         return Decision(Action.STOP, Observation(Phase.SUSPENDED, [
@@ -176,7 +179,7 @@ def decide(info: JobInfo | None, *, sub: str, address: str, suspend: bool, phase
     if status == FAILED:
         message = failure_message(info)
         if restarts < backoff_limit:
-            return Decision(Action.RETRY, Observation(Phase.PROVISIONING, [
+            return Decision(Action.RETRY, Observation(Phase.PENDING, [
                 ready, Cond(ConditionType.TRAINING, F, Reason.RETRYING,
                             _fit(f"restart {restarts + 1} of {backoff_limit} (spec.backoffLimit): ", message))]))
         return Decision(Action.NONE, _failed(ready, Reason.TRAINER_FAILED, message, info.end_time))
@@ -189,9 +192,9 @@ def decide(info: JobInfo | None, *, sub: str, address: str, suspend: bool, phase
                         f"the trainer runs as Ray job {sub} on {address}")]))
     if status != PENDING:
         unknown = f"Ray job {sub} is in state {status!r}, which this operator does not know"
-        return Decision(Action.NONE, Observation(Phase.PROVISIONING, [
+        return Decision(Action.NONE, Observation(Phase.PENDING, [
             ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING, unknown)]))
-    return Decision(Action.NONE, Observation(Phase.PROVISIONING, [
+    return Decision(Action.NONE, Observation(Phase.PENDING, [
         ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING,
                     f"Ray job {sub} waits for the Ray cluster to start it")]))
 
