@@ -182,6 +182,7 @@ class MegatronWeightSender(WeightSender):
     def __init__(self, model: nn.Module, layout: Layout, cfg: Any, transport: Any, trainer_group: Any = None,
                  verify: bool = True, flavour: str = "hf"):
         self.layout, self.flavour = layout, flavour
+        self._adapter_src: Source | None = None
         super().__init__(model, cfg, transport, trainer_group, verify)
 
     def make_adapter_config(self) -> dict[str, Any]:
@@ -207,4 +208,6 @@ class MegatronWeightSender(WeightSender):
 
     def adapter_source(self) -> Source:
         self._tp1()
-        return megatron_adapter_source(self.model, self.layout, self.flavour)
+        if self._adapter_src is None:  # the plan (names, shapes) is fixed: one export per push, not two
+            self._adapter_src = megatron_adapter_source(self.model, self.layout, self.flavour)
+        return self._adapter_src

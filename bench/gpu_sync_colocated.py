@@ -1,0 +1,751 @@
+"""Colocated weight sync on ONE GPU (SPEC's default deployment, issue 7): trainer and engine share the GPU and
+weights move by CUDA IPC.
+
+Trainer: the megatron-core policy of bench/gpu_sync.py (Qwen3-4B-shaped, random init, bf16) with a rank-32 LoRA
+on linear_qkv + linear_proj (`--trainer hf`: HF Qwen3 + kora's torch LoRA). Engine: kora's reference engine
+(`rollout.hf_server`: EngineModel + the HTTP routes) in a SEPARATE process on the same GPU, its HF model built
+from the same config; a pipe carries the bench's control messages. Each push starts at "trainer step done"
+(an optimizer-like update of the flat adapter, synchronised) and ends at the engine's ack; median of --reps.
+
+Two paths, one run:
+- fast colocated path (sync/fast.py), IPC handles exchanged ONCE at plan time:
+  (a) adapter: one gather of the HF-PEFT adapter straight into the engine's next `AdapterRing` slot (engine
+      memory mapped by the trainer), synchronise, tell the engine the slot -> it registers an adapter object
+      over that slot's views (made once) and serves `kora-policy` from the next request -> ack.
+  (b) Merge: the engine's weights (q;k;v re-homed into one fused buffer per layer = SGLang's qkv_proj layout)
+      are the destination of one captured fold graph (W + s·B·A, megatron's fused QKV unfused by a row map)
+      plus captured copy graphs for the frozen tensors (`full`; the incremental push skips them) -> synchronise,
+      version label -> ack. No engine-side apply.
+- today's HTTP path: `MegatronWeightSender` + `ColocatedTransport` (/load_lora_adapter_from_tensors with
+  unload + load + /update_weight_version; /update_weights_from_tensor per bucket), serialize.py payloads,
+  engine and sender checksums; with a breakdown of where the time goes.
+Anchors: one device copy of the same bytes (`adapter_copy_ms`, `copy_ms`, CUDA events).
+(d) delta-skip decision: fast.FlatDelta (one max|Δ| + one host read; one trainer rank: no collective).
+Serving checks: engine log-probs (HTTP /generate, input log-probs of fixed sequences) vs the trainer's; the
+fast and the HTTP path at the same policy compared with each other; merged weights vs torch's fp32 fold.
+
+    PYTHONPATH=trainer:tests:/tmp/mc python bench/gpu_sync_colocated.py [--out FILE]
+    python bench/gpu_sync_colocated.py --cpu-smoke --trainer hf --rank 4   # tiny, CPU: plumbing only
+
+Results: bench/results/gpu_sync_colocated_*.json; discussion in docs/megatron_backend.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing as mp
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT / "trainer", ROOT / "tests", ROOT / "bench"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+import gpu_sync as gs  # noqa: E402  (bench/gpu_sync.py: model dims, Trainer, timing helpers)
+
+MIB = 1 << 20
+POLICY = "kora-policy"
+
+
+def sync_dev(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+# ---- the engine process (same GPU) ------------------------------------------------------------------------
+
+def engine_main(conn: Any, opts: dict[str, Any]) -> None:
+    try:
+        _engine(conn, opts)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        raise
+
+
+def _engine(conn: Any, opts: dict[str, Any]) -> None:
+    import transformers
+    from aiohttp import web
+
+    from kora_trainer.rollout import hf_server
+    from kora_trainer.rollout.engine_model import EngineModel
+    from kora_trainer.rollout.lora_adapters import LoRAAdapter
+    from kora_trainer.sync import fast
+    from kora_trainer.sync.group import free_port
+    from kora_trainer.sync.serialize import deserialize_named_tensors, serialize_payload
+
+    cuda = opts["device"] == "cuda"
+    if cuda:
+        torch.cuda.set_device(0)  # the trainer's GPU
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    cfg = transformers.AutoConfig.from_pretrained(opts["model_dir"])
+    t0 = time.perf_counter()
+    with torch.device(device):  # random init; the trainer's first full push replaces every weight
+        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model.eval()
+    build_s = time.perf_counter() - t0
+    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **k: model  # EngineModel takes this one
+    engine = EngineModel(opts["model_dir"], "cuda" if cuda else "cpu", "bfloat16")
+    server = hf_server.HFEngineServer(engine)
+    port = free_port()
+    loop = asyncio.new_event_loop()
+
+    def serve() -> None:
+        asyncio.set_event_loop(loop)
+        runner = web.AppRunner(server.app(), access_log=None)
+        loop.run_until_complete(runner.setup())
+        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+        loop.run_forever()
+
+    threading.Thread(target=serve, daemon=True).start()
+    conn.send(("ready", {"url": f"http://127.0.0.1:{port}", "build_s": build_s}))
+    params = dict(engine.model.named_parameters())
+    real_checksum = hf_server.checksum
+    ring: fast.AdapterRing | None = None
+    config: dict[str, Any] = {}
+    while True:
+        cmd, arg = conn.recv()
+        info: dict[str, Any] = {}
+        if cmd == "stop":
+            conn.send(("done", {}))
+            break
+        if cmd == "ping":
+            pass
+        elif cmd == "fuse":  # SGLang's fused qkv_proj layout for the reference engine's HF model
+            fast.fuse_rows(params, arg["groups"])
+            sync_dev(device)
+        elif cmd == "export":  # every weight, mapped by the trainer once
+            info["payload"] = serialize_payload([(n, p.detach()) for n, p in params.items()])
+            info["bytes"] = sum(p.numel() * p.element_size() for p in params.values())
+        elif cmd == "ring":
+            ring = fast.AdapterRing(arg["metadata"], device, {"*": arg["scaling"]}, slots=arg["slots"])
+            config = arg["config"]
+            # check the layout against the model once (modules exist, shapes match); the copy is dropped
+            named = [(f"base_model.model.{m}.lora_{w}.weight", t) for m, (a, b, _) in ring.weights[0].items()
+                     for w, t in (("A", a), ("B", b))]
+            server.adapters._build("__check__", "__tensor__", config, named)
+            info["payload"] = serialize_payload(ring.buffers)
+            info["rank"] = ring.rank
+        elif cmd == "adapter":  # the fast path's swap: an adapter object over ring slot k (views made once)
+            assert ring is not None
+            adapter = LoRAAdapter(POLICY, "__distributed__", ring.rank, ring.weights[arg["slot"]], config,
+                                  str(arg["version"]))
+            server.adapters._register(adapter, upsert=True)
+        elif cmd == "version":
+            engine.weight_version = str(arg["version"])
+        elif cmd == "checksum":  # on/off: the kora checksum every weight route computes (split verification out)
+            hf_server.checksum = real_checksum if arg["on"] else (lambda named: None)
+        elif cmd == "probe":  # what /load_lora_adapter_from_tensors spends, piece by piece
+            times = {}
+            t = time.perf_counter()
+            named = deserialize_named_tensors(arg["payload"])
+            sync_dev(device)
+            times["deserialize_ipc_open_ms"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            server.adapters._build("__probe__", "__tensor__", config, named)
+            sync_dev(device)
+            times["build_adapter_ms"] = (time.perf_counter() - t) * 1e3
+            t = time.perf_counter()
+            real_checksum(named)
+            times["checksum_ms"] = (time.perf_counter() - t) * 1e3
+            del named
+            info["times"] = times
+        elif cmd == "get":
+            # clone: pickling a CPU tensor over the pipe would move its storage into a new shared segment,
+            # detaching the parameter from the trainer's mapping (CPU smoke only; a CUDA .cpu() is a copy anyway)
+            info["tensors"] = {n: params[n].detach().cpu().clone() for n in arg["names"]}
+        conn.send(("done", info))
+
+
+class Engine:
+    def __init__(self, opts: dict[str, Any]):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_main, args=(child, opts), daemon=True)
+        self.proc.start()
+        self.info: dict[str, Any] = {}
+
+    def wait(self, what: str = "done", timeout: float = 180) -> dict[str, Any]:
+        end = time.monotonic() + timeout
+        while not self.conn.poll(0.5):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"engine died (exit {self.proc.exitcode}) waiting for {what}")
+            if time.monotonic() > end:
+                raise TimeoutError(f"engine did not answer {what} within {timeout}s")
+        kind, info = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"engine failed:\n{info}")
+        assert kind == what, (kind, what)
+        return info
+
+    def call(self, cmd: str, timeout: float = 180, **arg: Any) -> dict[str, Any]:
+        self.conn.send((cmd, arg))
+        return self.wait(timeout=timeout)
+
+    def fast_call(self, cmd: str, **arg: Any) -> dict[str, Any]:
+        """The per-push control message: blocking recv, no polling loop."""
+        self.conn.send((cmd, arg))
+        kind, info = self.conn.recv()
+        if kind == "error":
+            raise RuntimeError(f"engine failed:\n{info}")
+        return info
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("stop", timeout=30)
+        finally:
+            self.proc.join(timeout=30)
+            if self.proc.is_alive():
+                self.proc.terminate()
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def expected_hf(entries: list[Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """What the engine should hold under `names` after a push of `entries`: torch's fp32 addmm fold (or the
+    plain tensor), placed by the row map (CPU copies)."""
+    from kora_trainer.kernels.fold import fold_reference
+    from kora_trainer.sync.fast import FoldEntry
+
+    out: dict[str, torch.Tensor] = {}
+    want = set(names)
+    for e in entries:
+        if isinstance(e, FoldEntry):
+            if not {n for n, _ in e.outs} & want:
+                continue
+            w = fold_reference(e.w, e.a, e.b, e.scale) if e.a is not None else e.w
+            rows = w
+            if e.row_map is not None:
+                rows = torch.empty_like(w)
+                rows[e.row_map.long()] = w
+            start = 0
+            for n, shape in e.outs:
+                out[n] = rows[start:start + shape[0]].cpu()
+                start += shape[0]
+        elif e.name in want:
+            out[e.name] = e.src.cpu()
+    return {n: out[n] for n in names}
+
+
+def layer0_names(entries: list[Any]) -> list[str]:
+    """Every HF tensor of layer 0, and the last tensor of the plan (the final norm)."""
+    names = [n for e in entries for n in ([n for n, _ in e.outs] if hasattr(e, "outs") else [e.name])]
+    return [n for n in names if ".layers.0." in n] + [names[-1]]
+
+
+@contextlib.contextmanager
+def adapter_off(trainer: Any):
+    if trainer.kind == "megatron":
+        from kora_trainer.backends.megatron.lora import adapter_disabled
+
+        with adapter_disabled(trainer.model):
+            yield
+        return
+    from kora_trainer.lora import lora_modules
+
+    mods = list(lora_modules(trainer.model).values())
+    before = [m.enabled for m in mods]
+    for m in mods:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m, b in zip(mods, before, strict=True):
+            m.enabled = b
+
+
+def trainer_scores(trainer: Any, seqs: list[list[int]], device: torch.device, on: bool = True) -> list[list[float]]:
+    out = []
+    with torch.no_grad(), (contextlib.nullcontext() if on else adapter_off(trainer)):
+        for s in seqs:
+            lp = trainer.logprobs(torch.tensor([s], device=device))[0].float().cpu()
+            out.append([float(x) for x in lp])
+    return out
+
+
+def engine_scores(client: Any, seqs: list[list[int]], lora: str | None) -> list[list[float]]:
+    """The engine's log p(token j | tokens < j), j >= 1, of fixed sequences (SGLang input log-probs)."""
+    outs = client.generate(seqs, {"max_new_tokens": 1, "temperature": 0.0}, lora_path=lora, logprob_start_len=0)
+    return [[float(e[0]) for e in o.meta_info["input_token_logprobs"][1:]] for o in outs]
+
+
+def max_gap(x: list[list[float]], y: list[list[float]]) -> float:
+    return max(abs(a - b) for u, v in zip(x, y, strict=True) for a, b in zip(u, v, strict=True))
+
+
+def sender_for(trainer: Any, mode: str, model_dir: Path, cap: int, transport: Any, rank: int, alpha: float,
+               verify: bool = True) -> Any:
+    """Today's HTTP sync path for this trainer (MegatronWeightSender / WeightSender)."""
+    from kora_trainer.config import load_config
+
+    targets = ["linear_qkv", "linear_proj"]
+    overrides = [f"model.path={model_dir}", "data.path=unused.parquet", f"lora.rank={rank}", f"lora.alpha={alpha}",
+                 f"lora.syncMode={mode}", f"sync.bufferSize={cap}"]
+    cfg, _ = load_config(None, overrides, base={"lora": {"rank": rank, "targetModules": targets}})
+    if trainer.kind == "megatron":
+        from kora_trainer.backends.megatron.sync import MegatronWeightSender
+
+        return MegatronWeightSender(trainer.model, trainer.layout, cfg, transport, verify=verify)
+    from kora_trainer.sync.sender import WeightSender
+
+    return WeightSender(trainer.model, cfg, transport, verify=verify)
+
+
+# ---- the run ------------------------------------------------------------------------------------------------
+
+def run(args: argparse.Namespace, res: dict[str, Any], save: Any) -> None:
+    cuda = not args.cpu_smoke
+    dims = gs.TINY if args.cpu_smoke else gs.QWEN3_4B
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(0)
+    res.update({"bench": "gpu_sync_colocated", "trainer": args.trainer,
+                "model": "tiny (cpu smoke)" if args.cpu_smoke else "qwen3-4b-shaped (random)", "dims": dims,
+                "rank": args.rank, "alpha": args.alpha, "targets": ["linear_qkv", "linear_proj"],
+                "bucket_cap_mib": args.cap_mib, "reps": args.reps, "b_scale": args.b_scale, "errors": {}})
+    res.update(gs.versions())
+    model_dir = gs.write_model_dir(Path(args.workdir) / "model", dims)
+    t0 = time.perf_counter()
+    engine = Engine({"device": "cuda" if cuda else "cpu", "model_dir": str(model_dir)})
+    signal.signal(signal.SIGTERM, lambda *_: (engine.proc.terminate(), sys.exit(143)))  # `timeout` ends both
+    st: dict[str, Any] = {}  # the plan's objects (mapped engine memory among them): dropped before the engine stops
+    try:
+        _run(args, res, save, engine, st, device, dims, model_dir, t0)
+    finally:
+        st.clear()
+        if cuda:
+            torch.cuda.synchronize()
+        engine.stop()
+
+
+def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engine, st: dict[str, Any],
+         device: torch.device, dims: dict[str, Any], model_dir: Path, t0: float) -> None:
+    from kora_trainer.rollout.client import EngineClient
+    from kora_trainer.sync import fast
+    from kora_trainer.sync.serialize import deserialize_payload, serialize_named_tensors
+    from kora_trainer.sync.transport import ColocatedTransport, packed_views
+
+    cuda = device.type == "cuda"
+    reps, cap = args.reps, args.cap_mib * MIB
+    trainer = gs.Trainer(args.trainer, dims, args.rank, args.alpha, device)
+    with torch.no_grad():  # a stronger adapter than gpu_sync.py's, so the serving checks can tell it apart
+        for p in trainer.params:
+            if p.shape[1] == args.rank:
+                p.mul_(args.b_scale)
+    res["trainer_build_s"] = round(time.perf_counter() - t0, 1)
+    engine.info = engine.wait("ready", timeout=600)
+    res["engine_build_s"] = round(engine.info["build_s"], 1)
+    client = EngineClient(engine.info["url"], timeout=600)
+    client.wait_healthy(120)
+    fold_kw = dict(block_m=args.block_m, block_n=args.block_n, num_warps=args.num_warps, streams=args.fold_streams)
+
+    def phase(name: str, fn: Any) -> None:
+        t = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            res["errors"][name] = traceback.format_exc()[-3000:]
+            print(f"[{name}] FAILED\n{res['errors'][name]}", flush=True)
+        res.setdefault("phase_s", {})[name] = round(time.perf_counter() - t, 1)
+        print(f"[{name}] {res['phase_s'][name]} s", flush=True)
+        save()
+
+    noise = torch.randn(trainer.flat.shape, device=device, dtype=trainer.flat.dtype) * 1e-3
+
+    def step() -> None:  # "the optimizer step": the adapter moves; then the trainer's stream is done
+        with torch.no_grad():
+            trainer.flat.add_(noise)
+        sync_dev(device)
+
+    # ---- plan: map the engine's weights and adapter ring once ----------------------------------------------
+    def plan() -> None:
+        t = time.perf_counter()
+        st["merged"] = trainer.merge_entries(True)
+        st["base"] = trainer.merge_entries(False)
+        groups = [[n for n, _ in e.outs] for e in st["merged"] if isinstance(e, fast.FoldEntry) and len(e.outs) > 1]
+        engine.call("fuse", groups=groups)
+        exp = engine.call("export")
+        st["dst"] = dict(deserialize_payload(exp["payload"]))
+        st["merge"] = fast.ColocatedMerge(st["merged"], st["dst"], fold_kw, args.copy_streams)
+        st["basepush"] = fast.ColocatedMerge(st["base"], st["dst"], fold_kw, args.copy_streams)
+        st["merge"].prepare()
+        st["basepush"].prepare()
+        m = st["merge"]
+        res["model_bytes"] = m.nbytes
+        res["engine_param_bytes"] = exp["bytes"]
+        res["merge_plan"] = {"fused_qkv_groups": len(groups), "adapted_tensors": len(m.fold.items),
+                             "adapted_bytes": m.adapted_bytes, "frozen_copy_tensors": len(m.copies.pairs),
+                             "frozen_rowmapped": len(m.frozen.items), "scratch_fallbacks": m.scratch_entries,
+                             "payload_chars": len(exp["payload"])}
+        pack = st["pack"] = fast.AdapterPack(trainer.params, trainer.adapter_specs(), cap)
+        st["config"] = trainer.peft_config()
+        ring = engine.call("ring", metadata=pack.metadata, scaling=trainer.scaling, config=st["config"], slots=3)
+        st["slots"] = deserialize_payload(ring["payload"])
+        res["adapter_bytes"] = pack.out.numel() * pack.out.element_size()
+        res["adapter_params"] = trainer.flat.numel()
+        res["adapter_tensors"] = len(pack.names)
+        res["plan_s"] = round(time.perf_counter() - t, 2)
+        rt = []
+        for _ in range(reps + 5):
+            t = time.perf_counter()
+            engine.fast_call("ping")
+            rt.append((time.perf_counter() - t) * 1e3)
+        res["pipe_roundtrip_ms"] = med(rt[5:])
+        rt = []
+        for i in range(reps + 3):
+            t = time.perf_counter()
+            client.update_weight_version(f"rtt{i}")
+            rt.append((time.perf_counter() - t) * 1e3)
+        res["http_roundtrip_ms"] = med(rt[3:])  # one /update_weight_version call (requests + aiohttp, localhost)
+
+    phase("plan", plan)
+    if "slots" not in st:
+        return
+
+    # ---- anchors: one device copy of the same bytes ---------------------------------------------------------
+    def anchors() -> None:
+        n = res["model_bytes"]
+        an = res["adapter_bytes"]
+        if not cuda:
+            return
+        b = {"src": torch.empty(an, dtype=torch.uint8, device=device).random_(0, 255)}
+        b["dst"] = torch.empty_like(b["src"])
+        res["adapter_copy_ms"] = gs.event_ms(lambda: b["dst"].copy_(b["src"]), reps)
+        slot = st["slots"][0]
+        res["adapter_copy_into_engine_ms"] = gs.event_ms(lambda: slot[:an].copy_(b["src"]), reps)
+
+        def copy_ack() -> None:
+            slot[:an].copy_(b["src"])
+            sync_dev(device)
+            engine.fast_call("ping")
+
+        res["adapter_copy_ack_ms"], _ = gs.wall_ms(copy_ack, reps, device)
+        b["src"] = torch.empty(n, dtype=torch.uint8, device=device)
+        b["dst"] = torch.empty(n, dtype=torch.uint8, device=device)
+        res["copy_ms"] = gs.event_ms(lambda: b["dst"].copy_(b["src"]), reps)
+        res["copy_tbps"] = 2 * n / (res["copy_ms"] / 1e3) / 1e12
+        b.clear()
+        torch.cuda.empty_cache()
+        # a write into the engine's memory costs what a local one does (same GPU, mapped once)
+        emb = max(st["dst"].items(), key=lambda kv: kv[1].numel())
+        local = torch.empty_like(emb[1])
+        srcw = torch.empty_like(emb[1])
+        res["copy_largest_local_ms"] = gs.event_ms(lambda: local.copy_(srcw), reps)
+        res["copy_largest_into_engine_ms"] = gs.event_ms(lambda: emb[1].copy_(srcw), reps)
+        res["copy_largest_tensor"] = [emb[0], emb[1].numel() * emb[1].element_size()]
+
+    phase("anchors", anchors)
+
+    # ---- the base onto the engine (Adapter mode's first sync), fast path: a full copy-only push ---------------
+    def base_push() -> None:
+        bp = st["basepush"]
+        times = []
+        for i in range(max(3, reps // 2) + 1):
+            sync_dev(device)
+            t = time.perf_counter()
+            bp.push(True)
+            sync_dev(device)
+            engine.fast_call("version", version=f"base{i}")
+            times.append((time.perf_counter() - t) * 1e3)
+        res["base_sync_ms"] = med(times[1:])
+        if cuda:
+            res["base_write_gpu_ms"] = gs.event_ms(lambda: bp.push(True), reps)
+        names = layer0_names(st["base"])
+        got = engine.call("get", names=names)["tensors"]
+        want = expected_hf(st["base"], names)
+        res["base_engine_equal"] = all(torch.equal(got[n], want[n]) for n in names)
+        res["base_checked"] = names
+
+    phase("base_push", base_push)
+
+    # ---- (a) adapter push, fast path ------------------------------------------------------------------------
+    pack, slots = st["pack"], st["slots"]
+    counter = {"v": 0, "slot": 0}
+
+    def fast_adapter(http_label: Any = None) -> float:
+        step()
+        counter["v"] += 1
+        k = counter["slot"]
+        counter["slot"] = (k + 1) % len(slots)
+        t = time.perf_counter()
+        pack.pack_into(slots[k])
+        sync_dev(device)
+        engine.fast_call("adapter", slot=k, version=counter["v"])
+        if http_label is not None:
+            http_label.update_weight_version(str(counter["v"]))
+        return (time.perf_counter() - t) * 1e3
+
+    def adapter_fast() -> None:
+        times = [fast_adapter() for _ in range(reps + 2)][2:]
+        res["adapter_push_ms"] = med(times)
+        res["adapter_push_all_ms"] = times
+        times = [fast_adapter(client) for _ in range(reps + 2)][2:]
+        res["adapter_push_with_http_version_ms"] = med(times)  # + the /update_weight_version call
+        if cuda:
+            res["adapter_pack_into_engine_gpu_ms"] = gs.event_ms(lambda: pack.pack_into(slots[0]), reps)
+            res["adapter_push_vs_copy"] = res["adapter_push_ms"] / res["adapter_copy_ms"]
+            res["adapter_push_vs_copy_ack"] = res["adapter_push_ms"] / res["adapter_copy_ack_ms"]
+        fast_adapter()  # leave the engine on a slot the timing loop above did not re-write afterwards
+
+    phase("adapter_push", adapter_fast)
+
+    # ---- serving check: the engine serves the pushed adapter ------------------------------------------------
+    def serving() -> None:
+        prompts = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14], [1, 9, 8, 7, 6, 5], [1, 3, 3, 4, 10, 11, 12, 13]]
+        outs = client.generate(prompts, {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True},
+                               lora_path=POLICY)
+        seqs = st["seqs"] = [p + list(o.output_ids) for p, o in zip(prompts, outs, strict=True)]
+        res["serving_weight_version"] = outs[0].weight_version
+        e_on, e_off = engine_scores(client, seqs, POLICY), engine_scores(client, seqs, None)
+        t_on, t_off = trainer_scores(trainer, seqs, device, True), trainer_scores(trainer, seqs, device, False)
+        st["e_on_fast"] = e_on
+        gap_on, gap_off = max_gap(e_on, t_on), max_gap(e_off, t_off)
+        effect = max_gap(t_on, t_off)
+        tol = 2 * gap_off + 0.05
+        res["serving"] = {
+            "tokens_scored": sum(len(s) for s in t_on),
+            "adapter_engine_vs_trainer": gap_on, "base_engine_vs_trainer": gap_off,
+            "adapter_effect_trainer": effect, "adapter_effect_engine": max_gap(e_on, e_off),
+            "tolerance": tol, "rule": "adapter gap <= 2 x base gap (bf16 kernels, base bytes identical) + 0.05",
+            "pass": gap_on <= tol, "discriminative": effect > 2 * tol}
+
+    phase("serving_check", serving)
+
+    # ---- (a') today's HTTP path: MegatronWeightSender + ColocatedTransport (/load_lora_adapter_from_tensors) --
+    def adapter_http() -> None:
+        transport = ColocatedTransport([client])
+        sender = sender_for(trainer, "Adapter", model_dir, cap, transport, args.rank, args.alpha)
+        sender._base_pushed = True  # the base is on the engine already (fast base push above)
+        rep = sender.sync(1000)  # the same policy as the fast path's last push
+        assert rep.pushed, rep
+        if "seqs" in st:
+            gap = max_gap(engine_scores(client, st["seqs"], POLICY), st["e_on_fast"])
+            res.setdefault("serving", {})["http_vs_fast_adapter_logprobs"] = gap  # same bytes: expect 0
+        ms, wall = [], []
+        for i in range(max(3, reps // 2)):
+            step()
+            t = time.perf_counter()
+            rep = sender.sync(1001 + i)
+            wall.append((time.perf_counter() - t) * 1e3)
+            ms.append(rep.ms)
+        res["adapter_push_http_ms"] = med(ms)  # SyncReport.ms: the sender's own hashing excluded
+        res["adapter_push_http_wall_ms"] = med(wall)
+        res["adapter_push_http_all_ms"] = ms
+        # where it goes: the same steps by hand
+        src = sender.adapter_source()
+        parts: dict[str, list[float]] = {}
+
+        def timed(key: str, fn: Any) -> Any:
+            t = time.perf_counter()
+            out = fn()
+            sync_dev(device)
+            parts.setdefault(key, []).append((time.perf_counter() - t) * 1e3)
+            return out
+
+        delta = sender.tracker
+        for i in range(3):
+            step()
+            named_live = timed("delta_skip_per_tensor", lambda: delta.local_max_delta(sender.adapter_named()))
+            del named_live
+            tensors = timed("export_hf_adapter", lambda: src.get(src.names))
+            named = [(n, tensors[n]) for n in src.names]
+            copies = timed("packed_views_copy", lambda named=named: packed_views(named))
+            payload = timed("serialize", lambda copies=copies: serialize_named_tensors(copies))
+            timed("http_unload", lambda: client.unload_lora_adapter(POLICY))
+            timed("http_load_from_tensors", lambda payload=payload: client.load_lora_adapter_from_tensors(
+                POLICY, st["config"], payload))
+            timed("http_update_weight_version", lambda i=i: client.update_weight_version(f"h{i}"))
+            probe = serialize_named_tensors(copies)
+            for k, v in engine.call("probe", payload=probe)["times"].items():
+                parts.setdefault(f"engine_{k}", []).append(v)
+            del copies, payload, probe
+        res["adapter_push_http_breakdown_ms"] = {k: round(med(v), 3) for k, v in parts.items()}
+        # the same route with the trainer side minimal: the one-gather buffer (no re-export, no extra copy),
+        # serialised per push (a cached payload would reuse torch's IPC ref-counter slot: unsafe)
+        pack.pack()
+        views, off = [], 0
+        for name, shape in zip(pack.names, pack.shapes, strict=True):
+            n = shape[0] * shape[1]
+            views.append((name, pack.out[off:off + n].view(shape)))
+            off += n
+        for on in (True, False):
+            engine.call("checksum", on=on)
+            times = []
+            for i in range(max(3, reps // 2) + 1):
+                step()
+                t = time.perf_counter()
+                pack.pack()
+                sync_dev(device)
+                payload = serialize_named_tensors(views)
+                client.unload_lora_adapter(POLICY)
+                client.load_lora_adapter_from_tensors(POLICY, st["config"], payload)
+                client.update_weight_version(f"g{i}")
+                times.append((time.perf_counter() - t) * 1e3)
+            key = "adapter_push_http_gathered_ms" if on else "adapter_push_http_gathered_no_checksum_ms"
+            res[key] = med(times[1:])
+        engine.call("checksum", on=True)
+
+    phase("adapter_push_http", adapter_http)
+
+    # ---- (b) Merge: fast colocated full / incremental sync ------------------------------------------------------
+    merge = st["merge"]
+
+    def merge_fast() -> None:
+        for full, key in ((True, "merge_sync_ms"), (False, "merge_sync_incremental_ms")):
+            times = []
+            for i in range(reps + 2):
+                step()
+                t = time.perf_counter()
+                merge.push(full)
+                sync_dev(device)
+                engine.fast_call("version", version=f"m{i}")
+                times.append((time.perf_counter() - t) * 1e3)
+            res[key] = med(times[2:])
+            res[key.replace("_ms", "_all_ms")] = times[2:]
+        if cuda:
+            res["merge_write_gpu_ms"] = gs.event_ms(lambda: merge.push(True), reps)
+            res["merge_fold_gpu_ms"] = gs.event_ms(lambda: merge.push(False), reps)
+            res["merge_frozen_gpu_ms"] = gs.event_ms(lambda: (merge.frozen(), merge.copies()), reps)
+            res["merge_write_serial_gpu_ms"] = gs.event_ms(lambda: (merge.frozen(), merge.copies(), merge.fold()),
+                                                           reps)  # the same work without the side stream
+            res["merge_sync_vs_copy"] = res["merge_sync_ms"] / res["copy_ms"]
+            res["merge_sync_incremental_vs_copy"] = res["merge_sync_incremental_ms"] / res["copy_ms"]
+            res["merge_write_tbps"] = 2 * merge.nbytes / (res["merge_write_gpu_ms"] / 1e3) / 1e12
+            res["merge_write_gpu_vs_copy"] = res["merge_write_gpu_ms"] / res["copy_ms"]
+        merge.push(True)
+        sync_dev(device)
+        engine.fast_call("version", version="merged")
+        names = layer0_names(st["merged"])
+        got = engine.call("get", names=names)["tensors"]
+        want = expected_hf(st["merged"], names)
+        st["merged_got"] = got
+        res["merge_engine_equal_fraction"] = {n.split(".")[-2]: float((got[n] == want[n]).float().mean())
+                                              for n in names}
+        res["merge_engine_max_abs"] = max(float((got[n].float() - want[n].float()).abs().max()) for n in names)
+        if "seqs" in st:
+            e = engine_scores(client, st["seqs"], None)
+            st["e_merged_fast"] = e
+            gap = max_gap(e, trainer_scores(trainer, st["seqs"], device))
+            res.setdefault("serving", {})["merged_engine_vs_trainer"] = gap
+
+    phase("merge_sync", merge_fast)
+
+    # ---- (b') today's HTTP path for Merge: /update_weights_from_tensor per bucket -----------------------------
+    def merge_http() -> None:
+        transport = ColocatedTransport([client])
+        sender = sender_for(trainer, "Merge", model_dir, cap, transport, args.rank, args.alpha)
+        t = time.perf_counter()
+        rep = sender.sync(2000)  # same policy as the fast path's last push; engine + sender checksums on
+        res["merge_sync_http_wall_ms"] = (time.perf_counter() - t) * 1e3
+        res["merge_sync_http_ms"] = rep.ms
+        res["merge_sync_http_buckets"] = rep.buckets
+        got = engine.call("get", names=list(st.get("merged_got", {})))["tensors"]
+        if got:
+            res["merge_http_vs_fast_equal_fraction"] = min(float((got[n] == st["merged_got"][n]).float().mean())
+                                                           for n in got)
+        if "e_merged_fast" in st:
+            gap = max_gap(engine_scores(client, st["seqs"], None), st["e_merged_fast"])
+            res.setdefault("serving", {})["merged_http_vs_fast_logprobs"] = gap
+        engine.call("checksum", on=False)
+        sender.verify = False
+        ms, wall = [], []
+        for i in range(args.http_merge_reps):
+            step()
+            t = time.perf_counter()
+            rep = sender.sync(2001 + i)
+            wall.append((time.perf_counter() - t) * 1e3)
+            ms.append(rep.ms)
+        engine.call("checksum", on=True)
+        if ms:
+            res["merge_sync_http_no_checksum_ms"] = med(ms)
+            res["merge_sync_http_no_checksum_all_ms"] = ms
+
+    if not args.no_http_merge:
+        phase("merge_sync_http", merge_http)
+
+    # ---- (d) delta-skip ------------------------------------------------------------------------------------------
+    def delta_skip() -> None:
+        delta = fast.FlatDelta(trainer.flat)
+        delta.mark_pushed(trainer.flat)
+        step()
+        times = []
+        for _ in range(reps + 2):
+            sync_dev(device)
+            t = time.perf_counter()
+            push, value = delta.should_push(trainer.flat, 1e-6, None)
+            times.append((time.perf_counter() - t) * 1e3)
+        res["delta_skip_ms"] = med(times[2:])
+        res["delta_skip_decision"] = {"push": push, "max_delta": value}
+        delta.mark_pushed(trainer.flat)
+        res["delta_skip_unchanged"] = delta.should_push(trainer.flat, 1e-6, None)
+
+    phase("delta_skip", delta_skip)
+    client.close()
+
+    def verdict(key: str, bound: float, what: str) -> str:
+        v = res.get(key)
+        return f"not measured ({what})" if v is None else f"{'met' if v <= bound else 'missed'}: {v:.3g} ({what})"
+
+    res["targets"] = {
+        "adapter push <= 5 ms end to end": verdict("adapter_push_ms", 5.0, "fast path, pipe notify"),
+        "adapter push <= 5 ms, with an HTTP version call": verdict("adapter_push_with_http_version_ms", 5.0,
+                                                                   "fast path + /update_weight_version"),
+        "adapter push <= 5 ms, today's HTTP path": verdict("adapter_push_http_ms", 5.0, "MegatronWeightSender"),
+        "merge_sync_vs_copy <= 1.1": verdict("merge_sync_vs_copy", 1.1, "full push, wall incl. ack, vs one copy"),
+        "delta_skip_ms <= 1": verdict("delta_skip_ms", 1.0, "one trainer rank: no collective"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--trainer", choices=["megatron", "hf"], default="megatron")
+    ap.add_argument("--rank", type=int, default=32)
+    ap.add_argument("--alpha", type=float, default=64.0)
+    ap.add_argument("--b-scale", type=float, default=5.0, help="lora_B = N(0, 0.01·b_scale): a visible adapter")
+    ap.add_argument("--cap-mib", type=int, default=512, help="sync.bufferSize in MiB (the HTTP path's buckets)")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--http-merge-reps", type=int, default=2)
+    ap.add_argument("--no-http-merge", action="store_true")
+    ap.add_argument("--block-m", type=int, default=64)
+    ap.add_argument("--block-n", type=int, default=128)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--fold-streams", type=int, default=8)
+    ap.add_argument("--copy-streams", type=int, default=4)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--workdir", default="/tmp/kora-gpu-sync-colocated")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    res: dict[str, Any] = {"command": "python bench/gpu_sync_colocated.py " + " ".join(sys.argv[1:]),
+                           "date": time.strftime("%Y-%m-%d")}
+
+    def save() -> None:
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2, default=str))
+
+    try:
+        run(args, res, save)
+    except Exception:
+        res.setdefault("errors", {})["run"] = traceback.format_exc()[-3000:]
+        print(res["errors"]["run"], flush=True)
+    save()
+    print(json.dumps(res, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()
