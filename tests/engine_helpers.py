@@ -12,6 +12,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -161,3 +162,29 @@ def engine_vs_reference(client: EngineClient, reference: torch.nn.Module, lora_p
         ref = reference_logprobs(reference, prompt, out.output_ids)
         worst = max(worst, max(abs(a - b) for a, b in zip(out.output_logprobs, ref, strict=True)))
     return worst
+
+
+def trained_policy(model_dir: Path, mode: str, seed: int, cap: int | str,
+                   targets: str = "[linear_qkv, linear_proj, linear_fc1, linear_fc2]") -> Any:
+    """A TorchBackend on the tiny model with a trained-looking adapter (B != 0), ready to sync."""
+    from kora_trainer.backends.torch_backend import TorchBackend
+    from kora_trainer.config import load_config
+
+    cfg, _ = load_config(None, [f"model.path={model_dir}", "data.path=unused.parquet", "lora.rank=4",
+                                "lora.alpha=8", f"lora.syncMode={mode}", f"sync.bufferSize={cap}",
+                                f"lora.targetModules={targets}"])
+    b = TorchBackend(cfg, device="cpu", threads=1)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in b.params:
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    return b
+
+
+def logprob_gap(client: EngineClient, b: Any, lora_path: str | None) -> float:
+    """Largest |engine − trainer| log-prob over greedy continuations of the fixed prompts."""
+    outs = client.generate(PROMPTS, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                           lora_path=lora_path)
+    ours = b.logprobs(PROMPTS, [o.output_ids for o in outs])
+    return max(abs(x - y) for o, mine in zip(outs, ours, strict=True)
+               for x, y in zip(o.output_logprobs, mine, strict=True))

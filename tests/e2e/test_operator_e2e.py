@@ -70,14 +70,6 @@ def cluster(tmp_path_factory):
         yield c
 
 
-@pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
-    from kora_trainer.toy import make_toy
-
-    out = tmp_path_factory.mktemp("toy") / "toy"
-    make_toy(out, target=0.0)  # untrained: the pipeline is under test
-    return out
-
 
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):

@@ -3,7 +3,7 @@ real gloo / in-memory weight sync, the control plane polled over HTTP while the 
 toy made in a temp dir (no pretraining: this checks the pipeline, not the learning curve — the full toy
 curves are measured by the command in trainer/examples/toy.yaml), scored by a custom reward (toy_rewards.py).
 
-The launch helpers here (`TrainRun`, `train_command`, the `toy_dir` fixture) are shared with the other
+The launch helpers here (`TrainRun`, `train_command`) are shared with the other
 e2e tests of the trainer (test_resume.py, test_export.py)."""
 
 from __future__ import annotations
@@ -32,14 +32,6 @@ TIMEOUT_S = 420
 TINY = ["algorithm.rolloutBatchSize=8", "algorithm.nSamplesPerPrompt=4", "algorithm.globalBatchSize=16",
         "sync.bufferSize=256Ki", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit"]
 
-
-@pytest.fixture(scope="module")
-def toy_dir(tmp_path_factory):
-    from kora_trainer.toy import make_toy
-
-    out = tmp_path_factory.mktemp("toy") / "toy"
-    make_toy(out, target=0.0)  # untrained: the pipeline is under test here
-    return out
 
 
 def poll_status(port: int, token: str) -> dict | None:

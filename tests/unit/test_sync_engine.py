@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import ATOL, PROMPTS, start_engine, stop_engine
+from engine_helpers import ATOL, PROMPTS, logprob_gap, start_engine, stop_engine, trained_policy
 from kora_trainer.backends.torch_backend import TorchBackend
-from kora_trainer.config import load_config
 from kora_trainer.lora import adapter_tensors, base_state, folded_state
 from kora_trainer.sync.protocol import checksum, plan_buckets
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender, colocated_buckets
@@ -38,24 +37,10 @@ def engine(model_dir, tmp_path_factory):
 
 
 def policy(model_dir, mode: str, seed: int, cap: int = CAP) -> TorchBackend:
-    cfg, _ = load_config(None, [f"model.path={model_dir}", "data.path=unused.parquet", "lora.rank=4",
-                                "lora.alpha=8", f"lora.syncMode={mode}", f"sync.bufferSize={cap}",
-                                "lora.targetModules=[linear_qkv, linear_proj, linear_fc1, linear_fc2]"])
-    b = TorchBackend(cfg, device="cpu", threads=1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in b.params:  # a trained-looking adapter: B != 0
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return b
+    return trained_policy(model_dir, mode, seed, cap)
 
 
-def gap(client, b: TorchBackend, lora_path: str | None) -> float:
-    """Largest |engine − trainer| log-prob over greedy continuations of the fixed prompts."""
-    outs = client.generate(PROMPTS, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-                           lora_path=lora_path)
-    ours = b.logprobs(PROMPTS, [o.output_ids for o in outs])
-    return max(abs(x - y) for o, mine in zip(outs, ours, strict=True)
-               for x, y in zip(o.output_logprobs, mine, strict=True))
+gap = logprob_gap
 
 
 def served_version(client, lora_path: str | None) -> str | None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import ATOL, PROMPTS, start_engine, stop_engine
-from kora_trainer.backends.torch_backend import TorchBackend
-from kora_trainer.config import load_config
+from engine_helpers import ATOL, logprob_gap, start_engine, stop_engine, trained_policy
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
 from tinymodel import make_tiny_model
@@ -37,29 +35,9 @@ def engines(model_dir, tmp_path_factory):
             stop_engine(p)
 
 
-def trained_policy(model_dir, mode: str, seed: int) -> TorchBackend:
-    cfg, _ = load_config(None, [f"model.path={model_dir}", "data.path=unused.parquet", "lora.rank=4",
-                                "lora.alpha=8", f"lora.syncMode={mode}", "sync.bufferSize=24Ki",
-                                "lora.targetModules=[linear_qkv, linear_proj]"])
-    b = TorchBackend(cfg, device="cpu", threads=1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in b.params:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    return b
-
-
-def engine_gap(client, b: TorchBackend, lora_path: str | None) -> float:
-    outs = client.generate(PROMPTS, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-                           lora_path=lora_path)
-    ours = b.logprobs(PROMPTS, [o.output_ids for o in outs])
-    return max(abs(x - y) for o, mine in zip(outs, ours, strict=True)
-               for x, y in zip(o.output_logprobs, mine, strict=True))
-
-
 @pytest.mark.parametrize(("mode", "seed"), [("Merge", 21), ("Adapter", 22), ("EngineMerge", 23)])
 def test_one_group_feeds_both_engines(engines, model_dir, mode, seed):
-    b = trained_policy(model_dir, mode, seed)
+    b = trained_policy(model_dir, mode, seed, "24Ki", "[linear_qkv, linear_proj]")
     lora_path = POLICY_ADAPTER if mode == "Adapter" else None
     clients = [e.client() for e in engines]
     transport = DistributedTransport.connect(clients, backend="gloo")
@@ -73,13 +51,13 @@ def test_one_group_feeds_both_engines(engines, model_dir, mode, seed):
         assert report.pushed and report.buckets == len(broadcasts)  # each bucket crossed the group once
         assert sum(broadcasts) == report.bytes  # ... and the bytes were not sent twice for two engines
         for c in clients:
-            assert engine_gap(c, b, lora_path) < ATOL
+            assert logprob_gap(c, b, lora_path) < ATOL
         with torch.no_grad():
             for p in b.params:
                 p.add_(0.05)
-        assert all(engine_gap(c, b, lora_path) > 1e-2 for c in clients)  # stale on both until the next sync
+        assert all(logprob_gap(c, b, lora_path) > 1e-2 for c in clients)  # stale on both until the next sync
         sender.sync(version=2)
-        assert all(engine_gap(c, b, lora_path) < ATOL for c in clients)
+        assert all(logprob_gap(c, b, lora_path) < ATOL for c in clients)
     finally:
         sender.close()
         for c in clients:

@@ -33,7 +33,7 @@ from kora_trainer.lora import adapter_tensors, peft_config_dict
 from kora_trainer.rollout.client import EngineClient, EngineError, applied_checksum
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.group import WeightUpdateGroup
-from kora_trainer.sync.protocol import FLAT, Bucket, plan_buckets
+from kora_trainer.sync.protocol import FLAT, Bucket, plan_buckets, tensor_digest
 from kora_trainer.sync.protocol import checksum as protocol_checksum
 from kora_trainer.sync.sources import Source, adapter_source, base_source, merged_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
@@ -73,8 +73,7 @@ class RunningChecksum:
 
     def add(self, name: str, t: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        self._h.update(name.encode())
-        self._h.update(t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes())
+        self._h.update(tensor_digest(name, t))
         self.seconds += time.perf_counter() - t0
 
     def timed(self, fn: Any) -> Any:
