@@ -1,5 +1,5 @@
-"""HF <-> Megatron-core tensor layouts and names for Qwen3-style dense models. Pure torch: no megatron import,
-so the layout logic is tested on CPU and shared by weight loading, sync and export.
+"""HF <-> Megatron-core tensor layouts and names for Qwen3-style dense and MoE models. Pure torch: no megatron
+import, so the layout logic is tested on CPU and shared by weight loading, sync and export.
 
 Megatron fuses what HF keeps apart, and tensor parallelism (TP) shards the fused tensors:
 
@@ -14,6 +14,17 @@ Megatron fuses what HF keeps apart, and tensor parallelism (TP) shards the fused
 | `embedding.word_embeddings.weight` [V, H]             | `model.embed_tokens.weight`        | COLUMN  |
 | `decoder.final_layernorm.weight`                      | `model.norm.weight`                | REPL    |
 | `output_layer.weight` [V, H] (absent when tied)       | `lm_head.weight`                   | COLUMN  |
+
+Qwen3-MoE layers (`Layout.moe_layers`; see moe.py) replace `mlp.linear_fc{1,2}` by the router and the experts
+(HF names as a Qwen3-MoE checkpoint stores them, one module per expert; transformers 5 fuses them in memory
+into `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I], which `moe.unfuse_hf_experts`
+splits back):
+
+| megatron parameter (per MoE layer)                          | HF                                    | kind |
+| ---                                                         | ---                                   | ---  |
+| `mlp.router.weight` [E, H]                                  | `mlp.gate.weight`                     | REPL |
+| `mlp.experts.local_experts.{e}.linear_fc1.weight` [2I, H]   | `mlp.experts.{e}.{gate,up}_proj.weight` | FC1 |
+| `mlp.experts.local_experts.{e}.linear_fc2.weight` [H, I]    | `mlp.experts.{e}.down_proj.weight`    | ROW  |
 
 - QKV: rows grouped per KV group g: [q heads of g (h/ng·d rows), k_g (d rows), v_g (d rows)], groups in
   order (megatron `SelfAttention.get_query_key_value_tensors`). TP rank t holds groups [t·ng/tp, (t+1)·ng/tp),
@@ -52,19 +63,34 @@ class Layout:
     head_dim: int
     tied: bool = False
     qkv_bias: bool = False
+    num_experts: int = 0  # Qwen3-MoE: experts per MoE layer (0: dense model)
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the routed experts (the rest are dense MLPs)
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
 
 
+def moe_layer_indices(cfg: Any) -> tuple[int, ...]:
+    """The layers of an HF Qwen3-MoE config whose MLP is sparse (HF's rule: not in `mlp_only_layers`, and
+    `(i + 1) % decoder_sparse_step == 0`); () for a dense config."""
+    experts = int(getattr(cfg, "num_experts", 0) or 0)
+    if experts <= 0:
+        return ()
+    dense = set(getattr(cfg, "mlp_only_layers", None) or ())
+    step = int(getattr(cfg, "decoder_sparse_step", 1) or 1)
+    return tuple(i for i in range(cfg.num_hidden_layers) if i not in dense and (i + 1) % step == 0)
+
+
 def layout_from_hf_config(cfg: Any) -> Layout:
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    moe_layers = moe_layer_indices(cfg)
     return Layout(num_layers=cfg.num_hidden_layers, num_heads=heads,
                   num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads, head_dim=head_dim,
                   tied=bool(getattr(cfg, "tie_word_embeddings", False)),
-                  qkv_bias=bool(getattr(cfg, "attention_bias", False)))
+                  qkv_bias=bool(getattr(cfg, "attention_bias", False)),
+                  num_experts=int(getattr(cfg, "num_experts", 0) or 0) if moe_layers else 0, moe_layers=moe_layers)
 
 
 @dataclass(frozen=True)
@@ -94,10 +120,28 @@ def _layer_maps(i: int, layout: Layout, flavour: str) -> list[ParamMap]:
         ParamMap(m + "self_attention.k_layernorm.weight", (h + "self_attn.k_norm.weight",), REPL),
     ]
     for module, (hf_parent, target, kind) in _LINEARS.items():
+        if i in layout.moe_layers and module.startswith("mlp."):
+            continue
         leaves = names[target]
         out.append(ParamMap(f"{m}{module}.weight", tuple(f"{h}{hf_parent}.{leaf}.weight" for leaf in leaves), kind))
         if kind == QKV and layout.qkv_bias:
             out.append(ParamMap(f"{m}{module}.bias", tuple(f"{h}{hf_parent}.{leaf}.bias" for leaf in leaves), kind))
+    if i in layout.moe_layers:
+        out += _moe_maps(i, layout, flavour)
+    return out
+
+
+def _moe_maps(i: int, layout: Layout, flavour: str) -> list[ParamMap]:
+    """A Qwen3-MoE layer's router and experts (megatron SequentialMLP, expert parallel size 1)."""
+    m, h = f"decoder.layers.{i}.mlp.", f"model.layers.{i}.mlp."
+    names = FLAVOURS[flavour]
+    (router,) = names[TargetModule.ROUTER]
+    out = [ParamMap(f"{m}router.weight", (f"{h}{router}.weight",), REPL)]
+    for e in range(layout.num_experts):
+        for leaf, target, kind in (("linear_fc1", TargetModule.LINEAR_FC1, FC1),
+                                   ("linear_fc2", TargetModule.LINEAR_FC2, ROW)):
+            out.append(ParamMap(f"{m}experts.local_experts.{e}.{leaf}.weight",
+                                tuple(f"{h}experts.{e}.{p}.weight" for p in names[target]), kind))
     return out
 
 
@@ -120,6 +164,8 @@ def adapter_modules(layout: Layout, targets: Sequence[TargetModule | str], flavo
     out: dict[str, tuple[tuple[str, ...], str]] = {}
     for i in range(layout.num_layers):
         for module, (hf_parent, target, kind) in _LINEARS.items():
+            if i in layout.moe_layers and module.startswith("mlp."):
+                continue  # the experts: moe.py names their LoRA (PEFT grouped layout)
             if target in wanted:
                 out[f"decoder.layers.{i}.{module}"] = (
                     tuple(f"model.layers.{i}.{hf_parent}.{leaf}" for leaf in names[target]), kind)

@@ -1,4 +1,4 @@
-"""A megatron-core GPTModel built from an HF config (Qwen3 dense) with the local layer spec, and HF weights in it.
+"""A megatron-core GPTModel built from an HF config (Qwen3, Qwen3-MoE) with the local layer spec, and HF weights in it.
 
 Local spec (`get_gpt_layer_local_spec`): ColumnParallelLinear / RowParallelLinear, torch RMSNorm,
 DotProductAttention — no TransformerEngine, no Apex. Qwen3 maps onto it as: RMSNorm everywhere
@@ -45,18 +45,22 @@ def rope_theta(cfg: Any) -> float:
 
 def check_supported(cfg: Any) -> None:
     model_type = getattr(cfg, "model_type", "")
-    if model_type not in ("qwen3", "qwen2", "llama"):
+    if model_type not in ("qwen3", "qwen2", "llama", "qwen3_moe"):
         raise NotImplementedError(f"model_type {model_type!r}: the megatron backend maps Qwen3 dense (and its "
-                                  "Llama-family relatives) so far; MoE configs are the next step of issue 7")
+                                  "Llama-family relatives) and Qwen3-MoE so far")
     if getattr(cfg, "hidden_act", "silu") != "silu":
         raise NotImplementedError(f"hidden_act {cfg.hidden_act!r}: only SwiGLU is mapped")
 
 
-def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: int = 1, init: bool = False) -> Any:
-    """megatron TransformerConfig for an HF Qwen3 config. `init`: megatron initialises the weights (random
-    models for benchmarks); otherwise they stay uninitialised until `load_hf_state`."""
+def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: int = 1, init: bool = False,
+                       moe_dispatcher: str = "alltoall") -> Any:
+    """megatron TransformerConfig for an HF Qwen3 (or Qwen3-MoE: moe.py) config. `init`: megatron initialises
+    the weights (random models for benchmarks); otherwise they stay uninitialised until `load_hf_state`.
+    `moe_dispatcher`: megatron's token dispatcher for MoE layers ("alltoall" or "allgather")."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
+
+    from kora_trainer.backends.megatron.moe import moe_config_kwargs
 
     check_supported(cfg)
     layout = layout_from_hf_config(cfg)
@@ -64,7 +68,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size, ffn_hidden_size=cfg.intermediate_size,
         num_attention_heads=layout.num_heads, num_query_groups=layout.num_kv_heads, kv_channels=layout.head_dim,
         normalization="RMSNorm", layernorm_epsilon=float(cfg.rms_norm_eps),
-        qk_layernorm=getattr(cfg, "model_type", "") == "qwen3",
+        qk_layernorm=getattr(cfg, "model_type", "") in ("qwen3", "qwen3_moe"),
         gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=layout.qkv_bias,
         hidden_dropout=0.0, attention_dropout=0.0,
         # the local spec runs without TransformerEngine / Apex: every fused kernel off
@@ -74,10 +78,12 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         tensor_model_parallel_size=tensor, sequence_parallel=False,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         perform_initialization=init,  # False: every base weight is loaded from the HF checkpoint
+        **moe_config_kwargs(cfg, tensor, moe_dispatcher),  # {} for a dense config
     )
 
 
-def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = False) -> Any:
+def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = False,
+                    moe_dispatcher: str = "alltoall") -> Any:
     """GPTModel on this process's GPU for the HF config `cfg` (weights uninitialised: `load_hf_state` next;
     `init=True`: megatron's random init, e.g. a Qwen3-4B-shaped model for bench/gpu_sync.py).
 
@@ -86,9 +92,14 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from kora_trainer.backends.megatron.moe import moe_block_spec
+
     _, tp = tp_rank_size()
-    config = transformer_config(cfg, dtype, tp, init)
-    spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    config = transformer_config(cfg, dtype, tp, init, moe_dispatcher)
+    if config.num_moe_experts:  # Qwen3-MoE: per-layer specs, SequentialMLP experts where HF has experts
+        spec = moe_block_spec(config)
+    else:
+        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings, pre_process=True, post_process=True,
@@ -122,7 +133,12 @@ def base_param_name(name: str) -> str | None:
 
 @torch.no_grad()
 def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], layout: Layout) -> None:
-    """Copy HF tensors into the model: fused QKV / gate-up layouts, this TP rank's shards. Strict both ways."""
+    """Copy HF tensors into the model: fused QKV / gate-up layouts, this TP rank's shards. Strict both ways.
+    MoE experts may come per expert (checkpoint names) or fused (transformers-5 in-memory `gate_up_proj`)."""
+    if layout.num_experts:
+        from kora_trainer.backends.megatron.moe import unfuse_hf_experts
+
+        state = unfuse_hf_experts(state)
     tp_rank, tp_size = tp_rank_size()
     maps = {pm.megatron: pm for pm in param_maps(layout)}
     if layout.tied:  # a tied checkpoint may still carry lm_head.weight; it is the embedding

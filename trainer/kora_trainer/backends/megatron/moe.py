@@ -1,0 +1,258 @@
+"""Qwen3-MoE on megatron-core: the MoE part of the TransformerConfig, the per-layer spec (local spec, megatron's
+SequentialMLP experts), and the fused <-> per-expert HF expert tensors. megatron-core is imported lazily.
+
+HF Qwen3-MoE (transformers 5, `Qwen3MoeSparseMoeBlock`) routes each token as
+    p = softmax(x·Wgᵀ) over all E experts (fp32);  top-k of p;  if norm_topk_prob: p_topk /= Σ p_topk
+and sums p_e · down_e(silu(gate_e x) * up_e x) over the k experts chosen; no shared expert, no bias.
+megatron's TopKRouter (`topk_routing_with_score_function`, score function softmax) gives the same:
+- norm_topk_prob = True  -> `moe_router_pre_softmax=False`: top-k of the logits, softmax over those k.
+  softmax is monotone, so the experts chosen are HF's, and exp(l_i)/Σ_topk exp(l_j) = p_i/Σ_topk p_j.
+- norm_topk_prob = False -> `moe_router_pre_softmax=True`: softmax over all E, top-k, no renormalisation.
+No load-balancing term touches the forward (`moe_router_load_balancing_type="none"`, aux / z-loss off, no
+input jitter), no token is dropped (`moe_expert_capacity_factor=None`), no expert bias, no score scaling.
+The router computes in the activation dtype (`moe_router_dtype=None`), as HF's `F.linear` does.
+
+Experts: `SequentialMLP` of megatron `MLP`s (ColumnParallelLinear / RowParallelLinear) — the only experts
+module the local (non-TransformerEngine) spec builds; GroupedMLP needs TE's grouped GEMM. Each expert's
+`linear_fc1` is [gate_e; up_e] (megatron's GLU: `chunk(2)`, silu on the first half — the same order as HF's
+fused `gate_up_proj[e]` rows), `linear_fc2` is down_e. Dense layers (`mlp_only_layers`,
+`decoder_sparse_step`) keep the dense MLP with `intermediate_size`; megatron's `moe_layer_freq` gets HF's
+pattern as an explicit list (its integer form counts from layer 0, HF's from layer 1).
+
+Expert LoRA (TP = 1, EP = 1): `apply_lora` with linear_fc1 / linear_fc2 wraps every expert's linears too (one
+(A, B) per expert; megatron's expert linears are plain Column/RowParallelLinear there). Exported in PEFT's
+grouped `target_parameters` layout on `mlp.experts.{gate_up_proj,down_proj}` (transformers 5's fused
+[E, out, in] expert tensors; peft's ParamWrapper): lora_A [E·r, in] = the experts' A stacked (rows
+expert-major), lora_B [out, r·E] with column j·E + e = column j of expert e's B (rank-major). Expert e's
+gate_up update is B_e·A_e on its [gate_e; up_e] rows: one A per expert is exact because HF fuses gate and up
+too. Merge mode needs nothing new (`hf_state(merged=True)` folds each expert's wrapper).
+
+Not yet: tensor / expert parallelism for the experts (raises), router LoRA, shared experts (Qwen2-MoE),
+GroupedMLP.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from kora_trainer.backends.megatron.convert import (
+    PEFT_PREFIX,
+    Layout,
+    adapter_from_hf,
+    adapter_modules,
+    adapter_to_hf,
+    moe_layer_indices,
+)
+
+MOE_MODEL_TYPES = ("qwen3_moe",)
+DISPATCHERS = ("alltoall", "allgather")
+
+_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def is_moe_config(cfg: Any) -> bool:
+    return getattr(cfg, "model_type", "") in MOE_MODEL_TYPES and bool(moe_layer_indices(cfg))
+
+
+def check_moe_supported(cfg: Any, tensor: int = 1) -> None:
+    if getattr(cfg, "shared_expert_intermediate_size", 0):
+        raise NotImplementedError("shared experts (Qwen2-MoE style) are not mapped onto megatron yet")
+    if tensor != 1:
+        raise NotImplementedError("Qwen3-MoE on megatron: tensor parallelism is not wired for the experts yet "
+                                  "(TP = 1, EP = 1 only)")
+    k, e = int(cfg.num_experts_per_tok), int(cfg.num_experts)
+    if not 0 < k <= e:
+        raise ValueError(f"num_experts_per_tok {k} with {e} experts")
+    if k == 1 and getattr(cfg, "norm_topk_prob", False):
+        # HF's weight is then exactly 1; megatron refuses a post-top-k softmax over one expert
+        raise NotImplementedError("num_experts_per_tok = 1 with norm_topk_prob is not mapped onto megatron")
+
+
+def moe_config_kwargs(cfg: Any, tensor: int = 1, dispatcher: str = "alltoall") -> dict[str, Any]:
+    """The TransformerConfig fields of an HF Qwen3-MoE config (an empty dict for a dense config)."""
+    if not is_moe_config(cfg):
+        return {}
+    check_moe_supported(cfg, tensor)
+    if dispatcher not in DISPATCHERS:
+        raise ValueError(f"moe dispatcher {dispatcher!r}: one of {DISPATCHERS}")
+    moe = set(moe_layer_indices(cfg))
+    return dict(
+        num_moe_experts=int(cfg.num_experts), moe_router_topk=int(cfg.num_experts_per_tok),
+        moe_ffn_hidden_size=int(cfg.moe_intermediate_size),
+        moe_layer_freq=[1 if i in moe else 0 for i in range(cfg.num_hidden_layers)],
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not bool(getattr(cfg, "norm_topk_prob", False)),
+        moe_router_topk_scaling_factor=None, moe_router_enable_expert_bias=False,
+        moe_router_num_groups=None, moe_router_group_topk=None, moe_router_dtype=None,
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None,
+        moe_input_jitter_eps=None, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
+        moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False, moe_permute_fusion=False,
+        moe_router_fusion=False, moe_shared_expert_intermediate_size=None,
+        expert_model_parallel_size=1,
+    )
+
+
+def moe_block_spec(config: Any) -> Any:
+    """TransformerBlockSubmodules: the dense local layer spec where `moe_layer_freq` is 0, the same spec with
+    `num_experts` (SequentialMLP experts, TopKRouter) where it is 1; the final norm the dense path gets."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    sparse = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                      qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    return TransformerBlockSubmodules(layer_specs=[sparse if f else dense for f in config.moe_layer_freq],
+                                      layer_norm=LayerNormImpl)
+
+
+def unfuse_hf_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers-5 in-memory expert tensors -> the per-expert checkpoint names param_maps uses:
+    `…mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) -> `…experts.{e}.{gate,up}_proj.weight`
+    [I, H]; `…mlp.experts.down_proj` [E, H, I] -> `…experts.{e}.down_proj.weight`. Other tensors pass through."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        m = _FUSED.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, which = m.groups()
+        if t.dim() != 3:
+            raise ValueError(f"{name}: expected a 3-D [E, …] expert tensor, got {tuple(t.shape)}")
+        for e in range(t.shape[0]):
+            if which == "gate_up_proj":
+                gate, up = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
+            else:
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
+    return out
+
+
+def fuse_hf_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of `unfuse_hf_experts`: per-expert names -> transformers-5's fused `gate_up_proj` / `down_proj`
+    (what `Qwen3MoeForCausalLM.load_state_dict` takes)."""
+    out: dict[str, torch.Tensor] = {}
+    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
+    for name, t in state.items():
+        m = _PER_EXPERT.match(name)
+        if m is None:
+            out[name] = t
+            continue
+        prefix, e, part = m.groups()
+        groups.setdefault(prefix, {}).setdefault(part, {})[int(e)] = t
+    for prefix, parts in groups.items():
+        n = len(parts["down_proj"])
+        if any(sorted(parts[p]) != list(range(n)) for p in ("gate_proj", "up_proj", "down_proj")):
+            raise KeyError(f"{prefix}: experts are not numbered 0..{n - 1} for every projection")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]], dim=0) for e in range(n)])
+        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
+    return out
+
+
+
+# ---- expert LoRA in PEFT's grouped layout ----------------------------------------------------------------
+
+# megatron expert linear -> transformers-5 fused expert parameter; PEFT target_parameters order (the LAST one is
+# PEFT's outer ParamWrapper on `mlp.experts`, each earlier one one `.base_layer` deeper)
+EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+
+
+def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int, str], list[Any]]:
+    """(MoE layer, fused HF parameter) -> the E expert LoRA wrappers, in expert order."""
+    from kora_trainer.backends.megatron.lora import lora_modules
+
+    mods = lora_modules(model)
+    out: dict[tuple[int, str], list[Any]] = {}
+    for i in layout.moe_layers:
+        for leaf, param in EXPERT_PARAMS.items():
+            ms = [mods.get(f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{leaf}")
+                  for e in range(layout.num_experts)]
+            if all(m is None for m in ms):
+                continue
+            if any(m is None for m in ms) or len({(m.rank, m.scaling) for m in ms}) != 1:
+                raise ValueError(f"layer {i} {leaf}: every expert needs a LoRA of the same rank and alpha")
+            if any(m.tp_size != 1 for m in ms):
+                raise NotImplementedError("expert LoRA under tensor parallelism is not wired yet")
+            out[(i, param)] = ms
+    return out
+
+
+def expert_target_parameters(model: torch.nn.Module, layout: Layout) -> list[str]:
+    """PEFT `target_parameters` for the adapted experts (e.g. ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])."""
+    params = {p for _, p in expert_lora_groups(model, layout)}
+    return [f"mlp.experts.{p}" for p in EXPERT_PARAMS.values() if p in params]
+
+
+def peft_expert_key(layer: int, param: str, which: str, params: list[str]) -> str:
+    """The HF-PEFT tensor name of a grouped expert factor (`params`: target_parameters, in order)."""
+    depth = len(params) - 1 - params.index(f"mlp.experts.{param}")
+    return f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts{'.base_layer' * depth}.lora_{which}.weight"
+
+
+def expert_adapter_tensors(model: torch.nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
+    """The experts' LoRA factors under PEFT's grouped names: A [E·r, in], B [out, r·E] (column j·E + e)."""
+    params = expert_target_parameters(model, layout)
+    out: dict[str, torch.Tensor] = {}
+    for (i, param), ms in expert_lora_groups(model, layout).items():
+        a = torch.cat([m.lora_A.weight.detach() for m in ms], dim=0)  # [E·r, in], expert-major rows
+        b = torch.stack([m.lora_B.weight.detach() for m in ms], dim=-1)  # [out, r, E]
+        out[peft_expert_key(i, param, "A", params)] = a
+        out[peft_expert_key(i, param, "B", params)] = b.reshape(b.shape[0], -1)  # [out, r·E], rank-major
+    return out
+
+
+def moe_adapter_tensors(model: torch.nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
+    """Every adapter pair of an MoE policy under HF-PEFT names: attention / dense-MLP linears as
+    `export.hf_adapter_tensors` names them, the experts in the grouped layout (TP = 1)."""
+    from kora_trainer.backends.megatron.export import _targets
+    from kora_trainer.backends.megatron.lora import lora_modules
+
+    mapping = adapter_modules(layout, _targets(model))
+    out: dict[str, torch.Tensor] = {}
+    for name, m in lora_modules(model).items():
+        if name in mapping:
+            hf_modules, kind = mapping[name]
+            out.update(adapter_to_hf(hf_modules, kind, [m.lora_A.weight.detach()], [m.lora_B.weight.detach()],
+                                     layout))
+        elif ".mlp.experts.local_experts." not in name:
+            raise KeyError(f"LoRA module {name} has no HF-PEFT name")
+    out.update(expert_adapter_tensors(model, layout))
+    return out
+
+
+@torch.no_grad()
+def load_moe_adapter(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
+    """Inverse of `moe_adapter_tensors` (TP = 1). Every tensor must be used."""
+    from kora_trainer.backends.megatron.export import _targets
+    from kora_trainer.backends.megatron.lora import lora_modules
+
+    tensors = dict(tensors)
+    used: set[str] = set()
+
+    def put(m: Any, a: torch.Tensor, b: torch.Tensor) -> None:
+        m.lora_A.weight.copy_(a.to(m.lora_A.weight.device, m.lora_A.weight.dtype))
+        m.lora_B.weight.copy_(b.to(m.lora_B.weight.device, m.lora_B.weight.dtype))
+
+    mapping = adapter_modules(layout, _targets(model))
+    for name, m in lora_modules(model).items():
+        if name in mapping:
+            hf_modules, kind = mapping[name]
+            put(m, *adapter_from_hf(hf_modules, kind, tensors, layout))
+            used.update(f"{PEFT_PREFIX}{h}.lora_{w}.weight" for h in hf_modules for w in "AB")
+    params = expert_target_parameters(model, layout)
+    for (i, param), ms in expert_lora_groups(model, layout).items():
+        ka, kb = peft_expert_key(i, param, "A", params), peft_expert_key(i, param, "B", params)
+        r, n = ms[0].rank, len(ms)
+        a = tensors[ka].reshape(n, r, -1)  # [E, r, in]
+        b = tensors[kb].reshape(tensors[kb].shape[0], r, n)  # [out, r, E]
+        for e, m in enumerate(ms):
+            put(m, a[e], b[:, :, e])
+        used.update((ka, kb))
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise KeyError(f"adapter tensors with no megatron LoRA module to go to: {unused[:5]}")
