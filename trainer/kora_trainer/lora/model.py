@@ -58,26 +58,28 @@ def _fused_hint(model: nn.Module) -> str:
             "torch backend does not put LoRA on them or on the router")
 
 
-def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+# The walks below take the wrapper class, so the Megatron backend's TP-aware wrappers reuse them
+# (backends/megatron/lora.py); both kinds expose lora_A / lora_B / enabled.
+def lora_modules(model: nn.Module, kind: type[nn.Module] = LoRALinear) -> dict[str, Any]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, kind)}
 
 
-def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+def adapter_parameters(model: nn.Module, kind: type[nn.Module] = LoRALinear) -> list[nn.Parameter]:
+    return [p for m in lora_modules(model, kind).values() for p in (m.lora_A.weight, m.lora_B.weight)]
 
 
-def check_only_adapters_trainable(model: nn.Module) -> None:
+def check_only_adapters_trainable(model: nn.Module, kind: type[nn.Module] = LoRALinear) -> None:
     """SPEC rule 8's runtime half: a LoRA-only checkpoint must hold every trainable parameter."""
-    adapter_ids = {id(p) for p in adapter_parameters(model)}
+    adapter_ids = {id(p) for p in adapter_parameters(model, kind)}
     extra = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in adapter_ids]
     if extra:
         raise ValueError(f"trainable parameters that are not LoRA parameters: {extra[:5]}")
 
 
 @contextmanager
-def adapter_disabled(model: nn.Module) -> Iterator[None]:
+def adapter_disabled(model: nn.Module, kind: type[nn.Module] = LoRALinear) -> Iterator[None]:
     """The base policy (KL reference) from the same weights: no second model copy."""
-    modules = list(lora_modules(model).values())
+    modules = list(lora_modules(model, kind).values())
     before = [m.enabled for m in modules]
     for m in modules:
         m.enabled = False

@@ -34,8 +34,7 @@ megatron is imported lazily: this module imports on machines without megatron-co
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -43,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kora_trainer.config import LoRASpec, TargetModule
+from kora_trainer.lora import model as hf_lora
 
 SUPPORTED = {TargetModule.LINEAR_QKV: "linear_qkv", TargetModule.LINEAR_PROJ: "linear_proj",
              TargetModule.LINEAR_FC1: "linear_fc1", TargetModule.LINEAR_FC2: "linear_fc2"}
@@ -194,29 +194,17 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
 
 
 def lora_modules(model: nn.Module) -> dict[str, _ParallelLoRA]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, _ParallelLoRA)}
+    return hf_lora.lora_modules(model, _ParallelLoRA)
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    return hf_lora.adapter_parameters(model, _ParallelLoRA)
 
 
 def check_only_adapters_trainable(model: nn.Module) -> None:
-    adapter_ids = {id(p) for p in adapter_parameters(model)}
-    extra = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in adapter_ids]
-    if extra:
-        raise ValueError(f"trainable parameters that are not LoRA parameters: {extra[:5]}")
+    hf_lora.check_only_adapters_trainable(model, _ParallelLoRA)
 
 
-@contextmanager
-def adapter_disabled(model: nn.Module) -> Iterator[None]:
+def adapter_disabled(model: nn.Module) -> AbstractContextManager[None]:
     """The base policy (GRPO's KL reference) from the same weights."""
-    modules = list(lora_modules(model).values())
-    before = [m.enabled for m in modules]
-    for m in modules:
-        m.enabled = False
-    try:
-        yield
-    finally:
-        for m, was in zip(modules, before, strict=True):
-            m.enabled = was
+    return hf_lora.adapter_disabled(model, _ParallelLoRA)
