@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_toy import TINY, TOY_YAML, TrainRun, wait_all
+
+from trainkit import TINY, TOY_YAML, TrainRun, wait_all
 
 STEPS = 3
 PEFT_TOL, MERGE_TOL = 1e-5, 1e-4

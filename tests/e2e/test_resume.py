@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_train_toy import TIMEOUT_S, TrainRun, wait_all
 
 from kora_trainer.rollout.rewards import Sample
+from trainkit import TIMEOUT_S, TrainRun, wait_all
 
 STEPS, INTERVAL, SAMPLES_PER_STEP = 6, 2, 32
 HOLD_ENV = "KORA_TEST_HOLD_AFTER_SAMPLES"

@@ -14,7 +14,6 @@ from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.backends.torch_backend import TorchBackend
 from kora_trainer.checkpoint.lora_only import CheckpointError
 from kora_trainer.checkpoint.training import (
-    check_trainable,
     export_adapter,
     restore_training_state,
     save_training_state,
@@ -101,10 +100,10 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(model_dir, t
 
 def test_rule8_only_lora_parameters_may_train(model_dir):
     b = backend(model_dir)
-    check_trainable(b.model)
+    b.check_lora_only()
     b.model.model.norm.weight.requires_grad_(True)
     with pytest.raises(CheckpointError, match=r"checkpoint.loraOnly.*model.norm.weight"):
-        check_trainable(b.model)
+        b.check_lora_only()
 
 
 def test_export_names_config_and_meta(model_dir, tmp_path):

@@ -91,6 +91,9 @@ class Run:
     rewards: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     lags: list[int] = field(default_factory=list)  # policy versions each step's rollouts lagged the trainer
+    # per step: max |trainer log-prob - engine log-prob| of the sampled tokens before the first update (0 up to
+    # kernel noise when the engines serve exactly the policy the trainer holds: the sync is right)
+    logp_gaps: list[float | None] = field(default_factory=list)  # None: rollouts of an older version (async)
     syncs: list[dict[str, Any]] = field(default_factory=list)
     saved_step: int | None = None  # the newest checkpoint's step
     export: str | None = None
@@ -138,12 +141,14 @@ def make_summary(run: Run, mode: str, job: Any, progress: Any) -> dict[str, Any]
         "event": "summary", "steps": len(rewards), "first_step": run.start + 1,
         "resumed_from_step": run.start if run.resumed else None,
         "sync_mode": mode, "transport": job.transport if job else None,
+        "backend": job.info.get("backend") if job else None,
         "reward_first": round(statistics.fmean(rewards[:10]), 4) if rewards else None,
         "reward_last": round(statistics.fmean(rewards[-10:]), 4) if rewards else None,
         "sync_ms_p50": round(statistics.median(s["ms"] for s in pushed), 2) if pushed else None,
         "sync_bytes_per_step": round(statistics.fmean(s["bytes"] for s in run.syncs)) if run.syncs else 0,
         "syncs_skipped": len(run.syncs) - len(pushed),
         "rollout_lag_max": max(run.lags, default=0),
+        "rollout_logp_gap_max": max((g for g in run.logp_gaps if g is not None), default=None),
         "wall_s": round(time.monotonic() - T_START, 1),
         "reward_curve": [round(r, 3) for r in rewards],
         "loss_curve": run.losses,  # unrounded: a resumed run's tail is compared with the uninterrupted one
@@ -195,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         first = ray.get(job.trainer.sync.remote())  # the engines serve the initial (or the restored) policy
         progress.record_sync(first, step=run.start)
         progress.update(phase="Running")
-        print(f"ready in {time.monotonic() - T_START:.1f}s: {len(job.engines)} {cfg.rollout.engine} engine(s), "
+        print(f"ready in {time.monotonic() - T_START:.1f}s: {job.info['backend']} on {job.info['device']}, "
+              f"{len(job.engines)} {cfg.rollout.engine} engine(s), "
               f"sync {mode} over {job.transport}, first push {first['bytes']} B in {first['ms']:.0f} ms", flush=True)
         # deployment.async: the engines generate ahead while the trainer trains, up to maxStaleness steps ahead,
         # so a rollout lags the policy by at most that many versions (the clipped ratio against the engines' own
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             run.rewards.append(metrics["reward_mean"])
             run.losses.append(metrics["loss"])
             run.lags.append(metrics["rollout_version_lag"])
+            run.logp_gaps.append(metrics["rollout_logp_gap_max"])
             run.syncs.append(report)
             run.data_position = rstats["data_position"]
             progress.record_sync(report, step=step)

@@ -4,10 +4,8 @@ Used for CPU and small-GPU runs (the megatron backend is the GPU path for large 
 policy; the weight sender (sync/) reads the policy through the lora/ views (folded_state, base_state,
 adapter_pairs), so this module knows nothing about engines.
 
-Old log-probs: at temperature 1 the ratio's denominator is the engine's own log-probs of the tokens it
-sampled (no extra forward; after a correct sync they equal ours, which `rollout_logp_gap` tracks every
-step). Engines report raw log-probs (before temperature, SGLang's default), so at T != 1 they are not the
-sampling distribution: there the actor recomputes them at T before the first update.
+The GRPO step itself (old log-probs, minibatches of whole groups, the rollout log-prob gap) is
+`grpo_step.py`'s, shared with the megatron backend.
 
 Randomness: the global torch RNG (LoRA dropout) and a private generator for the minibatch shuffle.
 `checkpoint/training.py` saves and restores both (`generator_states`), with the adapter, AdamW state and
@@ -16,19 +14,31 @@ Randomness: the global torch RNG (LoRA dropout) and a private generator for the 
 
 from __future__ import annotations
 
-import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
+from kora_trainer.backends.grpo_step import ShuffleState, grpo_step
 from kora_trainer.backends.logprobs import sequence_logp, shared_prefix_logp
+from kora_trainer.checkpoint.lora_only import check_lora_only
 from kora_trainer.config import TrainerConfig
-from kora_trainer.lora import adapter_disabled, adapter_parameters, apply_lora
-from kora_trainer.rollout.grpo import group_advantages, grpo_loss
+from kora_trainer.lora import (
+    adapter_disabled,
+    adapter_parameters,
+    adapter_tensors,
+    apply_lora,
+    lora_modules,
+    peft_config_dict,
+)
 
 
-class TorchBackend:
+def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+
+class TorchBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, device: str | None = None, threads: int | None = None,
                  micro_batch_size: int = 256, max_grad_norm: float = 1.0, shared_prefix: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -54,13 +64,23 @@ class TorchBackend:
 
     # ---- checkpoint hooks (checkpoint/training.py) ------------------------------------------------
 
-    def generator_states(self) -> dict[str, torch.Tensor]:
-        """The backend's own generators (the global RNGs are captured separately)."""
-        return {"shuffle": self._shuffle.get_state()}
+    def adapter_named(self) -> list[tuple[str, torch.Tensor]]:
+        """The adapter under HF-PEFT names, live storage, in the optimizer's parameter order."""
+        return adapter_tensors(self.model)
 
-    def load_generator_states(self, states: dict[str, torch.Tensor]) -> None:
-        if "shuffle" in states:
-            self._shuffle.set_state(states["shuffle"])
+    def check_lora_only(self) -> None:
+        check_lora_only(n for n, p in self.model.named_parameters() if p.requires_grad)
+
+    def peft_export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
+        """(tensors, adapter_config.json, adapted module names) of the HF-PEFT export."""
+        base = str(Path(self.cfg.model.path).resolve())
+        return (dict(adapter_tensors(self.model)), peft_config_dict(self.model, self.cfg.lora, base),
+                list(lora_modules(self.model)))
+
+    def make_sender(self, transport: Any) -> Any:
+        from kora_trainer.sync.sender import WeightSender
+
+        return WeightSender(self.model, self.cfg, transport)
 
     # ---- log-probs ----------------------------------------------------------------------------
 
@@ -84,65 +104,4 @@ class TorchBackend:
     # ---- one GRPO step --------------------------------------------------------------------------
 
     def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
-        t0 = time.monotonic()
-        alg = self.cfg.algorithm
-        p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, self.pad_id)
-        mask = p.response_mask.to(self.device)  # [B, R]
-        adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(self.device)  # [B]
-        temperature = alg.temperature if alg.temperature > 0 else 1.0
-        with torch.no_grad():
-            # [B, R]
-            old = p.rollout_logp.to(self.device) if temperature == 1.0 else self._token_logp(p, temperature)
-            ref = None
-            if alg.kl_coef > 0:
-                with adapter_disabled(self.model):
-                    ref = self._token_logp(p, temperature)  # [B, R] the base policy: the KL reference
-        # the engines tag what they served; with async rollouts that is an older version than ours
-        served = [int(v) for v in batch.weight_versions if v is not None and v.isdigit()]
-        lag = self.version - min(served) if served else 0
-        on_policy = all(v == str(self.version) for v in batch.weight_versions)
-        n = len(batch)
-        gbs = min(alg.effective_global_batch_size, n)
-        sums: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio": 0.0, "grad_norm": 0.0}
-        gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
-        updates = 0
-        self.model.train()  # LoRA dropout on
-        for _ in range(alg.inner_epochs):
-            # shuffle whole groups, so a minibatch holds complete groups (and their shared prompts)
-            g = batch.group_size
-            order = (torch.randperm(n // g, generator=self._shuffle).unsqueeze(1) * g + torch.arange(g)).reshape(-1)
-            for start in range(0, n, gbs):
-                idx = order[start:start + gbs]
-                num_tokens = float(p.response_mask[idx].sum())
-                self.optimizer.zero_grad(set_to_none=True)
-                for mb in idx.split(self.micro_batch_size):
-                    logp = self._token_logp(p.select(mb), temperature)  # [b, R]
-                    out = grpo_loss(logp, old[mb], adv[mb.to(self.device)], mask[mb], alg.clip_eps,
-                                    None if ref is None else ref[mb], alg.kl_coef, num_tokens=num_tokens)
-                    out.loss.backward()
-                    w = float(mask[mb].sum()) / max(num_tokens, 1.0)
-                    sums["loss"] += out.pg_loss * w
-                    sums["clip_frac"] += out.clip_frac * w
-                    sums["kl"] += out.kl * w
-                    sums["ratio"] += out.ratio_mean * w
-                    if updates == 0 and on_policy:  # before any update: trainer vs engine, the same policy
-                        gap = ((logp.detach() - old[mb]).abs() * mask[mb])
-                        gap_max = max(gap_max, float(gap.max()))
-                        gap_sum += float(gap.sum())
-                        gap_n += float(mask[mb].sum())
-                sums["grad_norm"] += float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-                self.optimizer.step()
-                updates += 1
-        self.model.eval()
-        self.version += 1
-        rewards = torch.tensor(batch.rewards)
-        return {
-            "version": self.version, "reward_mean": float(rewards.mean()), "samples": n, "updates": updates,
-            **{k: v / updates for k, v in sums.items()},
-            "response_len": float(p.response_mask.sum() / n),
-            # None when the rollouts came from an older policy version (async): then no gap is expected
-            "rollout_logp_gap_max": gap_max if on_policy else None,
-            "rollout_logp_gap_mean": gap_sum / max(gap_n, 1.0) if on_policy else None,
-            "rollout_version_lag": lag,
-            "train_ms": round((time.monotonic() - t0) * 1000, 1),
-        }
+        return grpo_step(self, batch, self._token_logp, lambda: adapter_disabled(self.model), _clip_grad_norm)

@@ -3,8 +3,9 @@ one, and the HF-PEFT export written beside them. The files themselves are `lora_
 verified, pruned) and `peft_export.py`'s; this module decides what goes in and puts it back.
 
 A checkpoint of step K is written after step K's update and its sync, and holds
-- the adapter under HF-PEFT names (the lora/ view `adapter_tensors`), in its training dtype: a cast would
-  make a resumed run differ from the uninterrupted one;
+- the adapter as the backend holds it (`backend.adapter_named()`: HF-PEFT names for the torch backend,
+  megatron names and fused layout for the megatron one), in its training dtype: a cast would make a resumed
+  run differ from the uninterrupted one;
 - the AdamW state, and the scheduler's (None: the trainer runs a constant learning rate);
 - RNG: the trainer process's torch / python / numpy (/ cuda) states and the backend's own generators
   (the torch backend's minibatch shuffle);
@@ -38,7 +39,6 @@ from kora_trainer.checkpoint import lora_only
 from kora_trainer.checkpoint.lora_only import CheckpointError
 from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.config import MEGATRON_TO_HF, TrainerConfig
-from kora_trainer.lora import adapter_tensors, lora_modules, peft_config_dict
 
 EXPORT_FORMAT = "kora-lora-export/1"
 
@@ -54,15 +54,10 @@ class Resumed:
         return {"step": self.step, "path": self.path, "data_position": self.data_position, "skipped": self.skipped}
 
 
-def check_trainable(model: torch.nn.Module) -> None:
-    """SPEC rule 8 at start: with checkpoint.loraOnly every trainable parameter must be a LoRA one."""
-    lora_only.check_lora_only(n for n, p in model.named_parameters() if p.requires_grad)
-
-
 def save_training_state(root: Path, backend: Any, *, data_position: int, keep: int,
                         meta: Mapping[str, Any] | None = None) -> Path:
     """Checkpoint `backend.version` under `root` (atomic; `latest` moves; pruned to `keep`)."""
-    adapter = adapter_tensors(backend.model)  # the order adapter_parameters (the optimizer's params) has
+    adapter = backend.adapter_named()  # the optimizer's parameter order
     rng = {**lora_only.capture_rng(), "generators": backend.generator_states()}
     return lora_only.save(
         Path(root), backend.version, adapter=dict(adapter), optimizer=backend.optimizer.state_dict(), scheduler=None,
@@ -78,7 +73,7 @@ def restore_training_state(root: Path, backend: Any) -> Resumed | None:
     ckpt = lora_only.load_latest(Path(root))
     if ckpt is None:
         return None
-    live = dict(adapter_tensors(backend.model))
+    live = dict(backend.adapter_named())
     names = ckpt.meta.get("param_names", list(ckpt.adapter))
     if list(live) != list(names) or set(ckpt.adapter) != set(live):
         gone, new = sorted(set(ckpt.adapter) - set(live)), sorted(set(live) - set(ckpt.adapter))
@@ -102,12 +97,12 @@ def export_adapter(root: Path, backend: Any, cfg: TrainerConfig, meta: Mapping[s
     """`root/lora_adapter/`: HF-PEFT names, base_model_name_or_path = the base's absolute directory, and a
     kora meta file (base, step, sync mode, the Megatron -> HF module map of the targets)."""
     base = str(Path(cfg.model.path).resolve())
-    model = backend.model
+    tensors, config, modules = backend.peft_export()
     lora = cfg.lora
     info = {
         "format": EXPORT_FORMAT, "base_model": base, "step": backend.version,
         "sync_mode": str(lora.effective_sync_mode), "rank": lora.rank, "alpha": lora.alpha, "scope": str(lora.scope),
         "module_map": {str(t): list(MEGATRON_TO_HF[t]) for t in lora.target_modules},
-        "modules": list(lora_modules(model)), **(meta or {}),
+        "modules": modules, **(meta or {}),
     }
-    return export_peft(Path(root), dict(adapter_tensors(model)), peft_config_dict(model, lora, base), info)
+    return export_peft(Path(root), tensors, config, info)

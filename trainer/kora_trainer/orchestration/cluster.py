@@ -4,6 +4,9 @@ Locally `python -m kora_trainer.train` starts its own Ray head on 127.0.0.1 with
 dashboard, nothing listening beyond loopback) and stops it at the end. Under KubeRay the driver runs on
 the head pod, where RAY_ADDRESS points at the running cluster: then it joins instead.
 
+GPUs: `backends/select.gpu_shares` says how many each actor asks Ray for (none on a CPU-only cluster); Ray
+sets each actor's CUDA_VISIBLE_DEVICES and an engine process inherits its actor's.
+
 CPU fractions only steer placement. Threads are set explicitly, one per process by default: the loop
 is sequential (generate, then train, then sync), and on a small shared machine OpenMP's spinning
 barriers collapse when a second thread is descheduled — measured on the 2-core box under other load,
@@ -21,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kora_trainer.backends.select import gpu_shares
 from kora_trainer.config import TrainerConfig
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
 
@@ -63,14 +67,18 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
     import ray
 
     threads = threads or 1
-    engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"])(EngineWorker)
+    kind = transport_kind(cfg)
+    gpus = gpu_shares(cfg, kind == "colocated", float(ray.cluster_resources().get("GPU", 0)))
+    engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"], num_gpus=gpus.engine)(EngineWorker)
     engines = [engine_cls.remote(cfg, str(run_dir / "logs"), threads, i) for i in range(cfg.rollout.num_engines)]
-    train_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=0)(TrainWorker)
+    train_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=gpus.trainer)(TrainWorker)
     trainer = train_cls.remote(cfg, threads)  # loads the model while the engines start
     urls = ray.get([e.url.remote() for e in engines])
     rollout = ray.remote(num_cpus=CPU_SHARES["rollout"])(RolloutWorker).remote(cfg, urls)
-    kind = ray.get(trainer.connect.remote(urls, transport_kind(cfg)))
-    return Job(trainer, rollout, engines, urls, kind)
+    info = ray.get(trainer.describe.remote())
+    transport = ray.get(trainer.connect.remote(urls, kind))
+    return Job(trainer, rollout, engines, urls, transport, info={**info, "gpus_per_trainer": gpus.trainer,
+                                                                 "gpus_per_engine": gpus.engine})
 
 
 def shutdown(job: Job | None, started_ray: bool, temp_dir: str | None) -> None:

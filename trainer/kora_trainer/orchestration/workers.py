@@ -1,6 +1,7 @@
 """The job's three kinds of worker, as plain classes; `cluster.py` turns them into Ray actors.
 
-- TrainWorker: the torch actor (policy + optimizer) and the weight sender (rank 0 of the weight-update group).
+- TrainWorker: the training actor (policy + optimizer; torch or megatron backend) and the weight sender
+  (rank 0 of the weight-update group).
 - EngineWorker: starts one engine process from the launcher's command line and stops it.
 - RolloutWorker: the rollout manager (prompts -> engines -> scored samples).
 """
@@ -25,17 +26,20 @@ def transport_kind(cfg: TrainerConfig) -> str:
 
 class TrainWorker:
     def __init__(self, cfg: TrainerConfig, threads: int | None = None):
-        from kora_trainer.backends.torch_backend import TorchBackend
+        from kora_trainer.backends.select import make_backend
 
         self.cfg = cfg
-        self.backend = TorchBackend(cfg, threads=threads)
+        self.backend = make_backend(cfg, threads=threads)  # torch or megatron: backends/select.py
         self.sender: Any = None
+
+    def describe(self) -> dict[str, Any]:
+        """Which backend trains, on which device (the driver prints it)."""
+        return {"backend": type(self.backend).__name__, "device": str(self.backend.device)}
 
     def connect(self, engine_urls: list[str], kind: str) -> str:
         import torch
 
         from kora_trainer.rollout.client import EngineClient
-        from kora_trainer.sync.sender import WeightSender
         from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
 
         clients = [EngineClient(u) for u in engine_urls]
@@ -44,7 +48,7 @@ class TrainWorker:
             transport: Any = DistributedTransport.connect(clients, backend=backend)
         else:
             transport = ColocatedTransport(clients)
-        self.sender = WeightSender(self.backend.model, self.cfg, transport)
+        self.sender = self.backend.make_sender(transport)
         return transport.kind
 
     def sync(self) -> dict[str, Any]:
@@ -59,9 +63,7 @@ class TrainWorker:
     # ---- checkpoints (checkpoint/training.py says what they hold and what resuming reproduces) ----------
 
     def check_lora_only(self) -> None:
-        from kora_trainer.checkpoint.training import check_trainable
-
-        check_trainable(self.backend.model)
+        self.backend.check_lora_only()
 
     def resume(self, root: str) -> dict[str, Any] | None:
         """Restore the newest good checkpoint under root (adapter, optimizer, RNG, version)."""

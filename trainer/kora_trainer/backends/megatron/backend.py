@@ -10,18 +10,17 @@ Log-probs come from the vocab-sharded logits through megatron's vocab-parallel c
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
+from kora_trainer.backends.grpo_step import ShuffleState, grpo_step
 from kora_trainer.backends.megatron.convert import layout_from_hf_config
-from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora
+from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora, lora_modules
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
 from kora_trainer.backends.megatron.parallel import init_parallel
 from kora_trainer.config import TrainerConfig
-from kora_trainer.rollout.grpo import group_advantages, grpo_loss
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -85,8 +84,17 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     return float(total)
 
 
-class MegatronBackend:
-    def __init__(self, cfg: TrainerConfig, dtype: torch.dtype = torch.bfloat16, micro_batch_size: int = 256,
+def checkpoint_dtype(hf_config: object) -> torch.dtype:
+    """The dtype the checkpoint declares (`dtype` on transformers 5, `torch_dtype` before), bf16 if none:
+    what `from_pretrained(dtype="auto")` gives the torch backend, so both train in the same precision."""
+    declared = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(declared, str):
+        declared = getattr(torch, declared, None)
+    return declared if isinstance(declared, torch.dtype) and declared.is_floating_point else torch.bfloat16
+
+
+class MegatronBackend(ShuffleState):
+    def __init__(self, cfg: TrainerConfig, dtype: torch.dtype | None = None, micro_batch_size: int = 256,
                  max_grad_norm: float = 1.0):
         from transformers import AutoConfig
 
@@ -95,7 +103,7 @@ class MegatronBackend:
         self.cfg = cfg
         self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
         self.layout = layout_from_hf_config(self.hf_config)
-        self.model = build_gpt_model(self.hf_config, dtype)
+        self.model = build_gpt_model(self.hf_config, dtype or checkpoint_dtype(self.hf_config))
         self.device = next(self.model.parameters()).device
         self.wrapped = apply_lora(self.model, cfg.lora, seed=cfg.algorithm.seed)
         load_hf_state(self.model, read_hf_state(cfg.model.path), self.layout)
@@ -107,6 +115,34 @@ class MegatronBackend:
         self.max_grad_norm = max_grad_norm
         self.version = 0
         self._shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
+
+    # ---- checkpoint, export and sync hooks (the same as TorchBackend's; backends/select.PolicyBackend) ----
+
+    def adapter_named(self) -> list[tuple[str, torch.Tensor]]:
+        """The adapter under megatron names (this TP rank's shards), live storage, in the optimizer's order.
+        Checkpoints keep megatron's own layout (one fused A per linear_qkv): what resuming loads back."""
+        return [(f"{name}.lora_{w}.weight", getattr(m, f"lora_{w}").weight.detach())
+                for name, m in lora_modules(self.model).items() for w in "AB"]
+
+    def check_lora_only(self) -> None:
+        from kora_trainer.checkpoint.lora_only import check_lora_only
+
+        check_lora_only(n for n, p in self.model.named_parameters() if p.requires_grad)
+
+    def peft_export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
+        """(tensors, adapter_config.json, adapted module names) of the HF-PEFT export (a TP collective)."""
+        from pathlib import Path
+
+        from kora_trainer.backends.megatron.export import hf_adapter_tensors, peft_config
+
+        base = str(Path(self.cfg.model.path).resolve())
+        return (hf_adapter_tensors(self.model, self.layout), peft_config(self.model, self.cfg.lora, base),
+                list(lora_modules(self.model)))
+
+    def make_sender(self, transport: Any) -> Any:
+        from kora_trainer.backends.megatron.sync import MegatronWeightSender
+
+        return MegatronWeightSender(self.model, self.layout, self.cfg, transport)
 
     def _token_logp(self, p: Padded, temperature: float = 1.0) -> torch.Tensor:
         """[B, R] log p of each response token (aligned with `p.response_ids`, 0 on padding)."""
@@ -124,58 +160,6 @@ class MegatronBackend:
         return [lp[i, :len(r)].tolist() for i, r in enumerate(responses)]
 
     def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
-        """One GRPO step: the same loop as TorchBackend.train_step (see there for the old-log-prob rule)."""
-        t0 = time.monotonic()
-        alg = self.cfg.algorithm
-        p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, self.pad_id)
-        mask = p.response_mask.to(self.device)  # [B, R]
-        adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(self.device)  # [B]
-        temperature = alg.temperature if alg.temperature > 0 else 1.0
-        with torch.no_grad():
-            old = p.rollout_logp.to(self.device) if temperature == 1.0 else self._token_logp(p, temperature)
-            ref = None
-            if alg.kl_coef > 0:
-                with adapter_disabled(self.model):
-                    ref = self._token_logp(p, temperature)  # [B, R] the base policy: the KL reference
-        n = len(batch)
-        gbs = min(alg.effective_global_batch_size, n)
-        sums: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio": 0.0, "grad_norm": 0.0}
-        gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
-        updates = 0
-        self.model.train()
-        for _ in range(alg.inner_epochs):
-            g = batch.group_size  # shuffle whole groups, as the torch backend does
-            order = (torch.randperm(n // g, generator=self._shuffle).unsqueeze(1) * g + torch.arange(g)).reshape(-1)
-            for start in range(0, n, gbs):
-                idx = order[start:start + gbs]
-                num_tokens = float(p.response_mask[idx].sum())
-                self.optimizer.zero_grad(set_to_none=True)
-                for mb in idx.split(self.micro_batch_size):
-                    mbd = mb.to(self.device)
-                    logp = self._token_logp(p.select(mb), temperature)  # [b, R]
-                    out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
-                                    None if ref is None else ref[mbd], alg.kl_coef, num_tokens=num_tokens)
-                    out.loss.backward()
-                    w = float(mask[mbd].sum()) / max(num_tokens, 1.0)
-                    sums["loss"] += out.pg_loss * w
-                    sums["clip_frac"] += out.clip_frac * w
-                    sums["kl"] += out.kl * w
-                    sums["ratio"] += out.ratio_mean * w
-                    if updates == 0:
-                        gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
-                        gap_max = max(gap_max, float(gap.max()))
-                        gap_sum += float(gap.sum())
-                        gap_n += float(mask[mbd].sum())
-                sums["grad_norm"] += clip_grad_norm(self.params, self.max_grad_norm)
-                self.optimizer.step()
-                updates += 1
-        self.model.eval()
-        self.version += 1
-        rewards = torch.tensor(batch.rewards)
-        return {
-            "version": self.version, "reward_mean": float(rewards.mean()), "samples": n, "updates": updates,
-            **{k: v / updates for k, v in sums.items()},
-            "response_len": float(p.response_mask.sum() / n),
-            "rollout_logp_gap_max": gap_max, "rollout_logp_gap_mean": gap_sum / max(gap_n, 1.0),
-            "train_ms": round((time.monotonic() - t0) * 1000, 1),
-        }
+        """One GRPO step: `backends/grpo_step.py`, the torch backend's loop, with megatron's log-probs and the
+        TP-aware grad-norm clip."""
+        return grpo_step(self, batch, self._token_logp, lambda: adapter_disabled(self.model), clip_grad_norm)

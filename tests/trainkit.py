@@ -1,0 +1,140 @@
+"""Run `python -m kora_trainer.train` as a user does, from tests: `TrainRun` starts it in its own session (so a
+kill reaches everything it started), polls its control plane, reads its summary; `wait_all` waits, bounded.
+Shared by the trainer's e2e tests (tests/e2e) and the GPU ones (tests/gpu/test_train_megatron.py).
+
+Runs use the toy (tests/conftest.py's `toy_dir`) with TINY steps, scored by tests/e2e/toy_rewards.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kora_trainer.sync.group import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+E2E = REPO / "tests" / "e2e"  # toy_rewards.py: the runs' custom reward
+TOY_YAML = REPO / "trainer" / "examples" / "toy.yaml"
+TIMEOUT_S = 420
+# small steps on the toy: 8 prompts x 4 samples, one optimizer batch of 16 twice per step
+TINY = ["algorithm.rolloutBatchSize=8", "algorithm.nSamplesPerPrompt=4", "algorithm.globalBatchSize=16",
+        "sync.bufferSize=256Ki", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit"]
+
+
+
+def poll_status(port: int, token: str) -> dict | None:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/status", headers={"Authorization": f"Bearer {token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=2) as resp:
+            return json.loads(resp.read())
+    except (urllib.error.URLError, OSError):
+        return None
+
+
+def train_command(toy_dir: Path, port: int, run_dir: Path, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "kora_trainer.train", "--config", str(TOY_YAML), "--control-port", str(port),
+            "--run-dir", str(run_dir), f"model.path={toy_dir}", f"data.path={toy_dir}/train.parquet", *TINY,
+            *overrides]
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Every live process of session `sid` (the trainer and what it started: Ray, its workers, engines)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":  # after ")": state ppid pgrp session ...
+            pids.append(int(d.name))
+    return pids
+
+
+class TrainRun:
+    """One `python -m kora_trainer.train` in its own session (so a kill reaches everything it started),
+    its output in `log`, its control plane on `port` with bearer `token`."""
+
+    def __init__(self, toy_dir: Path, work: Path, *overrides: str, env: dict[str, str] | None = None):
+        work.mkdir(parents=True, exist_ok=True)
+        self.port, self.token, self.log = free_port(), "test-token", work / "out.log"
+        cmd = train_command(toy_dir, self.port, work / "run", *overrides)
+        # the Ray workers of a local cluster inherit the driver's environment, PYTHONPATH included
+        full_env = {**os.environ, "KORA_CONTROL_TOKEN": self.token,
+                    "PYTHONPATH": os.pathsep.join([str(E2E), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+                    **(env or {})}
+        full_env.pop("RAY_ADDRESS", None)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=work,
+                                         start_new_session=True)
+        self.seen: list[dict] = []
+
+    def poll(self) -> dict | None:
+        status = poll_status(self.port, self.token)
+        if status is not None:
+            self.seen.append(status)
+        return status
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL every process of the run's session, by pid, and remove its private Ray temp dir."""
+        sid = self.proc.pid
+        pids = _session_pids(sid)
+        temp_dirs = set()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+                temp_dirs.update(re.findall(r"/tmp/kora-ray-[A-Za-z0-9_]+", cmdline))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while _session_pids(sid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for d in temp_dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+    def summary(self) -> dict:
+        out = self.output
+        lines = [line for line in out.splitlines() if line.startswith('{"event": "summary"')]
+        assert self.proc.returncode == 0 and lines, f"exit {self.proc.returncode}:\n{out[-3000:]}"
+        return json.loads(lines[-1])
+
+
+def wait_all(runs: list[TrainRun], timeout_s: float = TIMEOUT_S, poll: bool = True) -> None:
+    """Wait (bounded) for every run to exit, polling their control planes meanwhile; kill them on timeout."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while any(r.running() for r in runs) and time.monotonic() < deadline:
+            for r in runs:
+                if poll and r.running():
+                    r.poll()
+            time.sleep(0.3)
+        late = [r for r in runs if r.running()]
+        if late:
+            pytest.fail(f"train did not finish in {timeout_s:.0f}s:\n{late[0].output[-3000:]}")
+    finally:
+        for r in runs:
+            if r.running():
+                r.kill()

@@ -1,0 +1,92 @@
+"""Which backend a job trains with, and how many GPUs the trainer and each engine ask Ray for.
+
+A user notices these as: `backend: megatron` on a machine that cannot run it fails at start with what is
+missing and what to set instead; `auto` picks megatron only for a large model on a GPU; a disaggregated
+job gets distinct GPUs for the trainer and each engine (NCCL refuses two ranks of one group on one GPU),
+a colocated one shares a GPU, and a job that asks for more GPUs than the cluster has fails at once
+instead of waiting forever for Ray to place it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kora_trainer.backends.select import (
+    LARGE_MODEL_BYTES,
+    check_actor_layout,
+    gpu_shares,
+    make_backend,
+    resolve_backend,
+    weights_bytes,
+)
+from kora_trainer.config import Backend, ConfigError, load_config
+
+
+def cfg(*overrides: str):
+    base = ["model.path=/nonexistent/model", "data.path=unused.parquet", "rollout.engine=hf", "lora.rank=4"]
+    config, _ = load_config(None, [*base, *overrides])
+    return config
+
+
+@pytest.mark.parametrize(("cuda", "megatron", "missing"), [
+    (False, True, "a CUDA GPU"), (True, False, "megatron-core"), (False, False, "a CUDA GPU and megatron-core")])
+def test_an_explicit_megatron_backend_that_cannot_run_says_what_is_missing(cuda, megatron, missing):
+    with pytest.raises(ConfigError, match=rf"backend: megatron needs {missing}.*set backend: torch"):
+        resolve_backend(cfg("backend=megatron"), cuda=cuda, megatron=megatron, model_bytes=10 * LARGE_MODEL_BYTES)
+    assert resolve_backend(cfg("backend=megatron"), cuda=True, megatron=True, model_bytes=0) is Backend.MEGATRON
+
+
+def test_auto_takes_megatron_only_for_a_large_model_on_a_gpu():
+    auto = cfg()
+    assert auto.backend is Backend.AUTO
+    big, small = LARGE_MODEL_BYTES, LARGE_MODEL_BYTES - 1
+    assert resolve_backend(auto, cuda=True, megatron=True, model_bytes=big) is Backend.MEGATRON
+    assert resolve_backend(auto, cuda=True, megatron=True, model_bytes=small) is Backend.TORCH
+    assert resolve_backend(auto, cuda=False, megatron=True, model_bytes=big) is Backend.TORCH
+    assert resolve_backend(auto, cuda=True, megatron=False, model_bytes=big) is Backend.TORCH
+    assert resolve_backend(cfg("backend=torch"), cuda=True, megatron=True, model_bytes=big) is Backend.TORCH
+
+
+def test_weights_bytes_counts_only_weight_files(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"x" * 300)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"x" * 20)
+    (tmp_path / "config.json").write_bytes(b"x" * 1000)
+    assert weights_bytes(tmp_path) == 320
+    assert weights_bytes(tmp_path / "missing") == 0
+
+
+def test_a_multi_gpu_actor_is_refused_at_start():
+    with pytest.raises(ConfigError, match=r"tensor 2.*one trainer process per GPU.*set every parallelism size to 1"):
+        check_actor_layout(cfg("parallelism.tensor=2"), Backend.MEGATRON)
+    check_actor_layout(cfg(), Backend.MEGATRON)  # the default layout runs
+
+
+def test_cpu_cluster_asks_for_no_gpu_and_refuses_gpu_engines():
+    assert gpu_shares(cfg("rollout.gpusPerEngine=0"), colocated=True, cluster_gpus=0).total == 0
+    with pytest.raises(ConfigError, match=r"gpusPerEngine is 1 but the Ray cluster has no GPU.*gpusPerEngine: 0"):
+        gpu_shares(cfg("rollout.gpusPerEngine=1"), colocated=False, cluster_gpus=0)
+
+
+def test_colocated_shares_one_gpu_and_disaggregated_gets_its_own():
+    two = cfg("rollout.numEngines=2", "rollout.gpusPerEngine=1")
+    shared = gpu_shares(two, colocated=True, cluster_gpus=1)
+    assert (shared.trainer, shared.engine) == (0.5, 0.25)
+    assert shared.trainer + 2 * shared.engine == 1.0  # Ray packs the three actors onto one GPU
+    apart = gpu_shares(two, colocated=False, cluster_gpus=3)
+    assert (apart.trainer, apart.engine) == (1.0, 1.0)
+    with pytest.raises(ConfigError, match=r"need 3 GPUs, the Ray cluster has 2"):
+        gpu_shares(two, colocated=False, cluster_gpus=2)
+    with pytest.raises(ConfigError, match=r"Colocate shares one GPU.*gpusPerEngine is 2"):
+        gpu_shares(cfg("rollout.engine=sglang", "rollout.gpusPerEngine=2"), colocated=True, cluster_gpus=4)
+
+
+def test_make_backend_builds_the_torch_backend_on_cpu(tmp_path):
+    from tinymodel import make_tiny_model
+
+    model_dir = make_tiny_model(tmp_path / "tiny")
+    backend = make_backend(cfg(f"model.path={model_dir}", "lora.rank=2", "lora.alpha=4"), threads=1)
+    assert type(backend).__name__ == "TorchBackend"
+    names = [n for n, _ in backend.adapter_named()]
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    tensors, config, modules = backend.peft_export()
+    assert set(tensors) == set(names) and config["r"] == 2 and modules

@@ -1,0 +1,122 @@
+"""One GRPO step on a backend's adapter: the loop both backends run (torch and megatron differ only in how
+they compute log-probs, turn the adapter off and clip the gradient norm, which they pass in).
+
+Old log-probs: at temperature 1 the ratio's denominator is the engine's own log-probs of the tokens it
+sampled (no extra forward; after a correct sync they equal ours, which `rollout_logp_gap` tracks every
+step). Engines report raw log-probs (before temperature, SGLang's default), so at T != 1 they are not the
+sampling distribution: there the actor recomputes them at T before the first update.
+
+Minibatches hold whole GRPO groups (shuffled by the backend's private generator, which checkpoints save),
+micro-batches accumulate gradients, and the loss is normalised by the minibatch's response tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
+
+import torch
+
+from kora_trainer.backends.batch import Padded, RolloutBatch, pad
+from kora_trainer.config import TrainerConfig
+from kora_trainer.rollout.grpo import group_advantages, grpo_loss
+
+TokenLogp = Callable[[Padded, float], torch.Tensor]  # (padded batch, temperature) -> [B, R]
+
+
+class StepOwner(Protocol):
+    cfg: TrainerConfig
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    params: list[torch.nn.Parameter]
+    device: torch.device
+    pad_id: int
+    version: int
+    micro_batch_size: int
+    max_grad_norm: float
+    _shuffle: torch.Generator
+
+
+class ShuffleState:
+    """The backends' checkpoint hooks for their private minibatch-shuffle generator (the global and CUDA RNGs
+    are captured by the checkpoint itself)."""
+
+    _shuffle: torch.Generator
+
+    def generator_states(self) -> dict[str, torch.Tensor]:
+        return {"shuffle": self._shuffle.get_state()}
+
+    def load_generator_states(self, states: dict[str, torch.Tensor]) -> None:
+        if "shuffle" in states:
+            self._shuffle.set_state(states["shuffle"])
+
+
+def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
+              adapter_off: Callable[[], AbstractContextManager[None]],
+              clip_grad_norm: Callable[[list[torch.nn.Parameter], float], float]) -> dict[str, Any]:
+    """Train `owner`'s adapter on one batch of rollouts; bumps `owner.version`; returns the step's metrics."""
+    t0 = time.monotonic()
+    alg = owner.cfg.algorithm
+    device = owner.device
+    p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, owner.pad_id)
+    mask = p.response_mask.to(device)  # [B, R]
+    adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(device)  # [B]
+    temperature = alg.temperature if alg.temperature > 0 else 1.0
+    with torch.no_grad():
+        old = p.rollout_logp.to(device) if temperature == 1.0 else token_logp(p, temperature)  # [B, R]
+        ref = None
+        if alg.kl_coef > 0:
+            with adapter_off():
+                ref = token_logp(p, temperature)  # [B, R] the base policy: the KL reference
+    # the engines tag what they served; with async rollouts that is an older version than ours
+    served = [int(v) for v in batch.weight_versions if v is not None and v.isdigit()]
+    lag = owner.version - min(served) if served else 0
+    on_policy = all(v == str(owner.version) for v in batch.weight_versions)
+    n = len(batch)
+    gbs = min(alg.effective_global_batch_size, n)
+    sums: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio": 0.0, "grad_norm": 0.0}
+    gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
+    updates = 0
+    owner.model.train()  # LoRA dropout on
+    for _ in range(alg.inner_epochs):
+        # shuffle whole groups, so a minibatch holds complete groups (and their shared prompts)
+        g = batch.group_size
+        order = (torch.randperm(n // g, generator=owner._shuffle).unsqueeze(1) * g + torch.arange(g)).reshape(-1)
+        for start in range(0, n, gbs):
+            idx = order[start:start + gbs]
+            num_tokens = float(p.response_mask[idx].sum())
+            owner.optimizer.zero_grad(set_to_none=True)
+            for mb in idx.split(owner.micro_batch_size):
+                mbd = mb.to(device)
+                logp = token_logp(p.select(mb), temperature)  # [b, R]
+                out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
+                                None if ref is None else ref[mbd], alg.kl_coef, num_tokens=num_tokens)
+                out.loss.backward()
+                w = float(mask[mbd].sum()) / max(num_tokens, 1.0)
+                sums["loss"] += out.pg_loss * w
+                sums["clip_frac"] += out.clip_frac * w
+                sums["kl"] += out.kl * w
+                sums["ratio"] += out.ratio_mean * w
+                if updates == 0 and on_policy:  # before any update: trainer vs engine, the same policy
+                    gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
+                    gap_max = max(gap_max, float(gap.max()))
+                    gap_sum += float(gap.sum())
+                    gap_n += float(mask[mbd].sum())
+            sums["grad_norm"] += clip_grad_norm(owner.params, owner.max_grad_norm)
+            owner.optimizer.step()
+            updates += 1
+    owner.model.eval()
+    owner.version += 1
+    rewards = torch.tensor(batch.rewards)
+    return {
+        "version": owner.version, "reward_mean": float(rewards.mean()), "samples": n, "updates": updates,
+        **{k: v / updates for k, v in sums.items()},
+        "response_len": float(p.response_mask.sum() / n),
+        # None when the rollouts came from an older policy version (async): then no gap is expected
+        "rollout_logp_gap_max": gap_max if on_policy else None,
+        "rollout_logp_gap_mean": gap_sum / max(gap_n, 1.0) if on_policy else None,
+        "rollout_version_lag": lag,
+        "train_ms": round((time.monotonic() - t0) * 1000, 1),
+    }
