@@ -33,6 +33,20 @@ GAP_BOUND = 1e-3
 MEGATRON = ["backend=megatron", "deployment.async=false", "rollout.gpusPerEngine=1", "sync.deltaSkipThreshold=0"]
 
 
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> Path:
+    """The toy with its dataset as JSON lines: the GPU image has no pyarrow (the model is the same)."""
+    from kora_trainer.toy import make_toy
+
+    out = tmp_path_factory.mktemp("toy") / "toy"
+    make_toy(out, target=0.0, dataset="train.jsonl")
+    return out
+
+
+def data(toy: Path) -> str:
+    return f"data.path={toy}/train.jsonl"
+
+
 def needs_gpus(deployment: str) -> None:
     if deployment == "Disaggregated" and torch.cuda.device_count() < 2:
         pytest.skip("Disaggregated puts the engine on a GPU of its own: needs 2 GPUs")
@@ -41,9 +55,9 @@ def needs_gpus(deployment: str) -> None:
 @pytest.mark.parametrize(("mode", "deployment"), [
     ("Adapter", "Disaggregated"), ("EngineMerge", "Disaggregated"), ("Merge", "Disaggregated"),
     ("Merge", "Colocate"), ("Adapter", "Colocate")])
-def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy_dir, tmp_path, mode, deployment):
+def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy, tmp_path, mode, deployment):
     needs_gpus(deployment)
-    run = TrainRun(toy_dir, tmp_path, *MEGATRON, f"lora.syncMode={mode}", f"deployment.mode={deployment}",
+    run = TrainRun(toy, tmp_path, data(toy), *MEGATRON, f"lora.syncMode={mode}", f"deployment.mode={deployment}",
                    "algorithm.numSteps=4")
     wait_all([run])
     summary = run.summary()
@@ -60,17 +74,17 @@ def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy_dir, 
            wall_s=summary["wall_s"])
 
 
-def test_megatron_checkpoints_resume_and_export(toy_dir, tmp_path):
+def test_megatron_checkpoints_resume_and_export(toy, tmp_path):
     """A megatron run checkpoints every 2 steps and exports HF-PEFT; a second run on the same directory
     resumes from step 4 and runs only steps 5-6; the export loads with peft on the HF model."""
     needs_gpus("Disaggregated")
     ckpt = tmp_path / "ckpt"
-    common = [*MEGATRON, "lora.syncMode=Adapter", f"checkpoint.path={ckpt}", "checkpoint.interval=2",
+    common = [data(toy), *MEGATRON, "lora.syncMode=Adapter", f"checkpoint.path={ckpt}", "checkpoint.interval=2",
               "checkpoint.exportHF=true"]
-    first = TrainRun(toy_dir, tmp_path / "a", *common, "algorithm.numSteps=4")
+    first = TrainRun(toy, tmp_path / "a", *common, "algorithm.numSteps=4")
     wait_all([first])
     assert first.summary()["last_checkpoint"]["step"] == 4
-    second = TrainRun(toy_dir, tmp_path / "b", *common, "algorithm.numSteps=6")
+    second = TrainRun(toy, tmp_path / "b", *common, "algorithm.numSteps=6")
     wait_all([second])
     summary = second.summary()
     assert "resumed from checkpoint step 4" in second.output
@@ -82,8 +96,8 @@ def test_megatron_checkpoints_resume_and_export(toy_dir, tmp_path):
 
     export = ckpt / "lora_adapter"
     config = json.loads((export / "adapter_config.json").read_text())
-    assert Path(config["base_model_name_or_path"]) == Path(toy_dir).resolve()
-    base = AutoModelForCausalLM.from_pretrained(toy_dir, dtype=torch.float32)
+    assert Path(config["base_model_name_or_path"]) == Path(toy).resolve()
+    base = AutoModelForCausalLM.from_pretrained(toy, dtype=torch.float32)
     ids = torch.tensor([[1, 5, 6, 7, 8, 9]])
     plain = base(ids).logits
     tuned = PeftModel.from_pretrained(base, str(export))(ids).logits

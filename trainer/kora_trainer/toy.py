@@ -120,17 +120,23 @@ def sampled_accuracy(model: Any, n: int = 1000, temperature: float = 1.0, seed: 
 
 
 def write_dataset(path: Path) -> int:
+    """All 10,000 sums as parquet, or as JSON lines when `path` ends in .jsonl (no pyarrow needed)."""
+    rows = [(f"{a:02d}+{b:02d}=", f"{a + b:03d}") for a in range(100) for b in range(100)]
+    if path.suffix == ".jsonl":
+        path.write_text("".join(json.dumps({"prompt": p, "label": label}) + "\n" for p, label in rows))
+        return len(rows)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    rows = [(f"{a:02d}+{b:02d}=", f"{a + b:03d}") for a in range(100) for b in range(100)]
     table = pa.table({"prompt": [r[0] for r in rows], "label": [r[1] for r in rows]})
     pq.write_table(table, path)
     return len(rows)
 
 
-def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1) -> dict[str, Any]:
-    """Write the toy model, tokenizer and dataset to `out_dir`; return what toy.json records."""
+def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1,
+             dataset: str = "train.parquet") -> dict[str, Any]:
+    """Write the toy model, tokenizer and dataset (`dataset`: train.parquet, or train.jsonl) to `out_dir`;
+    return what toy.json records."""
     from transformers import Qwen3ForCausalLM
 
     out = Path(out_dir)
@@ -150,7 +156,7 @@ def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1)
     }
     model.save_pretrained(out)
     make_tokenizer().save_pretrained(out)
-    info["rows"] = write_dataset(out / "train.parquet")
+    info["rows"] = write_dataset(out / dataset)
     (out / "toy.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 
