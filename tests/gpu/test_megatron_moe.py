@@ -5,7 +5,8 @@ Tiny random config: 3 layers (layer 1 dense via `mlp_only_layers`, layers 0 and 
 2 KV heads, head_dim 16, 8 experts, top-2, moe_intermediate_size 32, dense intermediate_size 96, vocab 32;
 norm_topk_prob on and off; megatron's alltoall and allgather token dispatchers; TP = 1, EP = 1. Expert LoRA
 uses a variant with every layer MoE and moe_intermediate_size 24 (non-square experts) against HF + peft
-`target_parameters`.
+`target_parameters`; the HF-PEFT export (attention + dense MLP + expert LoRA) and the router LoRA use the
+3-layer variant (layer 1 dense) with moe_intermediate_size 24.
 Tolerance (fp32, TF32 off): logits 1e-4 absolute, as for the dense model. bf16 is measured and reported only
 (a near-tie in the router may pick another expert in bf16, so no bound is claimed).
 
@@ -146,6 +147,7 @@ def moe_dirs(tmp_path_factory):
     dirs = {norm: make_tiny_moe(tmp_path_factory.mktemp(f"moe_norm{int(norm)}"), norm) for norm in (True, False)}
     # every layer MoE, and 2I != H so the expert tensors are not square (PEFT's [E, out, in] orientation matters)
     dirs["i24"] = make_tiny_moe(tmp_path_factory.mktemp("moe_i24"), True, moe_intermediate_size=24, mlp_only_layers=[])
+    dirs["dense1_i24"] = make_tiny_moe(tmp_path_factory.mktemp("moe_dense1_i24"), True, moe_intermediate_size=24)
     return dirs
 
 
@@ -191,6 +193,16 @@ def router_margin(hf_model, ids: torch.Tensor, k: int) -> float:
         p = torch.softmax(lg.float(), -1).sort(-1, descending=True).values
         gaps.append(float((p[:, k - 1] - p[:, k]).min()))
     return min(gaps)
+
+
+def randomise_adapter(model, seed: int, std: float = 0.2) -> None:
+    """Every LoRA factor of a megatron model ~ N(0, std), so each adapter moves the logits."""
+    from kora_trainer.backends.megatron.lora import adapter_parameters
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter_parameters(model):
+            p.copy_(torch.randn(p.shape, generator=g) * std)
 
 
 @on_gpu
@@ -254,21 +266,14 @@ def test_moe_fused_state_loads_the_same_and_exports_to_hf_names(moe_dirs):
 def test_moe_attention_lora_equals_peft(moe_dirs):
     """LoRA on the attention linears of the MoE model (experts and router stay frozen, not wrapped)."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
-    from transformers import AutoConfig
+    from test_megatron_model import megatron_model, spec
 
     from kora_trainer.backends.megatron.convert import PEFT_PREFIX, adapter_modules
     from kora_trainer.backends.megatron.export import hf_adapter_tensors, load_hf_adapter
-    from kora_trainer.backends.megatron.lora import apply_lora, lora_modules
-    from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
-    from kora_trainer.config import LoRASpec
+    from kora_trainer.backends.megatron.lora import lora_modules
 
     path, targets, r = moe_dirs[True], ["linear_qkv", "linear_proj"], 4
-    cfg = AutoConfig.from_pretrained(path)
-    layout = layout_from_hf_config(cfg)
-    model = build_gpt_model(cfg, torch.float32)
-    apply_lora(model, LoRASpec.model_validate({"rank": r, "alpha": 8.0, "targetModules": targets}))
-    load_hf_state(model, read_hf_state(path), layout)
-    model.eval()
+    model, layout, cfg = megatron_model(path, torch.float32, spec(targets, rank=r))
     assert sorted(lora_modules(model)) == sorted(adapter_modules(layout, targets))
     g = torch.Generator().manual_seed(1)
     adapter: dict[str, torch.Tensor] = {}
@@ -321,41 +326,22 @@ def test_moe_expert_lora_equals_peft_target_parameters(moe_dirs):
     (PEFT's target_modules must not name gate_proj / up_proj here: on transformers 5 peft maps those onto the
     fused gate_up_proj with rank 2r.)"""
     from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
-    from transformers import AutoConfig
+    from test_megatron_model import megatron_model, spec
 
-    from kora_trainer.backends.megatron.lora import apply_lora, lora_modules
-    from kora_trainer.backends.megatron.model import build_gpt_model, hf_state, load_hf_state, read_hf_state
-    from kora_trainer.backends.megatron.moe import (
-        expert_target_parameters,
-        fuse_hf_experts,
-        load_moe_adapter,
-        moe_adapter_tensors,
-    )
-    from kora_trainer.config import LoRASpec
+    from kora_trainer.backends.megatron.export import hf_adapter_tensors, load_hf_adapter
+    from kora_trainer.backends.megatron.lora import lora_modules
+    from kora_trainer.backends.megatron.model import hf_state
+    from kora_trainer.backends.megatron.moe import expert_target_parameters, fuse_hf_experts
 
     path, r, alpha = moe_dirs["i24"], 4, 8.0
-    cfg = AutoConfig.from_pretrained(path)
-    layout = layout_from_hf_config(cfg)
-    lora = LoRASpec.model_validate({"rank": r, "alpha": alpha, "dropout": 0.0,
-                                    "targetModules": ["linear_qkv", "linear_fc1", "linear_fc2"]})
-
-    def wrapped(seed: int):
-        m = build_gpt_model(cfg, torch.float32)
-        apply_lora(m, lora, seed=seed)
-        load_hf_state(m, read_hf_state(path), layout)
-        return m.eval()
-
-    model = wrapped(0)
+    lora = spec(["linear_qkv", "linear_fc1", "linear_fc2"], rank=r, alpha=alpha)
+    model, layout, cfg = megatron_model(path, torch.float32, lora)
     mods = lora_modules(model)
     assert layout.moe_layers == (0, 1, 2)
     assert len(mods) == 3 + 3 * 2 * cfg.num_experts  # linear_qkv per layer + 3 MoE layers x E x (fc1, fc2)
-    torch.manual_seed(3)
-    with torch.no_grad():
-        for m in mods.values():
-            m.lora_A.weight.normal_(0.0, 0.2)
-            m.lora_B.weight.normal_(0.0, 0.2)
-    tensors = moe_adapter_tensors(model, layout)
-    targets = expert_target_parameters(model, layout)
+    randomise_adapter(model, seed=3)
+    tensors = hf_adapter_tensors(model, layout)
+    targets = expert_target_parameters(mods)
     assert targets == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     expert_a = [t for k, t in tensors.items() if ".mlp.experts." in k and k.endswith("lora_A.weight")]
     assert len(expert_a) == 6 and all(t.shape[0] == cfg.num_experts * r for t in expert_a)
@@ -400,9 +386,9 @@ def test_moe_expert_lora_equals_peft_target_parameters(moe_dirs):
     assert peft_keys == set(tensors)
     assert all(torch.equal(sd[k].cpu(), tensors[k].cpu()) for k in tensors)
     # back into a megatron model built with another seed: the same tensors
-    other = wrapped(7)
-    load_moe_adapter(other, tensors, layout)
-    again = moe_adapter_tensors(other, layout)
+    other, _, _ = megatron_model(path, torch.float32, lora, seed=7)
+    load_hf_adapter(other, tensors, layout)
+    again = hf_adapter_tensors(other, layout)
     assert all(torch.equal(again[k], tensors[k]) for k in tensors)
     # Merge mode: per-expert folds, fused into a plain HF model
     plain = tiny_moe_model(cfg).to("cuda")
@@ -411,3 +397,90 @@ def test_moe_expert_lora_equals_peft_target_parameters(moe_dirs):
         merged_err = float((plain(input_ids=ids).logits.float() - got).abs().max())
     report(test="moe_expert_lora_merged_fp32", max_abs=merged_err)
     assert merged_err < FP32_ATOL
+
+
+@on_gpu
+@pytest.mark.usefixtures("parallel")
+def test_moe_adapter_exports_to_a_peft_dir_that_loads(moe_dirs, tmp_path):
+    """Attention + MLP LoRA on the MoE model (layer 1 dense: its linear_fc1 / linear_fc2 are plain linears, the
+    MoE layers' are every expert's): `export_hf_peft` writes a directory `PeftModel.from_pretrained` loads on
+    HF's Qwen3MoeForCausalLM with megatron's logits; the adapter loads back into another megatron model bit for
+    bit."""
+    from peft import PeftModel
+    from test_megatron_model import TARGETS, megatron_model, spec
+
+    from kora_trainer.backends.megatron.export import export_hf_peft, hf_adapter_tensors, load_hf_adapter
+
+    path = moe_dirs["dense1_i24"]
+    lora = spec(TARGETS)
+    model, layout, cfg = megatron_model(path, torch.float32, lora)
+    assert layout.moe_layers == (0, 2)
+    randomise_adapter(model, seed=5)
+    out = export_hf_peft(model, layout, lora, str(path), tmp_path, meta={"step": 0})
+    assert out is not None
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    assert config["target_parameters"][:2] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    loaded = PeftModel.from_pretrained(hf(path, torch.float32), out).eval()
+    ids = ids_for(cfg.vocab_size, seed=6)
+    with torch.no_grad():
+        got, want = mg_logits(model, ids), loaded(input_ids=ids).logits.float()
+        base = hf(path, torch.float32)(input_ids=ids).logits.float()
+    err, shift = float((got - want).abs().max()), float((want - base).abs().max())
+    report(test="moe_lora_peft_dir_fp32", max_abs=err, adapter_effect=shift, logit_scale=float(want.abs().max()))
+    assert shift > 0.1 and err < FP32_ATOL
+    exported = hf_adapter_tensors(model, layout)
+    other, _, _ = megatron_model(path, torch.float32, lora, seed=7)
+    load_hf_adapter(other, exported, layout)
+    again = hf_adapter_tensors(other, layout)
+    assert set(again) == set(exported) and all(torch.equal(again[k], exported[k]) for k in exported)
+
+
+@on_gpu
+@pytest.mark.usefixtures("parallel")
+def test_moe_router_lora_equals_peft(moe_dirs, tmp_path):
+    """Router LoRA (Adapter mode): B = 0 leaves the policy unchanged; a random adapter moves the logits and
+    megatron equals HF + peft loading the exported directory (`target_parameters` on `mlp.gate.weight`); with the
+    adapter switched off megatron gives the base HF logits; the router factors get gradients."""
+    from peft import PeftModel
+    from test_megatron_model import megatron_model, spec
+
+    from kora_trainer.backends.megatron.export import export_hf_peft
+    from kora_trainer.backends.megatron.lora import LoRARouter, adapter_disabled, lora_modules
+    from kora_trainer.config import SyncMode
+
+    path = moe_dirs["dense1_i24"]
+    lora = spec(["router"]).model_copy(update={"sync_mode": SyncMode.ADAPTER})
+    model, layout, cfg = megatron_model(path, torch.float32, lora)
+    mods = lora_modules(model)
+    assert sorted(mods) == ["decoder.layers.0.mlp.router", "decoder.layers.2.mlp.router"]
+    assert all(isinstance(m, LoRARouter) and m.lora_B.weight.shape == (cfg.num_experts, m.rank) for m in mods.values())
+    ids = ids_for(cfg.vocab_size, seed=8)
+    with torch.no_grad():
+        start = mg_logits(model, ids)
+        with adapter_disabled(model):
+            off = mg_logits(model, ids)
+    assert torch.equal(start, off)  # B = 0
+    randomise_adapter(model, seed=9)
+    out = export_hf_peft(model, layout, lora, str(path), tmp_path)
+    assert out is not None
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["target_modules"] == [] and config["target_parameters"] == [
+        "model.layers.0.mlp.gate.weight", "model.layers.2.mlp.gate.weight"]
+    loaded = PeftModel.from_pretrained(hf(path, torch.float32), out).eval()
+    with torch.no_grad():
+        got, want = mg_logits(model, ids), loaded(input_ids=ids).logits.float()
+        with adapter_disabled(model):
+            off = mg_logits(model, ids)
+        base_ref = hf(path, torch.float32)
+        base = base_ref(input_ids=ids).logits.float()
+        margin = router_margin(base_ref, ids, cfg.num_experts_per_tok)
+    err, base_err = float((got - want).abs().max()), float((off - base).abs().max())
+    shift = float((got - off).abs().max())
+    report(test="moe_router_lora_vs_peft_fp32", max_abs=err, adapter_off_max_abs=base_err, adapter_effect=shift,
+           base_router_min_topk_gap=margin)
+    assert shift > 0.1 and err < FP32_ATOL and base_err < FP32_ATOL
+    model.zero_grad(set_to_none=True)
+    mg_logits(model, ids).square().mean().backward()
+    grads = [float(p.grad.abs().max()) for m in mods.values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    assert all(g > 0 for g in grads), grads

@@ -23,14 +23,22 @@ PEFT_PREFIX = "base_model.model."
 
 
 def adapter_config(*, base_model: str, rank: int, alpha: float, target_modules: list[str],
-                   dropout: float = 0.0) -> dict[str, Any]:
-    """The adapter_config.json peft expects for a plain LoRA on a causal LM."""
-    return {
+                   dropout: float = 0.0, target_parameters: list[str] | None = None) -> dict[str, Any]:
+    """The adapter_config.json peft expects for a plain LoRA on a causal LM.
+
+    `target_parameters` (peft's ParamWrapper: fused MoE experts, bare router weights) are kept in the order
+    given. peft refuses lora_dropout != 0 on a ParamWrapper; dropout only regularises training and the exported
+    policy is the same without it, so such a config says 0.
+    """
+    config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
         "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": sorted(set(target_modules)),
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,
         "inference_mode": True, "modules_to_save": None, "init_lora_weights": True,
     }
+    if target_parameters:
+        config.update(target_parameters=list(dict.fromkeys(target_parameters)), lora_dropout=0.0)
+    return config
 
 
 def export_peft(checkpoint_root: Path, tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any],

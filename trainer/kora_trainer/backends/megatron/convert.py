@@ -35,11 +35,13 @@ splits back):
 
 The same kinds describe LoRA factors (see lora.py): a column-parallel wrapper's B has the base weight's row
 layout (QKV / FC1 / COLUMN) and its A is replicated; a row-parallel wrapper's A has the base weight's column
-layout (ROW) and its B is replicated.
+layout (ROW) and its B is replicated; the router's LoRA (REPL) has both factors whole on every rank. The MoE
+experts' LoRA is named by moe.py (PEFT's grouped layout), not here.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,7 +109,10 @@ _LINEARS: dict[str, tuple[str, TargetModule, str]] = {
     "mlp.linear_fc1": ("mlp", TargetModule.LINEAR_FC1, FC1),
     "mlp.linear_fc2": ("mlp", TargetModule.LINEAR_FC2, ROW),
 }
-TARGET_OF = {leaf.rsplit(".", 1)[-1]: target for leaf, (_, target, _) in _LINEARS.items()}
+# the modules LoRA can wrap: the linears, and an MoE layer's router (its bare [E, H] weight; lora.LoRARouter)
+_ADAPTED = {**_LINEARS, "mlp.router": ("mlp", TargetModule.ROUTER, REPL)}
+TARGET_OF = {leaf.rsplit(".", 1)[-1]: target for leaf, (_, target, _) in _ADAPTED.items()}
+_LAYER_MODULE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
 def _layer_maps(i: int, layout: Layout, flavour: str) -> list[ParamMap]:
@@ -158,18 +163,28 @@ def param_maps(layout: Layout, flavour: str = "hf") -> list[ParamMap]:
 
 def adapter_modules(layout: Layout, targets: Sequence[TargetModule | str], flavour: str = "hf"
                     ) -> dict[str, tuple[tuple[str, ...], str]]:
-    """megatron module path -> (HF module paths it stands for, kind), for the LoRA-targeted linears."""
+    """megatron module path -> (HF module paths it stands for, kind), for the LoRA-targeted linears and routers
+    (the MoE experts' LoRA is named by moe.py, in PEFT's grouped layout)."""
     wanted = {TargetModule(t) for t in targets}
-    names = FLAVOURS[flavour]
     out: dict[str, tuple[tuple[str, ...], str]] = {}
     for i in range(layout.num_layers):
-        for module, (hf_parent, target, kind) in _LINEARS.items():
-            if i in layout.moe_layers and module.startswith("mlp."):
-                continue  # the experts: moe.py names their LoRA (PEFT grouped layout)
-            if target in wanted:
-                out[f"decoder.layers.{i}.{module}"] = (
-                    tuple(f"model.layers.{i}.{hf_parent}.{leaf}" for leaf in names[target]), kind)
+        moe = i in layout.moe_layers
+        for module, (_, target, _) in _ADAPTED.items():
+            if target not in wanted or (module.startswith("mlp.") and moe != (module == "mlp.router")):
+                continue  # an MoE layer has a router and experts, a dense layer linear_fc1 / linear_fc2
+            name = f"decoder.layers.{i}.{module}"
+            out[name] = hf_adapter_module(name, flavour)
     return out
+
+
+def hf_adapter_module(name: str, flavour: str = "hf") -> tuple[tuple[str, ...], str]:
+    """One LoRA-wrapped megatron module path (`decoder.layers.{i}.<module>`) -> (HF module paths, kind)."""
+    m = _LAYER_MODULE.match(name)
+    if m is None or m.group(2) not in _ADAPTED:
+        raise KeyError(f"{name}: not a megatron module with an HF-PEFT name (experts: see moe.py)")
+    i, module = m.groups()
+    hf_parent, target, kind = _ADAPTED[module]
+    return tuple(f"model.layers.{i}.{hf_parent}.{leaf}" for leaf in FLAVOURS[flavour][target]), kind
 
 
 # ---- layouts ------------------------------------------------------------------------------------------
@@ -270,6 +285,8 @@ def adapter_from_hf(hf_modules: Sequence[str], kind: str, tensors: dict[str, tor
     """
     a_list = [tensors[f"{PEFT_PREFIX}{m}.lora_A.weight"] for m in hf_modules]
     b_list = [tensors[f"{PEFT_PREFIX}{m}.lora_B.weight"] for m in hf_modules]
+    if kind == REPL:  # the router: both factors whole on every rank
+        return a_list[0], b_list[0]
     if column_parallel(kind):
         if any(not torch.equal(a_list[0], a) for a in a_list[1:]):
             raise ValueError(f"{', '.join(hf_modules)}: lora_A differs between the projections a fused megatron "

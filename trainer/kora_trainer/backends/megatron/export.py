@@ -3,11 +3,20 @@
 Adapter mode pushes `hf_adapter_tensors`, EngineMerge pushes the same pairs, Merge mode pushes
 `model.hf_state(merged=True)`, the HF-PEFT export writes `hf_adapter_tensors` + `peft_config`. All are
 collective over the tensor-parallel group: every TP rank calls them; sharded factors are all-gathered.
+
+Attention / dense-MLP linears and MoE routers are one (A, B) pair per HF module (convert.py names them); the
+MoE experts' wrappers are grouped per layer in PEFT's `target_parameters` layout (moe.py).
+
+PEFT config of an MoE model: on transformers 5 peft rewrites `target_modules` entries named gate / gate_proj /
+up_proj / down_proj onto the fused expert parameters (with a doubled rank for gate_up_proj), so there every
+MLP-side adapter goes into `target_parameters`: the experts as `mlp.experts.{gate_up_proj,down_proj}`, the
+routers and any dense MLP layer's projections by full parameter path (`model.layers.{i}.mlp.gate.weight`, ...);
+the attention projections stay `target_modules` leaves. A dense model's config is unchanged (leaves only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,15 +24,24 @@ import torch
 from torch import nn
 
 from kora_trainer.backends.megatron.convert import (
+    PEFT_PREFIX,
+    REPL,
     Layout,
     adapter_from_hf,
     adapter_modules,
     adapter_to_hf,
     column_parallel,
+    hf_adapter_module,
 )
-from kora_trainer.backends.megatron.lora import lora_modules
+from kora_trainer.backends.megatron.lora import MegatronLoRA, lora_modules
+from kora_trainer.backends.megatron.moe import (
+    expert_adapter_tensors,
+    expert_target_parameters,
+    is_expert_module,
+    load_expert_adapter,
+)
 from kora_trainer.backends.megatron.parallel import gather_tp
-from kora_trainer.config import MEGATRON_TO_HF, LoRASpec, TargetModule
+from kora_trainer.config import LoRASpec, TargetModule
 
 
 def _targets(model: nn.Module) -> list[TargetModule]:
@@ -32,41 +50,68 @@ def _targets(model: nn.Module) -> list[TargetModule]:
     return sorted({TARGET_OF[name.rsplit(".", 1)[-1]] for name in lora_modules(model)}, key=str)
 
 
-def hf_adapter_tensors(model: nn.Module, layout: Layout, flavour: str = "hf") -> dict[str, torch.Tensor]:
-    """Every adapter pair under HF-PEFT names (`base_model.model.<module>.lora_{A,B}.weight`), full size."""
+def _paired(model: nn.Module, layout: Layout, flavour: str = "hf"
+            ) -> Iterator[tuple[MegatronLoRA, tuple[str, ...], str]]:
+    """(wrapper, HF module paths, kind) for every LoRA wrapper but the MoE experts' (moe.py groups those)."""
     mapping = adapter_modules(layout, _targets(model), flavour)
-    out: dict[str, torch.Tensor] = {}
     for name, m in lora_modules(model).items():
-        hf_modules, kind = mapping[name]
+        if name in mapping:
+            yield m, *mapping[name]
+        elif not is_expert_module(name):
+            raise KeyError(f"LoRA module {name} has no HF-PEFT name in the mapping of {layout}")
+
+
+def hf_adapter_tensors(model: nn.Module, layout: Layout, flavour: str = "hf") -> dict[str, torch.Tensor]:
+    """Every adapter pair under HF-PEFT names (`base_model.model.<module>.lora_{A,B}.weight`), full size;
+    MoE experts in PEFT's grouped layout."""
+    out: dict[str, torch.Tensor] = {}
+    for m, hf_modules, kind in _paired(model, layout, flavour):
         a, b = m.lora_A.weight.detach(), m.lora_B.weight.detach()
-        a_shards, b_shards = ([a], gather_tp(b)) if column_parallel(kind) else (gather_tp(a), [b])
+        if kind == REPL:  # the router: both factors whole on every rank
+            a_shards, b_shards = [a], [b]
+        else:
+            a_shards, b_shards = ([a], gather_tp(b)) if column_parallel(kind) else (gather_tp(a), [b])
         out.update(adapter_to_hf(hf_modules, kind, a_shards, b_shards, layout))
+    out.update(expert_adapter_tensors(model, layout))
     return out
 
 
-@torch.no_grad()
 def load_hf_adapter(model: nn.Module, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
     """Set every wrapper's A and B from HF-PEFT tensors (this TP rank's shards). Every tensor must be used."""
-    mapping = adapter_modules(layout, _targets(model))
     used: set[str] = set()
     tensors = dict(tensors)
-    for name, m in lora_modules(model).items():
-        hf_modules, kind = mapping[name]
-        a, b = adapter_from_hf(hf_modules, kind, tensors, layout, m.tp_rank, m.tp_size)
-        m.lora_A.weight.copy_(a.to(m.lora_A.weight.device, m.lora_A.weight.dtype))
-        m.lora_B.weight.copy_(b.to(m.lora_B.weight.device, m.lora_B.weight.dtype))
-        used.update(f"base_model.model.{h}.lora_{w}.weight" for h in hf_modules for w in "AB")
+    for m, hf_modules, kind in _paired(model, layout):
+        m.load_factors(*adapter_from_hf(hf_modules, kind, tensors, layout, m.tp_rank, m.tp_size))
+        used.update(f"{PEFT_PREFIX}{h}.lora_{w}.weight" for h in hf_modules for w in "AB")
+    used |= load_expert_adapter(model, tensors, layout)
     unused = sorted(set(tensors) - used)
     if unused:
         raise KeyError(f"adapter tensors with no megatron LoRA module to go to: {unused[:5]}")
 
 
+def peft_targets(wrapped: Iterable[str]) -> tuple[list[str], list[str]]:
+    """(target_modules, target_parameters) for PEFT, from the megatron LoRA module paths (module docstring)."""
+    names = list(wrapped)
+    params = expert_target_parameters(names)
+    moe = bool(params) or any(n.endswith(".mlp.router") for n in names)
+    leaves: set[str] = set()
+    for name in names:
+        if is_expert_module(name):
+            continue
+        hf_modules, _ = hf_adapter_module(name)
+        if moe and ".mlp." in name:  # a router, or a dense MLP layer of an MoE model
+            params += [f"{h}.weight" for h in hf_modules]
+        else:
+            leaves.update(h.rsplit(".", 1)[-1] for h in hf_modules)
+    return sorted(leaves), params
+
+
 def peft_config(model: nn.Module, spec: LoRASpec, base_model: str) -> dict[str, Any]:
     from kora_trainer.checkpoint.peft_export import adapter_config
 
-    leaves = [leaf for t in _targets(model) for leaf in MEGATRON_TO_HF[t]]
-    return adapter_config(base_model=base_model, rank=spec.rank, alpha=spec.alpha, target_modules=leaves,
-                          dropout=spec.dropout)
+    modules, params = peft_targets(lora_modules(model))
+    return adapter_config(base_model=base_model, rank=spec.rank, alpha=spec.alpha, target_modules=modules,
+                          dropout=spec.dropout, target_parameters=params)
 
 
 def export_hf_peft(model: nn.Module, layout: Layout, spec: LoRASpec, base_model: str, root: str | Path,

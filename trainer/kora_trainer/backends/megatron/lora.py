@@ -28,6 +28,13 @@ Init (PEFT's): A ~ kaiming-uniform(a=√5) = U(±1/√in), B = 0, so training st
 A is drawn at full size from one CPU generator in model order, then sliced: the same seed gives the same
 adapter whatever the TP size.
 
+Router (`router`, Qwen3-MoE; SPEC rule 5: Adapter mode only): megatron's TopKRouter keeps its gate as a bare
+[E, H] parameter and computes the logits in `gating(input)` (megatron-core 0.19.2: `Router.gating`, called by
+`TopKRouter.forward` after the input jitter, before top-k). `LoRARouter` replaces the router in the MoE layer
+(parameters `…mlp.router.base_layer.weight`, `…mlp.router.lora_{A,B}.weight`, like the linear wrappers) and
+shadows that router's `gating`: logits = x·Wgᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, A [r, H], B [E, r], both replicated;
+routing (softmax, top-k) then sees the adapted logits. TP = 1 only.
+
 megatron is imported lazily: this module imports on machines without megatron-core.
 """
 
@@ -41,11 +48,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kora_trainer.config import LoRASpec, TargetModule
+from kora_trainer.config import LoRASpec, SyncMode, TargetModule
 from kora_trainer.lora import model as hf_lora
 
 SUPPORTED = {TargetModule.LINEAR_QKV: "linear_qkv", TargetModule.LINEAR_PROJ: "linear_proj",
-             TargetModule.LINEAR_FC1: "linear_fc1", TargetModule.LINEAR_FC2: "linear_fc2"}
+             TargetModule.LINEAR_FC1: "linear_fc1", TargetModule.LINEAR_FC2: "linear_fc2",
+             TargetModule.ROUTER: "router"}
 
 
 def _tp(base: nn.Module) -> tuple[int, int]:
@@ -55,43 +63,26 @@ def _tp(base: nn.Module) -> tuple[int, int]:
     return group.rank(), group.size()
 
 
-class _ParallelLoRA(nn.Module):
-    """Shared state of the two wrappers. Parameter names follow PEFT (`base_layer`, `lora_A`, `lora_B`)."""
+class MegatronLoRA(nn.Module):
+    """What every megatron LoRA wrapper holds, under PEFT's names: the frozen `base_layer` (its `.weight`
+    [out, in] is this TP rank's shard), `lora_A` [r, in] / `lora_B` [out, r] shaped like that weight,
+    `scaling` = alpha / r, `dropout`, `enabled`. The module walks below (`lora_modules`, `adapter_parameters`,
+    `adapter_disabled`, ...) take this class. `a_local`: this rank's part of A's PEFT init; B starts at 0."""
 
-    column: bool
-
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_local: torch.Tensor):
         super().__init__()
-        if getattr(base, "sequence_parallel", False):
-            raise NotImplementedError("LoRA with sequence parallelism is not wired yet")
-        if getattr(base, "explicit_expert_comm", False):
-            raise NotImplementedError("LoRA on grouped / sequential MoE experts is the next step of issue 7")
         self.base_layer = base
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
         self.tp_rank, self.tp_size = _tp(base)
-        w = base.weight
-        out_local, in_local = w.shape
+        w = base.get_parameter("weight")
         kw = {"device": w.device, "dtype": w.dtype}
-        if self.column:  # A replicated [r, in], B sharded like W [out/tp, r]
-            self.lora_A = nn.Linear(in_local, rank, bias=False, **kw)
-            self.lora_B = nn.Linear(rank, out_local, bias=False, **kw)
-            a_local = a_full
-        else:  # A sharded like W [r, in/tp], B replicated [out, r]
-            self.lora_A = nn.Linear(in_local, rank, bias=False, **kw)
-            self.lora_B = nn.Linear(rank, out_local, bias=False, **kw)
-            a_local = a_full.chunk(self.tp_size, dim=1)[self.tp_rank]
-        with torch.no_grad():
-            self.lora_A.weight.copy_(a_local)
-            self.lora_B.weight.zero_()
-        from megatron.core import tensor_parallel
-
-        sharded, dim = (self.lora_B.weight, 0) if self.column else (self.lora_A.weight, 1)
-        if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard
-            tensor_parallel.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
+        self.lora_A = nn.Linear(w.shape[1], rank, bias=False, **kw)
+        self.lora_B = nn.Linear(rank, w.shape[0], bias=False, **kw)
+        self.load_factors(a_local, torch.zeros_like(self.lora_B.weight))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
 
-    # the attention / MLP modules and megatron utilities look at these on the linear they hold
+    # the attention / MLP modules and megatron utilities look at these on the module they hold
     @property
     def weight(self) -> torch.Tensor:
         return self.base_layer.weight
@@ -100,8 +91,11 @@ class _ParallelLoRA(nn.Module):
     def bias(self) -> torch.Tensor | None:
         return self.base_layer.bias
 
-    def backward_dw(self) -> None:
-        self.base_layer.backward_dw()
+    @torch.no_grad()
+    def load_factors(self, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Set A and B (this rank's shards) from tensors on any device / dtype."""
+        self.lora_A.weight.copy_(a.to(self.lora_A.weight.device, self.lora_A.weight.dtype))
+        self.lora_B.weight.copy_(b.to(self.lora_B.weight.device, self.lora_B.weight.dtype))
 
     @torch.no_grad()
     def folded_weight(self) -> torch.Tensor:
@@ -112,6 +106,29 @@ class _ParallelLoRA(nn.Module):
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, tp={self.tp_rank}/{self.tp_size}, enabled={self.enabled}"
+
+
+class _ParallelLoRA(MegatronLoRA):
+    """The two tensor-parallel linear wrappers: which factor is sharded follows the base (module docstring)."""
+
+    column: bool
+
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
+        if getattr(base, "sequence_parallel", False):
+            raise NotImplementedError("LoRA with sequence parallelism is not wired yet")
+        if getattr(base, "explicit_expert_comm", False):
+            raise NotImplementedError("LoRA on grouped / sequential MoE experts is the next step of issue 7")
+        tp_rank, tp_size = _tp(base)
+        # column: A replicated [r, in], B sharded like W [out/tp, r]; row: A sharded like W [r, in/tp], B replicated
+        super().__init__(base, rank, alpha, dropout, a_full if self.column else a_full.chunk(tp_size, dim=1)[tp_rank])
+        from megatron.core import tensor_parallel
+
+        sharded, dim = (self.lora_B.weight, 0) if self.column else (self.lora_A.weight, 1)
+        if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard
+            tensor_parallel.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
+
+    def backward_dw(self) -> None:
+        self.base_layer.backward_dw()
 
 
 class LoRAColumnParallelLinear(_ParallelLoRA):
@@ -157,54 +174,114 @@ class LoRARowParallelLinear(_ParallelLoRA):
         return out + delta.to(out.dtype), bias
 
 
+class LoRARouter(MegatronLoRA):
+    """LoRA on an MoE router's logits: x·Wgᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, A [r, H], B [E, r] (module docstring).
+    Takes the router's place in its MoE layer; the router itself runs unchanged but for its `gating`."""
+
+    def __init__(self, base: Any, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
+        if _tp(base)[1] != 1:
+            raise NotImplementedError("router LoRA under tensor parallelism is not wired yet (tensor parallel size "
+                                      "1 only): remove router from lora.targetModules or set parallelism.tensor 1")
+        super().__init__(base, rank, alpha, dropout, a_full)
+        # this router instance only (TopKRouter.forward calls self.gating); a bound method, so a deepcopy of the
+        # model rebinds it to the copy's wrapper
+        base.gating = self._gating
+
+    def _gating(self, x: torch.Tensor) -> torch.Tensor:  # x [s, b, H] -> logits [s, b, E]
+        router: Any = self.base_layer
+        logits: torch.Tensor = type(router).gating(router, x)  # megatron's Router.gating
+        if not self.enabled:
+            return logits
+        a = F.linear(self.dropout(x.to(self.lora_A.weight.dtype)), self.lora_A.weight)  # [s, b, r]
+        return logits + (F.linear(a, self.lora_B.weight) * self.scaling).to(logits.dtype)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.base_layer(*args, **kwargs)  # (probs, routing_map)
+
+    def set_layer_number(self, layer_number: int) -> None:  # MoELayer.set_layer_number calls it on its router
+        router: Any = self.base_layer
+        router.set_layer_number(layer_number)
+
+    def __getattr__(self, name: str) -> Any:
+        """Anything else megatron reads off `mlp.router` (topk, config, expert_bias, ...) is the router's."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            base = self.__dict__.get("_modules", {}).get("base_layer")
+            if base is None:
+                raise
+            return getattr(base, name)
+
+
 def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
-    """Wrap the targeted megatron linears in place; freeze everything but the adapters. Returns module names.
+    """Wrap the targeted megatron linears (and MoE routers) in place; freeze everything but the adapters.
+    Returns module names.
 
-    Supported targets: linear_qkv, linear_proj, linear_fc1, linear_fc2 (dense layers). router / GDN
-    projections / grouped experts are the next step of issue 7 and raise here rather than train nothing.
+    Supported targets: linear_qkv, linear_proj, linear_fc1, linear_fc2 (dense layers, and every MoE expert's
+    linears at TP = 1), router (MoE routers, TP = 1; SPEC rule 5: lora.syncMode Adapter). GDN projections
+    raise here rather than train nothing, as does a target that matches no module of this model.
     """
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
     unsupported = [str(t) for t in spec.target_modules if TargetModule(t) not in SUPPORTED]
     if unsupported:
         raise NotImplementedError(f"lora.targetModules {unsupported}: not yet supported by the megatron backend")
+    if TargetModule.ROUTER in spec.target_modules and spec.effective_sync_mode is not SyncMode.ADAPTER:
+        raise ValueError("lora.targetModules contains router, which requires lora.syncMode Adapter (SPEC rule 5: "
+                         "Merge and EngineMerge fold plain linear layers only)")
     leaves = {SUPPORTED[TargetModule(t)] for t in spec.target_modules}
     gen = torch.Generator().manual_seed(seed)
     model.requires_grad_(False)
     names: list[str] = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
-        if leaf not in leaves or not isinstance(module, ColumnParallelLinear | RowParallelLinear):
+        if leaf not in leaves:
             continue
-        column = isinstance(module, ColumnParallelLinear)
-        in_full = module.weight.shape[1] * (1 if column else _tp(module)[1])
-        bound = 1.0 / math.sqrt(in_full)  # kaiming_uniform_(a=√5) on [r, in]
-        a_full = torch.empty(spec.rank, in_full).uniform_(-bound, bound, generator=gen)
-        cls = LoRAColumnParallelLinear if column else LoRARowParallelLinear
-        wrapper = cls(module, spec.rank, spec.alpha, spec.dropout, a_full)
+        wrapper = _wrap(module, spec, gen)
+        if wrapper is None:
+            continue
         wrapper.train(module.training)
         parent_name, _, _ = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, wrapper)
         names.append(name)
-    if not names:
-        raise ValueError(f"lora.targetModules {[str(t) for t in spec.target_modules]} matched no megatron linear")
+    unmatched = sorted(leaves - {n.rsplit(".", 1)[-1] for n in names})
+    if unmatched:
+        raise ValueError(f"lora.targetModules {unmatched} matched no module of this megatron model (router needs an "
+                         "MoE model); remove them from lora.targetModules")
     for p in adapter_parameters(model):
         p.requires_grad_(True)
     return names
 
 
-def lora_modules(model: nn.Module) -> dict[str, _ParallelLoRA]:
-    return hf_lora.lora_modules(model, _ParallelLoRA)
+def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator) -> MegatronLoRA | None:
+    """The LoRA wrapper for one megatron module (None: not a kind LoRA wraps), A drawn at full size."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    cls: type[MegatronLoRA]
+    if isinstance(module, TopKRouter):
+        cls, in_full = LoRARouter, module.weight.shape[1]
+    elif isinstance(module, ColumnParallelLinear):
+        cls, in_full = LoRAColumnParallelLinear, module.weight.shape[1]
+    elif isinstance(module, RowParallelLinear):
+        cls, in_full = LoRARowParallelLinear, module.weight.shape[1] * _tp(module)[1]
+    else:
+        return None
+    bound = 1.0 / math.sqrt(in_full)  # kaiming_uniform_(a=√5) on [r, in]
+    a_full = torch.empty(spec.rank, in_full).uniform_(-bound, bound, generator=gen)
+    return cls(module, spec.rank, spec.alpha, spec.dropout, a_full)
+
+
+def lora_modules(model: nn.Module) -> dict[str, MegatronLoRA]:
+    return hf_lora.lora_modules(model, MegatronLoRA)
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return hf_lora.adapter_parameters(model, _ParallelLoRA)
+    return hf_lora.adapter_parameters(model, MegatronLoRA)
 
 
 def check_only_adapters_trainable(model: nn.Module) -> None:
-    hf_lora.check_only_adapters_trainable(model, _ParallelLoRA)
+    hf_lora.check_only_adapters_trainable(model, MegatronLoRA)
 
 
 def adapter_disabled(model: nn.Module) -> AbstractContextManager[None]:
     """The base policy (GRPO's KL reference) from the same weights."""
-    return hf_lora.adapter_disabled(model, _ParallelLoRA)
+    return hf_lora.adapter_disabled(model, MegatronLoRA)

@@ -25,28 +25,22 @@ grouped `target_parameters` layout on `mlp.experts.{gate_up_proj,down_proj}` (tr
 [E, out, in] expert tensors; peft's ParamWrapper): lora_A [E·r, in] = the experts' A stacked (rows
 expert-major), lora_B [out, r·E] with column j·E + e = column j of expert e's B (rank-major). Expert e's
 gate_up update is B_e·A_e on its [gate_e; up_e] rows: one A per expert is exact because HF fuses gate and up
-too. Merge mode needs nothing new (`hf_state(merged=True)` folds each expert's wrapper).
+too. Merge mode needs nothing new (`hf_state(merged=True)` folds each expert's wrapper). `export.py`
+(`hf_adapter_tensors`, `load_hf_adapter`, `peft_config`) calls the functions below for the experts; the
+router's LoRA (lora.LoRARouter) is a plain [r, H] / [E, r] pair named by convert.py (`mlp.gate`).
 
-Not yet: tensor / expert parallelism for the experts (raises), router LoRA, shared experts (Qwen2-MoE),
-GroupedMLP.
+Not yet: tensor / expert parallelism for the experts (raises), shared experts (Qwen2-MoE), GroupedMLP.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-from kora_trainer.backends.megatron.convert import (
-    PEFT_PREFIX,
-    Layout,
-    adapter_from_hf,
-    adapter_modules,
-    adapter_to_hf,
-    moe_layer_indices,
-)
+from kora_trainer.backends.megatron.convert import PEFT_PREFIX, Layout, moe_layer_indices
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
 DISPATCHERS = ("alltoall", "allgather")
@@ -160,6 +154,12 @@ def fuse_hf_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
 # megatron expert linear -> transformers-5 fused expert parameter; PEFT target_parameters order (the LAST one is
 # PEFT's outer ParamWrapper on `mlp.experts`, each earlier one one `.base_layer` deeper)
 EXPERT_PARAMS = {"linear_fc1": "gate_up_proj", "linear_fc2": "down_proj"}
+_EXPERT = ".mlp.experts.local_experts."
+
+
+def is_expert_module(name: str) -> bool:
+    """A megatron module path inside an MoE layer's experts (its LoRA is exported grouped, by this module)."""
+    return _EXPERT in name
 
 
 def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int, str], list[Any]]:
@@ -170,8 +170,7 @@ def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int
     out: dict[tuple[int, str], list[Any]] = {}
     for i in layout.moe_layers:
         for leaf, param in EXPERT_PARAMS.items():
-            ms = [mods.get(f"decoder.layers.{i}.mlp.experts.local_experts.{e}.{leaf}")
-                  for e in range(layout.num_experts)]
+            ms = [mods.get(f"decoder.layers.{i}{_EXPERT}{e}.{leaf}") for e in range(layout.num_experts)]
             if all(m is None for m in ms):
                 continue
             if any(m is None for m in ms) or len({(m.rank, m.scaling) for m in ms}) != 1:
@@ -182,77 +181,57 @@ def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int
     return out
 
 
-def expert_target_parameters(model: torch.nn.Module, layout: Layout) -> list[str]:
-    """PEFT `target_parameters` for the adapted experts (e.g. ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])."""
-    params = {p for _, p in expert_lora_groups(model, layout)}
-    return [f"mlp.experts.{p}" for p in EXPERT_PARAMS.values() if p in params]
+def expert_target_parameters(wrapped: Iterable[str]) -> list[str]:
+    """PEFT `target_parameters` for the adapted experts, from the LoRA module paths `wrapped` (e.g.
+    ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]; [] for a model without expert LoRA)."""
+    leaves = {n.rsplit(".", 1)[-1] for n in wrapped if is_expert_module(n)}
+    return [f"mlp.experts.{p}" for leaf, p in EXPERT_PARAMS.items() if leaf in leaves]
 
 
 def peft_expert_key(layer: int, param: str, which: str, params: list[str]) -> str:
-    """The HF-PEFT tensor name of a grouped expert factor (`params`: target_parameters, in order)."""
+    """The HF-PEFT tensor name of a grouped expert factor (`params`: the experts' target_parameters, in order)."""
     depth = len(params) - 1 - params.index(f"mlp.experts.{param}")
     return f"{PEFT_PREFIX}model.layers.{layer}.mlp.experts{'.base_layer' * depth}.lora_{which}.weight"
 
 
+def _grouped_params(groups: Mapping[tuple[int, str], Any]) -> list[str]:
+    present = {param for _, param in groups}
+    return [f"mlp.experts.{p}" for p in EXPERT_PARAMS.values() if p in present]
+
+
+def group_expert_factors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert A_e [r, in], B_e [out, r] -> PEFT's grouped lora_A [E·r, in] (the A_e stacked, expert-major
+    rows) and lora_B [out, r·E] (column j·E + e = column j of B_e, rank-major)."""
+    grouped_b = torch.stack(list(b), dim=-1)  # [out, r, E]
+    return torch.cat(list(a), dim=0), grouped_b.reshape(grouped_b.shape[0], -1)
+
+
+def split_expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Inverse of `group_expert_factors`: [(A_e, B_e)] for e in 0..experts-1."""
+    r = a.shape[0] // experts
+    a3, b3 = a.reshape(experts, r, -1), b.reshape(b.shape[0], r, experts)  # [E, r, in], [out, r, E]
+    return [(a3[e], b3[:, :, e]) for e in range(experts)]
+
+
 def expert_adapter_tensors(model: torch.nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
-    """The experts' LoRA factors under PEFT's grouped names: A [E·r, in], B [out, r·E] (column j·E + e)."""
-    params = expert_target_parameters(model, layout)
+    """The experts' LoRA factors under PEFT's grouped names ({} without expert LoRA). TP = 1."""
+    groups = expert_lora_groups(model, layout)
+    params = _grouped_params(groups)
     out: dict[str, torch.Tensor] = {}
-    for (i, param), ms in expert_lora_groups(model, layout).items():
-        a = torch.cat([m.lora_A.weight.detach() for m in ms], dim=0)  # [E·r, in], expert-major rows
-        b = torch.stack([m.lora_B.weight.detach() for m in ms], dim=-1)  # [out, r, E]
-        out[peft_expert_key(i, param, "A", params)] = a
-        out[peft_expert_key(i, param, "B", params)] = b.reshape(b.shape[0], -1)  # [out, r·E], rank-major
+    for (i, param), ms in groups.items():
+        a, b = group_expert_factors([m.lora_A.weight.detach() for m in ms], [m.lora_B.weight.detach() for m in ms])
+        out[peft_expert_key(i, param, "A", params)], out[peft_expert_key(i, param, "B", params)] = a, b
     return out
 
 
-def moe_adapter_tensors(model: torch.nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
-    """Every adapter pair of an MoE policy under HF-PEFT names: attention / dense-MLP linears as
-    `export.hf_adapter_tensors` names them, the experts in the grouped layout (TP = 1)."""
-    from kora_trainer.backends.megatron.export import _targets
-    from kora_trainer.backends.megatron.lora import lora_modules
-
-    mapping = adapter_modules(layout, _targets(model))
-    out: dict[str, torch.Tensor] = {}
-    for name, m in lora_modules(model).items():
-        if name in mapping:
-            hf_modules, kind = mapping[name]
-            out.update(adapter_to_hf(hf_modules, kind, [m.lora_A.weight.detach()], [m.lora_B.weight.detach()],
-                                     layout))
-        elif ".mlp.experts.local_experts." not in name:
-            raise KeyError(f"LoRA module {name} has no HF-PEFT name")
-    out.update(expert_adapter_tensors(model, layout))
-    return out
-
-
-@torch.no_grad()
-def load_moe_adapter(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
-    """Inverse of `moe_adapter_tensors` (TP = 1). Every tensor must be used."""
-    from kora_trainer.backends.megatron.export import _targets
-    from kora_trainer.backends.megatron.lora import lora_modules
-
-    tensors = dict(tensors)
+def load_expert_adapter(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor], layout: Layout) -> set[str]:
+    """Set every expert wrapper's A and B from PEFT's grouped tensors; returns the names it used."""
+    groups = expert_lora_groups(model, layout)
+    params = _grouped_params(groups)
     used: set[str] = set()
-
-    def put(m: Any, a: torch.Tensor, b: torch.Tensor) -> None:
-        m.lora_A.weight.copy_(a.to(m.lora_A.weight.device, m.lora_A.weight.dtype))
-        m.lora_B.weight.copy_(b.to(m.lora_B.weight.device, m.lora_B.weight.dtype))
-
-    mapping = adapter_modules(layout, _targets(model))
-    for name, m in lora_modules(model).items():
-        if name in mapping:
-            hf_modules, kind = mapping[name]
-            put(m, *adapter_from_hf(hf_modules, kind, tensors, layout))
-            used.update(f"{PEFT_PREFIX}{h}.lora_{w}.weight" for h in hf_modules for w in "AB")
-    params = expert_target_parameters(model, layout)
-    for (i, param), ms in expert_lora_groups(model, layout).items():
+    for (i, param), ms in groups.items():
         ka, kb = peft_expert_key(i, param, "A", params), peft_expert_key(i, param, "B", params)
-        r, n = ms[0].rank, len(ms)
-        a = tensors[ka].reshape(n, r, -1)  # [E, r, in]
-        b = tensors[kb].reshape(tensors[kb].shape[0], r, n)  # [out, r, E]
-        for e, m in enumerate(ms):
-            put(m, a[e], b[:, :, e])
+        for m, (a, b) in zip(ms, split_expert_factors(tensors[ka], tensors[kb], len(ms)), strict=True):
+            m.load_factors(a, b)
         used.update((ka, kb))
-    unused = sorted(set(tensors) - used)
-    if unused:
-        raise KeyError(f"adapter tensors with no megatron LoRA module to go to: {unused[:5]}")
+    return used
