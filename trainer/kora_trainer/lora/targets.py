@@ -1,4 +1,6 @@
 """Which nn.Linear modules get an adapter: Megatron-style target names through MEGATRON_TO_HF, then scope.
+Where transformers keeps a target as a bare parameter instead (MoE experts and routers of transformers 5),
+`select_param_targets` names the (module, parameter) pairs that `params.LoRAParam` wraps.
 
 A bare leaf name (`q_proj`) would match the vision tower of a VL model as well as the language
 backbone, so the choice is made on full module paths: `scope` keeps every match (all), drops those
@@ -48,4 +50,32 @@ def select_targets(model: nn.Module, target_modules: Iterable[TargetModule | str
         if (scope is Scope.LANGUAGE and other_region) or (scope is Scope.VISION and not other_region):
             continue
         chosen.append(name)
+    return chosen
+
+
+# Megatron target -> (module leaf, parameter, its dim) where transformers 5 holds it as a bare parameter: the
+# fused experts ([E, out, in]; gate_up before down, the order PEFT nests its wrappers in) and the MoE router.
+PARAM_TARGETS: dict[TargetModule, tuple[str, str, int]] = {
+    TargetModule.LINEAR_FC1: ("experts", "gate_up_proj", 3),
+    TargetModule.LINEAR_FC2: ("experts", "down_proj", 3),
+    TargetModule.ROUTER: ("gate", "weight", 2),
+}
+
+
+def select_param_targets(model: nn.Module, target_modules: Iterable[TargetModule | str],
+                         scope: Scope | str = Scope.ALL) -> list[tuple[str, str]]:
+    """(module path, parameter name) of every bare parameter to wrap, in model order (gate_up before down)."""
+    wanted = [PARAM_TARGETS[TargetModule(t)] for t in target_modules if TargetModule(t) in PARAM_TARGETS]
+    scope = Scope(scope)
+    chosen = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            continue
+        other_region = in_non_language_region(name)
+        if (scope is Scope.LANGUAGE and other_region) or (scope is Scope.VISION and not other_region):
+            continue
+        own = dict(module.named_parameters(recurse=False))
+        for leaf, param, dim in sorted(wanted, key=lambda w: list(PARAM_TARGETS.values()).index(w)):
+            if name.rsplit(".", 1)[-1] == leaf and param in own and own[param].dim() == dim:
+                chosen.append((name, param))
     return chosen

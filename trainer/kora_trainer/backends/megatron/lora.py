@@ -50,6 +50,7 @@ from torch import nn
 
 from kora_trainer.config import LoRASpec, SyncMode, TargetModule
 from kora_trainer.lora import model as hf_lora
+from kora_trainer.lora.params import DelegatesToBase
 
 SUPPORTED = {TargetModule.LINEAR_QKV: "linear_qkv", TargetModule.LINEAR_PROJ: "linear_proj",
              TargetModule.LINEAR_FC1: "linear_fc1", TargetModule.LINEAR_FC2: "linear_fc2",
@@ -174,9 +175,10 @@ class LoRARowParallelLinear(_ParallelLoRA):
         return out + delta.to(out.dtype), bias
 
 
-class LoRARouter(MegatronLoRA):
+class LoRARouter(MegatronLoRA, DelegatesToBase):
     """LoRA on an MoE router's logits: x·Wgᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, A [r, H], B [E, r] (module docstring).
-    Takes the router's place in its MoE layer; the router itself runs unchanged but for its `gating`."""
+    Takes the router's place in its MoE layer; the router itself runs unchanged but for its `gating`; anything
+    else megatron reads off `mlp.router` (topk, config, expert_bias, ...) is the router's."""
 
     def __init__(self, base: Any, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
         if _tp(base)[1] != 1:
@@ -201,16 +203,6 @@ class LoRARouter(MegatronLoRA):
     def set_layer_number(self, layer_number: int) -> None:  # MoELayer.set_layer_number calls it on its router
         router: Any = self.base_layer
         router.set_layer_number(layer_number)
-
-    def __getattr__(self, name: str) -> Any:
-        """Anything else megatron reads off `mlp.router` (topk, config, expert_bias, ...) is the router's."""
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            base = self.__dict__.get("_modules", {}).get("base_layer")
-            if base is None:
-                raise
-            return getattr(base, name)
 
 
 def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:

@@ -35,12 +35,13 @@ Not yet: tensor / expert parallelism for the experts (raises), shared experts (Q
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from kora_trainer.backends.megatron.convert import PEFT_PREFIX, Layout, moe_layer_indices
+from kora_trainer.lora.grouped import group_expert_factors, split_expert_factors
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
 DISPATCHERS = ("alltoall", "allgather")
@@ -197,20 +198,6 @@ def peft_expert_key(layer: int, param: str, which: str, params: list[str]) -> st
 def _grouped_params(groups: Mapping[tuple[int, str], Any]) -> list[str]:
     present = {param for _, param in groups}
     return [f"mlp.experts.{p}" for p in EXPERT_PARAMS.values() if p in present]
-
-
-def group_expert_factors(a: Sequence[torch.Tensor], b: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert A_e [r, in], B_e [out, r] -> PEFT's grouped lora_A [E·r, in] (the A_e stacked, expert-major
-    rows) and lora_B [out, r·E] (column j·E + e = column j of B_e, rank-major)."""
-    grouped_b = torch.stack(list(b), dim=-1)  # [out, r, E]
-    return torch.cat(list(a), dim=0), grouped_b.reshape(grouped_b.shape[0], -1)
-
-
-def split_expert_factors(a: torch.Tensor, b: torch.Tensor, experts: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Inverse of `group_expert_factors`: [(A_e, B_e)] for e in 0..experts-1."""
-    r = a.shape[0] // experts
-    a3, b3 = a.reshape(experts, r, -1), b.reshape(b.shape[0], r, experts)  # [E, r, in], [out, r, E]
-    return [(a3[e], b3[:, :, e]) for e in range(experts)]
 
 
 def expert_adapter_tensors(model: torch.nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
