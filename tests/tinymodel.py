@@ -57,6 +57,34 @@ def make_tiny_model(dir: str | Path, seed: int = 0, vocab: int = 16, hidden: int
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, 0.2)
+    return _save(model, out)
+
+
+def make_tiny_moe_model(dir: str | Path, seed: int = 0, vocab: int = 16, hidden: int = 64, layers: int = 3,
+                        experts: int = 8, top_k: int = 2, moe_intermediate: int = 32, dense_layers: tuple = (1,)
+                        ) -> Path:
+    """A randomly initialised Qwen3MoeForCausalLM (float32; layers in `dense_layers` keep a dense MLP) plus the
+    toy tokenizer in `dir`: what transformers 5 holds as fused 3-D experts and a bare router weight."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=hidden // 4, intermediate_size=2 * hidden, moe_intermediate_size=moe_intermediate,
+        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=list(dense_layers), max_position_embeddings=256, tie_word_embeddings=False,
+        router_aux_loss_coef=0.0, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, dtype="float32")
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # widen the init: varied logits, well separated router scores
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return _save(model, Path(dir))
+
+
+def _save(model, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
     model.generation_config.pad_token_id = PAD_ID
     model.save_pretrained(out, safe_serialization=True)
     make_tokenizer().save_pretrained(out)

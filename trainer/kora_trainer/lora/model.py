@@ -121,12 +121,17 @@ def folded_state(model: nn.Module) -> Iterator[Named]:
 
     Yields one tensor at a time so a caller that buckets never holds more than a bucket of folded copies.
     """
-    wrapped = {_target_param(name, m): m for name, m in lora_modules(model).items()}
+    wrapped = fold_targets(model)
     for name, p in model.named_parameters():
         if ".lora_A." in name or ".lora_B." in name:
             continue
-        m = wrapped.get(name)
+        m = wrapped.get(hf_name(name))
         yield hf_name(name), (m.folded_weight() if m is not None and m.enabled else p.detach())
+
+
+def fold_targets(model: nn.Module) -> dict[str, Any]:
+    """HF name of each adapted weight -> its LoRA module (`folded_weight()` gives the merged tensor)."""
+    return {hf_name(_target_param(name, m)): m for name, m in lora_modules(model).items()}
 
 
 def _target_param(name: str, m: nn.Module) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kora_trainer.lora import adapter_pairs, base_state, lora_modules
-from kora_trainer.lora.model import hf_name
+from kora_trainer.lora import adapter_pairs, base_state
+from kora_trainer.lora.model import fold_targets, hf_name
 
 Named = tuple[str, torch.Tensor]
 
@@ -41,7 +41,7 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
 def merged_source(model: nn.Module) -> Source:
     """Merge mode: the whole model, adapters folded in (W + s·B·A in fp32, rounded once), HF names."""
     live = {hf_name(n): p for n, p in model.named_parameters() if ".lora_A." not in n and ".lora_B." not in n}
-    folded_modules = {f"{name}.weight": m for name, m in lora_modules(model).items()}
+    folded_modules = fold_targets(model)  # LoRALinear weights and LoRAParam (MoE experts, router) parameters
 
     def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
         out = {}
