@@ -1,4 +1,5 @@
-"""Weight sync near NVLink speed: trainer on GPU 0, engine on GPU 1, one NCCL weight-update group (issue 7).
+"""Weight sync near NVLink speed: trainer on GPU 0, engine on GPU 1, one NCCL weight-update group (issue 7);
+with `--tp T --engines N` (issue 8) a tensor-parallel trainer on GPUs 0..T-1 fanning out to N engines.
 
 A random-initialised Qwen3-4B-shaped model (no checkpoint is read): the trainer is the megatron-core policy
 (`--trainer megatron`, default; `--trainer hf` = HF Qwen3 + kora's torch LoRA) with a rank-32 LoRA on
@@ -19,17 +20,29 @@ routes, its HF model built from the same config in the engine process) plus the 
 (d) delta-skip decision: one fused max|Δ| over the flat adapter + a MAX all-reduce of one number + one read.
 (e) LoRA vs full fine-tuning: step time and optimizer-state / peak memory on the same model and batch.
 
+Tensor parallel (`--tp T`, megatron only): T trainer processes (this one is TP rank 0 on GPU 0, the others are
+spawned on GPUs 1..T-1; megatron parallel_state's TP group). Every TP rank runs the same phases; only TP rank 0
+talks to the engines. In (a) and (b) each rank's shards are gathered to TP rank 0 inside the push
+(`fast.PipelinedSender` / `fast.AdapterPack` with the TP group), (c) folds TP rank 0's shards, (d)'s MAX runs
+over the TP group, the HTTP adapter path gathers through `export.hf_adapter_tensors`.
+Engines (`--engines N`): engine i on GPU T+i (fewer GPUs: wrapped onto the trainer's GPUs other than GPU 0,
+with a warning — TP rank 0 and the engines share the weight-update group and NCCL refuses two ranks of one
+communicator on one GPU); one weight-update group of TP rank 0 + the N engines carries every push (an ack is
+then a MAX all-reduce: every engine done). `engines_scaling`: (a), (b) and the HTTP adapter path with the
+first k engines, k = 1..N (a group per k), so the growth from one engine to N is measured in the same run.
+
     PYTHONPATH=trainer:tests NCCL_NVLS_ENABLE=0 python bench/gpu_sync.py [--out FILE]     # 2 GPUs: everything
+    python bench/gpu_sync.py --tp 2 --engines 2      # 4 GPUs (2 GPUs: --tp 2 --engines 1 shares GPU 1)
     python bench/gpu_sync.py --no-engine      # 1 GPU: (c), the packing halves of (a)/(b), local (d), (e)
     python bench/gpu_sync.py --cpu-smoke      # tiny model, gloo, CPU: the plumbing only (numbers meaningless)
 
-Results: bench/results/gpu_sync_*.json; discussion in docs/megatron_backend.md.
+Results: bench/results/gpu_sync_*.json (with --tp / --engines: gpu_sync_tp{T}_engines{N}_<date>.json, the
+name printed as `result_file`); discussion in docs/megatron_backend.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import multiprocessing as mp
@@ -46,9 +59,11 @@ from typing import Any
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-for p in (ROOT / "trainer", ROOT / "tests"):
+for p in (ROOT / "trainer", ROOT / "tests", ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
+
+from _engine_proc import EngineProc, guarded, start_reference_engine  # noqa: E402
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -57,6 +72,30 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, head_dim=16, vocab_size=32, tie_word_embeddings=True,
             max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0)
 MIB = 1 << 20
+# what `engines_scaling` reports per engine count
+SCALING_KEYS = ("broadcast_ms", "broadcast_gbps", "merge_sync_ms", "merge_sync_vs_broadcast", "adapter_broadcast_ms",
+                "adapter_push_ms", "adapter_push_vs_broadcast", "adapter_push_http_ms")
+
+
+def engine_gpus(tp: int, engines: int, ngpus: int) -> tuple[list[int], str | None]:
+    """(GPU of each engine, a warning or None). The trainer's TP ranks hold GPUs 0..tp-1; engine i goes on GPU
+    tp+i. With fewer GPUs the engines wrap onto the trainer's GPUs in that order, skipping GPU 0: TP rank 0
+    and every engine are ranks of ONE weight-update group, and NCCL refuses two ranks of a communicator on one
+    GPU (so the engines also need distinct GPUs). Raises ValueError when that cannot be had."""
+    if tp < 1 or engines < 0:
+        raise ValueError(f"--tp {tp} / --engines {engines}: need tp >= 1, engines >= 0")
+    if ngpus < tp:
+        raise ValueError(f"--tp {tp} needs {tp} GPUs (one per TP rank); {ngpus} visible")
+    if tp + engines <= ngpus:
+        return [tp + i for i in range(engines)], None
+    pool = [g for g in ((tp + k) % ngpus for k in range(ngpus)) if g != 0]
+    if engines > len(pool):
+        raise ValueError(f"{engines} engine(s) need {engines} distinct GPUs other than GPU 0 (TP rank 0 and the "
+                         f"engines form one NCCL group: one rank per GPU); {ngpus} visible")
+    gpus = pool[:engines]
+    shared = sorted(set(gpus) & set(range(tp)))
+    return gpus, (f"warning: {tp} trainer GPU(s) + {engines} engine(s) > {ngpus} GPUs: engine(s) on GPU(s) "
+                  f"{shared} share them with a trainer TP rank; the numbers include that contention")
 
 
 def hf_config(dims: dict[str, Any]) -> Any:
@@ -120,54 +159,30 @@ def event_ms(fn: Any, reps: int, warmup: int = 2) -> float:
 # ---- the engine process ---------------------------------------------------------------------------------
 
 def engine_main(conn: Any, opts: dict[str, Any]) -> None:
-    """GPU 1: kora's reference engine (EngineModel + HFEngineServer on HTTP) + the fast-path receivers."""
+    """GPU opts["engine_gpu"]: kora's reference engine (EngineModel + HFEngineServer on HTTP) + the fast-path
+    receivers, in every weight-update group {trainer, engines 0..k-1} with k > its index."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    try:
-        _engine(conn, opts)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
+    guarded(_engine, conn, opts)
 
 
 def _engine(conn: Any, opts: dict[str, Any]) -> None:
-    import transformers
-    from aiohttp import web
-
-    from kora_trainer.rollout.engine_model import EngineModel
-    from kora_trainer.rollout.hf_server import HFEngineServer
     from kora_trainer.rollout.lora_adapters import LoRAAdapter
     from kora_trainer.sync import fast
-    from kora_trainer.sync.group import free_port, init_weight_update_group
+    from kora_trainer.sync.group import init_weight_update_group
 
     cuda = opts["device"] == "cuda"
     if cuda:  # every thread of the engine (HTTP handlers, the sync executor) must see this GPU as its device 0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(opts["engine_gpu"])
         torch.cuda.set_device(0)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    cfg = transformers.AutoConfig.from_pretrained(opts["model_dir"])
-    t0 = time.perf_counter()
-    with torch.device(device):  # random init on the GPU; no checkpoint is read
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.eval()
-    build_s = time.perf_counter() - t0
-    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **k: model  # EngineModel takes this one
-    engine = EngineModel(opts["model_dir"], "cuda" if cuda else "cpu", "bfloat16")
-    server = HFEngineServer(engine)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        runner = web.AppRunner(server.app(), access_log=None)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    conn.send(("ready", {"url": f"http://127.0.0.1:{port}", "build_s": build_s}))
-    group = init_weight_update_group("127.0.0.1", opts["fast_port"], 1, 2, "kora_fast", opts["backend"])
+    engine, server, url, build_s = start_reference_engine(opts["model_dir"], device)
+    conn.send(("ready", {"url": url, "build_s": build_s}))
+    rank = opts["index"] + 1
+    groups = {k: init_weight_update_group("127.0.0.1", port, rank, k + 1, f"kora_fast{k}", opts["backend"])
+              for k, port in opts["fast_ports"]}  # in k order, as the trainer makes them
+    top = max(groups)
     params = dict(engine.model.named_parameters())
-    receivers: dict[str, fast.PipelinedReceiver] = {}
+    receivers: dict[tuple[str, int], fast.PipelinedReceiver] = {}
     ring: fast.AdapterRing | None = None
     raw_bufs: list[torch.Tensor] = []
     while True:
@@ -176,10 +191,12 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
         if cmd == "stop":
             conn.send(("done", {}))
             break
+        k = arg.get("k", top)
+        group = groups[k]
         if cmd == "plan":
-            receivers[arg["name"]] = fast.PipelinedReceiver(arg["metadata"], params, group)
+            receivers[(arg["name"], k)] = fast.PipelinedReceiver(arg["metadata"], params, group)
         elif cmd == "merge":
-            r = receivers[arg["name"]]
+            r = receivers[(arg["name"], k)]
             for _ in range(arg["reps"]):
                 r.receive()
                 fast.ack(group)
@@ -214,49 +231,35 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
         conn.send(("done", info))
 
 
-class Engine:
-    def __init__(self, opts: dict[str, Any]):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, args=(child, opts), daemon=True)
-        self.proc.start()
-        self.info = self.wait("ready", timeout=900)
+def send_all(engines: list[EngineProc], cmd: str, **arg: Any) -> None:
+    for e in engines:
+        e.send(cmd, **arg)
 
-    def wait(self, what: str = "done", timeout: float = 600) -> dict[str, Any]:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"engine did not answer {what} within {timeout}s")
-        kind, info = self.conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"engine failed:\n{info}")
-        assert kind == what, (kind, what)
-        return info
 
-    def send(self, cmd: str, **arg: Any) -> None:
-        self.conn.send((cmd, arg))
+def wait_all(engines: list[EngineProc]) -> list[dict[str, Any]]:
+    return [e.wait() for e in engines]
 
-    def call(self, cmd: str, **arg: Any) -> dict[str, Any]:
-        self.send(cmd, **arg)
-        return self.wait()
 
-    def stop(self) -> None:
-        try:
-            self.call("stop")
-        finally:
-            self.proc.join(timeout=30)
-            if self.proc.is_alive():
-                self.proc.terminate()
+def call_all(engines: list[EngineProc], cmd: str, **arg: Any) -> list[dict[str, Any]]:
+    send_all(engines, cmd, **arg)
+    return wait_all(engines)
 
 
 # ---- the trainer ----------------------------------------------------------------------------------------
 
 class Trainer:
-    """The policy on GPU 0: megatron GPTModel (random init) or HF Qwen3 + kora LoRA, adapter flattened."""
+    """The policy on GPU 0: megatron GPTModel (random init) or HF Qwen3 + kora LoRA, adapter flattened. `tp` > 1
+    (megatron): this process's TP rank of it (every TP rank builds one; `self.tp` is the TP group)."""
 
-    def __init__(self, kind: str, dims: dict[str, Any], rank: int, alpha: float, device: torch.device, seed: int = 0):
+    def __init__(self, kind: str, dims: dict[str, Any], rank: int, alpha: float, device: torch.device, seed: int = 0,
+                 tp: int = 1):
         from kora_trainer.config import LoRASpec
         from kora_trainer.sync.fast import flatten_parameters
 
-        self.kind, self.device = kind, device
+        if tp > 1 and kind != "megatron":
+            raise ValueError("tensor parallelism needs --trainer megatron")
+        self.kind, self.device, self.tp_size = kind, device, tp
+        self.tp: Any = None  # the TP group (sync.group.WeightUpdateGroup), None at TP = 1
         self.cfg = hf_config(dims)
         self.spec = LoRASpec.model_validate({"rank": rank, "alpha": alpha,
                                              "targetModules": ["linear_qkv", "linear_proj"]})
@@ -266,8 +269,10 @@ class Trainer:
             from kora_trainer.backends.megatron.lora import adapter_parameters, apply_lora
             from kora_trainer.backends.megatron.model import build_gpt_model
             from kora_trainer.backends.megatron.parallel import init_parallel
+            from kora_trainer.backends.megatron.sync import tp_group
 
-            init_parallel(1, seed)
+            init_parallel(tp, seed)
+            self.tp = tp_group()
             self.layout = layout_from_hf_config(self.cfg)
             self.model = build_gpt_model(self.cfg, torch.bfloat16, init=True)
             apply_lora(self.model, self.spec, seed=seed)
@@ -282,7 +287,7 @@ class Trainer:
             apply_lora(self.model, self.spec)
             self.params = adapter_parameters(self.model)
         self.model.eval()
-        with torch.no_grad():  # a trained-looking adapter (B = 0 would make every fold a copy)
+        with torch.no_grad():  # a trained-looking adapter (B = 0: every fold a copy); the same on every TP rank
             g = torch.Generator(device="cpu").manual_seed(seed + 1)
             for p in self.params:
                 if p.shape[1] == rank:  # B [out, r]
@@ -352,9 +357,12 @@ class Trainer:
         return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
 
     def reference_hf(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """fold_reference (torch, fp32 addmm) of the tensors named, under HF names: the check of (b)."""
+        """fold_reference (torch, fp32 addmm) of the tensors named, under HF names: the check of (b). Under TP a
+        collective (every TP rank calls it with the same names)."""
         from kora_trainer.kernels.fold import fold_reference
 
+        if self.tp is not None:
+            return self._reference_hf_tp(names)
         out: dict[str, torch.Tensor] = {}
         for e in self.merge_entries(True):
             outs = [n for n, _ in e.outs] if hasattr(e, "outs") else [e.name]
@@ -375,117 +383,229 @@ class Trainer:
                 out[e.name] = e.src.cpu()
         return {n: out[n] for n in names}
 
+    def _reference_hf_tp(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Each rank's shard folded by fold_reference (the shards of the full fold), all-gathered, unfused."""
+        from kora_trainer.backends.megatron.convert import REPL, from_megatron_shards, param_maps
+        from kora_trainer.backends.megatron.lora import lora_modules
+        from kora_trainer.backends.megatron.model import base_param_name
+        from kora_trainer.backends.megatron.parallel import gather_tp
+        from kora_trainer.kernels.fold import fold_reference
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    from kora_trainer.kernels.fold import FoldItem, GroupedFold, fold
-    from kora_trainer.sync import fast
+        wrapped = {f"{n}.weight": m for n, m in lora_modules(self.model).items()}
+        maps = {pm.megatron: pm for pm in param_maps(self.layout)}
+        out: dict[str, torch.Tensor] = {}
+        for name, p in self.model.named_parameters():
+            base = base_param_name(name)
+            if base is None or not set(maps[base].hf) & set(names):
+                continue
+            pm, m, w = maps[base], wrapped.get(base), p.detach()
+            if m is not None and m.enabled:
+                w = fold_reference(w, m.lora_A.weight.detach(), m.lora_B.weight.detach(), m.scaling)
+            shards = [w] if pm.kind == REPL else gather_tp(w.contiguous())
+            for n, t in zip(pm.hf, from_megatron_shards(pm.kind, shards, self.layout), strict=True):
+                out[n] = t.cpu()
+        return {n: out[n] for n in names}
+
+
+def from_leader(obj: Any, tp_size: int) -> Any:
+    """TP rank 0's `obj` on every TP rank (the default process group is the trainer's TP ranks)."""
+    if tp_size == 1:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def run(args: argparse.Namespace, rank: int = 0) -> dict[str, Any]:
+    """The whole bench on TP rank `rank` (every TP rank runs it; rank 0 starts and drives the engines and
+    returns the results, the other ranks take part in the collectives and their numbers are dropped)."""
     from kora_trainer.sync.group import free_port, init_weight_update_group
 
+    tp_size, n_eng = args.tp, (0 if args.no_engine else args.engines)
+    leader = rank == 0
     cuda = not args.cpu_smoke
     dims = TINY if args.cpu_smoke else QWEN3_4B
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(0)
+        torch.cuda.set_device(rank)
     backend = "nccl" if cuda else "gloo"
     res: dict[str, Any] = {"bench": "gpu_sync", "trainer": args.trainer, "model": "qwen3-4b-shaped (random)"
                            if cuda else "tiny (cpu smoke)", "dims": dims, "rank": args.rank, "alpha": args.alpha,
                            "targets": ["linear_qkv", "linear_proj"], "bucket_cap_mib": args.cap_mib,
                            "reps": args.reps, "errors": {}}
-    res.update(versions())
+    if tp_size > 1 or n_eng > 1:
+        res.update(tp=tp_size, engines=n_eng)
+    if leader:
+        res.update(versions())
     tmp = Path(args.workdir)
-    model_dir = write_model_dir(tmp / "model", dims)
-    fast_port = free_port()
+    model_dir = tmp / "model"
     t0 = time.perf_counter()
-    engine = None
-    if not args.no_engine:
-        engine = Engine({"device": "cuda" if cuda else "cpu", "engine_gpu": 1, "model_dir": str(model_dir),
-                         "fast_port": fast_port, "backend": backend})
-        signal.signal(signal.SIGTERM, lambda *_: (engine.proc.terminate(), sys.exit(143)))  # `timeout` ends both
-        res["engine_build_s"] = round(engine.info["build_s"], 1)
-    trainer = Trainer(args.trainer, dims, args.rank, args.alpha, device)
-    # without an engine (one GPU): a group of one, so that the packing paths run and can be timed alone
-    group = init_weight_update_group("127.0.0.1", fast_port, 0, 1 if engine is None else 2, "kora_fast", backend)
+    engines: list[EngineProc] = STATE["engines"]
+    STATE["res"] = res
+    fast_ports = {k: free_port() for k in range(1, n_eng + 1)}
+    if leader and n_eng:
+        write_model_dir(model_dir, dims)
+        gpus = engine_gpus(tp_size, n_eng, torch.cuda.device_count())[0] if cuda else [0] * n_eng
+        for i in range(n_eng):
+            engines.append(EngineProc(engine_main, {
+                "device": "cuda" if cuda else "cpu", "engine_gpu": gpus[i], "model_dir": str(model_dir),
+                "index": i, "fast_ports": [(k, fast_ports[k]) for k in range(i + 1, n_eng + 1)], "backend": backend}))
+        signal.signal(signal.SIGTERM, lambda *_: ([e.proc.terminate() for e in engines], sys.exit(143)))
+        for e in engines:  # `timeout` ends them all
+            e.ready(timeout=900)
+        res["engine_build_s"] = round(max(e.info["build_s"] for e in engines), 1)
+        if tp_size > 1 or n_eng > 1:
+            res["engine_gpus"] = gpus
+    trainer = Trainer(args.trainer, dims, args.rank, args.alpha, device, tp=tp_size)
+    # the weight-update groups {TP rank 0, engines 0..k-1}, k = 1..N; without an engine (one GPU) a group of one,
+    # so that the packing paths run and can be timed alone
+    groups: dict[int, Any] = {}
+    if leader and n_eng:
+        for k in range(1, n_eng + 1):
+            groups[k] = init_weight_update_group("127.0.0.1", fast_ports[k], 0, k + 1, f"kora_fast{k}", backend)
+    elif leader:
+        groups[0] = init_weight_update_group("127.0.0.1", free_port(), 0, 1, "kora_fast", backend)
     res["setup_s"] = round(time.perf_counter() - t0, 1)
-    cap = args.cap_mib * MIB
-    reps = args.reps
-
     only = set(args.only.split(",")) if args.only else None
 
     def phase(name: str, fn: Any) -> None:
-        if only is not None and name not in only:
+        if only is not None and name.split("@")[0] not in only:
             return
         t = time.perf_counter()
         try:
             fn()
-        except Exception:
+        except Exception as e:
             res["errors"][name] = traceback.format_exc()[-3000:]
-            print(f"[{name}] FAILED\n{res['errors'][name]}", flush=True)
+            print(f"[{name}] FAILED{'' if leader else f' on TP rank {rank}'}\n{res['errors'][name]}", flush=True)
+            if tp_size > 1:  # the TP ranks no longer run the same collectives: end the run (main ends the ranks)
+                raise Aborted(name) from e
         res.setdefault("phase_s", {})[name] = round(time.perf_counter() - t, 1)
-        print(f"[{name}] {res['phase_s'][name]} s", flush=True)
+        if leader:
+            print(f"[{name}] {res['phase_s'][name]} s", flush=True)
+
+    try:
+        _phases(args, res, phase, rank, trainer, engines, groups, device)
+    except Aborted as e:
+        res["errors"]["aborted"] = f"phase {e} failed with tensor parallelism: the later phases did not run"
+        if not leader:
+            raise
+    finally:
+        for eng in engines:
+            with contextlib.suppress(Exception):
+                eng.stop()
+    return res
+
+
+class Aborted(RuntimeError):
+    """A phase failed on a TP rank: the ranks' collectives no longer match."""
+
+
+STATE: dict[str, Any] = {"res": None, "engines": []}  # TP rank 0's results so far and engines (for `watch`)
+
+
+def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int, trainer: Trainer,
+            engines: list[EngineProc], groups: dict[int, Any], device: torch.device) -> None:
+    """The measurements (a)-(e), in order, on every TP rank (see `run`)."""
+    from kora_trainer.kernels.fold import FoldItem, GroupedFold, fold
+    from kora_trainer.sync import fast
+    from kora_trainer.sync.group import free_port, init_weight_update_group
+
+    tp_size, n_eng = args.tp, (0 if args.no_engine else args.engines)
+    leader = rank == 0
+    cuda = device.type == "cuda"
+    dims = TINY if args.cpu_smoke else QWEN3_4B
+    backend = "nccl" if cuda else "gloo"
+    tp = trainer.tp  # the TP group (None at TP = 1)
+    group = groups.get(n_eng)  # every engine's group (TP rank 0 only)
+    cap = args.cap_mib * MIB
+    reps = args.reps
 
     # (b) merge sync vs raw broadcast --------------------------------------------------------------------
     plan = fast.MergePlan(trainer.merge_entries(True), cap)
     sizes = [b.nbytes for b in plan.buckets]
     res["model_bytes"] = plan.nbytes
     res["merge_buckets"] = len(sizes)
+    fold_kw = dict(block_m=args.block_m, block_n=args.block_n, num_warps=args.num_warps, streams=args.fold_streams)
+    made: dict[str, Any] = {}
 
-    def raw() -> None:
+    def merge_sender() -> Any:  # one sender (ring buffers, captured folds) for every engine count
+        if "merged" not in made:
+            made["merged"] = fast.PipelinedSender(plan, group, fold_kw=fold_kw, tp=tp)
+        return made["merged"]
+
+    def raw(k: int, out: dict[str, Any]) -> None:
+        if not leader:  # no TP collective in it: TP rank 0 alone
+            return
+        g = groups[k]
         bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=device) for _ in range(2)]
         for b in bufs:
             b.random_(0, 255)
 
         def once() -> None:
             for i, n in enumerate(sizes):
-                group.broadcast(bufs[i % 2][:n], src=0)
-            fast.ack(group)
+                g.broadcast(bufs[i % 2][:n], src=0)
+            fast.ack(g)
 
-        engine.send("raw", sizes=sizes, reps=reps + 2)
-        res["broadcast_ms"], res["broadcast_all_ms"] = wall_ms(once, reps, device)
-        engine.wait()
-        res["broadcast_gbps"] = plan.nbytes / (res["broadcast_ms"] / 1e3) / 1e9
+        send_all(engines[:k], "raw", sizes=sizes, reps=reps + 2, k=k)
+        out["broadcast_ms"], out["broadcast_all_ms"] = wall_ms(once, reps, device)
+        wait_all(engines[:k])
+        out["broadcast_gbps"] = plan.nbytes / (out["broadcast_ms"] / 1e3) / 1e9
 
-    def merge() -> None:
-        sender = fast.PipelinedSender(plan, group, fold_kw=fold_kw)
-        engine.call("plan", name="merged", metadata=plan.metadata)
+    def merge(k: int, out: dict[str, Any], check: bool = True) -> None:
+        sender = merge_sender()
+        if leader:
+            sender.group = groups[k]
+            call_all(engines[:k], "plan", name="merged", metadata=plan.metadata, k=k)
 
         def once() -> None:
             sender.push()
-            fast.ack(group)
+            if leader:
+                fast.ack(groups[k])
 
-        engine.send("merge", name="merged", reps=reps + 2)
-        res["merge_sync_ms"], res["merge_sync_all_ms"] = wall_ms(once, reps, device)
-        engine.wait()
-        res["merge_sync_vs_broadcast"] = res["merge_sync_ms"] / res["broadcast_ms"]
-        res["merge_fold_launches_per_bucket"] = [len(f.launches) for f in sender.folds][:4]
-        # the merged weights on the engine vs torch's fp32 addmm fold (layer 0 q/k/v/o, and the embedding)
-        names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
-                 "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
-                 "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
-        got = engine.call("get", names=names)["tensors"]
-        want = trainer.reference_hf(names)
-        res["merge_engine_equal_fraction"] = {n.split(".")[-2]:
-                                              float((got[n] == want[n]).float().mean()) for n in names}
-        res["merge_engine_max_abs"] = max(float((got[n].float() - want[n].float()).abs().max()) for n in names)
+        if leader:
+            send_all(engines[:k], "merge", name="merged", reps=reps + 2, k=k)
+        # the TP collectives first (every rank), then what TP rank 0 alone does with the engines
+        ms, all_ms = wall_ms(once, reps, device)
+        # torch's fp32 addmm fold of layer 0 q/k/v/o, up, and the final norm (a collective under TP)
+        want = trainer.reference_hf(MERGE_CHECK) if check else {}
         # the pack alone (fold + copies into the ring buckets, no broadcast), and the broadcast alone
-        if cuda:
-            res["merge_pack_only_ms"] = event_ms(lambda: [sender.fill(i) for i in range(len(sizes))], reps)
+        pack_ms = event_ms(lambda: [sender.fill(i) for i in range(len(sizes))], reps) if cuda else None
+        if not leader:
+            return
+        wait_all(engines[:k])
+        out["merge_sync_ms"], out["merge_sync_all_ms"] = ms, all_ms
+        if "broadcast_ms" in out:
+            out["merge_sync_vs_broadcast"] = out["merge_sync_ms"] / out["broadcast_ms"]
+        if check:
+            out["merge_fold_launches_per_bucket"] = [len(f.launches) for f in sender.folds][:4]
+            got = engines[0].call("get", names=MERGE_CHECK)["tensors"]  # the merged weights on the engine
+            out["merge_engine_equal_fraction"] = {n.split(".")[-2]: float((got[n] == want[n]).float().mean())
+                                                  for n in MERGE_CHECK}
+            out["merge_engine_max_abs"] = max(float((got[n].float() - want[n].float()).abs().max())
+                                              for n in MERGE_CHECK)
+        if pack_ms is not None:
+            out["merge_pack_only_ms"] = pack_ms
 
-    fold_kw = dict(block_m=args.block_m, block_n=args.block_n, num_warps=args.num_warps, streams=args.fold_streams)
     def pack_only() -> None:  # the merge fill (grouped fold + copies into the ring buckets), no broadcast
-        sender = fast.PipelinedSender(plan, group, fold_kw=fold_kw)
+        sender = merge_sender()
         if cuda:
             res["merge_pack_only_ms"] = event_ms(lambda: [sender.fill(i) for i in range(len(sizes))], reps)
             res["merge_pack_only_tbps"] = 2 * plan.nbytes / (res["merge_pack_only_ms"] / 1e3) / 1e12
 
-    if engine is not None:
-        phase("raw_broadcast", raw)
-        phase("merge_sync", merge)
+    if n_eng:
+        phase("raw_broadcast", lambda: raw(n_eng, res))
+        phase("merge_sync", lambda: merge(n_eng, res))
     else:
         phase("pack_only", pack_only)
 
-    # (c) fold throughput vs copy --------------------------------------------------------------------------
+    # (c) fold throughput vs copy (TP rank 0's shards; no collective) -------------------------------------------
     def fold_bench() -> None:
-        entries = [e for e in trainer.merge_entries(True) if isinstance(e, fast.FoldEntry)]
+        if not leader:
+            return
+        entries = [e for e in trainer.merge_entries(True)  # under TP the shards' unadapted copies are no fold
+                   if isinstance(e, fast.FoldEntry) and not (e.sharded and e.a is None)]
         nbytes = sum(e.nbytes for e in entries)
         dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
         src = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -544,60 +664,71 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     phase("fold", fold_bench)
 
-    # the base on the engine (Adapter mode's first sync), so that engine + adapter = the trainer's policy
+    # the base on the engines (Adapter mode's first sync), so that engine + adapter = the trainer's policy
     def base_push() -> None:
         base_plan = fast.MergePlan(trainer.merge_entries(False), cap)
-        sender = fast.PipelinedSender(base_plan, group, fold_kw=fold_kw)
-        engine.call("plan", name="base", metadata=base_plan.metadata)
-        engine.send("merge", name="base", reps=1)
+        sender = fast.PipelinedSender(base_plan, group, fold_kw=fold_kw, tp=tp)
+        if leader:
+            call_all(engines, "plan", name="base", metadata=base_plan.metadata)
+            send_all(engines, "merge", name="base", reps=1)
         sender.push()
-        fast.ack(group)
+        if leader:
+            fast.ack(group)
         sync_dev(device)
-        engine.wait()
+        if leader:
+            wait_all(engines)
 
-    if engine is not None:
+    if n_eng:
         phase("base_push", base_push)
 
     # (a) adapter push vs raw broadcast; (d) delta-skip -----------------------------------------------------
-    pack = fast.AdapterPack(trainer.params, trainer.adapter_specs(), cap)
+    pack = fast.AdapterPack(trainer.params, trainer.adapter_specs(), cap, tp=tp)
     res["adapter_bytes"] = pack.out.numel() * pack.out.element_size()
-    res["adapter_params"] = trainer.flat.numel()
+    res["adapter_params"] = trainer.flat.numel()  # under TP: this rank's (sharded factors split, A / B whole)
     config = trainer.peft_config()
     delta = fast.FlatDelta(trainer.flat)
-    noise = torch.randn(trainer.flat.shape, device=device, dtype=trainer.flat.dtype) * 1e-3
+    # the same "optimizer step" on every TP rank (a replicated factor must stay equal across the ranks)
+    noise = torch.randn(trainer.flat.shape, device=device, dtype=trainer.flat.dtype,
+                        generator=torch.Generator(device=device).manual_seed(7)) * 1e-3
 
-    def adapter() -> None:
-        engine.call("adapter_plan", metadata=pack.metadata, scaling=trainer.scaling)
-        abytes = pack.pack()
-        araw = torch.empty_like(abytes).random_(0, 255)
+    def adapter(k: int, out: dict[str, Any], first: bool = True) -> None:
+        g = groups.get(k)
+        if leader:
+            call_all(engines[:k], "adapter_plan", metadata=pack.metadata, scaling=trainer.scaling, k=k)
+        abytes = pack.pack()  # a TP collective
+        if leader:
+            araw = torch.empty_like(abytes).random_(0, 255)
 
-        def raw_once() -> None:
-            for start, end in pack.bounds:
-                group.broadcast(araw[start:end], src=0)
-            fast.ack(group)
+            def raw_once() -> None:
+                for start, end in pack.bounds:
+                    g.broadcast(araw[start:end], src=0)
+                fast.ack(g)
 
-        engine.send("raw", sizes=[e - s for s, e in pack.bounds], reps=reps + 2)
-        res["adapter_broadcast_ms"], _ = wall_ms(raw_once, reps, device)
-        engine.wait()
+            send_all(engines[:k], "raw", sizes=[e - s for s, e in pack.bounds], reps=reps + 2, k=k)
+            out["adapter_broadcast_ms"], _ = wall_ms(raw_once, reps, device)
+            wait_all(engines[:k])
+            send_all(engines[:k], "adapter", reps=reps + 2, version=1, config=config, k=k)
         times = []
-        engine.send("adapter", reps=reps + 2, version=1, config=config)
         for i in range(reps + 2):
             with torch.no_grad():
                 trainer.flat.add_(noise)  # the optimizer step
             sync_dev(device)  # "trainer step done"
             t = time.perf_counter()
-            pack.push(group)
-            fast.ack(group)
+            pack.push(g)
+            if leader:
+                fast.ack(g)
             sync_dev(device)
             if i >= 2:
                 times.append((time.perf_counter() - t) * 1e3)
-        info = engine.wait()
-        res["adapter_push_ms"] = statistics.median(times)
-        res["adapter_push_all_ms"] = times
-        res["adapter_push_vs_broadcast"] = res["adapter_push_ms"] / res["adapter_broadcast_ms"]
-        res["adapter_engine_loaded"] = info.get("loaded")
+        infos = wait_all(engines[:k]) if leader else []
+        out["adapter_push_ms"] = statistics.median(times)
+        out["adapter_push_all_ms"] = times
+        if leader:
+            out["adapter_push_vs_broadcast"] = out["adapter_push_ms"] / out["adapter_broadcast_ms"]
+        if first:
+            out["adapter_engine_loaded"] = infos[0].get("loaded") if infos else None
         if cuda:
-            res["adapter_pack_only_ms"] = event_ms(pack.pack, reps)
+            out["adapter_pack_only_ms"] = event_ms(pack.pack, reps)
 
     def delta_skip() -> None:
         delta.mark_pushed(trainer.flat)
@@ -610,16 +741,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             push, value = delta.should_push(trainer.flat, 1e-6, None)
             local.append((time.perf_counter() - t) * 1e3)
         res["delta_skip_local_ms"] = statistics.median(local[2:])
-        if engine is not None:
-            engine.send("allreduce", reps=reps + 2)
+        # the MAX over the trainer's ranks: the TP group; at TP = 1 the weight-update group stands in for it
+        over = tp if tp is not None else (group if n_eng else None)
+        if over is not None:
+            if tp is None:
+                send_all(engines, "allreduce", reps=reps + 2)
             coll = []
             for _ in range(reps + 2):
                 sync_dev(device)
                 t = time.perf_counter()
-                push, value = delta.should_push(trainer.flat, 1e-6, group)
+                push, value = delta.should_push(trainer.flat, 1e-6, over)
                 coll.append((time.perf_counter() - t) * 1e3)
-            engine.wait()
+            if tp is None:
+                wait_all(engines)
             res["delta_skip_ms"] = statistics.median(coll[2:])  # with the MAX all-reduce over 2 GPUs
+            if tp is not None or n_eng > 1:
+                res["delta_skip_group"] = f"TP group ({tp_size} GPUs)" if tp is not None else \
+                    f"weight-update group ({n_eng + 1} GPUs)"
         res["delta_skip_decision"] = {"push": push, "max_delta": value}
         # the old per-tensor tracker (sync/delta.py) on the same adapter, for comparison
         from kora_trainer.sync.delta import DeltaTracker
@@ -633,84 +771,124 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             res["adapter_pack_only_ms"] = event_ms(pack.pack, reps)
 
-    if engine is not None:
-        phase("adapter_push", adapter)
+    if n_eng:
+        phase("adapter_push", lambda: adapter(n_eng, res))
     else:
         phase("adapter_pack_only", adapter_pack_only)
     phase("delta_skip", delta_skip)
 
-    # the engine serves the pushed adapter: its log-probs (HTTP /generate, lora_path) vs the trainer's policy
+    # every engine serves the pushed adapter: its log-probs (HTTP /generate, lora_path) vs the trainer's policy
     def serving_check() -> None:
         from kora_trainer.rollout.client import EngineClient
 
         with torch.no_grad():
             trainer.flat.add_(noise)
-        engine.send("adapter", reps=1, version=100, config=config)
+        if leader:
+            send_all(engines, "adapter", reps=1, version=100, config=config)
         pack.push(group)
-        fast.ack(group)
+        if leader:
+            fast.ack(group)
         sync_dev(device)
-        engine.wait()
         prompts = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14]]
-        with EngineClient(engine.info["url"], timeout=300) as c:
-            outs = c.generate(prompts, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-                              lora_path="kora-policy")
-            base = c.generate(prompts, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+        seen = None
+        if leader:
+            wait_all(engines)
+            seen = []
+            for e in engines:
+                with EngineClient(e.info["url"], timeout=300) as c:
+                    outs = c.generate(prompts, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                                      lora_path="kora-policy")
+                    base = c.generate(prompts, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+                seen.append([(list(o.output_ids), list(o.output_logprobs), list(b.output_logprobs), o.weight_version)
+                             for o, b in zip(outs, base, strict=True)])
+        seen = from_leader(seen, tp_size)  # every TP rank scores the same continuations (a TP forward)
         worst, base_gap = 0.0, 0.0
-        for prompt, out, b in zip(prompts, outs, base, strict=True):
-            ids = torch.tensor([prompt + list(out.output_ids)], device=device)
-            with torch.no_grad():
-                lp = trainer.logprobs(ids)[0, len(prompt) - 1:].float().cpu()
-            worst = max(worst, max(abs(x - float(y)) for x, y in zip(out.output_logprobs, lp, strict=True)))
-            base_gap = max(base_gap, max(abs(x - y) for x, y in zip(out.output_logprobs, b.output_logprobs,
-                                                                     strict=True)))
+        for per_engine in seen:
+            for prompt, (out_ids, out_lp, base_lp, _) in zip(prompts, per_engine, strict=True):
+                ids = torch.tensor([prompt + out_ids], device=device)
+                with torch.no_grad():
+                    lp = trainer.logprobs(ids)[0, len(prompt) - 1:].float().cpu()
+                worst = max(worst, max(abs(x - float(y)) for x, y in zip(out_lp, lp, strict=True)))
+                base_gap = max(base_gap, max(abs(x - y) for x, y in zip(out_lp, base_lp, strict=True)))
         res["serving_logprob_max_abs_vs_trainer"] = worst  # bf16 both sides: megatron vs HF kernels
         res["serving_adapter_vs_base_logprob_gap"] = base_gap
-        res["serving_weight_version"] = outs[0].weight_version
+        res["serving_weight_version"] = seen[0][0][3]
 
-    if engine is not None:
+    if n_eng:
         phase("serving_check", serving_check)
 
-    # (a') the adapter through the HTTP route (what WeightSender does today), same engine --------------------
-    def http_adapter() -> None:
+    # (a') the adapter through the HTTP route (what WeightSender does today), fanned out to k engines ----------
+    def http_adapter(k: int, out: dict[str, Any]) -> None:
         from kora_trainer.rollout.client import EngineClient
         from kora_trainer.sync.protocol import FLAT, plan_buckets
         from kora_trainer.sync.protocol import pack as pack_bucket
 
-        with EngineClient(engine.info["url"], timeout=300) as c:
-            port = free_port()
-            fut = c.submit(c.init_weights_update_group, "127.0.0.1", port, 1, 2, "weight_update_group", backend)
-            hgroup = init_weight_update_group("127.0.0.1", port, 0, 2, "weight_update_group", backend)
-            fut.result(timeout=120)
+        with contextlib.ExitStack() as stack:
+            clients: list[Any] = []
+            hgroup = None
+            if leader:
+                clients = [stack.enter_context(EngineClient(e.info["url"], timeout=300)) for e in engines[:k]]
+                port = free_port()
+                futs = [c.submit(c.init_weights_update_group, "127.0.0.1", port, 1 + i, 1 + k, "weight_update_group",
+                                 backend) for i, c in enumerate(clients)]
+                hgroup = init_weight_update_group("127.0.0.1", port, 0, 1 + k, "weight_update_group", backend)
+                for f in futs:
+                    f.result(timeout=120)
             times = []
             for i in range(max(3, reps // 2) + 1):
                 with torch.no_grad():
                     trainer.flat.add_(noise)
                 sync_dev(device)
                 t = time.perf_counter()
-                tensors = trainer.hf_adapter()
-                pairs: dict[str, list] = {}
-                for n, tt in tensors.items():
-                    pairs.setdefault(n.split(".lora_")[0], []).append((n, tt))
-                buckets = plan_buckets(list(pairs.values()), cap)
-                for bi, bucket in enumerate(buckets):
-                    f = c.submit(c.load_lora_adapter_from_distributed, "kora-http", config, bucket.metadata(),
-                                 bucket_index=bi, num_buckets=len(buckets), load_format=FLAT,
-                                 weight_version=str(i))
-                    hgroup.broadcast(pack_bucket(bucket, tensors, device), src=0)
-                    out = f.result(timeout=300)
-                assert out["success"], out
+                tensors = trainer.hf_adapter()  # a TP collective (the shards' all-gather)
+                if leader:
+                    assert hgroup is not None
+                    pairs: dict[str, list] = {}
+                    for n, tt in tensors.items():
+                        pairs.setdefault(n.split(".lora_")[0], []).append((n, tt))
+                    buckets = plan_buckets(list(pairs.values()), cap)
+                    for bi, bucket in enumerate(buckets):
+                        fs = [c.submit(c.load_lora_adapter_from_distributed, "kora-http", config, bucket.metadata(),
+                                       bucket_index=bi, num_buckets=len(buckets), load_format=FLAT,
+                                       weight_version=str(i)) for c in clients]
+                        hgroup.broadcast(pack_bucket(bucket, tensors, device), src=0)
+                        answers = [f.result(timeout=300) for f in fs]
+                    assert all(a["success"] for a in answers), answers
                 if i >= 1:
                     times.append((time.perf_counter() - t) * 1e3)
-            c.destroy_weights_update_group("weight_update_group")
-        res["adapter_push_http_ms"] = statistics.median(times)
-        res["adapter_push_http_all_ms"] = times
+            for c in clients:
+                c.destroy_weights_update_group("weight_update_group")
+        out["adapter_push_http_ms"] = statistics.median(times)
+        out["adapter_push_http_all_ms"] = times
 
-    if engine is not None and not args.no_http:
-        phase("adapter_push_http", http_adapter)
-    if engine is not None:
-        engine.stop()
+    if n_eng and not args.no_http:
+        phase("adapter_push_http", lambda: http_adapter(n_eng, res))
 
-    # (e) LoRA vs full fine-tuning -----------------------------------------------------------------------------
+    # how the pushes grow with the number of engines: the same measurements with the first k engines ----------
+    if n_eng and (tp_size > 1 or n_eng > 1):
+        scaling: dict[str, dict[str, Any]] = {}
+        for k in range(1, n_eng):
+            out: dict[str, Any] = {}
+            phase(f"raw_broadcast@{k}", lambda k=k, out=out: raw(k, out))
+            phase(f"merge_sync@{k}", lambda k=k, out=out: merge(k, out, check=False))
+            phase(f"adapter_push@{k}", lambda k=k, out=out: adapter(k, out, first=False))
+            if not args.no_http:
+                phase(f"adapter_push_http@{k}", lambda k=k, out=out: http_adapter(k, out))
+            scaling[str(k)] = {key: out[key] for key in SCALING_KEYS if key in out}
+        scaling[str(n_eng)] = {key: res[key] for key in SCALING_KEYS if key in res}
+        res["engines_scaling"] = scaling
+        if n_eng > 1:
+            first, last = scaling["1"], scaling[str(n_eng)]
+            timed = ("broadcast_ms", "merge_sync_ms", "adapter_push_ms", "adapter_push_http_ms")
+            res["engines_scaling_growth"] = {key: last[key] / first[key] for key in timed
+                                             if key in first and key in last}
+            res["engines_scaling_note"] = ("k engines: one weight-update group of TP rank 0 + k engines per k; the ack "
+                                           "is the engine's 4-byte broadcast at k = 1, a MAX all-reduce (every "
+                                           "engine done) for k > 1")
+    for e in engines:
+        e.stop()
+
+    # (e) LoRA vs full fine-tuning (every TP rank runs the steps) ------------------------------------------------
     def finetune() -> None:
         g = torch.Generator(device="cpu").manual_seed(3)
         b, length = (args.ft_batch, args.ft_len) if cuda else (2, 16)
@@ -763,10 +941,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["full_vs_lora_optimizer_state"] = res["full_optimizer_state_bytes"] / res["lora_optimizer_state_bytes"]
         res["ft_note"] = ("torch.optim.AdamW on the parameters in their own dtype (bf16: exp_avg, exp_avg_sq in "
                           "bf16); loss = -(token log-prob x random advantage).mean(); grad clip 1.0")
+        if tp_size > 1:
+            res["ft_note"] += f"; tensor parallel {tp_size}: TP rank 0's numbers (its shards), local grad clip"
 
     if not args.no_ft:
         phase("finetune", finetune)
-    return res
+
+
+MERGE_CHECK = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+               "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+               "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
 
 
 def versions() -> dict[str, Any]:
@@ -795,9 +979,53 @@ def versions() -> dict[str, Any]:
     return out
 
 
+def follower_main(rank: int, args: argparse.Namespace) -> None:
+    """TP rank `rank` > 0 (GPU `rank`): the same phases as rank 0, its numbers dropped."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    run(args, rank)
+
+
+def start_followers(args: argparse.Namespace) -> list[Any]:
+    """TP ranks 1..T-1 in their own processes (torchrun's environment for megatron's process group)."""
+    from kora_trainer.sync.group import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.tp), RANK="0",
+                      LOCAL_RANK="0")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=follower_main, args=(r, args), daemon=True) for r in range(1, args.tp)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def watch(followers: list[Any], out: str | None) -> None:
+    """A TP rank that died leaves rank 0 waiting in a collective: save what was measured, end everything."""
+    while True:
+        time.sleep(2)
+        codes = [p.exitcode for p in followers]
+        if all(c == 0 for c in codes):
+            return
+        if any(c not in (None, 0) for c in codes):
+            res = STATE["res"] or {"errors": {}}
+            res["errors"]["followers"] = f"a TP rank failed (exit codes of ranks 1..: {codes}); run ended"
+            text = json.dumps(res, indent=2, default=str)
+            if out:
+                Path(out).write_text(text)
+            print(text, flush=True)
+            for e in STATE["engines"]:
+                e.proc.terminate()
+            for p in followers:
+                if p.is_alive():
+                    p.terminate()
+            os._exit(3)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trainer", choices=["megatron", "hf"], default="megatron")
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallel size of the trainer (GPUs 0..T-1)")
+    ap.add_argument("--engines", type=int, default=1, help="engines on GPUs T..T+N-1, one weight-update group")
     ap.add_argument("--rank", type=int, default=32)
     ap.add_argument("--alpha", type=float, default=64.0)
     ap.add_argument("--cap-mib", type=int, default=512, help="sync.bufferSize in MiB")
@@ -817,9 +1045,35 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    res = run(args)
+    # refuse an impossible layout before anything starts
+    if args.tp > 1 and (args.trainer != "megatron" or args.cpu_smoke):
+        ap.error("--tp > 1 needs --trainer megatron on GPUs (not --cpu-smoke)")
+    if args.engines < 1 and not args.no_engine:
+        ap.error("--engines must be >= 1 (or --no-engine)")
+    if not args.cpu_smoke:
+        n_eng = 0 if args.no_engine else args.engines
+        try:
+            _, warning = engine_gpus(args.tp, n_eng, torch.cuda.device_count())
+        except ValueError as e:
+            ap.error(str(e))
+        if warning:
+            print(warning, flush=True)
+    followers = start_followers(args) if args.tp > 1 else []
+    if followers:
+        threading.Thread(target=watch, args=(followers, args.out), daemon=True).start()
+    try:
+        res = run(args)
+    finally:
+        for p in followers:  # they end with rank 0 (an aborted run: they may sit in a collective)
+            p.join(timeout=10 if STATE["res"] is None or STATE["res"]["errors"].get("aborted") else 300)
+            if p.is_alive():
+                p.terminate()
     res["command"] = "python bench/gpu_sync.py " + " ".join(sys.argv[1:])
     res["date"] = time.strftime("%Y-%m-%d")
+    if args.tp > 1 or args.engines > 1:
+        res["result_file"] = f"bench/results/gpu_sync_tp{args.tp}_engines{args.engines}_{res['date']}.json"
+    if any(p.exitcode not in (0, None) for p in followers):
+        res["errors"]["followers"] = f"TP rank exit codes {[p.exitcode for p in followers]}"
     text = json.dumps(res, indent=2, default=str)
     if args.out:
         Path(args.out).write_text(text)

@@ -33,14 +33,11 @@ Results: bench/results/gpu_sync_colocated_*.json; discussion in docs/megatron_ba
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
-import multiprocessing as mp
 import signal
 import statistics
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
@@ -54,6 +51,7 @@ for p in (ROOT / "trainer", ROOT / "tests", ROOT / "bench"):
         sys.path.insert(0, str(p))
 
 import gpu_sync as gs  # noqa: E402  (bench/gpu_sync.py: model dims, Trainer, timing helpers)
+from _engine_proc import EngineProc, guarded, start_reference_engine  # noqa: E402
 
 MIB = 1 << 20
 POLICY = "kora-policy"
@@ -67,49 +65,21 @@ def sync_dev(device: torch.device) -> None:
 # ---- the engine process (same GPU) ------------------------------------------------------------------------
 
 def engine_main(conn: Any, opts: dict[str, Any]) -> None:
-    try:
-        _engine(conn, opts)
-    except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        raise
+    guarded(_engine, conn, opts)
 
 
 def _engine(conn: Any, opts: dict[str, Any]) -> None:
-    import transformers
-    from aiohttp import web
-
     from kora_trainer.rollout import hf_server
-    from kora_trainer.rollout.engine_model import EngineModel
     from kora_trainer.rollout.lora_adapters import LoRAAdapter
     from kora_trainer.sync import fast
-    from kora_trainer.sync.group import free_port
     from kora_trainer.sync.serialize import deserialize_named_tensors, serialize_payload
 
     cuda = opts["device"] == "cuda"
     if cuda:
         torch.cuda.set_device(0)  # the trainer's GPU
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    cfg = transformers.AutoConfig.from_pretrained(opts["model_dir"])
-    t0 = time.perf_counter()
-    with torch.device(device):  # random init; the trainer's first full push replaces every weight
-        model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.eval()
-    build_s = time.perf_counter() - t0
-    transformers.AutoModelForCausalLM.from_pretrained = lambda *a, **k: model  # EngineModel takes this one
-    engine = EngineModel(opts["model_dir"], "cuda" if cuda else "cpu", "bfloat16")
-    server = hf_server.HFEngineServer(engine)
-    port = free_port()
-    loop = asyncio.new_event_loop()
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        runner = web.AppRunner(server.app(), access_log=None)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-        loop.run_forever()
-
-    threading.Thread(target=serve, daemon=True).start()
-    conn.send(("ready", {"url": f"http://127.0.0.1:{port}", "build_s": build_s}))
+    engine, server, url, build_s = start_reference_engine(opts["model_dir"], device)
+    conn.send(("ready", {"url": url, "build_s": build_s}))
     params = dict(engine.model.named_parameters())
     real_checksum = hf_server.checksum
     ring: fast.AdapterRing | None = None
@@ -168,47 +138,9 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
         conn.send(("done", info))
 
 
-class Engine:
+class Engine(EngineProc):
     def __init__(self, opts: dict[str, Any]):
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=engine_main, args=(child, opts), daemon=True)
-        self.proc.start()
-        self.info: dict[str, Any] = {}
-
-    def wait(self, what: str = "done", timeout: float = 180) -> dict[str, Any]:
-        end = time.monotonic() + timeout
-        while not self.conn.poll(0.5):
-            if not self.proc.is_alive():
-                raise RuntimeError(f"engine died (exit {self.proc.exitcode}) waiting for {what}")
-            if time.monotonic() > end:
-                raise TimeoutError(f"engine did not answer {what} within {timeout}s")
-        kind, info = self.conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"engine failed:\n{info}")
-        assert kind == what, (kind, what)
-        return info
-
-    def call(self, cmd: str, timeout: float = 180, **arg: Any) -> dict[str, Any]:
-        self.conn.send((cmd, arg))
-        return self.wait(timeout=timeout)
-
-    def fast_call(self, cmd: str, **arg: Any) -> dict[str, Any]:
-        """The per-push control message: blocking recv, no polling loop."""
-        self.conn.send((cmd, arg))
-        kind, info = self.conn.recv()
-        if kind == "error":
-            raise RuntimeError(f"engine failed:\n{info}")
-        return info
-
-    def stop(self) -> None:
-        try:
-            if self.proc.is_alive():
-                self.call("stop", timeout=30)
-        finally:
-            self.proc.join(timeout=30)
-            if self.proc.is_alive():
-                self.proc.terminate()
+        super().__init__(engine_main, opts)
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from kora_trainer.backends.megatron.convert import (
     layout_from_hf_config,
 )
 from kora_trainer.config import LoRASpec
-from tinymodel import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -177,11 +176,6 @@ def parallel():
     init_parallel(1)
     yield
     destroy_parallel()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from engine_helpers import PROMPTS, start_engine, stop_engine
 from kora_trainer.backends.megatron import megatron_available
 from kora_trainer.rollout.client import EngineClient
 from kora_trainer.sync.group import free_port
-from tinymodel import make_tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,11 +31,6 @@ pytestmark = [
 ]
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL: one rank per GPU)")
 ATOL = 1e-3
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 import torch
 from test_megatron_model import (
     TARGETS,
@@ -27,17 +26,12 @@ from test_megatron_model import (
     spec,
 )
 
-from kora_trainer.backends.megatron import megatron_available
+from gpukit import megatron_marks
 from kora_trainer.backends.megatron.convert import FC1, QKV, adapter_modules
 from kora_trainer.sync.group import free_port
 from tinymodel import make_tiny_model
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.timeout(600),
-    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (one per TP rank)"),
-    pytest.mark.skipif(not megatron_available(), reason="needs megatron-core"),
-]
+pytestmark = megatron_marks(gpus=2)
 TP = 2
 
 

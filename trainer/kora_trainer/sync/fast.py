@@ -30,6 +30,15 @@ changes — the same tensors go to the same bytes of the same buckets — so her
   `AdapterRing` slot. Nothing is serialised, copied twice or re-opened per push: the engine only swaps its
   adapter object / version label when told.
 
+Tensor parallelism (TP > 1, megatron): each trainer rank holds shards. A sharded `FoldEntry` (`tp_dim` set)
+names the FULL HF tensors; every TP rank gathers its shard to TP rank 0 (`WeightUpdateGroup.gather` over the TP
+group), rank 0 folds and broadcasts, the other ranks only gather (`PipelinedSender(plan, None, tp=...)`).
+Row-sharded kinds (QKV, gate/up, vocab rows): rank t's rows of every output form ONE block of the bucket
+(pieces are byte ranges of the HF tensors), so an unadapted shard is gathered straight into the bucket and an
+adapted one is folded from the gathered shard into its block (the QKV row map is per rank). Column-sharded
+kinds (o_proj, down_proj): the gathered shards are folded / copied into column slices of the HF tensor.
+`AdapterPack` gathers the flat adapters and picks each HF tensor out of them with one `index_select`.
+
 Metadata that a generic engine needs (names, dtypes, shapes, byte ranges per bucket) comes from
 `MergePlan.buckets` in `protocol.Bucket` form, so an engine can also take these buckets through
 `/update_weights_from_distributed` (load_format flattened_bucket). On CPU (gloo) the same classes run
@@ -75,7 +84,13 @@ class PlainEntry:
 @dataclass
 class FoldEntry:
     """One source weight W [M, N] folded (or, a is None, copied) into one or several consecutive HF tensors
-    (their rows concatenated = M rows, placed by row_map). Never split over buckets."""
+    (their rows concatenated = M rows, placed by row_map). Never split over buckets.
+
+    Sharded (`tp` > 1 and `tp_dim` set): `outs` are the FULL HF tensors, `w` / `a` / `b` / `row_map` this TP
+    rank's. tp_dim 0: every output's rows are split evenly over the ranks and W's rows (after row_map) are
+    [out_0's rows of this rank; out_1's; ...]; the sharded factor is B (A is replicated). tp_dim 1: one output
+    whose columns are split (W_t [M, N/tp]); the sharded factor is A (B is replicated). An unadapted tp_dim 0
+    entry without a row map may be split over buckets (by rows)."""
 
     outs: list[tuple[str, tuple[int, ...]]]  # HF names and shapes, in bucket order
     w: torch.Tensor
@@ -83,6 +98,8 @@ class FoldEntry:
     b: torch.Tensor | None = None
     scale: float = 1.0
     row_map: torch.Tensor | None = None  # [M] int32: row of the concatenated outputs each W row goes to
+    tp_dim: int | None = None  # None: replicated (or TP = 1); 0: rows sharded; 1: columns sharded
+    tp: int = 1  # tensor-parallel size the shard belongs to
 
     @property
     def dtype(self) -> torch.dtype:
@@ -92,26 +109,52 @@ class FoldEntry:
     def nbytes(self) -> int:
         return self.w.numel() * self.w.element_size()
 
+    @property
+    def sharded(self) -> bool:
+        return self.tp > 1 and self.tp_dim is not None
+
+    @property
+    def factor(self) -> torch.Tensor | None:
+        """The sharded LoRA factor (gathered with W): B for row-sharded kinds, A for column-sharded ones."""
+        return self.b if self.tp_dim == 0 else self.a
+
 
 Entry = PlainEntry | FoldEntry
+
+
+def _align(n: int, to: int = 16) -> int:
+    return -(-n // to) * to
 
 
 @dataclass
 class _BucketWork:
     copies: list[tuple[torch.Tensor, int, int]] = field(default_factory=list)  # (src bytes, bucket offset, n)
     folds: list[tuple[FoldEntry, int]] = field(default_factory=list)  # (entry, bucket offset)
+    # TP > 1: (this rank's bytes, "bucket" | "scratch", offset, stride): rank t's bytes land at offset + t·stride
+    gathers: list[tuple[torch.Tensor, str, int, int]] = field(default_factory=list)
+    # TP > 1, on rank 0: (entry, bucket offset, scratch offset of W's shards, of the factor's shards or -1)
+    tp_folds: list[tuple[FoldEntry, int, int, int]] = field(default_factory=list)
+    scratch: int = 0  # bytes of gathered shards this bucket needs
 
 
 class MergePlan:
-    """Entries packed into buckets of at most `cap` bytes, in order (see the module docstring)."""
+    """Entries packed into buckets of at most `cap` bytes, in order (see the module docstring). Every TP rank
+    builds the same plan from its own shards (same shapes, so the same buckets and gathers)."""
 
     def __init__(self, entries: Sequence[Entry], cap: int):
         if cap <= 0:
             raise ValueError("sync.bufferSize must be positive")
         self.cap = cap
+        sizes = {e.tp for e in entries if isinstance(e, FoldEntry) and e.sharded}
+        if len(sizes) > 1:
+            raise ValueError(f"entries of different tensor parallel sizes {sorted(sizes)}")
+        self.tp = sizes.pop() if sizes else 1
         self.buckets: list[Bucket] = [Bucket()]
         self.work: list[_BucketWork] = [_BucketWork()]
         for e in entries:
+            if isinstance(e, FoldEntry) and e.sharded:
+                self._sharded(e)
+                continue
             if isinstance(e, FoldEntry):
                 if e.nbytes > cap:
                     raise ValueError(f"{e.outs[0][0]}: a folded weight of {e.nbytes} bytes does not fit in "
@@ -144,6 +187,81 @@ class MergePlan:
         self.buckets.append(Bucket())
         self.work.append(_BucketWork())
 
+    def _rank_pieces(self, e: FoldEntry, t: int, r0: int, r1: int) -> list[Piece]:
+        """Rows [r0, r1) of rank t's block of a row-sharded entry as byte ranges of the HF outputs."""
+        pieces, first = [], 0
+        for name, shape in e.outs:
+            rows = shape[0] // self.tp
+            row_bytes = _nbytes(shape[1:], e.dtype)
+            lo, hi = max(r0, first), min(r1, first + rows)
+            if lo < hi:
+                start = (t * rows + lo - first) * row_bytes
+                pieces.append(Piece(name, dtype_name(e.dtype), tuple(shape), start, start + (hi - lo) * row_bytes))
+            first += rows
+        return pieces
+
+    def _scratch(self, work: _BucketWork, n: int) -> tuple[int, int]:
+        """Room for every rank's n bytes in the gather scratch: (offset, stride), 16-byte aligned."""
+        off, stride = _align(work.scratch), _align(n)
+        work.scratch = off + self.tp * stride
+        return off, stride
+
+    def _sharded(self, e: FoldEntry) -> None:
+        tp, name = self.tp, e.outs[0][0]
+        if e.tp_dim == 0:
+            rows = [shape[0] for _, shape in e.outs]
+            if any(r % tp for r in rows) or sum(r // tp for r in rows) != e.w.shape[0] or \
+                    any(_nbytes(shape[1:], e.dtype) != _nbytes(e.w.shape[1:], e.dtype) for _, shape in e.outs):
+                raise ValueError(f"{name}: outputs {[s for _, s in e.outs]} are not {tp} row shards like "
+                                 f"{tuple(e.w.shape)}")
+        elif e.tp_dim == 1:
+            if len(e.outs) != 1 or tuple(e.outs[0][1]) != (e.w.shape[0], e.w.shape[1] * tp):
+                raise ValueError(f"{name}: {[s for _, s in e.outs]} is not {tp} column shards of {tuple(e.w.shape)}")
+        else:
+            raise ValueError(f"{name}: tp_dim {e.tp_dim}")
+        if e.tp_dim == 0 and e.a is None and e.row_map is None:
+            # a plain row-sharded copy: every rank's rows straight into the bucket, split by rows when large
+            src, m = _bytes(e.w), e.w.shape[0]
+            row_bytes = e.nbytes // m if m else 0
+            r = 0
+            while r < m:
+                fit = (self.cap - self.buckets[-1].nbytes) // (tp * row_bytes)
+                if fit == 0:
+                    if not self.buckets[-1].pieces:
+                        raise ValueError(f"{name}: one row from each of {tp} ranks ({tp * row_bytes} bytes) does "
+                                         f"not fit in sync.bufferSize {self.cap}")
+                    self._new()
+                    continue
+                r1 = min(m, r + fit)
+                n = (r1 - r) * row_bytes
+                self.work[-1].gathers.append((src[r * row_bytes:r1 * row_bytes], "bucket", self.buckets[-1].nbytes,
+                                              n))
+                for t in range(tp):
+                    self.buckets[-1].pieces += self._rank_pieces(e, t, r, r1)
+                r = r1
+            return
+        full = tp * e.nbytes
+        if full > self.cap:
+            raise ValueError(f"{name}: a sharded weight of {full} bytes (all {tp} shards) does not fit in "
+                             f"sync.bufferSize {self.cap}")
+        if self.buckets[-1].nbytes + full > self.cap:
+            self._new()
+        work, off = self.work[-1], self.buckets[-1].nbytes
+        w_off, w_stride = self._scratch(work, e.nbytes)
+        work.gathers.append((_bytes(e.w), "scratch", w_off, w_stride))
+        f_off = -1
+        if e.a is not None:
+            f = e.factor
+            assert f is not None and e.b is not None
+            f_off, f_stride = self._scratch(work, f.numel() * f.element_size())
+            work.gathers.append((_bytes(f), "scratch", f_off, f_stride))
+        work.tp_folds.append((e, off, w_off, f_off))
+        if e.tp_dim == 0:
+            for t in range(tp):
+                self.buckets[-1].pieces += self._rank_pieces(e, t, 0, e.w.shape[0])
+        else:
+            self.buckets[-1].pieces.append(Piece(name, dtype_name(e.dtype), tuple(e.outs[0][1]), 0, full))
+
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.buckets)
@@ -170,28 +288,95 @@ class _Streams:
 
 
 class PipelinedSender:
-    """Trainer rank 0: fill (fold + copy) bucket i+1 while bucket i is broadcast. `push()` only enqueues."""
+    """Trainer rank 0: fill (fold + copy) bucket i+1 while bucket i is broadcast. `push()` only enqueues.
 
-    def __init__(self, plan: MergePlan, group: WeightUpdateGroup, slots: int = 2, fold_kw: dict | None = None):
+    TP > 1 (`plan.tp`): every TP rank makes one with `tp` (the TP group, `WeightUpdateGroup.wrap`) and calls
+    `push()` for every push; TP rank 0 passes the weight-update `group`, the others None and only gather their
+    shards to rank 0 (no buckets, no folds)."""
+
+    def __init__(self, plan: MergePlan, group: WeightUpdateGroup | None, slots: int = 2,
+                 fold_kw: dict | None = None, tp: WeightUpdateGroup | None = None):
         self.plan, self.group, self.slots = plan, group, slots
-        self.device = group.device
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        if (self.tp.world_size if self.tp is not None else 1) != plan.tp:
+            raise ValueError(f"the plan is for tensor parallel size {plan.tp}, the TP group given has "
+                             f"{self.tp.world_size if self.tp is not None else 1} ranks")
+        self.leader = self.tp is None or self.tp.rank == 0
+        if self.leader and group is None:
+            raise ValueError("TP rank 0 needs the weight-update group")
+        device = group.device if group is not None else (self.tp.device if self.tp is not None else None)
+        assert device is not None
+        self.device = device
+        self.buffers: list[torch.Tensor] = []
+        self.scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
+        self.folds: list[GroupedFold] = []
+        self.streams = _Streams(self.device, slots, len(plan.buckets))
+        if not self.leader:
+            return
         size = max((b.nbytes for b in plan.buckets), default=0)
         self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(slots)]
-        self.folds: list[GroupedFold] = []
+        self.scratch = torch.empty(max((w.scratch for w in plan.work), default=0), dtype=torch.uint8,
+                                   device=self.device)
         for i, work in enumerate(plan.work):
             buf = self.buffers[i % slots]
             items = []
             for e, off in work.folds:
                 out = buf[off:off + e.nbytes].view(e.dtype).view(e.w.shape)
                 items.append(FoldItem(e.w, out, e.a, e.b, e.scale, e.row_map))
+            for e, off, w_off, f_off in work.tp_folds:
+                items += self._shard_items(e, buf, off, w_off, f_off)
             self.folds.append(GroupedFold(items, **(fold_kw or {})))
         if self.device.type == "cuda":  # compile + capture now, before any collective is in flight
             for f in self.folds:
                 f.prepare()
-        self.streams = _Streams(self.device, slots, len(plan.buckets))
+
+    def _shard_items(self, e: FoldEntry, buf: torch.Tensor, off: int, w_off: int, f_off: int) -> list[FoldItem]:
+        """Rank 0's folds (or copies) of every rank's gathered shard into the entry's place in the bucket."""
+        tp = self.plan.tp
+        w_stride = _align(e.nbytes)
+
+        def shard(t: torch.Tensor, base: int, r: int) -> torch.Tensor:
+            n = t.numel() * t.element_size()
+            start = base + r * _align(n)
+            return self.scratch[start:start + n].view(t.dtype).view(t.shape)
+
+        items = []
+        for r in range(tp):
+            w = self.scratch[w_off + r * w_stride:w_off + r * w_stride + e.nbytes].view(e.dtype).view(e.w.shape)
+            a, b = e.a, e.b
+            if e.a is not None and e.b is not None:
+                if e.tp_dim == 0:
+                    b = shard(e.b, f_off, r)
+                else:
+                    a = shard(e.a, f_off, r)
+            if e.tp_dim == 0:  # rank r's block of rows
+                out = buf[off + r * e.nbytes:off + (r + 1) * e.nbytes].view(e.dtype).view(e.w.shape)
+            else:  # rank r's columns of the full [M, N] tensor
+                m, n = e.w.shape
+                out = buf[off:off + tp * e.nbytes].view(e.dtype).view(m, tp * n)[:, r * n:(r + 1) * n]
+            items.append(FoldItem(w, out, a, b, e.scale, e.row_map))
+        return items
+
+    def _gather(self, i: int) -> None:
+        """Every TP rank's shards of bucket i to rank 0 (its buffer / the scratch); the other ranks send."""
+        if self.tp is None:
+            return
+        buf = self.buffers[i % self.slots] if self.leader else None
+        for src, where, off, stride in self.plan.work[i].gathers:
+            outs = None
+            if buf is not None:
+                dst = buf if where == "bucket" else self.scratch
+                n = src.numel()
+                outs = [dst[off + r * stride:off + r * stride + n] for r in range(self.tp.world_size)]
+            self.tp.gather(src, outs)
 
     def fill(self, i: int) -> torch.Tensor:
-        """Bucket i's bytes into its ring buffer (on the current stream); returns the buffer slice."""
+        """Bucket i's bytes into its ring buffer (on the current stream); returns the buffer slice. TP > 1: the
+        shards are gathered first (every TP rank calls it; on ranks other than 0 only the gather, returns an
+        empty tensor)."""
+        self._gather(i)
+        if not self.leader:
+            return self.scratch
         buf = self.buffers[i % self.slots]
         self.folds[i]()
         for src, off, n in self.plan.work[i].copies:
@@ -200,6 +385,11 @@ class PipelinedSender:
 
     def push(self) -> None:
         s = self.streams
+        if not self.leader:  # a TP rank other than 0: its shards, bucket by bucket, to rank 0
+            for i in range(len(self.plan.buckets)):
+                self.fill(i)
+            return
+        assert self.group is not None
         if not s.cuda:
             for i in range(len(self.plan.buckets)):
                 self.group.broadcast(self.fill(i), src=0)
@@ -269,24 +459,37 @@ class PipelinedReceiver:
 
 def ack(group: WeightUpdateGroup, engine_rank: int = 1) -> None:
     """The engine tells the trainer it is done: one 4-byte broadcast from the engine, ordered after everything
-    the engine enqueued on its current stream. Both sides call it; the trainer then synchronizes."""
+    the engine enqueued on its current stream. Every member calls it; the trainer then synchronizes. With
+    several engines in the group all of them must be done: a MAX all-reduce of one number instead (the
+    trainer's result needs every engine's contribution, each ordered after that engine's work)."""
     t = torch.zeros(1, dtype=torch.int32, device=group.device)
-    group.broadcast(t, src=engine_rank)
+    if group.world_size > 2:
+        group.allreduce_max(t)
+    else:
+        group.broadcast(t, src=engine_rank)
 
 
 # ---- Adapter mode ----------------------------------------------------------------------------------------
 
 @dataclass
 class GatherSpec:
-    """One HF-PEFT tensor = rows `rows` (None: all) of the 2-D adapter parameter `src`."""
+    """One HF-PEFT tensor = rows `rows` (None: all) of the 2-D adapter parameter `src`. Under TP, `src` is this
+    rank's shard of a parameter whose full tensor is the TP ranks' shards concatenated along `split` (None:
+    replicated; rank 0's copy is used) and `rows` index the full tensor."""
 
     name: str
     src: torch.Tensor
     rows: torch.Tensor | None = None  # int64 [rows of the output]
+    split: int | None = None  # 0: rows sharded over the TP ranks, 1: columns sharded
+
+    def full_shape(self, tp: int = 1) -> tuple[int, int]:
+        m, n = self.src.shape
+        m, n = (m * tp, n) if self.split == 0 else (m, n * tp) if self.split == 1 else (m, n)
+        return (m if self.rows is None else int(self.rows.numel()), n)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.src.shape[0] if self.rows is None else int(self.rows.numel()), self.src.shape[1])
+        return self.full_shape()
 
 
 def flat_view(params: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -331,10 +534,17 @@ class AdapterPack:
 
     `params` are the live adapter parameters (any layout: if they are not already views of one buffer they
     are concatenated first, one launch). `specs` say which rows of which parameter each HF tensor is.
+    TP > 1 (`tp`: the TP group): every TP rank makes one and calls `pack` / `push` / `pack_into` together; the
+    flat adapters are gathered to TP rank 0 ([tp, numel], rank order) and rank 0's one `index_select` reads
+    every rank's shards from there. Only rank 0's `out` holds the adapter.
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], specs: Sequence[GatherSpec], cap: int):
+    def __init__(self, params: Sequence[torch.Tensor], specs: Sequence[GatherSpec], cap: int,
+                 tp: WeightUpdateGroup | None = None):
         self.params = list(params)
+        self.tp = tp if tp is not None and tp.world_size > 1 else None
+        self.leader = self.tp is None or self.tp.rank == 0
+        size = self.tp.world_size if self.tp is not None else 1
         self.flat = flat_view(self.params)
         dtype, device = self.params[0].dtype, self.params[0].device
         self.dtype = dtype
@@ -350,15 +560,25 @@ class AdapterPack:
             base = offsets.get(s.src.data_ptr())
             if base is None or s.src.dtype != dtype:
                 raise ValueError(f"{s.name}: its source is not one of the adapter parameters (or another dtype)")
-            cols = s.src.shape[1]
-            rows = torch.arange(s.src.shape[0]) if s.rows is None else s.rows.cpu().long()
-            index.append((base + rows.unsqueeze(1) * cols + torch.arange(cols).unsqueeze(0)).reshape(-1))
+            m, n = s.src.shape
+            shape = s.full_shape(size)
+            rows = torch.arange(shape[0]) if s.rows is None else s.rows.cpu().long()
+            if s.split == 0:  # full row R is row R % m of rank R // m
+                idx = ((rows // m) * self.numel + base + (rows % m) * n).unsqueeze(1) + torch.arange(n).unsqueeze(0)
+            elif s.split == 1:  # full column C is column C % n of rank C // n
+                cols = torch.arange(shape[1])
+                idx = (base + rows * n).unsqueeze(1) + ((cols // n) * self.numel + cols % n).unsqueeze(0)
+            else:
+                idx = (base + rows * n).unsqueeze(1) + torch.arange(n).unsqueeze(0)
+            index.append(idx.reshape(-1))
             self.names.append(s.name)
-            self.shapes.append(s.shape)
+            self.shapes.append(shape)
         idx = torch.cat(index)
-        self.index = idx.to(device=device, dtype=torch.int32 if self.numel < 2**31 else torch.int64)
+        self.index = idx.to(device=device, dtype=torch.int32 if size * self.numel < 2**31 else torch.int64)
         self.out = torch.empty(idx.numel(), dtype=dtype, device=device)
         self.staging = None if self.flat is not None else torch.empty(self.numel, dtype=dtype, device=device)
+        self.gathered = torch.empty(size * self.numel if self.tp is not None and self.leader else 0, dtype=dtype,
+                                    device=device)
         # buckets: whole tensors (a pair never split: A and B of one module are consecutive and small)
         self.buckets: list[Bucket] = [Bucket()]
         for name, shape in zip(self.names, self.shapes, strict=True):
@@ -372,29 +592,51 @@ class AdapterPack:
             self.bounds.append((start, start + b.nbytes))
             start += b.nbytes
 
-    def source(self) -> torch.Tensor:
+    def local(self) -> torch.Tensor:
+        """This rank's adapter parameters as one flat tensor (a view when they are flattened)."""
         if self.flat is not None:
             return self.flat
         assert self.staging is not None
         torch.cat([p.detach().reshape(-1) for p in self.params], out=self.staging)
         return self.staging
 
+    def source(self) -> torch.Tensor:
+        """What the index reads: the local flat adapter, or under TP every rank's, gathered to rank 0 (every TP
+        rank calls it; the others get their local one back)."""
+        local = self.local()
+        if self.tp is None:
+            return local
+        n = self.numel
+        outs = [self.gathered[r * n:(r + 1) * n] for r in range(self.tp.world_size)] if self.leader else None
+        self.tp.gather(local, outs)
+        return self.gathered if self.leader else local
+
     def pack(self) -> torch.Tensor:
-        """Every HF tensor into `self.out` (one gather); returns its bytes."""
-        torch.index_select(self.source(), 0, self.index, out=self.out)
+        """Every HF tensor into `self.out` (one gather); returns its bytes (TP rank 0's only are filled)."""
+        src = self.source()
+        if self.leader:
+            torch.index_select(src, 0, self.index, out=self.out)
         return self.out.view(torch.uint8)
 
-    def pack_into(self, dst: torch.Tensor) -> None:
+    def pack_into(self, dst: torch.Tensor | None) -> None:
         """The gather straight into `dst` (uint8, at least the adapter's bytes): e.g. an engine's `AdapterRing`
         slot mapped through CUDA IPC (colocated). Enqueued on the current stream; synchronise before telling
-        the engine."""
+        the engine. TP ranks other than 0 pass None (they only send their shards)."""
+        src = self.source()
+        if not self.leader:
+            return
         n = self.out.numel() * self.out.element_size()
-        if dst.dtype != torch.uint8 or dst.numel() < n:
+        if dst is None or dst.dtype != torch.uint8 or dst.numel() < n:
             raise ValueError(f"pack_into: need a uint8 buffer of at least {n} bytes")
-        torch.index_select(self.source(), 0, self.index, out=dst[:n].view(self.dtype))
+        torch.index_select(src, 0, self.index, out=dst[:n].view(self.dtype))
 
-    def push(self, group: WeightUpdateGroup) -> None:
+    def push(self, group: WeightUpdateGroup | None) -> None:
+        """Pack and broadcast over `group` (TP ranks other than 0: None, they only send their shards)."""
         flat = self.pack()
+        if not self.leader:
+            return
+        if group is None:
+            raise ValueError("TP rank 0 needs the weight-update group")
         for start, end in self.bounds:
             group.broadcast(flat[start:end], src=0)
 
@@ -607,6 +849,8 @@ class ColocatedMerge:
             return t
 
         for e in entries:
+            if isinstance(e, FoldEntry) and e.sharded:
+                raise NotImplementedError("colocated Merge sync of a tensor-parallel policy is not wired (TP = 1)")
             if isinstance(e, FoldEntry):
                 outs = [target(n, shape, e.dtype) for n, shape in e.outs]
                 out = outs[0] if len(outs) == 1 and outs[0].is_contiguous() else span_view(outs)

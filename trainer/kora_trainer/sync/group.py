@@ -5,6 +5,9 @@ for its data-parallel ranks, and an engine has its own tensor-parallel group. Bo
 `init_weight_update_group` with the same address/port/world size — the trainer directly, each
 engine when it receives `POST /init_weights_update_group` (SGLang's route and fields; the engine's
 rank is `rank_offset + tp_rank`). gloo on CPU, NCCL on GPU.
+
+`WeightUpdateGroup.wrap` puts the same face on a process group made elsewhere (megatron's tensor-parallel
+group: the delta-skip's MAX and the fast path's shard gathers run over it).
 """
 
 from __future__ import annotations
@@ -30,10 +33,16 @@ class WeightUpdateGroup:
     """The group plus the TCP store it was made from (kept alive as long as the group)."""
 
     pg: dist.ProcessGroup
-    store: dist.Store
+    store: dist.Store | None  # None: a wrapped group whose store belongs to whoever made it
     rank: int
     world_size: int
     backend: str
+
+    @classmethod
+    def wrap(cls, pg: dist.ProcessGroup, backend: str | None = None) -> WeightUpdateGroup:
+        """An existing process group (e.g. megatron's tensor-parallel group) with this class's methods; ranks are
+        the group's own (0 .. size-1), not global ranks."""
+        return cls(pg, None, pg.rank(), pg.size(), str(backend or dist.get_backend(pg)))
 
     @property
     def device(self) -> torch.device:
@@ -48,6 +57,15 @@ class WeightUpdateGroup:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         self.pg.allreduce([tensor], opts).wait()
+
+    def gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int = 0) -> None:
+        """Rank `dst` receives every rank's `tensor` into `outs` (rank order, contiguous, same size and dtype);
+        the other ranks pass None. Every rank calls it."""
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        if self.rank == dst and (outs is None or len(outs) != self.world_size):
+            raise ValueError(f"gather: rank {dst} needs {self.world_size} output tensors")
+        self.pg.gather([outs] if self.rank == dst and outs is not None else [], [tensor], opts).wait()
 
 
 def init_weight_update_group(

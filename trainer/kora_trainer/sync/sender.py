@@ -14,7 +14,9 @@ two as well (the merged model and the A/B pairs are functions of the adapter alo
 frozen), so it is applied in every mode. The first sync always pushes.
 
 Every rank of the trainer's group calls `sync()` each step (the skip decision is collective); only
-rank 0 holds a transport and talks to the engines.
+rank 0 holds a transport and talks to the engines. Where the sources are themselves collective (megatron
+tensor parallelism: every TP rank gathers shards while rank 0's buckets are made), the other ranks of that
+group hold a `follower` transport: they run the same push — plan, sources, order — and send nothing.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ Named = tuple[str, torch.Tensor]
 @dataclass
 class SyncReport:
     mode: str  # Merge | Adapter | EngineMerge
-    transport: str  # distributed | colocated | none (a rank other than 0)
+    transport: str  # distributed | colocated | none (a rank other than 0) | follower (`follower`)
     pushed: bool
     bytes: int  # bytes handed to the engines this sync (once, not per engine)
     ms: float  # wall time of the push (fold + transfer + engines' apply), checksum hashing excluded
@@ -101,6 +103,39 @@ def colocated_buckets(groups: Sequence[Sequence[Named]], cap: int) -> list[list[
         out[-1].extend(name for name, _ in g)
         size += n
     return [b for b in out if b]
+
+
+class _Follow:
+    """Sends nothing; every engine 'answers' nothing (so the checks pass): see `follower`."""
+
+    kind = "follower"
+
+    def send(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class _FollowDistributed(_Follow, DistributedTransport):
+    def __init__(self) -> None:  # no clients, no group: nothing leaves this rank
+        self.clients, self.timeout_s = [], 0.0
+
+
+class _FollowColocated(_Follow, ColocatedTransport):
+    def __init__(self) -> None:
+        self.clients, self.timeout_s = [], 0.0
+
+
+def follower(kind: str) -> DistributedTransport | ColocatedTransport:
+    """The transport of a trainer rank that must take part in the push of the rank holding a transport of
+    `kind` ("distributed" / "colocated") without talking to the engines: with it `WeightSender.sync` makes the
+    same buckets from the same sources in the same order (their collectives match rank 0's) and sends nothing."""
+    if kind == DistributedTransport.kind:
+        return _FollowDistributed()
+    if kind == ColocatedTransport.kind:
+        return _FollowColocated()
+    raise ValueError(f"no follower for a {kind!r} transport")
 
 
 def _completed(bucket: Bucket) -> list[str]:

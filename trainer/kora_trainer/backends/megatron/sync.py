@@ -3,11 +3,16 @@
 - `MegatronWeightSender`: `sync.sender.WeightSender` (HTTP metadata + NCCL/gloo or in-memory transport, the
   engine routes, checksums, collective delta-skip) with the megatron model's sources: Merge pushes
   `hf_state(merged=True)` one bucket at a time, Adapter pushes the base once then `hf_adapter_tensors`,
-  EngineMerge pushes the A/B pairs. Works at any TP size for the delta-skip; the pushes gather TP shards, so
-  with TP > 1 every TP rank must produce the same buckets — not wired yet (raises).
-- `merge_entries` / `adapter_specs`: the GPU fast path's plan (`sync/fast.py`) for TP = 1: which megatron
-  tensor (and which rows of it) each HF tensor is, so the fold writes megatron's fused QKV straight into HF's
-  q, k, v layout inside the sync bucket (`qkv_row_map`) and the adapter is one gather.
+  EngineMerge pushes the A/B pairs. Under tensor parallelism the sources all-gather shards over the TP group,
+  so every TP rank constructs the sender and calls `sync()`: the rank given the transport (TP rank 0) talks to
+  the engines, the others get a `sender.follower` transport (found at construction, one small collective) and
+  run the same buckets, gathers included, sending nothing. The delta-skip's MAX runs over the TP group unless a
+  `trainer_group` is given.
+- `merge_entries` / `adapter_specs`: the GPU fast path's plan (`sync/fast.py`): which megatron tensor (and
+  which rows of it) each HF tensor is, so the fold writes megatron's fused QKV straight into HF's q, k, v
+  layout inside the sync bucket (`qkv_row_map`) and the adapter is one gather. Under TP each rank plans its
+  own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `fast.PipelinedSender` / `fast.AdapterPack` gather
+  them to TP rank 0 over `tp_group()`.
 
 megatron-core is imported lazily (through lora.py / model.py helpers): this module imports without it.
 """
@@ -15,6 +20,7 @@ megatron-core is imported lazily (through lora.py / model.py helpers): this modu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,15 +30,19 @@ from kora_trainer.backends.megatron.convert import (
     FC1,
     PEFT_PREFIX,
     QKV,
+    REPL,
+    ROW,
     Layout,
     adapter_modules,
+    column_parallel,
     from_megatron_shards,
     param_maps,
 )
 from kora_trainer.backends.megatron.lora import lora_modules
 from kora_trainer.backends.megatron.model import base_param_name, param_hf_tensors
 from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
-from kora_trainer.sync.sender import WeightSender
+from kora_trainer.sync.group import WeightUpdateGroup
+from kora_trainer.sync.sender import WeightSender, follower
 from kora_trainer.sync.sources import Source
 
 Named = tuple[str, torch.Tensor]
@@ -50,26 +60,48 @@ def qkv_row_map(layout: Layout) -> torch.Tensor:
     return out
 
 
-def _check_tp1(model: nn.Module) -> None:
+def tp_group() -> WeightUpdateGroup | None:
+    """megatron's tensor-parallel group as a `WeightUpdateGroup` (its own ranks), None at TP = 1."""
+    from megatron.core import parallel_state
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return WeightUpdateGroup.wrap(parallel_state.get_tensor_model_parallel_group())
+
+
+def _tp_size() -> int:
     from kora_trainer.backends.megatron.parallel import tp_rank_size
 
-    if tp_rank_size()[1] != 1:
-        raise NotImplementedError("the fast sync plan is built for tensor parallel size 1 (TP > 1 needs a gather "
-                                  "of the shards into the bucket: next step)")
+    return tp_rank_size()[1]
 
 
-def _meta_outs(kind: str, shape: torch.Size, hf: Sequence[str], layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
-    outs = from_megatron_shards(kind, [torch.empty(shape, device="meta")], layout)
+def _local_layout(layout: Layout, tp: int) -> Layout:
+    """The attention layout of one TP rank's QKV shard (its KV groups, whole)."""
+    return replace(layout, num_heads=layout.num_heads // tp, num_kv_heads=layout.num_kv_heads // tp)
+
+
+def _tp_dim(kind: str, tp: int) -> int | None:
+    """How a kind's tensor is split over TP ranks (fast.FoldEntry.tp_dim): None if it is not."""
+    if tp == 1 or kind == REPL:
+        return None
+    return 1 if kind == ROW else 0
+
+
+def _meta_outs(kind: str, shape: torch.Size, hf: Sequence[str], layout: Layout, tp: int = 1
+               ) -> list[tuple[str, tuple[int, ...]]]:
+    """The full HF tensors (names, shapes) one megatron parameter of this shard `shape` stands for."""
+    outs = from_megatron_shards(kind, [torch.empty(shape, device="meta")] * (1 if kind == REPL else tp), layout)
     return [(n, tuple(t.shape)) for n, t in zip(hf, outs, strict=True)]
 
 
 def merge_entries(model: nn.Module, layout: Layout, merged: bool = True, flavour: str = "hf") -> list[Entry]:
-    """The model under HF names as fast-sync entries (TP = 1): enabled adapters folded in when `merged`."""
-    _check_tp1(model)
+    """The model under HF names as fast-sync entries: enabled adapters folded in when `merged`. Under TP, this
+    rank's shards (sharded kinds become `FoldEntry`s with `tp_dim`; `fast.MergePlan` lays every rank's out)."""
+    tp = _tp_size()
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout, flavour)}
     device = next(model.parameters()).device
-    qkv_map = qkv_row_map(layout).to(device)
+    qkv_map = qkv_row_map(_local_layout(layout, tp)).to(device)  # this rank's fused rows -> [q_t; k_t; v_t]
     entries: list[Entry] = []
     for name, p in model.named_parameters():
         base = base_param_name(name)
@@ -79,13 +111,18 @@ def merge_entries(model: nn.Module, layout: Layout, merged: bool = True, flavour
         w = p.detach()
         m = wrapped.get(base)
         lora = m is not None and m.enabled
-        a = m.lora_A.weight.detach() if lora else None
-        b = m.lora_B.weight.detach() if lora else None
-        scale = float(m.scaling) if lora else 1.0
+        a = m.lora_A.weight.detach() if m is not None and lora else None
+        b = m.lora_B.weight.detach() if m is not None and lora else None
+        scale = float(m.scaling) if m is not None and lora else 1.0
+        outs = _meta_outs(pm.kind, w.shape, pm.hf, layout, tp)
+        dim = _tp_dim(pm.kind, tp)
         if pm.kind == QKV and w.dim() == 2:
-            entries.append(FoldEntry(_meta_outs(pm.kind, w.shape, pm.hf, layout), w, a, b, scale, qkv_map))
-        elif lora:  # linear_proj / linear_fc2 (one HF tensor) or linear_fc1 ([gate; up] rows at TP 1)
-            entries.append(FoldEntry(_meta_outs(pm.kind, w.shape, pm.hf, layout), w, a, b, scale))
+            entries.append(FoldEntry(outs, w, a, b, scale, qkv_map, dim, tp))
+        elif lora:  # linear_proj / linear_fc2 (one HF tensor) or linear_fc1 ([gate; up] rows of this rank)
+            entries.append(FoldEntry(outs, w, a, b, scale, None, dim, tp))
+        elif dim is not None:  # TP > 1, an unadapted shard: gathered to rank 0 (a QKV bias row-mapped as [M, 1])
+            row_map = qkv_map if pm.kind == QKV else None
+            entries.append(FoldEntry(outs, w if w.dim() == 2 else w.unsqueeze(1), None, None, 1.0, row_map, dim, tp))
         elif pm.kind == FC1:
             gate, up = w.chunk(2, dim=0)
             entries += [PlainEntry(pm.hf[0], gate), PlainEntry(pm.hf[1], up)]
@@ -98,31 +135,39 @@ def merge_entries(model: nn.Module, layout: Layout, merged: bool = True, flavour
 
 
 def adapter_specs(model: nn.Module, layout: Layout, flavour: str = "hf") -> list[GatherSpec]:
-    """Every HF-PEFT adapter tensor as rows of a megatron LoRA parameter (TP = 1), pairs adjacent."""
-    _check_tp1(model)
+    """Every HF-PEFT adapter tensor as rows of a megatron LoRA parameter, pairs adjacent. Under TP the rows index
+    the full factor (the TP ranks' shards concatenated along `GatherSpec.split`)."""
     from kora_trainer.backends.megatron.export import _targets
 
+    tp = _tp_size()
     mapping = adapter_modules(layout, _targets(model), flavour)
     qkv_rows = None
     specs: list[GatherSpec] = []
     for name, m in lora_modules(model).items():
+        if name not in mapping:
+            raise NotImplementedError(f"{name}: the fast path's adapter plan covers the attention / MLP linears and "
+                                      "routers; MoE experts' adapters go through the HTTP path (MegatronWeightSender)")
         hf_modules, kind = mapping[name]
         a, b = m.lora_A.weight, m.lora_B.weight
-        if kind == QKV:
+        # a column-parallel linear's B is sharded on rows (A whole), a row-parallel one's A on columns (B whole)
+        a_split = 1 if kind == ROW else None
+        b_split = 0 if column_parallel(kind) else None
+        if kind == QKV:  # the full B has megatron's fused rows (the shards are contiguous row blocks of it)
             if qkv_rows is None:
                 inv = torch.argsort(qkv_row_map(layout).long())  # HF row j <- fused row inv[j]
                 hq = layout.num_heads * layout.head_dim
                 hk = layout.num_kv_heads * layout.head_dim
                 qkv_rows = [inv[:hq], inv[hq:hq + hk], inv[hq + hk:]]
             rows: list[torch.Tensor | None] = list(qkv_rows)
-        elif kind == FC1:
+        elif kind == FC1:  # the full B is [gate_0; up_0; gate_1; up_1; ...]: f rows each
             f = b.shape[0] // 2
-            rows = [torch.arange(f), torch.arange(f, 2 * f)]
+            gate = (torch.arange(tp).unsqueeze(1) * 2 * f + torch.arange(f).unsqueeze(0)).reshape(-1)
+            rows = [gate, gate + f]
         else:
             rows = [None]
         for module, r in zip(hf_modules, rows, strict=True):
-            specs.append(GatherSpec(f"{PEFT_PREFIX}{module}.lora_A.weight", a))
-            specs.append(GatherSpec(f"{PEFT_PREFIX}{module}.lora_B.weight", b, r))
+            specs.append(GatherSpec(f"{PEFT_PREFIX}{module}.lora_A.weight", a, None, a_split))
+            specs.append(GatherSpec(f"{PEFT_PREFIX}{module}.lora_B.weight", b, r, b_split))
     return specs
 
 
@@ -133,7 +178,9 @@ def _meta(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
 
 
 def megatron_source(model: nn.Module, layout: Layout, merged: bool, flavour: str = "hf") -> Source:
-    """The base (or merged) model under HF names; each bucket's tensors are made when it goes out."""
+    """The base (or merged) model under HF names; each bucket's tensors are made when it goes out (under TP a
+    collective: every TP rank must `get` the same names in the same order)."""
+    tp = _tp_size()
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout, flavour)}
     params = {}
@@ -145,7 +192,7 @@ def megatron_source(model: nn.Module, layout: Layout, merged: bool, flavour: str
             continue
         pm = maps[base]
         params[base] = p
-        for hf_name, shape in _meta_outs(pm.kind, p.shape, pm.hf, layout):
+        for hf_name, shape in _meta_outs(pm.kind, p.shape, pm.hf, layout, tp):
             groups.append([(hf_name, _meta(shape, p.dtype))])
             owner[hf_name] = base
 
@@ -177,12 +224,18 @@ def megatron_adapter_source(model: nn.Module, layout: Layout, flavour: str = "hf
 
 
 class MegatronWeightSender(WeightSender):
-    """`WeightSender` for a megatron policy (`MegatronBackend.model`)."""
+    """`WeightSender` for a megatron policy (`MegatronBackend.model`). Every TP rank constructs it (a collective
+    when TP > 1) with the transport on one rank (TP rank 0) and None on the others, and calls `sync()`."""
 
     def __init__(self, model: nn.Module, layout: Layout, cfg: Any, transport: Any, trainer_group: Any = None,
                  verify: bool = True, flavour: str = "hf"):
         self.layout, self.flavour = layout, flavour
         self._adapter_src: Source | None = None
+        tp = tp_group()
+        if tp is not None:
+            transport = _tp_transport(tp, transport)
+            if trainer_group is None:  # the shards differ per TP rank: the skip decision spans the TP group
+                trainer_group = tp
         super().__init__(model, cfg, transport, trainer_group, verify)
 
     def make_adapter_config(self) -> dict[str, Any]:
@@ -194,20 +247,35 @@ class MegatronWeightSender(WeightSender):
         return [(f"{n}.lora_{w}", getattr(m, f"lora_{w}").weight.detach())
                 for n, m in lora_modules(self.model).items() for w in "AB"]
 
-    def _tp1(self) -> None:
-        if self.transport is not None:
-            _check_tp1(self.model)
-
     def merged_source(self) -> Source:
-        self._tp1()
         return megatron_source(self.model, self.layout, True, self.flavour)
 
     def base_source(self) -> Source:
-        self._tp1()
         return megatron_source(self.model, self.layout, False, self.flavour)
 
     def adapter_source(self) -> Source:
-        self._tp1()
         if self._adapter_src is None:  # the plan (names, shapes) is fixed: one export per push, not two
             self._adapter_src = megatron_adapter_source(self.model, self.layout, self.flavour)
         return self._adapter_src
+
+
+def _tp_transport(tp: WeightUpdateGroup, transport: Any) -> Any:
+    """This TP rank's transport: its own, or a `follower` of the one TP rank that holds one (every TP rank
+    calls this: one MAX all-reduce of [tp] transport kinds)."""
+    from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
+
+    kinds = [DistributedTransport.kind, ColocatedTransport.kind]
+    mine = getattr(transport, "kind", None)
+    if transport is not None and mine not in kinds:
+        raise ValueError(f"a {mine!r} transport cannot lead a tensor-parallel push")
+    codes = torch.zeros(tp.world_size, dtype=torch.int64, device=tp.device)
+    if transport is not None:
+        codes[tp.rank] = 1 + kinds.index(str(mine))
+    tp.allreduce_max(codes)
+    holders = [r for r, c in enumerate(codes.tolist()) if c]
+    if len(holders) > 1:
+        raise ValueError(f"TP ranks {holders} each hold a transport: give it to one TP rank (rank 0), None to "
+                         "the others")
+    if transport is None and holders:
+        return follower(kinds[int(codes[holders[0]]) - 1])
+    return transport
