@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from kora_trainer.rollout.lora_adapters import LoRAAdapter, MultiLoRAHooks
+from kora_trainer.rollout.param_lora import ROUTER_MERGE_REFUSED, folded, resolve_target
 from kora_trainer.rollout.sampling import SamplingParams, apply_penalties, check_stop, needs_processing, sample_rows
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's ServerArgs.weight_version default
@@ -361,24 +362,29 @@ class EngineModel:
                 p.copy_(tensor.to(device=p.device, dtype=p.dtype))
                 self._pristine.pop(name, None)
 
-    def merge_lora(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], scaling: float, fp32: bool) -> None:
-        """W = W0 + scaling · B A for each module, from the pristine W0 (so merges never accumulate).
+    def merge_lora(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rank: int,
+                   fp32: bool) -> None:
+        """W = W0 + (alpha/rank)·ΔW for each pair, from the pristine W0 (so merges never accumulate): B·A into a
+        Linear's weight, B_e·A_e into expert e of a fused 3-D expert parameter (PEFT's grouped layout).
 
-        With fp32 the sum is formed in float32 and rounded to the weight dtype once.
+        With fp32 the sum is formed in float32 and rounded to the weight dtype once. Every pair is checked
+        before any weight changes; a router pair is refused (SPEC rule 5).
         """
+        modules = dict(self.model.named_modules())
+        targets = {key: resolve_target(modules, key, a, b, None) for key, (a, b) in pairs.items()}
+        for key, t in targets.items():
+            if t.router:
+                raise ValueError(ROUTER_MERGE_REFUSED.format(module=t.module))
+            if t.rank(pairs[key][0]) != rank:
+                raise ValueError(f"{key}: lora_A has rank {t.rank(pairs[key][0])}, the request says lora_rank {rank}")
         with self.lock, torch.no_grad():
-            for module, (a, b) in pairs.items():
-                p = self._param(f"{module}.weight")  # [out, in]
-                if (b.shape[0], a.shape[1]) != tuple(p.shape):
-                    raise ValueError(f"{module}: B {tuple(b.shape)} · A {tuple(a.shape)} does not match weight "
-                                     f"{tuple(p.shape)}")
-                w0 = self._pristine.get(f"{module}.weight")
+            for key, t in targets.items():
+                a, b = pairs[key]
+                p = self._param(t.name)
+                w0 = self._pristine.get(t.name)
                 if w0 is None:
-                    w0 = self._pristine[f"{module}.weight"] = p.detach().clone()
-                work = torch.float32 if fp32 else p.dtype
-                a_, b_ = a.to(device=p.device, dtype=work), b.to(device=p.device, dtype=work)
-                merged = w0.to(work) + scaling * (b_ @ a_)  # [out, in]
-                p.copy_(merged.to(p.dtype))
+                    w0 = self._pristine[t.name] = p.detach().clone()
+                p.copy_(folded(w0, a, b, alpha / rank, t, torch.float32 if fp32 else p.dtype))
 
 
 @dataclass

@@ -28,7 +28,9 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
 - EngineMerge: `/update_weights_from_distributed` and `/update_weights_from_tensor` accept
   `weight_update_mode: "lora_merge"`, `lora_alpha`, `lora_rank`, `merge_fp32`: the tensors are
   PEFT lora_A/lora_B pairs that the engine folds into a pristine copy of its base,
-  W = W0 + (alpha/rank)·B·A (fp32 then rounded once when merge_fp32). A stock SGLang LLM engine
+  W = W0 + (alpha/rank)·B·A (fp32 then rounded once when merge_fp32); a fused 3-D expert parameter
+  (PEFT `target_parameters`, grouped layout) gets B_e·A_e per expert, and a router pair is refused
+  (SPEC rule 5: router LoRA is Adapter mode only). A stock SGLang LLM engine
   ignores these fields (unknown keys) and would try to load lora_A/lora_B as weights and fail;
   the mode comes from sglang-diffusion (miles' `LORA_IPC_WEIGHT_UPDATE_MODE`).
 - Weight-update responses add `weight_version` and `checksum` (`sync.protocol.checksum` of the
@@ -273,11 +275,8 @@ class HFEngineServer:
             raise ValueError(f"Unknown weight_update_mode={mode}")
         if b.get("lora_alpha") is None or not b.get("lora_rank"):
             raise ValueError("weight_update_mode lora_merge needs lora_alpha and lora_rank")
-        pairs = pair_lora_tensors(named)
-        for module, (a, _) in pairs.items():
-            if a.shape[0] != b["lora_rank"]:
-                raise ValueError(f"{module}: lora_A has rank {a.shape[0]}, the request says lora_rank {b['lora_rank']}")
-        self.engine.merge_lora(pairs, float(b["lora_alpha"]) / float(b["lora_rank"]), bool(b["merge_fp32"]))
+        self.engine.merge_lora(pair_lora_tensors(named), float(b["lora_alpha"]), int(b["lora_rank"]),
+                               bool(b["merge_fp32"]))
 
     def _weights_done(self, named: list[tuple[str, torch.Tensor]], b: dict[str, Any], message: str) -> dict[str, Any]:
         if b.get("weight_version") is not None:

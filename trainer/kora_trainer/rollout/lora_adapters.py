@@ -7,6 +7,11 @@ targeted Linear adds `scaling · (x Aᵀ) Bᵀ` for the rows whose request asked
 one batch can mix the base model (`lora_path: null`) and several adapters, and an adapter object
 is immutable once built — replacing the one registered under a name (upsert) never changes a
 forward that already holds the old object.
+
+Pairs on bare parameters (PEFT `target_parameters`: transformers 5's fused MoE experts and router) are
+`param_lora.ParamDelta`s, served per batch row too: the module that owns the parameter runs once per
+adapter on that adapter's rows with W + s·ΔW (`param_lora.rows_forward`), as PEFT's ParamWrapper runs it —
+also for an nn.Linear's weight named in `target_parameters` (an MoE model's dense-layer MLP).
 """
 
 from __future__ import annotations
@@ -19,9 +24,12 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
+
+from kora_trainer.rollout.param_lora import ParamDelta, owns_matrices, resolve_target, rows_forward
 
 _PEFT_PREFIX = "base_model.model."
 _LORA_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
@@ -71,7 +79,8 @@ def module_scaling(config: dict, module: str, rank: int) -> float:
 
 @dataclass(frozen=True)
 class LoRAAdapter:
-    """One immutable adapter: module -> (A [r, in], B [out, r], scaling)."""
+    """One immutable adapter: Linear module -> (A [r, in], B [out, r], scaling), and the parameter-targeted pairs
+    by owning module (`params`)."""
 
     name: str
     source: str  # the PEFT dir, or "__tensor__" / "__distributed__" for adapters that came over the wire
@@ -79,6 +88,7 @@ class LoRAAdapter:
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
     config: dict = field(default_factory=dict)
     version: str | None = None
+    params: dict[str, tuple[ParamDelta, ...]] = field(default_factory=dict)
 
     @property
     def target_modules(self) -> set[str]:
@@ -103,22 +113,26 @@ def build_adapter(name: str, source: str, config: dict, named: Iterable[tuple[st
         raise ValueError(f"adapter {name} holds no LoRA tensors")
     modules = dict(model.named_modules())
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
+    params: dict[str, list[ParamDelta]] = {}
     rank = 0
     for module, (a, b) in pairs.items():
-        target = modules.get(module)
-        if not isinstance(target, nn.Linear):
-            raise ValueError(f"adapter {name}: {module} is not a Linear layer of the model")
-        r = a.shape[0]
-        if a.shape[1] != target.in_features or b.shape[0] != target.out_features:
-            raise ValueError(f"adapter {name}: {module} expects A [r, {target.in_features}] and "
-                             f"B [{target.out_features}, r], got {tuple(a.shape)} and {tuple(b.shape)}")
+        try:
+            target = resolve_target(modules, module, a, b, config)
+        except ValueError as e:
+            raise ValueError(f"adapter {name}: {e}") from None
+        r = target.rank(a)
         rank = max(rank, r)
-        weights[module] = (a.to(device=device, dtype=dtype).clone(), b.to(device=device, dtype=dtype).clone(),
-                           module_scaling(config, module, r))
+        a_, b_ = a.to(device=device, dtype=dtype).clone(), b.to(device=device, dtype=dtype).clone()
+        scaling = module_scaling(config, target.pattern_key, r)
+        if target.linear:
+            weights[target.module] = (a_, b_, scaling)
+        else:
+            params.setdefault(target.module, []).append(ParamDelta(target, a_, b_, scaling))
     if max_rank is not None and rank > max_rank:
         raise ValueError(f"LoRA adapter {name} with rank {rank} exceeds max_lora_rank={max_rank}. "
                          "Restart the server with a larger --max-lora-rank.")
-    return LoRAAdapter(name, source, rank, weights, dict(config), version)
+    return LoRAAdapter(name, source, rank, weights, dict(config), version,
+                       {m: tuple(d) for m, d in params.items()})
 
 
 def read_peft_dir(path: str | Path) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
@@ -138,11 +152,13 @@ def read_peft_dir(path: str | Path) -> tuple[dict, list[tuple[str, torch.Tensor]
 
 
 class MultiLoRAHooks:
-    """Forward hooks that add each row's adapter delta to the targeted Linear outputs.
+    """Forward hooks that add each row's adapter delta to the targeted Linear outputs, and a forward of each
+    module owning 2-D / 3-D parameters (MoE experts, router) that runs it per adapter's rows (`rows_forward`).
 
     `rows(...)` sets, for the forwards inside it, which adapter each batch row uses
-    (None = base). A hook sits on every Linear from the start, so loading an adapter never
-    touches the model while another thread runs a forward; without adapters a hook returns at once.
+    (None = base). A hook sits on every Linear from the start, and every such module's forward is
+    wrapped from the start, so loading an adapter never touches the model while another thread
+    runs a forward; without adapters a hook / wrapper returns at once.
     """
 
     def __init__(self, model: nn.Module):
@@ -151,6 +167,8 @@ class MultiLoRAHooks:
         for name, module in model.named_modules():
             if isinstance(module, nn.Linear):
                 module.register_forward_hook(self._make_hook(name))
+            if owns_matrices(module):
+                module.forward = self._make_forward(name, module, module.forward)
 
     @contextmanager
     def rows(self, per_row: list[LoRAAdapter | None], device: torch.device) -> Iterator[None]:
@@ -160,7 +178,7 @@ class MultiLoRAHooks:
             idx = [i for i, a in enumerate(per_row) if a is adapter]
             # None = every row: skip the gather/scatter
             groups.append((adapter, None if len(idx) == len(per_row) else torch.tensor(idx, device=device)))
-        self._local.groups = groups
+        self._local.groups, self._local.batch = groups, len(per_row)
         try:
             yield
         finally:
@@ -185,3 +203,13 @@ class MultiLoRAHooks:
             return out
 
         return hook
+
+    def _make_forward(self, module: str, owner: nn.Module, forward: Any) -> Any:
+        def adapted(*args: Any, **kwargs: Any) -> Any:
+            groups = [(adapter.params[module], idx) for adapter, idx in getattr(self._local, "groups", None) or ()
+                      if module in adapter.params]
+            if not groups:
+                return forward(*args, **kwargs)
+            return rows_forward(owner, forward, groups, self._local.batch, args, kwargs)
+
+        return adapted
