@@ -30,6 +30,8 @@ def moe_dir(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "targets"), [
     ("Merge", "[linear_qkv,linear_fc1,linear_fc2]"),
+    ("Adapter", "[linear_qkv,linear_fc1,linear_fc2,router]"),
+    ("EngineMerge", "[linear_qkv,linear_fc1,linear_fc2]"),
 ])
 def test_moe_lora_trains_and_the_engine_serves_it(moe_dir, tmp_path, mode, targets):
     run = TrainRun(moe_dir, tmp_path, f"data.path={moe_dir}/train.jsonl", *COMMON, f"lora.syncMode={mode}",
