@@ -93,7 +93,7 @@ def test_moe_layer_pattern_is_hfs(step, dense):
 
 
 def test_moe_names_cover_the_checkpoint_and_fused_experts_round_trip():
-    from kora_trainer.backends.megatron.moe import fuse_hf_experts, unfuse_hf_experts
+    from kora_trainer.hf_experts import fuse_hf_experts, unfuse_hf_experts
 
     cfg = tiny_moe_config()
     fused = tiny_moe_model(cfg).state_dict()
@@ -241,7 +241,7 @@ def test_moe_fused_state_loads_the_same_and_exports_to_hf_names(moe_dirs):
     base exported under HF names is the per-expert checkpoint bit for bit; fused back, a plain HF model loads it
     strictly and gives the same logits."""
     from kora_trainer.backends.megatron.model import hf_state, read_hf_state
-    from kora_trainer.backends.megatron.moe import fuse_hf_experts, unfuse_hf_experts
+    from kora_trainer.hf_experts import fuse_hf_experts, unfuse_hf_experts
 
     path = moe_dirs[True]
     ref = hf(path, torch.float32)
@@ -331,7 +331,8 @@ def test_moe_expert_lora_equals_peft_target_parameters(moe_dirs):
     from kora_trainer.backends.megatron.export import hf_adapter_tensors, load_hf_adapter
     from kora_trainer.backends.megatron.lora import lora_modules
     from kora_trainer.backends.megatron.model import hf_state
-    from kora_trainer.backends.megatron.moe import expert_target_parameters, fuse_hf_experts
+    from kora_trainer.backends.megatron.moe import expert_target_parameters
+    from kora_trainer.hf_experts import fuse_hf_experts
 
     path, r, alpha = moe_dirs["i24"], 4, 8.0
     lora = spec(["linear_qkv", "linear_fc1", "linear_fc2"], rank=r, alpha=alpha)

@@ -99,3 +99,19 @@ def test_only_the_requested_expert_parameter_is_wrapped_and_it_learns():
     model.train()
     model(IDS, labels=IDS).loss.backward()
     assert float(experts.lora_A.weight.grad.abs().sum()) > 0 and float(experts.lora_B.weight.grad.abs().sum()) > 0
+
+
+def test_merge_push_speaks_per_expert_names_and_carries_the_policy():
+    """What Merge mode sends: the experts one by one under checkpoint names (SGLang's load_weights takes those,
+    not transformers 5's fused tensors); fused back, they are the trainer's policy."""
+    from kora_trainer.hf_experts import fuse_hf_experts
+    from kora_trainer.sync.sources import merged_source
+
+    cfg, model, _ = adapted(("linear_qkv", "linear_fc1", "linear_fc2"))
+    src = merged_source(model)
+    assert "model.layers.0.mlp.experts.7.up_proj.weight" in src.names
+    assert not any(n.endswith(("gate_up_proj", "experts.down_proj")) for n in src.names)
+    plain = tiny_moe_model(cfg)
+    plain.load_state_dict(fuse_hf_experts(src.get(src.names)), strict=True)
+    with torch.no_grad():
+        assert (plain(IDS).logits - model(IDS).logits).abs().max() < TOL

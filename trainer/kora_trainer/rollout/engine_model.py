@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from kora_trainer.hf_experts import fused_parent, fused_slot
 from kora_trainer.rollout.lora_adapters import LoRAAdapter, MultiLoRAHooks
 from kora_trainer.rollout.param_lora import ROUTER_MERGE_REFUSED, folded, resolve_target
 from kora_trainer.rollout.sampling import SamplingParams, apply_penalties, check_stop, needs_processing, sample_rows
@@ -351,16 +352,19 @@ class EngineModel:
         return p
 
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
-        """Full-weight update: copy each tensor in; it becomes the new pristine base for lora_merge."""
+        """Full-weight update: copy each tensor in; it becomes the new pristine base for lora_merge. A fused MoE
+        expert parameter takes its experts one by one (`…experts.{e}.gate_proj.weight`, …: hf_experts.py)."""
         with self.lock, torch.no_grad():
             for name, tensor in named:
                 if name not in self._params and name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer HF checkpoints sometimes carry; SGLang skips it too
-                p = self._param(name)
+                # per-expert names (checkpoints', SGLang's, what kora pushes) land in transformers 5's fused experts
+                slot = fused_slot(name, self._params) if name not in self._params else None
+                p = slot if slot is not None else self._param(name)
                 if tuple(p.shape) != tuple(tensor.shape):
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(p.shape)}")
                 p.copy_(tensor.to(device=p.device, dtype=p.dtype))
-                self._pristine.pop(name, None)
+                self._pristine.pop(fused_parent(name) or name, None)
 
     def merge_lora(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rank: int,
                    fp32: bool) -> None:

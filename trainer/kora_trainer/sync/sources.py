@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kora_trainer.hf_experts import per_expert_views
 from kora_trainer.lora import adapter_pairs, base_state
 from kora_trainer.lora.model import fold_targets, hf_name
 
@@ -38,26 +39,39 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
+def _per_expert_source(live: dict[str, torch.Tensor], make: Callable[[str], torch.Tensor]) -> Source:
+    """`live` (HF names -> tensors) as a Source whose fused MoE expert tensors go out under their per-expert
+    names (hf_experts.py: what SGLang's load_weights and checkpoints use); `make(name)` produces a live name's
+    tensor when its bucket goes out (once per bucket, however many of its experts the bucket holds)."""
+    parent_of = {piece: n for n, t in live.items() for piece, _ in per_expert_views(n, _meta(t))}
+    groups = [[(piece, _meta(v))] for n, t in live.items() for piece, v in per_expert_views(n, t.detach())]
+
+    def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
+        made: dict[str, dict[str, torch.Tensor]] = {}
+        for n in dict.fromkeys(parent_of[x] for x in names):
+            made[n] = dict(per_expert_views(n, make(n)))
+        return {x: made[parent_of[x]][x] for x in names}
+
+    return Source(groups, get)
+
+
 def merged_source(model: nn.Module) -> Source:
     """Merge mode: the whole model, adapters folded in (W + s·B·A in fp32, rounded once), HF names."""
     live = {hf_name(n): p for n, p in model.named_parameters() if ".lora_A." not in n and ".lora_B." not in n}
     folded_modules = fold_targets(model)  # LoRALinear weights and LoRAParam (MoE experts, router) parameters
 
-    def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for n in names:
-            m = folded_modules.get(n)
-            out[n] = m.folded_weight() if m is not None and m.enabled else live[n].detach()
-        return out
+    def make(n: str) -> torch.Tensor:
+        m = folded_modules.get(n)
+        return m.folded_weight() if m is not None and m.enabled else live[n].detach()
 
     # a folded weight has its base weight's name, shape and dtype: plan from the base, fold per bucket
-    return Source([[(n, _meta(t))] for n, t in live.items()], get)
+    return _per_expert_source(live, make)
 
 
 def base_source(model: nn.Module) -> Source:
     """Adapter mode, first sync: the frozen base under HF names, adapter tensors kept out."""
     live = dict(base_state(model))
-    return Source([[(n, _meta(t))] for n, t in live.items()], lambda names: {n: live[n] for n in names})
+    return _per_expert_source(live, lambda n: live[n])
 
 
 def adapter_source(model: nn.Module) -> Source:

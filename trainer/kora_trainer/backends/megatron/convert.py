@@ -17,7 +17,7 @@ Megatron fuses what HF keeps apart, and tensor parallelism (TP) shards the fused
 
 Qwen3-MoE layers (`Layout.moe_layers`; see moe.py) replace `mlp.linear_fc{1,2}` by the router and the experts
 (HF names as a Qwen3-MoE checkpoint stores them, one module per expert; transformers 5 fuses them in memory
-into `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I], which `moe.unfuse_hf_experts`
+into `mlp.experts.gate_up_proj` [E, 2I, H] / `mlp.experts.down_proj` [E, H, I], which `hf_experts.unfuse_hf_experts`
 splits back):
 
 | megatron parameter (per MoE layer)                          | HF                                    | kind |

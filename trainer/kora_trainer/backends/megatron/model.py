@@ -136,7 +136,7 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
     """Copy HF tensors into the model: fused QKV / gate-up layouts, this TP rank's shards. Strict both ways.
     MoE experts may come per expert (checkpoint names) or fused (transformers-5 in-memory `gate_up_proj`)."""
     if layout.num_experts:
-        from kora_trainer.backends.megatron.moe import unfuse_hf_experts
+        from kora_trainer.hf_experts import unfuse_hf_experts
 
         state = unfuse_hf_experts(state)
     tp_rank, tp_size = tp_rank_size()

@@ -34,7 +34,6 @@ Not yet: tensor / expert parallelism for the experts (raises), shared experts (Q
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -46,8 +45,6 @@ from kora_trainer.lora.grouped import group_expert_factors, split_expert_factors
 MOE_MODEL_TYPES = ("qwen3_moe",)
 DISPATCHERS = ("alltoall", "allgather")
 
-_FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def is_moe_config(cfg: Any) -> bool:
@@ -103,51 +100,6 @@ def moe_block_spec(config: Any) -> Any:
                                       qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     return TransformerBlockSubmodules(layer_specs=[sparse if f else dense for f in config.moe_layer_freq],
                                       layer_norm=LayerNormImpl)
-
-
-def unfuse_hf_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers-5 in-memory expert tensors -> the per-expert checkpoint names param_maps uses:
-    `…mlp.experts.gate_up_proj` [E, 2I, H] (gate rows, then up rows) -> `…experts.{e}.{gate,up}_proj.weight`
-    [I, H]; `…mlp.experts.down_proj` [E, H, I] -> `…experts.{e}.down_proj.weight`. Other tensors pass through."""
-    out: dict[str, torch.Tensor] = {}
-    for name, t in state.items():
-        m = _FUSED.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        prefix, which = m.groups()
-        if t.dim() != 3:
-            raise ValueError(f"{name}: expected a 3-D [E, …] expert tensor, got {tuple(t.shape)}")
-        for e in range(t.shape[0]):
-            if which == "gate_up_proj":
-                gate, up = t[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
-            else:
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e]
-    return out
-
-
-def fuse_hf_experts(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of `unfuse_hf_experts`: per-expert names -> transformers-5's fused `gate_up_proj` / `down_proj`
-    (what `Qwen3MoeForCausalLM.load_state_dict` takes)."""
-    out: dict[str, torch.Tensor] = {}
-    groups: dict[str, dict[str, dict[int, torch.Tensor]]] = {}
-    for name, t in state.items():
-        m = _PER_EXPERT.match(name)
-        if m is None:
-            out[name] = t
-            continue
-        prefix, e, part = m.groups()
-        groups.setdefault(prefix, {}).setdefault(part, {})[int(e)] = t
-    for prefix, parts in groups.items():
-        n = len(parts["down_proj"])
-        if any(sorted(parts[p]) != list(range(n)) for p in ("gate_proj", "up_proj", "down_proj")):
-            raise KeyError(f"{prefix}: experts are not numbered 0..{n - 1} for every projection")
-        out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([parts["gate_proj"][e], parts["up_proj"][e]], dim=0) for e in range(n)])
-        out[f"{prefix}.down_proj"] = torch.stack([parts["down_proj"][e] for e in range(n)])
-    return out
-
 
 
 # ---- expert LoRA in PEFT's grouped layout ----------------------------------------------------------------
