@@ -9,7 +9,9 @@ generate the next steps' rollouts while the current step trains, at most `deploy
 1) steps ahead, so a rollout lags the policy by at most that many versions (`rollout_lag_max`). It ends
 with one JSON line: {"event": "summary", "steps", "first_step", "resumed_from_step", "sync_mode",
 "reward_first", "reward_last", "loss_curve", ...} (reward_first / reward_last: mean training reward over
-the first / last 10 steps this process ran; loss_curve: each step's policy loss, unrounded).
+the first / last 10 steps this process ran; loss_curve: each step's policy loss, unrounded; sync_paths:
+pushes and median ms per sync path, `http` or `fast` — sync/fast_sender.py, whose decision the log's
+`sync: ...` line gives).
 
 Resume: a run restarted on the same checkpoint.path prints `resumed from checkpoint step K (<dir>)` (and
 every newer checkpoint it refused, with the reason: a torn or corrupted one is never loaded), reports
@@ -134,6 +136,15 @@ def save_checkpoint(job: Any, cfg: TrainerConfig, root: str, step: int, progress
     print(f"checkpoint step {step} -> {path} ({(time.monotonic() - t0) * 1000:.0f} ms)", flush=True)
 
 
+def sync_paths(pushed: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Pushes and their median ms per sync path (http: the engine routes per bucket; fast: sync/fast_sender.py)."""
+    out = {}
+    for path in dict.fromkeys(s.get("path", "http") for s in pushed):
+        ms = [s["ms"] for s in pushed if s.get("path", "http") == path]
+        out[path] = {"pushes": len(ms), "ms_p50": round(statistics.median(ms), 2)}
+    return out
+
+
 def make_summary(run: Run, mode: str, job: Any, progress: Any) -> dict[str, Any]:
     pushed = [s for s in run.syncs if s["pushed"]]
     rewards = run.rewards
@@ -145,6 +156,7 @@ def make_summary(run: Run, mode: str, job: Any, progress: Any) -> dict[str, Any]
         "reward_first": round(statistics.fmean(rewards[:10]), 4) if rewards else None,
         "reward_last": round(statistics.fmean(rewards[-10:]), 4) if rewards else None,
         "sync_ms_p50": round(statistics.median(s["ms"] for s in pushed), 2) if pushed else None,
+        "sync_paths": sync_paths(pushed),
         "sync_bytes_per_step": round(statistics.fmean(s["bytes"] for s in run.syncs)) if run.syncs else 0,
         "syncs_skipped": len(run.syncs) - len(pushed),
         "rollout_lag_max": max(run.lags, default=0),
@@ -203,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ready in {time.monotonic() - T_START:.1f}s: {job.info['backend']} on {job.info['device']}, "
               f"{len(job.engines)} {cfg.rollout.engine} engine(s), "
               f"sync {mode} over {job.transport}, first push {first['bytes']} B in {first['ms']:.0f} ms", flush=True)
+        if first.get("note"):
+            print(f"sync: {first['note']}", flush=True)
         # deployment.async: the engines generate ahead while the trainer trains, up to maxStaleness steps ahead,
         # so a rollout lags the policy by at most that many versions (the clipped ratio against the engines' own
         # log-probs corrects for it). Generations are queued on the one rollout actor, which runs them in order.
@@ -238,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
             progress.record_sync(report, step=step)
             progress.update(step=step, rewardMean=metrics["reward_mean"])
             print(progress_line(step, steps, metrics, rstats, report), flush=True)
+            if report.get("note"):
+                print(f"sync: {report['note']}", flush=True)
             issue_through(step + 1)  # (not async) the engines generate while the trainer writes the checkpoint
             if root and (step % ck.interval == 0 or step == steps):
                 save_checkpoint(job, cfg, root, step, progress, run)

@@ -217,6 +217,12 @@ class SyncSpec(CamelModel):
     """Largest bucket pushed at once (bytes or a quantity such as 512Mi); bounds peak memory."""
     delta_skip_threshold: Annotated[float, Field(ge=0.0)] = 1e-6
     """Adapter mode: skip the push when no adapter tensor moved more than this on any rank."""
+    fast_path: bool = True
+    """Merge and Adapter syncs to kora's hf engine over the weight-update group (Disaggregated) take the fast
+    path after the first push: planned once, then one HTTP call per engine while the buckets are broadcast, no
+    per-bucket calls or serialisation. Elsewhere (sglang engines, EngineMerge, the in-memory Colocate
+    transport, MoE experts), or when an engine refuses the plan (the trainer prints why), the HTTP path stays.
+    false: always the HTTP path."""
 
 
 class CheckpointDType(StrEnum):

@@ -45,7 +45,7 @@ class TrainerConfig(CamelModel):
     deployment: DeploymentSpec = Field(default_factory=DeploymentSpec)
     """Colocated or disaggregated training and rollout; sync or fully-async."""
     sync: SyncSpec = Field(default_factory=SyncSpec)
-    """Weight-sync bucket size and delta-skip threshold."""
+    """Weight-sync bucket size, delta-skip threshold and fast path."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpoints and adapter export."""
     multi_lora: MultiLoRASpec = Field(default_factory=MultiLoRASpec)

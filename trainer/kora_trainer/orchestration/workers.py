@@ -1,7 +1,7 @@
 """The job's three kinds of worker, as plain classes; `cluster.py` turns them into Ray actors.
 
 - TrainWorker: the training actor (policy + optimizer; torch or megatron backend) and the weight sender
-  (rank 0 of the weight-update group).
+  (rank 0 of the weight-update group; the fast path where it applies, sync/fast_sender.py).
 - EngineWorker: starts one engine process from the launcher's command line and stops it.
 - RolloutWorker: the rollout manager (prompts -> engines -> scored samples).
 """
@@ -40,6 +40,7 @@ class TrainWorker:
         import torch
 
         from kora_trainer.rollout.client import EngineClient
+        from kora_trainer.sync.fast_sender import with_fast_path
         from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
 
         clients = [EngineClient(u) for u in engine_urls]
@@ -48,7 +49,7 @@ class TrainWorker:
             transport: Any = DistributedTransport.connect(clients, backend=backend)
         else:
             transport = ColocatedTransport(clients)
-        self.sender = self.backend.make_sender(transport)
+        self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast_sender.py
         return transport.kind
 
     def sync(self) -> dict[str, Any]:

@@ -75,6 +75,10 @@ class AdapterRegistry:
         self._register(adapter, upsert=True)
         return adapter
 
+    def upsert_built(self, adapter: LoRAAdapter) -> None:
+        """`upsert` of an adapter object made elsewhere (kora's fast sync wraps a ring slot's views)."""
+        self._register(adapter, upsert=True)
+
     def unload(self, name: str) -> None:
         with self._lock:
             if name not in self._adapters:

@@ -247,6 +247,22 @@ class EngineClient:
         return self.post("/update_weight_version", {"new_version": new_version,
                                                     "abort_all_requests": abort_all_requests})
 
+    # ---- kora's fast sync (reference engine only: rollout/fast_sync_routes.py; SGLang answers 404) ----------
+
+    def fast_sync_plan(self, mode: str, metadata: list[dict[str, list]], group_name: str = DEFAULT_GROUP,  # type: ignore[type-arg]
+                       slots: int = 2, lora_name: str | None = None,
+                       config_dict: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The layout of every later fast push (`metadata`: one Bucket.metadata() per bucket), once."""
+        return self.post("/kora/fast_sync/plan", {
+            "mode": mode, "metadata": metadata, "group_name": group_name, "slots": slots, "lora_name": lora_name,
+            "config_dict": config_dict})
+
+    def fast_sync_push(self, weight_version: str, group_name: str = DEFAULT_GROUP, verify: bool = False
+                       ) -> dict[str, Any]:
+        """One push of the planned buckets; blocks until the engine applied it: submit() it, then broadcast."""
+        return self.post("/kora/fast_sync/push", {"weight_version": weight_version, "group_name": group_name,
+                                                  "verify": verify})
+
     # ---- control ----------------------------------------------------------------------------
 
     def flush_cache(self, timeout: float = 0.0) -> str:

@@ -366,6 +366,12 @@ class EngineModel:
                 p.copy_(tensor.to(device=p.device, dtype=p.dtype))
                 self._pristine.pop(fused_parent(name) or name, None)
 
+    def weights_replaced(self, names: list[str]) -> None:
+        """Full weights a caller wrote in place (kora's fast sync, holding `lock`): the new pristine base for
+        lora_merge, as after `load_weights`."""
+        for name in names:
+            self._pristine.pop(fused_parent(name) or name, None)
+
     def merge_lora(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rank: int,
                    fp32: bool) -> None:
         """W = W0 + (alpha/rank)·ΔW for each pair, from the pristine W0 (so merges never accumulate): B·A into a

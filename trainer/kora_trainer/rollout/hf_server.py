@@ -2,7 +2,7 @@
 
     python -m kora_trainer.rollout.hf_server --model-path DIR [--host 127.0.0.1] [--port N]
         [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--max-loras-per-batch N]
-        [--max-lora-rank R] [--api-key K] [--admin-api-key K] [--num-threads T]
+        [--max-lora-rank R] [--api-key K] [--admin-api-key K] [--num-threads T] [--disable-fast-sync]
 
 SGLang cannot run on our CPU machines, so this server is its stand-in (`rollout.engine: hf`):
 tests, the local demo and the GPU benchmarks drive it through the same client and the same
@@ -33,6 +33,10 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
   (SPEC rule 5: router LoRA is Adapter mode only). A stock SGLang LLM engine
   ignores these fields (unknown keys) and would try to load lora_A/lora_B as weights and fail;
   the mode comes from sglang-diffusion (miles' `LORA_IPC_WEIGHT_UPDATE_MODE`).
+- `POST /kora/fast_sync/plan` and `POST /kora/fast_sync/push` (fast_sync_routes.py): the trainer's fast path
+  for Merge and Adapter mode over the weight-update group — the bucket layout sent once, then per push one HTTP
+  call while the buckets are broadcast, received straight into the parameters / a ring of adapter buffers.
+  `--disable-fast-sync` turns them off (404, like SGLang).
 - Weight-update responses add `weight_version` and `checksum` (`sync.protocol.checksum` of the
   tensors the call applied, in order — `client.applied_checksum` computes the same on the sender;
   for the adapter route: of the whole adapter, on its last bucket). `/model_info` adds
@@ -68,6 +72,7 @@ from kora_trainer.rollout.adapter_registry import AdapterRegistry
 from kora_trainer.rollout.contract import generate_contract_error
 from kora_trainer.rollout.engine_model import CallBatcher, EngineModel, GenRequest
 from kora_trainer.rollout.engine_sync import BucketMeta, WeightReceiver
+from kora_trainer.rollout.fast_sync_routes import FastSyncRoutes
 from kora_trainer.rollout.generate_io import format_result, parse_generate
 from kora_trainer.rollout.lora_adapters import pair_lora_tensors
 from kora_trainer.rollout.sampling import SamplingParams
@@ -95,8 +100,9 @@ class _AdapterStaging:
 
 class HFEngineServer:
     def __init__(self, engine: EngineModel, api_key: str | None = None, admin_api_key: str | None = None,
-                 workers: int = 32):
+                 workers: int = 32, fast_sync: bool = True):
         self.engine = engine
+        self.fast_sync = FastSyncRoutes(self) if fast_sync else None
         self.adapters = AdapterRegistry(engine)
         self.batcher = CallBatcher(engine)
         self.receiver = WeightReceiver()
@@ -132,6 +138,8 @@ class HFEngineServer:
             ("POST", "/pause_generation", self.pause_generation, ADMIN),
             ("POST", "/continue_generation", self.continue_generation, ADMIN),
         ]
+        if self.fast_sync is not None:
+            routes += [(method, path, handler, ADMIN) for method, path, handler in self.fast_sync.routes()]
         for method, path, handler, level in routes:
             if method == "*":  # SGLang serves these on GET|POST (flush_cache) or POST|PUT (generate)
                 for m in (("GET", "POST") if path == "/flush_cache" else ("POST", "PUT")):
@@ -482,13 +490,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--admin-api-key", default=None)
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--disable-fast-sync", action="store_true",
+                   help="no /kora/fast_sync/* routes (404, as SGLang): the trainer keeps the HTTP path")
     p.add_argument("--log-level", default="warning")
     return p.parse_args(argv)
 
 
 async def _serve(args: argparse.Namespace) -> None:
     engine = EngineModel(args.model_path, args.device, args.dtype, args.max_loras_per_batch, args.max_lora_rank)
-    server = HFEngineServer(engine, args.api_key, args.admin_api_key)
+    server = HFEngineServer(engine, args.api_key, args.admin_api_key, fast_sync=not args.disable_fast_sync)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -683,9 +683,10 @@ class AdapterRing:
                 weights[module] = (a, b, float(scaling.get(module, scaling.get("*", 1.0))))
             self.weights.append(weights)
         self.next = 0
+        self.last = -1  # the slot received last
 
     def receive(self, group: WeightUpdateGroup) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-        slot = self.next
+        slot = self.last = self.next
         self.next = (self.next + 1) % len(self.buffers)
         start = 0
         for n in self.sizes:

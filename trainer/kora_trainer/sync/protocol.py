@@ -204,3 +204,53 @@ def checksum(named: Iterable[Named]) -> str:
     for name, t in named:
         h.update(tensor_digest(name, t))
     return h.hexdigest()[:16]
+
+
+class PackedChecksum:
+    """`checksum` of tensors laid back to back in one flat uint8 buffer (`layout`: (name, dtype, shape) in order,
+    no padding), in ONE pass on the buffer's device and ONE host read: every word's weight and tensor are fixed by
+    the layout, so both sums of every tensor's `fingerprint` come out of two integer `index_add_`s. The same value
+    as `checksum` over views of the tensors (per-tensor fingerprints cost a few launches and two host reads each:
+    ~10 ms for an adapter of ~300 tensors on a GPU, where this is one pass over its bytes). Falls back to the
+    per-tensor form for a layout it cannot take exactly (a tensor of an odd byte count, or one so large that its
+    weighted sum could leave int64)."""
+
+    def __init__(self, layout: Sequence[tuple[str, torch.dtype, Sequence[int]]], device: torch.device | str = "cpu"):
+        self.layout = [(name, dtype, tuple(int(d) for d in shape)) for name, dtype, shape in layout]
+        sizes = []
+        for _, dtype, shape in self.layout:
+            n = dtype.itemsize
+            for d in shape:
+                n *= d
+            sizes.append(n)
+        self.sizes, self.nbytes = sizes, sum(sizes)
+        words = torch.tensor([n // 2 for n in sizes], dtype=torch.int64)
+        self.exact = all(n % 2 == 0 and n // 2 <= 8 * _CHUNK for n in sizes)
+        self.seg = self.weight = None
+        if self.exact:
+            seg = torch.repeat_interleave(torch.arange(len(sizes)), words)
+            pos = torch.arange(int(words.sum())) - torch.repeat_interleave(words.cumsum(0) - words, words)
+            self.seg = seg.to(device=device, dtype=torch.int32)  # 4 bytes a word of the layout, kept
+            self.weight = ((pos % _CHUNK % 65521 + 1) * (pos // _CHUNK + 1)).to(device=device, dtype=torch.int32)
+
+    def views(self, flat: torch.Tensor) -> list[Named]:
+        out, off = [], 0
+        for (name, dtype, shape), n in zip(self.layout, self.sizes, strict=True):
+            piece = flat[off:off + n]
+            out.append((name, (piece if off % dtype.itemsize == 0 else piece.clone()).view(dtype).view(shape)))
+            off += n
+        return out
+
+    def __call__(self, flat: torch.Tensor) -> str:
+        """The checksum of `flat` (uint8, at least the layout's bytes; its first bytes are read)."""
+        if not self.exact:
+            return checksum(self.views(flat))
+        assert self.seg is not None and self.weight is not None
+        words = flat[:self.nbytes].view(torch.int16).to(torch.int64)
+        sums = torch.zeros((2, len(self.layout)), dtype=torch.int64, device=flat.device)
+        sums[0].index_add_(0, self.seg, words)
+        sums[1].index_add_(0, self.seg, words * self.weight)
+        h = hashlib.sha256()
+        for (name, dtype, shape), plain, weighted in zip(self.layout, *sums.tolist(), strict=True):
+            h.update(f"{name}|{dtype_name(dtype)}|{shape}|{plain}|{weighted};".encode())
+        return h.hexdigest()[:16]

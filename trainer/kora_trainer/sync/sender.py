@@ -31,13 +31,14 @@ import torch
 from torch import nn
 
 from kora_trainer.config import SyncMode, TrainerConfig
-from kora_trainer.lora import adapter_tensors, peft_config_dict
+from kora_trainer.lora import adapter_parameters, adapter_tensors, peft_config_dict
 from kora_trainer.rollout.client import EngineClient, EngineError, applied_checksum
 from kora_trainer.sync.delta import DeltaTracker, should_push
+from kora_trainer.sync.fast import Entry, GatherSpec
 from kora_trainer.sync.group import WeightUpdateGroup
 from kora_trainer.sync.protocol import FLAT, Bucket, plan_buckets, tensor_digest
 from kora_trainer.sync.protocol import checksum as protocol_checksum
-from kora_trainer.sync.sources import Source, adapter_source, base_source, merged_source
+from kora_trainer.sync.sources import Source, adapter_source, adapter_specs, base_source, merge_entries, merged_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
 
 POLICY_ADAPTER = "kora-policy"
@@ -56,6 +57,8 @@ class SyncReport:
     buckets: int = 0
     max_delta: float | None = None  # the group's max |Δadapter| since the last push (None on the first)
     what: str = ""  # full | base+adapter | adapter | lora_pairs | skipped
+    path: str = "http"  # http (the engine routes, per bucket) | fast (sync/fast_sender.py: planned once)
+    note: str = ""  # set once, where the path was decided: the fast path planned, or why it is not used
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,6 +184,18 @@ class WeightSender:
 
     def adapter_source(self) -> Source:
         return adapter_source(self.model)
+
+    # ---- the GPU fast path's plan (sync/fast_sender.py); NotImplementedError: the HTTP path only -------------
+
+    def fast_adapter_params(self) -> list[nn.Parameter]:
+        """The adapter parameters (live, one dtype and device), the optimizer's order."""
+        return list(adapter_parameters(self.model))
+
+    def fast_merge_entries(self) -> list[Entry]:
+        return merge_entries(self.model)
+
+    def fast_adapter_specs(self) -> list[GatherSpec]:
+        return adapter_specs(self.model)
 
     # ---- the one entry point ------------------------------------------------------------------
 

@@ -4,6 +4,9 @@ A `Source` lists its tensors as groups of *meta* tensors (names, dtypes, shapes,
 buckets are planned first and each bucket's real tensors are produced only when that bucket goes out:
 a Merge push folds one bucket's weights at a time, so peak extra memory is about one bucket (plus the
 largest single tensor), not a second copy of the model.
+
+`merge_entries` / `adapter_specs`: the same pushes as the GPU fast path's plan (`fast.py`, used by
+`fast_sender.py`) for an HF model with kora's LoRA.
 """
 
 from __future__ import annotations
@@ -16,7 +19,10 @@ from torch import nn
 
 from kora_trainer.hf_experts import per_expert_views
 from kora_trainer.lora import adapter_pairs, base_state
-from kora_trainer.lora.model import fold_targets, hf_name
+from kora_trainer.lora.layer import LoRALinear
+from kora_trainer.lora.model import fold_targets, hf_name, lora_modules
+from kora_trainer.lora.params import LoRAParam
+from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
 
 Named = tuple[str, torch.Tensor]
 
@@ -80,3 +86,36 @@ def adapter_source(model: nn.Module) -> Source:
     live = {n: t for pair in pairs for n, t in pair}
     groups = [[(a, _meta(ta)), (b, _meta(tb))] for (a, ta), (b, tb) in pairs]
     return Source(groups, lambda names: {n: live[n] for n in names})
+
+
+def _no_parameter_adapters(model: nn.Module) -> None:
+    if lora_modules(model, LoRAParam):
+        raise NotImplementedError("adapters on bare parameters (MoE experts, routers) go through the HTTP path")
+
+
+def merge_entries(model: nn.Module) -> list[Entry]:
+    """Merge mode's fast-path plan: `merged_source`'s tensors in its order — every adapted Linear weight folded
+    (W + s·B·A, fp32, rounded once) under its HF name, every other parameter as it is."""
+    _no_parameter_adapters(model)
+    linear = {f"{n}.base_layer.weight": m for n, m in lora_modules(model, LoRALinear).items()}
+    entries: list[Entry] = []
+    for name, p in model.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue
+        hf = hf_name(name)
+        if [n for n, _ in per_expert_views(hf, _meta(p))] != [hf]:
+            raise NotImplementedError(f"{hf}: fused MoE experts go out under per-expert names (the HTTP path)")
+        m = linear.get(name)
+        if m is not None and m.enabled:
+            entries.append(FoldEntry([(hf, tuple(p.shape))], p.detach(), m.lora_A.weight.detach(),
+                                     m.lora_B.weight.detach(), float(m.scaling)))
+        else:
+            entries.append(PlainEntry(hf, p.detach()))
+    return entries
+
+
+def adapter_specs(model: nn.Module) -> list[GatherSpec]:
+    """Adapter mode's fast-path plan: every HF-PEFT tensor is one LoRA parameter, whole (`adapter_source`'s
+    order)."""
+    _no_parameter_adapters(model)
+    return [GatherSpec(n, t) for pair in adapter_pairs(model) for n, t in pair]

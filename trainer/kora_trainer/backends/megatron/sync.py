@@ -12,7 +12,8 @@
   which rows of it) each HF tensor is, so the fold writes megatron's fused QKV straight into HF's q, k, v
   layout inside the sync bucket (`qkv_row_map`) and the adapter is one gather. Under TP each rank plans its
   own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `fast.PipelinedSender` / `fast.AdapterPack` gather
-  them to TP rank 0 over `tp_group()`.
+  them to TP rank 0 over `tp_group()`. `MegatronWeightSender` hands them to the trainer's fast path
+  (`sync/fast_sender.py`) at TP = 1 for dense models.
 
 megatron-core is imported lazily (through lora.py / model.py helpers): this module imports without it.
 """
@@ -257,6 +258,27 @@ class MegatronWeightSender(WeightSender):
         if self._adapter_src is None:  # the plan (names, shapes) is fixed: one export per push, not two
             self._adapter_src = megatron_adapter_source(self.model, self.layout, self.flavour)
         return self._adapter_src
+
+    # ---- the fast path's plan (sync/fast_sender.py): TP = 1, dense models --------------------------------------
+
+    def _fast_covered(self) -> None:
+        if _tp_size() > 1:
+            raise NotImplementedError("tensor parallelism: the trainer's fast path is wired at TP = 1")
+        if self.layout.num_experts:
+            raise NotImplementedError("MoE models: expert tensors and adapters go through the HTTP path")
+
+    def fast_adapter_params(self) -> list[nn.Parameter]:
+        from kora_trainer.backends.megatron.lora import adapter_parameters
+
+        return list(adapter_parameters(self.model))
+
+    def fast_merge_entries(self) -> list[Entry]:
+        self._fast_covered()
+        return merge_entries(self.model, self.layout, True, self.flavour)
+
+    def fast_adapter_specs(self) -> list[GatherSpec]:
+        self._fast_covered()
+        return adapter_specs(self.model, self.layout, self.flavour)
 
 
 def _tp_transport(tp: WeightUpdateGroup, transport: Any) -> Any:

@@ -1,0 +1,212 @@
+"""The GPU fast path of weight sync in the trainer: `fast.py`'s plan and pipelined push behind `WeightSender`.
+
+`with_fast_path(sender, cfg)` (TrainWorker.connect) wraps the backend's HTTP sender (`WeightSender`,
+`MegatronWeightSender`) in a `FastWeightSender` where the fast path may apply — sync.fastPath (true), the
+weight-update group (Disaggregated, or Colocate's distributedEngines), Merge or Adapter mode, kora's hf engine —
+and returns it unchanged otherwise (SGLang engines, EngineMerge, the colocated in-memory transport). Then:
+
+1. The first sync is the HTTP path's (Adapter: the base + the adapter; Merge: the merged model), checked end to
+   end by the engines' checksums; the engines now hold the policy.
+2. Right after it, ONE plan. The adapter parameters are laid end to end in one buffer (`fast.flatten_parameters`:
+   the same parameter objects and values, the optimizer untouched); Merge: `fast.MergePlan` over the backend's
+   `fast_merge_entries` and a `fast.PipelinedSender` (ring buffers; on CUDA the folds captured once); Adapter:
+   `fast.AdapterPack` over `fast_adapter_specs` (one gather). Every engine gets the buckets' metadata (`POST
+   /kora/fast_sync/plan`, rollout/fast_sync_routes.py). A policy the plan does not cover (MoE experts, TP > 1, a
+   folded weight over sync.bufferSize, ...), an engine without the route (404: SGLang) or one refusing the plan
+   keeps the job on the HTTP path; the report's `note` says why (and, when it worked, that the fast path is on).
+3. Every later sync: `fast.FlatDelta` decides with the HTTP path's rule (push iff the max |Δadapter| over the
+   trainer's group since the last push > sync.deltaSkipThreshold; collective: every rank calls `sync`); a push
+   issues `POST /kora/fast_sync/push` to every engine from the clients' threads while the buckets are broadcast
+   (Merge: bucket i+1 packed while bucket i is on the wire; Adapter: one gather, one broadcast per bucket); the
+   engines answer after applying. No per-push planning, export, serialisation or HTTP call per bucket.
+
+Checksums (`SyncReport.checksum`) keep the HTTP path's definition, `protocol.checksum` of every tensor pushed in
+push order, so a fast push and an HTTP push of one policy report the same value. Adapter: every push, from one
+pass over the packed adapter (`protocol.PackedChecksum`, one host read). Merge: on verified pushes only (else
+None): the trainer refills the buckets after the push and hashes them tensor by tensor, a pass over the whole
+model, too dear for every push. Verified pushes — the first fast push and every `VERIFY_EVERY`-th after it — also
+ask every engine for the checksum of what it applied and fail the sync on a difference, as the HTTP path does on
+every push: the layout is fixed at plan time, so a wrong layout shows on the first push, and hashing on the
+engine at every push would put a pass over the pushed bytes on each push's critical path. `ms` leaves hashing
+out, as on the HTTP path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kora_trainer.config import SyncMode, TrainerConfig
+from kora_trainer.config.sections import Engine
+from kora_trainer.rollout.client import EngineError
+from kora_trainer.sync.fast import AdapterPack, FlatDelta, MergePlan, PipelinedSender, flatten_parameters
+from kora_trainer.sync.protocol import Assembler, PackedChecksum
+from kora_trainer.sync.sender import POLICY_ADAPTER, RunningChecksum, SyncReport, WeightSender
+from kora_trainer.sync.transport import GROUP_NAME, DistributedTransport, SyncError, wait_all
+
+log = logging.getLogger("kora.sync")
+
+VERIFY_EVERY = 10  # engines report the checksum of what they applied on the first fast push and every 10th
+
+
+def fast_path_off(sender: WeightSender, cfg: TrainerConfig) -> str | None:
+    """Why the fast path cannot apply to this job (None: it may; the plan decides)."""
+    if not cfg.sync.fast_path:
+        return "sync.fastPath is false"
+    if sender.mode not in (SyncMode.MERGE, SyncMode.ADAPTER):
+        return f"{sender.mode} mode"
+    if type(sender.transport) is not DistributedTransport:  # colocated, a TP follower, none
+        return f"the {getattr(sender.transport, 'kind', 'missing')} transport"
+    if cfg.rollout.engine != Engine.HF:
+        return f"{cfg.rollout.engine} engines"
+    return None
+
+
+def with_fast_path(sender: WeightSender, cfg: TrainerConfig) -> Any:
+    """`sender`, wrapped in a `FastWeightSender` where the fast path may apply."""
+    if fast_path_off(sender, cfg) is not None:
+        return sender
+    # Adapter mode: a request keeps the adapter object it was admitted with; its ring slot must outlive the
+    # pushes made while it runs (async: up to maxStaleness steps ahead)
+    ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
+    return FastWeightSender(sender, adapter_slots=3 + ahead)
+
+
+class FastWeightSender:
+    """`WeightSender.sync`'s contract (collective, a `SyncReport` per call) over the fast path after the HTTP
+    path's first push; see the module docstring."""
+
+    def __init__(self, http: WeightSender, adapter_slots: int = 3, verify_every: int = VERIFY_EVERY):
+        if type(http.transport) is not DistributedTransport:
+            raise ValueError("the fast path runs over the weight-update group (a DistributedTransport)")
+        self.http, self.transport = http, http.transport
+        self.mode = http.mode
+        self.adapter_slots, self.verify_every = adapter_slots, verify_every
+        self.planned = self.active = False
+        self.fallback_reason: str | None = None
+        self.pushes = 0  # fast pushes made
+        self.engine_version = 0
+        self.flat: torch.Tensor | None = None
+        self.delta: FlatDelta | None = None
+        self.plan: MergePlan | None = None
+        self.sender: PipelinedSender | None = None
+        self.pack: AdapterPack | None = None
+        self.packed: PackedChecksum | None = None
+        self.nbytes = self.nbuckets = 0
+
+    def sync(self, version: int) -> SyncReport:
+        """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
+        if not self.active:
+            report = self.http.sync(version)
+            self.engine_version = self.http.engine_version
+            if report.pushed and not self.planned:
+                self.planned = True
+                report.note = self._plan()
+            return report
+        return self._push(version)
+
+    # ---- the plan, once -----------------------------------------------------------------------------------
+
+    def _off(self, reason: str) -> str:
+        self.fallback_reason = reason
+        log.warning("weight sync keeps the HTTP path: %s", reason)
+        return f"fast path off, the HTTP path stays: {reason}"
+
+    def _make_plan(self) -> MergePlan | AdapterPack:
+        """The layout of every push (raises for what the fast path does not cover)."""
+        if self.mode is SyncMode.MERGE:
+            return MergePlan(self.http.fast_merge_entries(), self.http.cap)
+        return AdapterPack(self.http.fast_adapter_params(), self.http.fast_adapter_specs(), self.http.cap)
+
+    def _plan(self) -> str:
+        if self.transport.group.device.type == "cuda":  # nothing in flight while the plan captures its folds
+            torch.cuda.synchronize()
+        try:
+            self._make_plan()  # what the plan cannot cover raises here, before the parameters are touched
+            flat = flatten_parameters(self.http.fast_adapter_params())
+            plan = self._make_plan()  # over the flat parameters
+            extra: dict[str, Any] = {"slots": 2}
+            if isinstance(plan, MergePlan):
+                self.plan, self.sender = plan, PipelinedSender(plan, self.transport.group)
+                self.nbytes, self.nbuckets = plan.nbytes, len(plan.buckets)
+            else:
+                self.pack = plan
+                self.packed = PackedChecksum([(n, plan.dtype, s) for n, s in zip(plan.names, plan.shapes, strict=True)],
+                                             plan.out.device)
+                self.nbytes, self.nbuckets = plan.out.numel() * plan.out.element_size(), len(plan.buckets)
+                extra = {"slots": self.adapter_slots, "lora_name": POLICY_ADAPTER,
+                         "config_dict": self.http.adapter_config}
+        except (NotImplementedError, ValueError, KeyError) as e:
+            return self._off(f"the policy: {e}")
+        clients = self.transport.clients
+        futs = [c.submit(c.fast_sync_plan, str(self.mode), plan.metadata, GROUP_NAME, **extra) for c in clients]
+        refused = []
+        for c, f in zip(clients, futs, strict=True):
+            try:
+                f.result(timeout=self.transport.timeout_s)
+            except EngineError as e:
+                refused.append(f"{c.base_url} has no fast-sync route (HTTP 404: not kora's hf engine)"
+                               if e.status == 404 else f"{c.base_url} refused the plan: {e.message}")
+            except TimeoutError:
+                refused.append(f"{c.base_url} did not answer the plan in {self.transport.timeout_s:.0f} s")
+        if refused:
+            self.plan = self.sender = self.pack = None
+            return self._off("; ".join(refused))
+        self.flat, self.delta = flat, FlatDelta(flat)
+        self.delta.mark_pushed(flat)  # what the HTTP push just sent
+        self.active = True
+        return (f"fast path on: {self.nbuckets} bucket(s), {self.nbytes} B per push, planned on {len(clients)} "
+                f"engine(s)")
+
+    # ---- a push -------------------------------------------------------------------------------------------
+
+    def _push(self, version: int) -> SyncReport:
+        assert self.flat is not None and self.delta is not None
+        t0 = time.perf_counter()
+        kind, mode = self.transport.kind, str(self.mode)
+        push, delta = self.delta.should_push(self.flat, self.http.threshold, self.http.trainer_group)
+        if not push:
+            return SyncReport(mode, kind, False, 0, 0.0, self.engine_version, None, 0, delta, "skipped", "fast")
+        verify = self.http.verify and self.pushes % self.verify_every == 0
+        clients = self.transport.clients
+        futs = [c.submit(c.fast_sync_push, str(version), GROUP_NAME, verify) for c in clients]
+        if self.sender is not None:
+            self.sender.push()
+        else:
+            assert self.pack is not None
+            self.pack.push(self.transport.group)
+        results = wait_all(futs, self.transport.timeout_s)
+        if self.flat.is_cuda:
+            torch.cuda.synchronize(self.flat.device)
+        self.delta.mark_pushed(self.flat)
+        ms = (time.perf_counter() - t0) * 1000
+        self.pushes += 1
+        self.engine_version = version
+        digest = self._checksum(verify)
+        if verify:
+            bad = [f"{c.base_url}: {r.get('checksum')}" for c, r in zip(clients, results, strict=True)
+                   if r.get("checksum") != digest]
+            if bad:
+                raise SyncError(f"an engine applied different bytes than were sent ({bad[0]} != {digest})")
+        return SyncReport(mode, kind, True, self.nbytes, round(ms, 2), version, digest, self.nbuckets, delta,
+                          "full" if self.sender is not None else "adapter", "fast")
+
+    def _checksum(self, verify: bool) -> str | None:
+        """`protocol.checksum` of what was pushed (Merge: verified pushes only; see the module docstring)."""
+        if self.pack is not None:
+            assert self.packed is not None
+            return self.packed(self.pack.out.view(torch.uint8))
+        if not verify:
+            return None
+        assert self.plan is not None and self.sender is not None
+        running, assembler = RunningChecksum(), Assembler(self.sender.device)
+        for i, meta in enumerate(self.plan.metadata):  # the fill is deterministic: the bytes just sent, again
+            for name, t in assembler.feed(meta, self.sender.fill(i)):
+                running.add(name, t)
+        return running.hexdigest()
+
+    def close(self) -> None:
+        self.http.close()
