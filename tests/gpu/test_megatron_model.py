@@ -168,14 +168,8 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 # ---- fixtures ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module", autouse=True)
-def parallel():
-    from kora_trainer.backends.megatron.parallel import destroy_parallel, init_parallel
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    init_parallel(1)
+def _megatron_tp1(parallel):  # every test here runs on megatron at TP = 1 (tests/gpu/conftest.py)
     yield
-    destroy_parallel()
 
 
 @pytest.fixture(scope="module")

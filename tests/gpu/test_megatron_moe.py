@@ -132,17 +132,6 @@ def test_moe_router_settings_match_hf(norm):
 # ---- GPU ---------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def parallel():
-    from kora_trainer.backends.megatron.parallel import destroy_parallel, init_parallel
-
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    init_parallel(1)
-    yield
-    destroy_parallel()
-
-
-@pytest.fixture(scope="module")
 def moe_dirs(tmp_path_factory):
     dirs = {norm: make_tiny_moe(tmp_path_factory.mktemp(f"moe_norm{int(norm)}"), norm) for norm in (True, False)}
     # every layer MoE, and 2I != H so the expert tensors are not square (PEFT's [E, out, in] orientation matters)
