@@ -42,6 +42,11 @@ COPY --from=wheel /dist/kora-${KORA_VERSION}-py3-none-any.whl /tmp/
 RUN pip install --no-cache-dir "megatron-core==${MEGATRON_CORE_VERSION}" \
         "/tmp/kora-${KORA_VERSION}-py3-none-any.whl[trainer]" \
     && rm /tmp/kora-${KORA_VERSION}-py3-none-any.whl
+# Ray's dashboard probes the cloud metadata servers unless ~/ray_bootstrap_config.yaml exists, whatever
+# RAY_USAGE_STATS_ENABLED says (kora_trainer/config/ray_env.py): kora's pods get a HOME that holds one
+ENV HOME=/home/kora
+RUN python -c "from kora_trainer.config.ray_env import IMAGE_RAY_HOME, ray_home; ray_home(IMAGE_RAY_HOME)" \
+    && chmod -R a+rwX /home/kora
 WORKDIR /workspace
 # RayJob pods run `ray start`, then the driver `python -m kora_trainer.train --config /etc/kora/job.yaml`
 EXPOSE 8068

@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: demo setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: demo nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[operator,trainer]' --group dev
 	touch $(STAMP)
 
-setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools
+setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools (and strace, for the loopback tests)
+	@bash hack/install_strace.sh
 
 testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries
 	bash hack/testbin.sh
@@ -27,6 +28,9 @@ test: setup testbin  ## unit + integration tests against a real local control pl
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+nettrace: setup testbin  ## `make demo` under strace: every network destination its processes reached (hack/nettrace.py)
+	$(PY) hack/nettrace.py -- $(PY) hack/demo.py --steps 40
 
 e2e-kind: setup  ## kind + KubeRay (Helm) + our images + charts/kora; the toy job to Succeeded. Skips without Docker/kind
 	$(PY) hack/e2e_kind.py

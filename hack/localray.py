@@ -12,6 +12,8 @@ KORA_LOCAL_RAY=<tag>, so "what is left" is found in /proc without guessing by na
     python hack/localray.py up      # prints the dashboard URL; state and auth_token in .kora/ray/;
                                     # Ray jobs run in the directory `up` was run in
     python hack/localray.py down
+    python hack/localray.py smoke   # a head of its own: one Ray job with one task through the Jobs API, then
+                                    # stopped (what tests/e2e/test_loopback_only.py traces)
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kora_trainer.config.ray_env import ray_home, single_node_env
 from localcluster import free_ports, pid_alive, proc_start_time, wait_for
 
 TAG_ENV = "KORA_LOCAL_RAY"
@@ -84,9 +87,9 @@ class LocalRay:
             **os.environ, **(env or {}), TAG_ENV: tag,
             # token authentication, with this head's own token (not ~/.ray/auth_token)
             "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-            # `ray start` swaps 127.0.0.1 for the host's address; this keeps every Ray socket on loopback
-            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-            "RAY_USAGE_STATS_ENABLED": "0",
+            # loopback only, no usage report, no cloud metadata probe (each setting's reason: config/ray_env.py);
+            # the head's HOME holds the bootstrap config that stops the probe, so jobs run with it too
+            **single_node_env(), "HOME": str(ray_home(Path(temp_dir) / "home")),
         }
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "wb") as fh:
@@ -146,17 +149,50 @@ class LocalRay:
             time.sleep(0.5)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
+    def request(self, method: str, path: str, body: dict[str, object] | None = None) -> dict[str, object]:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{self.dashboard_url}{path}", data=data, method=method,
+                                     headers={"Authorization": f"Bearer {self.token}",
+                                              "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return dict(json.loads(r.read()))
+
+    def smoke(self, timeout: float = 120) -> str:
+        """Run one Ray job (a driver and a task) through the Jobs API; wait until the dashboard has looked at
+        usage stats. Returns the job's final status."""
+        entry = f"{sys.executable} -c 'import ray; ray.init(); print(ray.get(ray.remote(lambda: 41 + 1).remote()))'"
+        sub = str(self.request("POST", "/api/jobs/", {"entrypoint": entry})["submission_id"])
+        status: list[str] = []
+
+        def finished() -> bool:
+            status[:] = [str(self.request("GET", f"/api/jobs/{sub}")["status"])]
+            return status[0] in ("SUCCEEDED", "FAILED", "STOPPED")
+
+        wait_for(finished, timeout=timeout, interval=0.5, what=f"Ray job {sub}")
+        dash_log = Path(self.temp_dir) / "session_latest" / "logs" / "dashboard.log"
+        wait_for(lambda: dash_log.exists() and "Usage reporting is" in dash_log.read_text(errors="replace"),
+                 timeout=timeout, interval=0.5, what=f"the usage-stats line in {dash_log}")
+        return status[0]
+
     def to_json(self) -> dict[str, object]:
         return {k: v for k, v in self.__dict__.items() if k != "popen"}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("action", choices=["up", "down"])
+    p.add_argument("action", choices=["up", "down", "smoke"])
     p.add_argument("--num-cpus", type=int, default=2)
     p.add_argument("--state-dir", type=Path, default=STATE_DIR)
     args = p.parse_args(argv)
     state = args.state_dir / "head.json"
+    if args.action == "smoke":
+        head = LocalRay.start(num_cpus=1)
+        try:
+            result = head.smoke()
+        finally:
+            head.stop()
+        print(f"Ray job: {result}")
+        return 0 if result == "SUCCEEDED" else 1
     if args.action == "up":
         if state.exists():
             head = LocalRay(**json.loads(state.read_text()))

@@ -134,3 +134,17 @@ def test_rayjob_names_fit_kuberay(name):
 def test_distinct_long_names_do_not_collide():
     assert ray_job_name("a" * 60 + "1") != ray_job_name("a" * 60 + "2")
     assert ray_job_name("my.job") != ray_job_name("my-job")
+
+
+def test_ray_usage_stats_are_off_in_every_pod_unless_the_job_opts_in():
+    def pod_envs(doc):
+        rc = build_ray_job(job(doc))["spec"]["rayClusterSpec"]
+        tmpls = [rc["headGroupSpec"]["template"], *(g["template"] for g in rc["workerGroupSpecs"])]
+        return [{e["name"]: e["value"] for e in container(t)["env"]} for t in tmpls]
+
+    for env in pod_envs(valid_job("demo")):
+        # no report, not even Ray's "disabled" notice (an empty URL fails before any socket is opened)
+        assert env["RAY_USAGE_STATS_ENABLED"] == "0" and env["RAY_USAGE_STATS_REPORT_URL"] == ""
+        assert "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER" not in env  # single-node only: pods form a multi-node cluster
+    for env in pod_envs(valid_job("demo", runtime={"kind": "KubeRay", "rayUsageStats": True})):
+        assert env["RAY_USAGE_STATS_ENABLED"] == "1" and "RAY_USAGE_STATS_REPORT_URL" not in env

@@ -197,3 +197,13 @@ def test_settings_from_env_and_port_ranges():
     for bad in ("x", "9000-8000", "0-1", "1-70000"):
         with pytest.raises(ValueError, match="port range"):
             parse_port_range(bad)
+
+
+def test_the_submission_turns_ray_usage_stats_off_unless_the_job_opts_in():
+    env = rt.build_submission(ray_job(), sub="s", token="t", port=1, trainer_command=["x"])["runtime_env"]["env_vars"]
+    assert env["RAY_USAGE_STATS_ENABLED"] == "0" and env["RAY_USAGE_STATS_REPORT_URL"] == ""
+    doc = valid_job("toy", runtime={"kind": "Ray", "address": ADDR, "rayUsageStats": True})
+    doc["metadata"]["uid"] = UID
+    opted = LoRATrainingJob.model_validate(doc)
+    env = rt.build_submission(opted, sub="s", token="t", port=1, trainer_command=["x"])["runtime_env"]["env_vars"]
+    assert env["RAY_USAGE_STATS_ENABLED"] == "1"

@@ -203,9 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     started_ray, temp_dir, job = False, None, None
     run, ok = Run(), False
     try:
+        started_ray, temp_dir = start_ray()  # imports Ray, after setting the environment Ray reads at import
         import ray
 
-        started_ray, temp_dir = start_ray()
         job = launch(cfg, run_dir, threads=args.threads)
         if root:
             resume(job, cfg, root, progress, run)

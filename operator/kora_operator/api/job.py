@@ -128,6 +128,12 @@ class RuntimeSpec(CamelModel):
     Ray cluster through its Jobs API at address."""
     address: Annotated[str, Field(pattern=r"^https?://")] | None = None
     """Ray dashboard / Jobs API address for kind Ray, e.g. http://127.0.0.1:8265."""
+    ray_usage_stats: bool = False
+    """Let Ray send its anonymous usage statistics to the Ray project (RAY_USAGE_STATS_ENABLED=1). Off by
+    default: kora's Ray pods and submissions run with RAY_USAGE_STATS_ENABLED=0 and no report URL, and the
+    trainer image's HOME holds a Ray cluster config, so Ray neither reports nor probes cloud metadata
+    servers. For kind Ray this covers the job's own processes only; the existing cluster's head follows
+    its own settings."""
 
 
 # Spec sections that define what is being trained, or the Ray cluster it runs on (the RayJob's

@@ -14,6 +14,7 @@ from kora_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_DIR
 from kora_operator.builders.meta import COMPONENT_LABEL, JOB_LABEL, QUEUE_LABEL, labels, object_meta
 from kora_operator.builders.names import config_map_name, ray_job_name, secret_name
 from kora_operator.builders.secret import TOKEN_KEY
+from kora_trainer.config.ray_env import usage_stats_env
 
 CONTROL_PORT = 8068
 CONTROL_LINGER_S = 30
@@ -33,6 +34,9 @@ NCCL_ENV = {
 def _env(job: LoRATrainingJob, head: bool) -> list[dict[str, Any]]:
     env = {
         **NCCL_ENV,
+        # Ray's usage report off unless the job opts in (runtime.rayUsageStats); the image's HOME holds the
+        # cluster config that keeps Ray's dashboard from probing cloud metadata (config/ray_env.py)
+        **usage_stats_env(job.spec.runtime.ray_usage_stats),
         "KORA_JOB_NAME": str(job.metadata["name"]),
         "KORA_CONFIG": f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}",
     }

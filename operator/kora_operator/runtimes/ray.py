@@ -36,6 +36,7 @@ from kora_operator.conditions import Cond
 from kora_operator.phase import Observation
 from kora_operator.reasons import ConditionType, Reason
 from kora_operator.runtimes.rayjobs import FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, JobInfo
+from kora_trainer.config.ray_env import usage_stats_env
 
 T, F = "True", "False"
 PORT_KEY = "kora.dev/control-port"
@@ -91,6 +92,8 @@ def build_submission(job: LoRATrainingJob, *, sub: str, token: str, port: int,
         "KORA_CONTROL_PORT": str(port),
         # the operator reaches the trainer at the Ray head's address: loopback stays loopback
         "KORA_CONTROL_HOST": "127.0.0.1" if ray_host(address) in LOOPBACK else "0.0.0.0",
+        # the job's driver and workers (the cluster's own dashboard is its operator's to configure)
+        **usage_stats_env(job.spec.runtime.ray_usage_stats),
     }
     if linger_s:
         env["KORA_CONTROL_LINGER_S"] = str(linger_s)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 
 from kora_trainer.backends.select import gpu_shares
 from kora_trainer.config import TrainerConfig
+from kora_trainer.config.ray_env import ray_home, single_node_env, usage_stats_env
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
 
 CPU_SHARES = {"trainer": 0.5, "rollout": 0.1, "engine": 0.2}
@@ -46,19 +49,42 @@ class Job:
 
 
 def start_ray(num_cpus: int | None = None) -> tuple[bool, str | None]:
-    """Join RAY_ADDRESS's cluster, or start a private local one. Returns (started_here, temp_dir)."""
-    import ray
+    """Join RAY_ADDRESS's cluster, or start a private local one. Returns (started_here, temp_dir).
 
+    The private head gets config/ray_env.py's single-node environment (loopback only, no usage report,
+    no cloud metadata probe). It must be in os.environ before Ray is first imported: Ray reads
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import time, so this is where the driver imports Ray.
+    """
+    if "ray" in sys.modules and not os.environ.get("RAY_ADDRESS"):
+        from ray._private import ray_constants
+
+        if ray_constants.ENABLE_RAY_CLUSTER:
+            raise RuntimeError("Ray was imported before kora_trainer.orchestration.cluster.start_ray set its "
+                               "environment: the private head would use the machine's address, not 127.0.0.1")
+    os.environ.update(usage_stats_env(False))
     if os.environ.get("RAY_ADDRESS"):
+        import ray
+
         ray.init(address=os.environ["RAY_ADDRESS"], namespace="kora", log_to_driver=False)
         return False, None
+    os.environ.update(single_node_env())
+    import ray
+
     # a short path: Ray's unix sockets live under it and a socket path is limited to 107 bytes
     temp_dir = tempfile.mkdtemp(prefix="kora-ray-", dir="/tmp")
-    # Ray 2.60 swaps 127.0.0.1 for the host's address on Linux unless this is 0: keep every socket on loopback
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _temp_dir=temp_dir,
-             _node_ip_address="127.0.0.1", include_dashboard=False, namespace="kora", log_to_driver=False,
-             configure_logging=False)
+    # The head's processes (GCS, raylet, dashboard) inherit the driver's environment when ray.init starts
+    # them: they get a HOME holding the bootstrap config, the workers get the user's HOME back.
+    real_home = os.environ.get("HOME", str(Path.home()))
+    os.environ["HOME"] = str(ray_home(Path(temp_dir) / "home"))
+    # Ray 2.60 keeps a generated token in ~/.ray/auth_token, which the workers (the user's HOME) would not find:
+    # this head's own token, in the environment every process of it inherits
+    os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    try:
+        ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _temp_dir=temp_dir,
+                 _node_ip_address="127.0.0.1", include_dashboard=False, namespace="kora", log_to_driver=False,
+                 configure_logging=False, runtime_env={"env_vars": {"HOME": real_home}})
+    finally:
+        os.environ["HOME"] = real_home
     return True, temp_dir
 
 

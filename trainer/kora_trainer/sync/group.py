@@ -12,6 +12,7 @@ group: the delta-skip's MAX and the fast path's shard gathers run over it).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -20,6 +21,24 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _listen_on(host: str, port: int) -> dict[str, int]:
+    """TCPStore arguments for a server that listens on `host` (IPv4) only. Left to itself the store listens on
+    every interface (IPv6 `::`), and each loopback peer then shows up as ::ffff:127.0.0.1, whose reverse lookup
+    for torch's log lines misses /etc/hosts and goes to the DNS server."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    return {"master_listen_fd": sock.detach()}  # the store owns (and closes) the descriptor from here
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -79,11 +98,19 @@ def init_weight_update_group(
 ) -> WeightUpdateGroup:
     """Join (rank 0: create) the group. Blocks until all `world_size` members have joined."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    local = is_loopback(master_address)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                          **_listen_on(master_address, master_port) if rank == 0 and local else {})
     prefixed = dist.PrefixStore(group_name, store)
     pg: dist.ProcessGroup
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # gloo's default device resolves the machine's hostname (DNS where /etc/hosts lacks it) and binds its
+        # address; a group whose members are all on this machine binds loopback instead
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local
+                            else dist.ProcessGroupGloo.create_default_device()]
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
     elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout

@@ -1,0 +1,58 @@
+"""hack/nettrace.py's reading of strace output: what counts as local, what fails the loopback tests."""
+
+from __future__ import annotations
+
+import ipaddress
+
+from nettrace import parse
+
+EXEC = '100<python> execve("/usr/bin/python", ["python", "-m", "kora_trainer.train"], 0x7ffd /* 30 vars */) = 0'
+CLONE = "100<python> clone3({flags=CLONE_VM, ...}, 88) = 101"
+
+
+def inet(pid: int, addr: str, port: int, fd: int = 3) -> str:
+    return (f'{pid}<raylet> connect({fd}, {{sa_family=AF_INET, sin_port=htons({port}), '
+            f'sin_addr=inet_addr("{addr}")}}, 16) = -1 EINPROGRESS (Operation now in progress)')
+
+
+def test_loopback_unix_and_netlink_are_local():
+    lines = [EXEC, inet(100, "127.0.0.1", 6379),
+             '100<python> connect(4, {sa_family=AF_UNIX, sun_path="/tmp/ray/session/sockets/raylet"}, 110) = 0',
+             '100<python> sendto(5, [{nlmsg_len=20}], 20, 0, {sa_family=AF_NETLINK, nl_pid=0, nl_groups=0}, 12) = 20',
+             '100<python> connect(6, {sa_family=AF_INET6, sin6_port=htons(80), sin6_flowinfo=htonl(0), '
+             'inet_pton(AF_INET6, "::ffff:127.0.0.1", &sin6_addr), sin6_scope_id=0}, 28) = 0']
+    trace = parse("\n".join(lines), [])
+    assert trace.foreign == []
+    assert trace.counts == {"loopback": 2, "unix": 1, "netlink": 1}
+
+
+def test_a_foreign_address_is_reported_with_its_process():
+    trace = parse("\n".join([EXEC, CLONE, inet(101, "192.0.2.2", 44629),
+                             inet(101, "169.254.169.254", 80, fd=7)]), [])
+    assert [(pid, dest) for pid, _, dest in trace.foreign] == [(101, "192.0.2.2:44629"), (101, "169.254.169.254:80")]
+    assert "kora_trainer.train" in trace.foreign[0][1]  # the thread is named after the process that made it
+    assert "FOREIGN 169.254.169.254:80" in trace.report()
+
+
+def test_allowed_networks_count_apart():
+    trace = parse(inet(100, "10.77.0.2", 6379), [ipaddress.ip_network("10.77.0.0/24")])
+    assert trace.foreign == [] and trace.counts == {"allowed": 1}
+
+
+def test_dns_is_foreign_unless_every_query_is_a_loopback_reverse_lookup():
+    # as strace prints them: the PTR query for 1.0.0.127.in-addr.arpa, and an A query for metadata.google.internal
+    ptr = ('200<python> sendto(9, "\\246\\203\\1\\0\\0\\1\\0\\0\\0\\0\\0\\0\\0011\\0010\\0010\\003127'
+           '\\7in-addr\\4arpa\\0\\0\\f\\0\\1", 40, MSG_NOSIGNAL, NULL, 0) = 40')
+    query = ('201<python> sendto(9, "\\221+\\1\\0\\0\\1\\0\\0\\0\\0\\0\\0\\10metadata\\6google\\10internal'
+             '\\0\\0\\1\\0\\1", 46, MSG_NOSIGNAL, NULL, 0) = 46')
+    local = parse("\n".join([inet(200, "10.255.255.53", 53, fd=9), ptr]), [])
+    assert local.foreign == [] and local.counts == {"loopback-ptr": 1}
+    remote = parse("\n".join([inet(201, "10.255.255.53", 53, fd=9), query]), [])
+    assert [dest for _, _, dest in remote.foreign] == ["10.255.255.53:53 (DNS)"]
+    silent = parse(inet(202, "10.255.255.53", 53, fd=9), [])  # a resolver socket with no query seen
+    assert len(silent.foreign) == 1
+
+
+def test_an_unknown_family_is_not_assumed_local():
+    trace = parse('100<python> connect(3, {sa_family=AF_PACKET, sll_protocol=htons(ETH_P_ALL)}, 20) = 0', [])
+    assert len(trace.foreign) == 1
