@@ -1,5 +1,5 @@
 """The sync benches' engine process (bench/gpu_sync.py, bench/gpu_sync_colocated.py): kora's reference engine
-(`rollout.hf_server`: EngineModel + the HTTP routes) over a random HF model built from a config directory in
+(`reference_engine.server`: EngineModel + the HTTP routes) over a random HF model built from a config directory in
 the engine process (no checkpoint is read), and the pipe the bench drives it through.
 
 Each bench keeps its own command loop (what the engine does per message); this module holds what they share:
@@ -26,9 +26,9 @@ def start_reference_engine(model_dir: str, device: torch.device) -> tuple[Any, A
     import transformers
     from aiohttp import web
 
-    from kora_trainer.rollout.engine_model import EngineModel
-    from kora_trainer.rollout.hf_server import HFEngineServer
-    from kora_trainer.sync.group import free_port
+    from kora_trainer.reference_engine.model import EngineModel
+    from kora_trainer.reference_engine.server import HFEngineServer
+    from kora_trainer.wire.group import free_port
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     t0 = time.perf_counter()

@@ -3,7 +3,7 @@ with `--tp T --engines N` (issue 8) a tensor-parallel trainer on GPUs 0..T-1 fan
 
 A random-initialised Qwen3-4B-shaped model (no checkpoint is read): the trainer is the megatron-core policy
 (`--trainer megatron`, default; `--trainer hf` = HF Qwen3 + kora's torch LoRA) with a rank-32 LoRA on
-linear_qkv + linear_proj; the engine is kora's reference engine (`rollout.hf_server`: EngineModel + the HTTP
+linear_qkv + linear_proj; the engine is kora's reference engine (`reference_engine.server`: EngineModel + the HTTP
 routes, its HF model built from the same config in the engine process) plus the fast-path receivers of
 `sync/fast.py`. Everything below is measured in ONE run, each number the median of --reps:
 
@@ -166,9 +166,9 @@ def engine_main(conn: Any, opts: dict[str, Any]) -> None:
 
 
 def _engine(conn: Any, opts: dict[str, Any]) -> None:
-    from kora_trainer.rollout.lora_adapters import LoRAAdapter
-    from kora_trainer.sync import fast
-    from kora_trainer.sync.group import init_weight_update_group
+    from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
+    from kora_trainer.wire import fast_receive
+    from kora_trainer.wire.group import init_weight_update_group
 
     cuda = opts["device"] == "cuda"
     if cuda:  # every thread of the engine (HTTP handlers, the sync executor) must see this GPU as its device 0
@@ -182,8 +182,8 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
               for k, port in opts["fast_ports"]}  # in k order, as the trainer makes them
     top = max(groups)
     params = dict(engine.model.named_parameters())
-    receivers: dict[tuple[str, int], fast.PipelinedReceiver] = {}
-    ring: fast.AdapterRing | None = None
+    receivers: dict[tuple[str, int], fast_receive.PipelinedReceiver] = {}
+    ring: fast_receive.AdapterRing | None = None
     raw_bufs: list[torch.Tensor] = []
     while True:
         cmd, arg = conn.recv()
@@ -194,12 +194,12 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
         k = arg.get("k", top)
         group = groups[k]
         if cmd == "plan":
-            receivers[(arg["name"], k)] = fast.PipelinedReceiver(arg["metadata"], params, group)
+            receivers[(arg["name"], k)] = fast_receive.PipelinedReceiver(arg["metadata"], params, group)
         elif cmd == "merge":
             r = receivers[(arg["name"], k)]
             for _ in range(arg["reps"]):
                 r.receive()
-                fast.ack(group)
+                fast_receive.ack(group)
             sync_dev(device)
         elif cmd == "raw":
             if not raw_bufs or raw_bufs[0].numel() < max(arg["sizes"]):
@@ -207,10 +207,10 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
             for _ in range(arg["reps"]):
                 for i, n in enumerate(arg["sizes"]):
                     group.broadcast(raw_bufs[i % 2][:n], src=0)
-                fast.ack(group)
+                fast_receive.ack(group)
             sync_dev(device)
         elif cmd == "adapter_plan":
-            ring = fast.AdapterRing(arg["metadata"], device, {"*": arg["scaling"]})
+            ring = fast_receive.AdapterRing(arg["metadata"], device, {"*": arg["scaling"]})
         elif cmd == "adapter":
             assert ring is not None
             for i in range(arg["reps"]):
@@ -218,7 +218,7 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
                 adapter = LoRAAdapter("kora-policy", "__distributed__", ring.rank, weights, arg["config"],
                                       str(arg["version"] + i))
                 server.adapters._register(adapter, upsert=True)  # served from the next request on
-                fast.ack(group)
+                fast_receive.ack(group)
             sync_dev(device)
             info["loaded"] = server.adapters.loaded()
         elif cmd == "allreduce":
@@ -421,7 +421,7 @@ def from_leader(obj: Any, tp_size: int) -> Any:
 def run(args: argparse.Namespace, rank: int = 0) -> dict[str, Any]:
     """The whole bench on TP rank `rank` (every TP rank runs it; rank 0 starts and drives the engines and
     returns the results, the other ranks take part in the collectives and their numbers are dropped)."""
-    from kora_trainer.sync.group import free_port, init_weight_update_group
+    from kora_trainer.wire.group import free_port, init_weight_update_group
 
     tp_size, n_eng = args.tp, (0 if args.no_engine else args.engines)
     leader = rank == 0
@@ -510,7 +510,8 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
     """The measurements (a)-(e), in order, on every TP rank (see `run`)."""
     from kora_trainer.kernels.fold import FoldItem, GroupedFold, fold
     from kora_trainer.sync import fast
-    from kora_trainer.sync.group import free_port, init_weight_update_group
+    from kora_trainer.wire import fast_receive
+    from kora_trainer.wire.group import free_port, init_weight_update_group
 
     tp_size, n_eng = args.tp, (0 if args.no_engine else args.engines)
     leader = rank == 0
@@ -546,7 +547,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
         def once() -> None:
             for i, n in enumerate(sizes):
                 g.broadcast(bufs[i % 2][:n], src=0)
-            fast.ack(g)
+            fast_receive.ack(g)
 
         send_all(engines[:k], "raw", sizes=sizes, reps=reps + 2, k=k)
         out["broadcast_ms"], out["broadcast_all_ms"] = wall_ms(once, reps, device)
@@ -562,7 +563,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
         def once() -> None:
             sender.push()
             if leader:
-                fast.ack(groups[k])
+                fast_receive.ack(groups[k])
 
         if leader:
             send_all(engines[:k], "merge", name="merged", reps=reps + 2, k=k)
@@ -673,7 +674,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
             send_all(engines, "merge", name="base", reps=1)
         sender.push()
         if leader:
-            fast.ack(group)
+            fast_receive.ack(group)
         sync_dev(device)
         if leader:
             wait_all(engines)
@@ -702,7 +703,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
             def raw_once() -> None:
                 for start, end in pack.bounds:
                     g.broadcast(araw[start:end], src=0)
-                fast.ack(g)
+                fast_receive.ack(g)
 
             send_all(engines[:k], "raw", sizes=[e - s for s, e in pack.bounds], reps=reps + 2, k=k)
             out["adapter_broadcast_ms"], _ = wall_ms(raw_once, reps, device)
@@ -716,7 +717,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
             t = time.perf_counter()
             pack.push(g)
             if leader:
-                fast.ack(g)
+                fast_receive.ack(g)
             sync_dev(device)
             if i >= 2:
                 times.append((time.perf_counter() - t) * 1e3)
@@ -779,7 +780,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
 
     # every engine serves the pushed adapter: its log-probs (HTTP /generate, lora_path) vs the trainer's policy
     def serving_check() -> None:
-        from kora_trainer.rollout.client import EngineClient
+        from kora_trainer.wire.engine_client import EngineClient
 
         with torch.no_grad():
             trainer.flat.add_(noise)
@@ -787,7 +788,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
             send_all(engines, "adapter", reps=1, version=100, config=config)
         pack.push(group)
         if leader:
-            fast.ack(group)
+            fast_receive.ack(group)
         sync_dev(device)
         prompts = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14]]
         seen = None
@@ -819,9 +820,9 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
 
     # (a') the adapter through the HTTP route (what WeightSender does today), fanned out to k engines ----------
     def http_adapter(k: int, out: dict[str, Any]) -> None:
-        from kora_trainer.rollout.client import EngineClient
-        from kora_trainer.sync.protocol import FLAT, plan_buckets
-        from kora_trainer.sync.protocol import pack as pack_bucket
+        from kora_trainer.wire.engine_client import EngineClient
+        from kora_trainer.wire.protocol import FLAT, plan_buckets
+        from kora_trainer.wire.protocol import pack as pack_bucket
 
         with contextlib.ExitStack() as stack:
             clients: list[Any] = []
@@ -988,7 +989,7 @@ def follower_main(rank: int, args: argparse.Namespace) -> None:
 
 def start_followers(args: argparse.Namespace) -> list[Any]:
     """TP ranks 1..T-1 in their own processes (torchrun's environment for megatron's process group)."""
-    from kora_trainer.sync.group import free_port
+    from kora_trainer.wire.group import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.tp), RANK="0",
                       LOCAL_RANK="0")

@@ -3,7 +3,7 @@ weights move by CUDA IPC.
 
 Trainer: the megatron-core policy of bench/gpu_sync.py (Qwen3-4B-shaped, random init, bf16) with a rank-32 LoRA
 on linear_qkv + linear_proj (`--trainer hf`: HF Qwen3 + kora's torch LoRA). Engine: kora's reference engine
-(`rollout.hf_server`: EngineModel + the HTTP routes) in a SEPARATE process on the same GPU, its HF model built
+(`reference_engine.server`: EngineModel + the HTTP routes) in a SEPARATE process on the same GPU, its HF model built
 from the same config; a pipe carries the bench's control messages. Each push starts at "trainer step done"
 (an optimizer-like update of the flat adapter, synchronised) and ends at the engine's ack; median of --reps.
 
@@ -69,10 +69,11 @@ def engine_main(conn: Any, opts: dict[str, Any]) -> None:
 
 
 def _engine(conn: Any, opts: dict[str, Any]) -> None:
-    from kora_trainer.rollout import hf_server
-    from kora_trainer.rollout.lora_adapters import LoRAAdapter
+    from kora_trainer.reference_engine import server as engine_server
+    from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
     from kora_trainer.sync import fast
-    from kora_trainer.sync.serialize import deserialize_named_tensors, serialize_payload
+    from kora_trainer.wire import fast_receive
+    from kora_trainer.wire.serialize import deserialize_named_tensors, serialize_payload
 
     cuda = opts["device"] == "cuda"
     if cuda:
@@ -81,8 +82,8 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
     engine, server, url, build_s = start_reference_engine(opts["model_dir"], device)
     conn.send(("ready", {"url": url, "build_s": build_s}))
     params = dict(engine.model.named_parameters())
-    real_checksum = hf_server.checksum
-    ring: fast.AdapterRing | None = None
+    real_checksum = engine_server.checksum
+    ring: fast_receive.AdapterRing | None = None
     config: dict[str, Any] = {}
     while True:
         cmd, arg = conn.recv()
@@ -99,7 +100,7 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
             info["payload"] = serialize_payload([(n, p.detach()) for n, p in params.items()])
             info["bytes"] = sum(p.numel() * p.element_size() for p in params.values())
         elif cmd == "ring":
-            ring = fast.AdapterRing(arg["metadata"], device, {"*": arg["scaling"]}, slots=arg["slots"])
+            ring = fast_receive.AdapterRing(arg["metadata"], device, {"*": arg["scaling"]}, slots=arg["slots"])
             config = arg["config"]
             # check the layout against the model once (modules exist, shapes match); the copy is dropped
             named = [(f"base_model.model.{m}.lora_{w}.weight", t) for m, (a, b, _) in ring.weights[0].items()
@@ -115,7 +116,7 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
         elif cmd == "version":
             engine.weight_version = str(arg["version"])
         elif cmd == "checksum":  # on/off: the kora checksum every weight route computes (split verification out)
-            hf_server.checksum = real_checksum if arg["on"] else (lambda named: None)
+            engine_server.checksum = real_checksum if arg["on"] else (lambda named: None)
         elif cmd == "probe":  # what /load_lora_adapter_from_tensors spends, piece by piece
             times = {}
             t = time.perf_counter()
@@ -268,10 +269,10 @@ def run(args: argparse.Namespace, res: dict[str, Any], save: Any) -> None:
 
 def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engine, st: dict[str, Any],
          device: torch.device, dims: dict[str, Any], model_dir: Path, t0: float) -> None:
-    from kora_trainer.rollout.client import EngineClient
     from kora_trainer.sync import fast
-    from kora_trainer.sync.serialize import deserialize_payload, serialize_named_tensors
     from kora_trainer.sync.transport import ColocatedTransport, packed_views
+    from kora_trainer.wire.engine_client import EngineClient
+    from kora_trainer.wire.serialize import deserialize_payload, serialize_named_tensors
 
     cuda = device.type == "cuda"
     reps, cap = args.reps, args.cap_mib * MIB

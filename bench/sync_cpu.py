@@ -1,6 +1,6 @@
 """Per-step weight-sync time of each mode vs a raw gloo broadcast of the same bytes (CPU, one run).
 
-For Merge, Adapter and EngineMerge (distributed: gloo group + metadata-only HTTP to a real `hf_server`
+For Merge, Adapter and EngineMerge (distributed: gloo group + metadata-only HTTP to a real `reference_engine`
 engine process; colocated: in-memory handoff), it perturbs the adapter before every step (so delta-skip
 never fires), times `WeightSender.sync`, and times, in the same run, a raw gloo broadcast of exactly the
 same bucket sizes from this process to a second process (the anchor: what moving those bytes costs with
@@ -29,12 +29,12 @@ from kora_trainer.backends.torch_backend import TorchBackend
 from kora_trainer.config import load_config
 from kora_trainer.config.quantity import parse_bytes
 from kora_trainer.orchestration.engines import EngineProcess
-from kora_trainer.rollout.client import EngineClient
-from kora_trainer.sync.group import free_port, init_weight_update_group
-from kora_trainer.sync.protocol import plan_buckets
 from kora_trainer.sync.sender import WeightSender, colocated_buckets
 from kora_trainer.sync.sources import adapter_source, base_source, merged_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
+from kora_trainer.wire.engine_client import EngineClient
+from kora_trainer.wire.group import free_port, init_weight_update_group
+from kora_trainer.wire.protocol import plan_buckets
 
 MODES = ("Merge", "Adapter", "EngineMerge")
 

@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from kora_trainer.rollout.client import EngineClient
-from kora_trainer.sync.group import WeightUpdateGroup, free_port, init_weight_update_group
-from kora_trainer.sync.protocol import FLAT, Bucket, pack, plan_buckets
+from kora_trainer.wire.engine_client import EngineClient
+from kora_trainer.wire.group import WeightUpdateGroup, free_port, init_weight_update_group
+from kora_trainer.wire.protocol import FLAT, Bucket, pack, plan_buckets
 
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14], [1, 9, 9, 13, 9, 9, 14, 4]]
 ATOL = 1e-4  # fp32 engine vs fp32 reference forward: batching/padding/KV-cache change summation order only
@@ -36,10 +36,10 @@ class EngineProc:
 
 def start_engine(model_dir: Path, log_dir: Path, *extra: str, device: str = "cpu",
                  timeout_s: float = 120.0) -> EngineProc:
-    """`python -m kora_trainer.rollout.hf_server` on a free port; waits (bounded) for /health."""
+    """`python -m kora_trainer.reference_engine` on a free port; waits (bounded) for /health."""
     port = free_port()
     log = log_dir / f"engine-{port}.log"
-    cmd = [sys.executable, "-m", "kora_trainer.rollout.hf_server", "--model-path", str(model_dir),
+    cmd = [sys.executable, "-m", "kora_trainer.reference_engine", "--model-path", str(model_dir),
            "--port", str(port), "--device", device, "--num-threads", "1", *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "wb") as out:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from kora_trainer.sync.group import free_port
+from kora_trainer.wire.group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 E2E = REPO / "tests" / "e2e"  # toy_rewards.py: the runs' custom reward

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from kora_trainer.rollout.rewards import Sample
+from kora_trainer.algorithm.rewards import Sample
 from trainkit import TIMEOUT_S, TrainRun, wait_all
 
 STEPS, INTERVAL, SAMPLES_PER_STEP = 6, 2, 32

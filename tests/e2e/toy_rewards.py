@@ -5,7 +5,7 @@ adapter would never move and delta-skip would (rightly) skip every sync. This re
 first step: 1 when the response starts with an odd digit.
 """
 
-from kora_trainer.rollout.rewards import Sample
+from kora_trainer.algorithm.rewards import Sample
 
 
 def odd_first_digit(sample: Sample) -> float:

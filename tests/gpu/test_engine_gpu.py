@@ -23,9 +23,9 @@ from engine_helpers import (
     stop_engine,
     trainer_group,
 )
-from kora_trainer.rollout.client import EngineClient
-from kora_trainer.sync.protocol import FLAT, plan_buckets
-from kora_trainer.sync.serialize import serialize_named_tensors
+from kora_trainer.wire.engine_client import EngineClient
+from kora_trainer.wire.protocol import FLAT, plan_buckets
+from kora_trainer.wire.serialize import serialize_named_tensors
 from tinymodel import make_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300),

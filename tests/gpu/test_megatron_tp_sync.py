@@ -25,7 +25,7 @@ from test_megatron_sync import ATOL, _cfg
 
 from engine_helpers import PROMPTS, start_engine, stop_engine
 from gpukit import megatron_marks
-from kora_trainer.sync.group import free_port
+from kora_trainer.wire.group import free_port
 
 pytestmark = megatron_marks(gpus=2)
 TP = 2
@@ -48,8 +48,8 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, url: str, out: st
     from kora_trainer.backends.megatron.export import load_hf_adapter
     from kora_trainer.backends.megatron.parallel import destroy_parallel
     from kora_trainer.backends.megatron.sync import MegatronWeightSender
-    from kora_trainer.rollout.client import EngineClient
     from kora_trainer.sync.transport import DistributedTransport
+    from kora_trainer.wire.engine_client import EngineClient
 
     torch.backends.cuda.matmul.allow_tf32 = False
     mg = MegatronBackend(_tp_cfg(model_dir, "Merge"), dtype=torch.float32)  # init_parallel(2): GPU `rank`

@@ -1,7 +1,7 @@
 """The train loop's checkpoint contents (checkpoint/training.py) on the real torch backend: a backend
 restored from step k continues bit for bit like the one that never stopped (adapter, AdamW, dropout RNG,
 minibatch shuffle, version); what does not fit is refused; rule 8; the HF-PEFT export's names and meta;
-and the rollout manager's per-sample seeds (orchestration/rollout.py)."""
+and the rollout manager's per-sample seeds (orchestration/rollout_manager.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kora_trainer.checkpoint.training import (
 from kora_trainer.config import load_config
 from kora_trainer.lora import adapter_tensors
 from kora_trainer.orchestration.data import Row, batches
-from kora_trainer.orchestration.rollout import SEED_MASK, sampling_seed
+from kora_trainer.orchestration.rollout_manager import SEED_MASK, sampling_seed
 from tinymodel import make_tiny_model
 
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 9, 13, 3, 14]]
@@ -130,7 +130,7 @@ def test_sampling_seeds_are_per_sample_and_per_step():
 
 
 def test_the_rollout_manager_fast_forwards_to_a_data_position(model_dir, tmp_path):
-    from kora_trainer.orchestration.rollout import Rollout
+    from kora_trainer.orchestration.rollout_manager import Rollout
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "label": str(i + 1)}) + "\n" for i in range(10)))

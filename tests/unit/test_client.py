@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kora_trainer.rollout.client import EngineClient, EngineError, GenerateOutput, applied_checksum, error_message
-from kora_trainer.sync.group import free_port
-from kora_trainer.sync.protocol import checksum, plan_buckets
+from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput, applied_checksum, error_message
+from kora_trainer.wire.group import free_port
+from kora_trainer.wire.protocol import checksum, plan_buckets
 
 
 @pytest.mark.parametrize(("body", "text", "expected"), [

@@ -24,8 +24,8 @@ from engine_helpers import (
     start_engine,
     stop_engine,
 )
-from kora_trainer.rollout.client import EngineClient, EngineError
-from kora_trainer.rollout.contract import SAMPLING_FIELDS
+from kora_trainer.reference_engine.contract import SAMPLING_FIELDS
+from kora_trainer.wire.engine_client import EngineClient, EngineError
 from tinymodel import make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)

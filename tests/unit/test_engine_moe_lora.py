@@ -40,11 +40,11 @@ from engine_helpers import (
     trained_policy,
     trainer_group,
 )
-from kora_trainer.rollout.client import EngineClient, EngineError
-from kora_trainer.sync.protocol import FLAT, plan_buckets
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
-from kora_trainer.sync.serialize import serialize_named_tensors
 from kora_trainer.sync.transport import ColocatedTransport
+from kora_trainer.wire.engine_client import EngineClient, EngineError
+from kora_trainer.wire.protocol import FLAT, plan_buckets
+from kora_trainer.wire.serialize import serialize_named_tensors
 from tinymodel import make_tiny_moe_model
 
 pytestmark = pytest.mark.timeout(300)

@@ -29,10 +29,10 @@ from engine_helpers import (
     stop_engine,
     trainer_group,
 )
-from kora_trainer.rollout.client import EngineClient, EngineError, applied_checksum
-from kora_trainer.rollout.lora_adapters import split_lora_name
-from kora_trainer.sync.protocol import FLAT, checksum, plan_buckets
-from kora_trainer.sync.serialize import serialize_named_tensors
+from kora_trainer.wire.engine_client import EngineClient, EngineError, applied_checksum
+from kora_trainer.wire.lora_names import split_lora_name
+from kora_trainer.wire.protocol import FLAT, checksum, plan_buckets
+from kora_trainer.wire.serialize import serialize_named_tensors
 from tinymodel import make_tiny_model
 
 pytestmark = pytest.mark.timeout(180)

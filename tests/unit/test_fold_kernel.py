@@ -128,7 +128,7 @@ def _pair_of_groups():
     """Trainer rank 0 and engine rank 1 of a gloo weight-update group, each made on its own thread."""
     import threading
 
-    from kora_trainer.sync.group import free_port, init_weight_update_group
+    from kora_trainer.wire.group import free_port, init_weight_update_group
 
     port, out = free_port(), {}
     t = threading.Thread(target=lambda: out.setdefault(1, init_weight_update_group("127.0.0.1", port, 1, 2, "t")))
@@ -158,7 +158,8 @@ def _both(fn0, fn1):
 
 def test_fast_merge_sync_over_gloo_lands_every_tensor():
     from kora_trainer.sync import fast
-    from kora_trainer.sync.protocol import Assembler
+    from kora_trainer.wire import fast_receive
+    from kora_trainer.wire.protocol import Assembler
 
     g = torch.Generator().manual_seed(0)
     qkv = _item(24, 16, 4, row_map=True, seed=5)  # a fused weight folded into q (16 rows), k, v (4 each)
@@ -177,8 +178,8 @@ def test_fast_merge_sync_over_gloo_lands_every_tensor():
     params = {n: torch.zeros_like(t) for n, t in want.items()}
     g0, g1 = _pair_of_groups()
     sender = fast.PipelinedSender(plan, g0)
-    receiver = fast.PipelinedReceiver(plan.metadata, params, g1)
-    _both(lambda: (sender.push(), fast.ack(g0)), lambda: (receiver.receive(), fast.ack(g1)))
+    receiver = fast_receive.PipelinedReceiver(plan.metadata, params, g1)
+    _both(lambda: (sender.push(), fast_receive.ack(g0)), lambda: (receiver.receive(), fast_receive.ack(g1)))
     for n, t in want.items():
         assert torch.equal(params[n], t), n
     # the buckets are the HTTP path's flattened_bucket format: protocol.Assembler reads them too
@@ -189,8 +190,9 @@ def test_fast_merge_sync_over_gloo_lands_every_tensor():
 
 
 def test_fast_adapter_push_and_flat_delta_over_gloo():
-    from kora_trainer.rollout.lora_adapters import pair_lora_tensors
+    from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
     from kora_trainer.sync import fast
+    from kora_trainer.wire import fast_receive
 
     g = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in [(4, 8), (12, 4), (4, 6),
@@ -207,7 +209,7 @@ def test_fast_adapter_push_and_flat_delta_over_gloo():
     pack = fast.AdapterPack(params, specs, cap=200)
     assert len(pack.buckets) > 1
     g0, g1 = _pair_of_groups()
-    ring = fast.AdapterRing(pack.metadata, torch.device("cpu"), {"*": 2.0})
+    ring = fast_receive.AdapterRing(pack.metadata, torch.device("cpu"), {"*": 2.0})
     got = {}
     _both(lambda: pack.push(g0), lambda: got.update(ring.receive(g1)))
     want = {"m.q": (params[0], params[1][rows]), "m.k": (params[0], params[1][8:]), "m.o": (params[2], params[3])}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kora_trainer.rollout.grpo import group_advantages, grpo_loss
+from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
 
 
 def test_advantages_are_normalised_within_groups():

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kora_trainer.config.sections import DataSpec
-from kora_trainer.rollout.rewards import (
+from kora_trainer.algorithm.rewards import (
     Sample,
     deepscaler_reward,
     final_answer,
@@ -14,6 +13,7 @@ from kora_trainer.rollout.rewards import (
     math_reward,
     reward_fn,
 )
+from kora_trainer.config.sections import DataSpec
 
 
 def s(response: str, label: str) -> Sample:

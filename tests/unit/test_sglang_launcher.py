@@ -8,8 +8,7 @@ import sys
 import pytest
 
 from kora_trainer.config import TrainerConfig
-from kora_trainer.rollout import hf_server
-from kora_trainer.rollout.sglang_launcher import (
+from kora_trainer.orchestration.sglang_launcher import (
     SGLANG_REQUIREMENT,
     UnsupportedEngineConfig,
     engine_command,
@@ -18,6 +17,7 @@ from kora_trainer.rollout.sglang_launcher import (
     sglang_target_modules,
     sglang_version_problem,
 )
+from kora_trainer.reference_engine import server as engine_server
 
 
 def config(**sections) -> TrainerConfig:
@@ -84,8 +84,8 @@ def test_engine_merge_and_cpu_engines_are_refused_for_sglang():
 def test_hf_command_is_accepted_by_the_hf_engine_parser():
     cfg = config(lora={"syncMode": "Adapter"}, rollout={"engine": "hf", "gpusPerEngine": 0})
     launch = engine_command(cfg, port=31000, api_key="k", num_threads=1)
-    assert launch.engine == "hf" and launch.argv[1:3] == ["-m", "kora_trainer.rollout.hf_server"]
-    args = hf_server.parse_args(launch.argv[3:])
+    assert launch.engine == "hf" and launch.argv[1:3] == ["-m", "kora_trainer.reference_engine"]
+    args = engine_server.parse_args(launch.argv[3:])
     assert (args.model_path, args.port, args.device, args.max_lora_rank) == ("/models/qwen", 31000, "cpu", 16)
     assert (args.max_loras_per_batch, args.api_key, args.num_threads) == (2, "k", 1)
     assert hf_engine_command(config(), port=1).argv[hf_engine_command(config(), port=1).argv.index("--device") + 1] \

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from kora_trainer.sync import protocol
-from kora_trainer.sync.protocol import checksum, fingerprint
+from kora_trainer.wire import protocol
+from kora_trainer.wire.protocol import checksum, fingerprint
 
 
 def reference_fingerprint(t: torch.Tensor, chunk: int) -> tuple[int, int]:

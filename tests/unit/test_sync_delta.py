@@ -16,11 +16,11 @@ import torch
 from engine_helpers import start_engine, stop_engine
 from kora_trainer.backends.torch_backend import TorchBackend
 from kora_trainer.config import load_config
-from kora_trainer.rollout.client import EngineClient
 from kora_trainer.sync.delta import DeltaTracker, should_push
-from kora_trainer.sync.group import free_port, init_weight_update_group
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
+from kora_trainer.wire.engine_client import EngineClient
+from kora_trainer.wire.group import free_port, init_weight_update_group
 from tinymodel import make_tiny_model
 
 TIMEOUT_S = 120

@@ -1,4 +1,4 @@
-"""Weight sync against the real reference engine (a separate `hf_server` process): after a sync in each
+"""Weight sync against the real reference engine (a separate `reference_engine` process): after a sync in each
 mode and over each transport, the engine's log-probs for fixed prompts equal the trainer policy's; without
 the sync they differ. Also: buckets stay under the cap with A/B pairs whole, and an unchanged adapter is not
 pushed.
@@ -15,10 +15,10 @@ import torch
 from engine_helpers import ATOL, PROMPTS, logprob_gap, start_engine, stop_engine, trained_policy
 from kora_trainer.backends.torch_backend import TorchBackend
 from kora_trainer.lora import adapter_tensors, base_state, folded_state
-from kora_trainer.sync.protocol import checksum, plan_buckets
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender, colocated_buckets
 from kora_trainer.sync.sources import adapter_source, merged_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
+from kora_trainer.wire.protocol import checksum, plan_buckets
 from tinymodel import make_tiny_model
 
 CAP = 24 * 1024  # small enough that the tiny model needs many buckets and some tensors get split

@@ -1,7 +1,7 @@
 """One trainer, two engines: a sync fans out over ONE weight-update group (trainer rank 0, engines ranks
 1 and 2), each bucket broadcast once, and afterwards both engines serve the trainer's policy.
 
-Real parts: two `hf_server` processes, a gloo group of three ranks, the real `WeightSender`. This is the
+Real parts: two `reference_engine` processes, a gloo group of three ranks, the real `WeightSender`. This is the
 CPU half of the four-GPU issue (a TP=2 actor fanning out to two engines); the TP gather is GPU-only.
 Tolerance: ATOL from engine_helpers (fp32 on both sides; only summation order differs).
 """

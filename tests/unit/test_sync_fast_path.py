@@ -1,5 +1,5 @@
 """The fast path of weight sync (sync/fast_sender.py + the reference engine's /kora/fast_sync routes) against real
-`hf_server` processes over a real gloo group: after the HTTP path's first push it plans once, then pushes in
+`reference_engine` processes over a real gloo group: after the HTTP path's first push it plans once, then pushes in
 Merge and Adapter mode, and the engine serves the trainer's policy; delta-skip, versions and checksums keep the
 HTTP path's meaning. Where it cannot run (an engine without the routes, as SGLang; a policy the plan does not
 cover) the job stays on the HTTP path, with the reason in the report.
@@ -16,9 +16,9 @@ from engine_helpers import ATOL, logprob_gap, start_engine, stop_engine, trained
 from kora_trainer.config.sections import Engine
 from kora_trainer.lora import adapter_tensors
 from kora_trainer.sync.fast_sender import FastWeightSender, fast_path_off, with_fast_path
-from kora_trainer.sync.protocol import PackedChecksum, checksum
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
+from kora_trainer.wire.protocol import PackedChecksum, checksum
 from tinymodel import make_tiny_model
 
 CAP = "64Ki"  # several buckets (the tiny model is ~300 kB), every folded weight (<= 32 kB) fits one

@@ -130,7 +130,7 @@ def set_adapter(model: nn.Module, adapter: dict[str, torch.Tensor], rank: int) -
 
 def groups(n: int) -> list[Any]:
     """n ranks of a gloo WeightUpdateGroup, each made on its own thread."""
-    from kora_trainer.sync.group import free_port, init_weight_update_group
+    from kora_trainer.wire.group import free_port, init_weight_update_group
 
     port, out = free_port(), {}
     threads = [threading.Thread(target=lambda r=r: out.setdefault(r, init_weight_update_group(
@@ -195,14 +195,15 @@ def _push_merge(plans: list[Any], tp: list[Any], wu: list[Any], want: dict[str, 
     """Push through the fast path (rank 0 + rank 1 -> engine) and return what the engine holds; with `then`,
     push, check `want`, run `then` (e.g. a training step), push again with the same senders and receiver."""
     from kora_trainer.sync import fast
+    from kora_trainer.wire import fast_receive
 
     params = {n: torch.zeros_like(t) for n, t in want.items()}
     senders = [fast.PipelinedSender(plans[0], wu[0], tp=tp[0]), fast.PipelinedSender(plans[1], None, tp=tp[1])]
-    receiver = fast.PipelinedReceiver(plans[0].metadata, params, wu[1])
+    receiver = fast_receive.PipelinedReceiver(plans[0].metadata, params, wu[1])
 
     def push() -> None:
-        run(lambda: (senders[0].push(), fast.ack(wu[0])), senders[1].push,
-            lambda: (receiver.receive(), fast.ack(wu[1])))
+        run(lambda: (senders[0].push(), fast_receive.ack(wu[0])), senders[1].push,
+            lambda: (receiver.receive(), fast_receive.ack(wu[1])))
 
     push()
     if then is not None:
@@ -243,6 +244,7 @@ def test_fast_adapter_pack_gathers_tp_shards(megatron_tp):
     from kora_trainer.backends.megatron.lora import adapter_parameters
     from kora_trainer.backends.megatron.sync import adapter_specs
     from kora_trainer.sync import fast
+    from kora_trainer.wire import fast_receive
 
     state, adapter = full_model()
     models = [shard_model(state, adapter, r) for r in range(TP)]
@@ -250,7 +252,7 @@ def test_fast_adapter_pack_gathers_tp_shards(megatron_tp):
     packs = [fast.AdapterPack(adapter_parameters(m), adapter_specs(m, LAYOUT), 100, tp=g)
              for m, g in zip(models, tp, strict=True)]
     assert len(packs[0].buckets) > 1
-    ring = fast.AdapterRing(packs[0].metadata, torch.device("cpu"), {"*": ALPHA / R})
+    ring = fast_receive.AdapterRing(packs[0].metadata, torch.device("cpu"), {"*": ALPHA / R})
     got = run(lambda: packs[0].push(wu[0]), lambda: packs[1].push(None), lambda: ring.receive(wu[1]))[2]
     assert ring.rank == R
     want = {}
@@ -278,8 +280,8 @@ class _Client:
 
 
 def _recorder() -> Any:
-    from kora_trainer.sync.protocol import pack
     from kora_trainer.sync.transport import DistributedTransport
+    from kora_trainer.wire.protocol import pack
 
     class Recorder(DistributedTransport):
         """Rank 0's transport with the engines replaced by a record of (route, metadata, bucket bytes)."""
@@ -300,7 +302,7 @@ def _recorder() -> Any:
 
 
 def _received(sent: list[Any], route: str) -> dict[str, torch.Tensor]:
-    from kora_trainer.sync.protocol import Assembler
+    from kora_trainer.wire.protocol import Assembler
 
     asm, out = Assembler(), {}
     for r, meta, flat in sent:

@@ -19,9 +19,9 @@ from typing import Any, Protocol
 
 import torch
 
+from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.config import TrainerConfig
-from kora_trainer.rollout.grpo import group_advantages, grpo_loss
 
 TokenLogp = Callable[[Padded, float], torch.Tensor]  # (padded batch, temperature) -> [B, R]
 

@@ -1,7 +1,7 @@
 """Rollout engine processes: started from the launcher's command line, stopped by pid, never orphaned.
 
 `sglang_launcher.engine_command` builds the argv (a real `sglang.launch_server`, or kora's reference
-`hf_server`); this module runs it, waits (bounded) for `/health`, and stops it. The child gets
+`reference_engine`); this module runs it, waits (bounded) for `/health`, and stops it. The child gets
 PR_SET_PDEATHSIG, so if the process that started it (a Ray worker) dies, the engine dies with it
 instead of holding a port and CPU forever.
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kora_trainer.config import TrainerConfig
-from kora_trainer.rollout.client import EngineClient
-from kora_trainer.rollout.sglang_launcher import engine_command
-from kora_trainer.sync.group import free_port
+from kora_trainer.orchestration.sglang_launcher import engine_command
+from kora_trainer.wire.engine_client import EngineClient
+from kora_trainer.wire.group import free_port
 
 _PR_SET_PDEATHSIG = 1
 

@@ -14,7 +14,7 @@ from typing import Any
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config import DeploymentMode, TrainerConfig
 from kora_trainer.orchestration.engines import EngineProcess
-from kora_trainer.orchestration.rollout import Rollout
+from kora_trainer.orchestration.rollout_manager import Rollout
 
 
 def transport_kind(cfg: TrainerConfig) -> str:
@@ -39,9 +39,9 @@ class TrainWorker:
     def connect(self, engine_urls: list[str], kind: str) -> str:
         import torch
 
-        from kora_trainer.rollout.client import EngineClient
         from kora_trainer.sync.fast_sender import with_fast_path
         from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
+        from kora_trainer.wire.engine_client import EngineClient
 
         clients = [EngineClient(u) for u in engine_urls]
         if kind == "distributed":

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from kora_trainer.sync.group import WeightUpdateGroup
+from kora_trainer.wire.group import WeightUpdateGroup
 
 Named = tuple[str, torch.Tensor]
 

@@ -53,24 +53,11 @@ from dataclasses import dataclass, field
 import torch
 
 from kora_trainer.kernels.fold import FoldItem, GroupedFold
-from kora_trainer.sync.group import WeightUpdateGroup
-from kora_trainer.sync.protocol import Bucket, Piece, dtype_name
+from kora_trainer.wire.fast_receive import Streams, as_bytes, nbytes
+from kora_trainer.wire.group import WeightUpdateGroup
+from kora_trainer.wire.protocol import Bucket, Piece, dtype_name
 
 Named = tuple[str, torch.Tensor]
-
-
-def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
-    n = dtype.itemsize
-    for d in shape:
-        n *= int(d)
-    return n
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous tensor's storage as a flat uint8 view."""
-    if not t.is_contiguous():
-        raise ValueError("fast sync needs contiguous tensors")
-    return t.reshape(-1).view(torch.uint8)
 
 
 @dataclass
@@ -163,10 +150,10 @@ class MergePlan:
                     self._new()
                 self.work[-1].folds.append((e, self.buckets[-1].nbytes))
                 for name, shape in e.outs:
-                    n = _nbytes(shape, e.dtype)
+                    n = nbytes(shape, e.dtype)
                     self.buckets[-1].pieces.append(Piece(name, dtype_name(e.dtype), tuple(shape), 0, n))
                 continue
-            src = _bytes(e.src)
+            src = as_bytes(e.src)
             total, start = src.numel(), 0
             while start < total or total == 0:
                 room = cap - self.buckets[-1].nbytes
@@ -192,7 +179,7 @@ class MergePlan:
         pieces, first = [], 0
         for name, shape in e.outs:
             rows = shape[0] // self.tp
-            row_bytes = _nbytes(shape[1:], e.dtype)
+            row_bytes = nbytes(shape[1:], e.dtype)
             lo, hi = max(r0, first), min(r1, first + rows)
             if lo < hi:
                 start = (t * rows + lo - first) * row_bytes
@@ -211,7 +198,7 @@ class MergePlan:
         if e.tp_dim == 0:
             rows = [shape[0] for _, shape in e.outs]
             if any(r % tp for r in rows) or sum(r // tp for r in rows) != e.w.shape[0] or \
-                    any(_nbytes(shape[1:], e.dtype) != _nbytes(e.w.shape[1:], e.dtype) for _, shape in e.outs):
+                    any(nbytes(shape[1:], e.dtype) != nbytes(e.w.shape[1:], e.dtype) for _, shape in e.outs):
                 raise ValueError(f"{name}: outputs {[s for _, s in e.outs]} are not {tp} row shards like "
                                  f"{tuple(e.w.shape)}")
         elif e.tp_dim == 1:
@@ -221,7 +208,7 @@ class MergePlan:
             raise ValueError(f"{name}: tp_dim {e.tp_dim}")
         if e.tp_dim == 0 and e.a is None and e.row_map is None:
             # a plain row-sharded copy: every rank's rows straight into the bucket, split by rows when large
-            src, m = _bytes(e.w), e.w.shape[0]
+            src, m = as_bytes(e.w), e.w.shape[0]
             row_bytes = e.nbytes // m if m else 0
             r = 0
             while r < m:
@@ -248,13 +235,13 @@ class MergePlan:
             self._new()
         work, off = self.work[-1], self.buckets[-1].nbytes
         w_off, w_stride = self._scratch(work, e.nbytes)
-        work.gathers.append((_bytes(e.w), "scratch", w_off, w_stride))
+        work.gathers.append((as_bytes(e.w), "scratch", w_off, w_stride))
         f_off = -1
         if e.a is not None:
             f = e.factor
             assert f is not None and e.b is not None
             f_off, f_stride = self._scratch(work, f.numel() * f.element_size())
-            work.gathers.append((_bytes(f), "scratch", f_off, f_stride))
+            work.gathers.append((as_bytes(f), "scratch", f_off, f_stride))
         work.tp_folds.append((e, off, w_off, f_off))
         if e.tp_dim == 0:
             for t in range(tp):
@@ -269,22 +256,6 @@ class MergePlan:
     @property
     def metadata(self) -> list[dict[str, list]]:  # type: ignore[type-arg]
         return [b.metadata() for b in self.buckets]
-
-
-class _Streams:
-    """Pack/apply and communication streams + a ring of events; no-ops on CPU."""
-
-    def __init__(self, device: torch.device, slots: int, n: int):
-        self.cuda = device.type == "cuda"
-        self.work = torch.cuda.Stream(device) if self.cuda else None
-        self.comm = torch.cuda.Stream(device) if self.cuda else None
-        self.filled = [torch.cuda.Event() for _ in range(n)] if self.cuda else []
-        self.freed = [torch.cuda.Event() for _ in range(slots)] if self.cuda else []
-
-    def on(self, stream: torch.cuda.Stream | None):  # type: ignore[no-untyped-def]
-        import contextlib
-
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 class PipelinedSender:
@@ -310,7 +281,7 @@ class PipelinedSender:
         self.buffers: list[torch.Tensor] = []
         self.scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.folds: list[GroupedFold] = []
-        self.streams = _Streams(self.device, slots, len(plan.buckets))
+        self.streams = Streams(self.device, slots, len(plan.buckets))
         if not self.leader:
             return
         size = max((b.nbytes for b in plan.buckets), default=0)
@@ -406,67 +377,6 @@ class PipelinedSender:
                 self.group.broadcast(flat, src=0)  # NCCL waits for the comm stream; comm waits for NCCL
                 s.freed[slot].record(s.comm)
         torch.cuda.current_stream(self.device).wait_stream(s.comm)
-
-
-class PipelinedReceiver:
-    """Engine side: receive bucket i+1 while bucket i is copied into the parameters. Plan-time views only."""
-
-    def __init__(self, metadata: Sequence[Mapping[str, list]], params: Mapping[str, torch.Tensor],  # type: ignore[type-arg]
-                 group: WeightUpdateGroup, slots: int = 2):
-        self.group, self.slots = group, slots
-        self.device = group.device
-        self.sizes = [sum(int(e) - int(s) for s, e in m["byte_ranges"]) for m in metadata]
-        self.buffers = [torch.empty(max(self.sizes, default=0), dtype=torch.uint8, device=self.device)
-                        for _ in range(slots)]
-        self.applies: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        for i, m in enumerate(metadata):
-            buf, off, pairs = self.buffers[i % slots], 0, []
-            for name, dtype, shape, (start, end) in zip(m["names"], m["dtypes"], m["shapes"], m["byte_ranges"],
-                                                        strict=True):
-                p = params.get(name)
-                if p is None:
-                    raise KeyError(f"{name}: no such parameter on the engine")
-                if dtype_name(p.dtype) != dtype or list(p.shape) != list(shape):
-                    raise ValueError(f"{name}: engine has {p.dtype} {tuple(p.shape)}, trainer sends {dtype} {shape}")
-                n = int(end) - int(start)
-                pairs.append((_bytes(p.detach())[int(start):int(end)], buf[off:off + n]))
-                off += n
-            self.applies.append(pairs)
-        self.streams = _Streams(self.device, slots, len(metadata))
-
-    def receive(self) -> None:
-        s = self.streams
-        if not s.cuda:
-            for i, pairs in enumerate(self.applies):
-                self.group.broadcast(self.buffers[i % self.slots][:self.sizes[i]], src=0)
-                for dst, src in pairs:
-                    dst.copy_(src)
-            return
-        s.comm.wait_stream(torch.cuda.current_stream(self.device))
-        for i, pairs in enumerate(self.applies):
-            slot = i % self.slots
-            with s.on(s.comm):
-                s.comm.wait_event(s.freed[slot])  # bucket i - slots has been applied from this buffer
-                self.group.broadcast(self.buffers[slot][:self.sizes[i]], src=0)
-                s.filled[i].record(s.comm)
-            with s.on(s.work):
-                s.work.wait_event(s.filled[i])
-                for dst, src in pairs:
-                    dst.copy_(src)
-                s.freed[slot].record(s.work)
-        torch.cuda.current_stream(self.device).wait_stream(s.work)
-
-
-def ack(group: WeightUpdateGroup, engine_rank: int = 1) -> None:
-    """The engine tells the trainer it is done: one 4-byte broadcast from the engine, ordered after everything
-    the engine enqueued on its current stream. Every member calls it; the trainer then synchronizes. With
-    several engines in the group all of them must be done: a MAX all-reduce of one number instead (the
-    trainer's result needs every engine's contribution, each ordered after that engine's work)."""
-    t = torch.zeros(1, dtype=torch.int32, device=group.device)
-    if group.world_size > 2:
-        group.allreduce_max(t)
-    else:
-        group.broadcast(t, src=engine_rank)
 
 
 # ---- Adapter mode ----------------------------------------------------------------------------------------
@@ -582,7 +492,7 @@ class AdapterPack:
         # buckets: whole tensors (a pair never split: A and B of one module are consecutive and small)
         self.buckets: list[Bucket] = [Bucket()]
         for name, shape in zip(self.names, self.shapes, strict=True):
-            n = _nbytes(shape, dtype)
+            n = nbytes(shape, dtype)
             if self.buckets[-1].pieces and self.buckets[-1].nbytes + n > cap:
                 self.buckets.append(Bucket())
             self.buckets[-1].pieces.append(Piece(name, dtype_name(dtype), shape, 0, n))
@@ -643,56 +553,6 @@ class AdapterPack:
     @property
     def metadata(self) -> list[dict[str, list]]:  # type: ignore[type-arg]
         return [b.metadata() for b in self.buckets]
-
-
-class AdapterRing:
-    """Engine side of `AdapterPack`: a ring of flat buffers, each with its {module: (A, B, scaling)} views made
-    once. `receive()` fills the next buffer and returns its weights dict (to wrap in the engine's adapter
-    object). A ring of `slots` lets requests admitted with one of the last slots-1 versions finish on it.
-    Colocated, the trainer maps `buffers` once (CUDA IPC), writes slot k with `AdapterPack.pack_into` and the
-    engine wraps `weights[k]`: the trainer must cycle the slots in order so a slot is rewritten only after
-    slots-1 newer versions."""
-
-    def __init__(self, metadata: Sequence[Mapping[str, list]], device: torch.device, scaling: Mapping[str, float],  # type: ignore[type-arg]
-                 slots: int = 3):
-        from kora_trainer.rollout.lora_adapters import split_lora_name
-        from kora_trainer.sync.protocol import dtype_of
-
-        self.sizes = [sum(int(e) - int(s) for s, e in m["byte_ranges"]) for m in metadata]
-        total = sum(self.sizes)
-        self.buffers = [torch.empty(total, dtype=torch.uint8, device=device) for _ in range(slots)]
-        self.weights: list[dict[str, tuple[torch.Tensor, torch.Tensor, float]]] = []
-        self.rank = 0
-        for buf in self.buffers:
-            halves: dict[str, dict[str, torch.Tensor]] = {}
-            off = 0
-            for m in metadata:
-                for name, dtype, shape in zip(m["names"], m["dtypes"], m["shapes"], strict=True):
-                    parsed = split_lora_name(name)
-                    if parsed is None:
-                        raise ValueError(f"{name} is not a LoRA tensor name")
-                    module, which = parsed
-                    dt = dtype_of(dtype)
-                    n = _nbytes(shape, dt)
-                    halves.setdefault(module, {})[which] = buf[off:off + n].view(dt).view(*shape)
-                    off += n
-            weights = {}
-            for module, h in halves.items():
-                a, b = h["A"], h["B"]
-                self.rank = max(self.rank, a.shape[0])
-                weights[module] = (a, b, float(scaling.get(module, scaling.get("*", 1.0))))
-            self.weights.append(weights)
-        self.next = 0
-        self.last = -1  # the slot received last
-
-    def receive(self, group: WeightUpdateGroup) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
-        slot = self.last = self.next
-        self.next = (self.next + 1) % len(self.buffers)
-        start = 0
-        for n in self.sizes:
-            group.broadcast(self.buffers[slot][start:start + n], src=0)
-            start += n
-        return self.weights[slot]
 
 
 class FlatDelta:

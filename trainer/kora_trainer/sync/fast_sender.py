@@ -11,7 +11,7 @@ and returns it unchanged otherwise (SGLang engines, EngineMerge, the colocated i
    the same parameter objects and values, the optimizer untouched); Merge: `fast.MergePlan` over the backend's
    `fast_merge_entries` and a `fast.PipelinedSender` (ring buffers; on CUDA the folds captured once); Adapter:
    `fast.AdapterPack` over `fast_adapter_specs` (one gather). Every engine gets the buckets' metadata (`POST
-   /kora/fast_sync/plan`, rollout/fast_sync_routes.py). A policy the plan does not cover (MoE experts, TP > 1, a
+   /kora/fast_sync/plan`, reference_engine/fast_routes.py). A policy the plan does not cover (MoE experts, TP > 1, a
    folded weight over sync.bufferSize, ...), an engine without the route (404: SGLang) or one refusing the plan
    keeps the job on the HTTP path; the report's `note` says why (and, when it worked, that the fast path is on).
 3. Every later sync: `fast.FlatDelta` decides with the HTTP path's rule (push iff the max |Δadapter| over the
@@ -41,11 +41,11 @@ import torch
 
 from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.config.sections import Engine
-from kora_trainer.rollout.client import EngineError
 from kora_trainer.sync.fast import AdapterPack, FlatDelta, MergePlan, PipelinedSender, flatten_parameters
-from kora_trainer.sync.protocol import Assembler, PackedChecksum
 from kora_trainer.sync.sender import POLICY_ADAPTER, RunningChecksum, SyncReport, WeightSender
 from kora_trainer.sync.transport import GROUP_NAME, DistributedTransport, SyncError, wait_all
+from kora_trainer.wire.engine_client import EngineError
+from kora_trainer.wire.protocol import Assembler, PackedChecksum
 
 log = logging.getLogger("kora.sync")
 

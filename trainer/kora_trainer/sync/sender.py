@@ -32,14 +32,14 @@ from torch import nn
 
 from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.lora import adapter_parameters, adapter_tensors, peft_config_dict
-from kora_trainer.rollout.client import EngineClient, EngineError, applied_checksum
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.fast import Entry, GatherSpec
-from kora_trainer.sync.group import WeightUpdateGroup
-from kora_trainer.sync.protocol import FLAT, Bucket, plan_buckets, tensor_digest
-from kora_trainer.sync.protocol import checksum as protocol_checksum
 from kora_trainer.sync.sources import Source, adapter_source, adapter_specs, base_source, merge_entries, merged_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
+from kora_trainer.wire.engine_client import EngineClient, EngineError, applied_checksum
+from kora_trainer.wire.group import WeightUpdateGroup
+from kora_trainer.wire.protocol import FLAT, Bucket, plan_buckets, tensor_digest
+from kora_trainer.wire.protocol import checksum as protocol_checksum
 
 POLICY_ADAPTER = "kora-policy"
 Named = tuple[str, torch.Tensor]

@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from kora_trainer.rollout.client import EngineClient, EngineError
-from kora_trainer.sync.group import WeightUpdateGroup, free_port, init_weight_update_group
-from kora_trainer.sync.protocol import Bucket, pack
-from kora_trainer.sync.serialize import serialize_named_tensors
+from kora_trainer.wire.engine_client import EngineClient, EngineError
+from kora_trainer.wire.group import WeightUpdateGroup, free_port, init_weight_update_group
+from kora_trainer.wire.protocol import Bucket, pack
+from kora_trainer.wire.serialize import serialize_named_tensors
 
 GROUP_NAME = "weight_update_group"
 

@@ -1,6 +1,6 @@
 """The megatron training actor: GPTModel from the HF checkpoint, LoRA wrappers, GRPO steps on the adapter.
 
-Same contract and the same GRPO math (rollout/grpo.py) as the torch backend, so one test batch gives the
+Same contract and the same GRPO math (algorithm/grpo.py) as the torch backend, so one test batch gives the
 same loss on both (tests/gpu/test_megatron_policy.py). One process per GPU; with tensor parallelism every
 TP rank runs the same step on the same batch (the TP group splits the layers, not the data).
 

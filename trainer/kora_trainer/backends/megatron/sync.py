@@ -42,9 +42,9 @@ from kora_trainer.backends.megatron.convert import (
 from kora_trainer.backends.megatron.lora import lora_modules
 from kora_trainer.backends.megatron.model import base_param_name, param_hf_tensors
 from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
-from kora_trainer.sync.group import WeightUpdateGroup
 from kora_trainer.sync.sender import WeightSender, follower
 from kora_trainer.sync.sources import Source
+from kora_trainer.wire.group import WeightUpdateGroup
 
 Named = tuple[str, torch.Tensor]
 

@@ -1,6 +1,6 @@
 """kora's reference rollout engine: an HTTP server that speaks SGLang's API (sglang 0.5.23).
 
-    python -m kora_trainer.rollout.hf_server --model-path DIR [--host 127.0.0.1] [--port N]
+    python -m kora_trainer.reference_engine --model-path DIR [--host 127.0.0.1] [--port N]
         [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--max-loras-per-batch N]
         [--max-lora-rank R] [--api-key K] [--admin-api-key K] [--num-threads T] [--disable-fast-sync]
 
@@ -67,17 +67,17 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kora_trainer.rollout import request_bodies as rq
-from kora_trainer.rollout.adapter_registry import AdapterRegistry
-from kora_trainer.rollout.contract import generate_contract_error
-from kora_trainer.rollout.engine_model import CallBatcher, EngineModel, GenRequest
-from kora_trainer.rollout.engine_sync import BucketMeta, WeightReceiver
-from kora_trainer.rollout.fast_sync_routes import FastSyncRoutes
-from kora_trainer.rollout.generate_io import format_result, parse_generate
-from kora_trainer.rollout.lora_adapters import pair_lora_tensors
-from kora_trainer.rollout.sampling import SamplingParams
-from kora_trainer.sync.protocol import FLAT, checksum
-from kora_trainer.sync.serialize import deserialize_named_tensors, deserialize_payload
+from kora_trainer.reference_engine import request_bodies as rq
+from kora_trainer.reference_engine.adapter_registry import AdapterRegistry
+from kora_trainer.reference_engine.contract import generate_contract_error
+from kora_trainer.reference_engine.fast_routes import FastSyncRoutes
+from kora_trainer.reference_engine.generate_io import format_result, parse_generate
+from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
+from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenRequest
+from kora_trainer.reference_engine.sampling import SamplingParams
+from kora_trainer.reference_engine.weight_sync import BucketMeta, WeightReceiver
+from kora_trainer.wire.protocol import FLAT, checksum
+from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
 
 log = logging.getLogger("kora.hf_engine")
 
@@ -478,7 +478,8 @@ def _unflatten_sglang_bucket(bucket: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kora_trainer.rollout.hf_server", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kora_trainer.reference_engine",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF checkpoint directory (config, safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")

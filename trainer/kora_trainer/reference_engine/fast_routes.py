@@ -5,8 +5,8 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
 
 - `POST /kora/fast_sync/plan` {group_name, mode: "Merge" | "Adapter", metadata: [one `protocol.Bucket.metadata()`
   per bucket, byte_ranges included], slots, lora_name, config_dict}: once per trainer, after its first (HTTP)
-  push. Merge: a `fast.PipelinedReceiver` whose buckets land straight in the engine's parameters (names, dtypes,
-  shapes checked here). Adapter: a `fast.AdapterRing` of `slots` buffers whose views are made once, checked like
+  push. Merge: a `fast_receive.PipelinedReceiver` whose buckets land straight in the engine's parameters (names, dtypes,
+  shapes checked here). Adapter: a `fast_receive.AdapterRing` of `slots` buffers whose views are made once, checked like
   an adapter load (names and shapes against the model, rank, config), refused where a ring cannot serve the
   adapter (tensors of another dtype than the engine's, pairs on bare parameters such as MoE experts). No
   collective runs: a refusal leaves the weight-update group as it was. Answers {success, buckets, bytes}.
@@ -32,10 +32,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kora_trainer.rollout.lora_adapters import LoRAAdapter, build_adapter
-from kora_trainer.sync.fast import AdapterRing, PipelinedReceiver
-from kora_trainer.sync.group import DEFAULT_GROUP_NAME, WeightUpdateGroup
-from kora_trainer.sync.protocol import PackedChecksum, checksum, dtype_name, dtype_of
+from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, build_adapter
+from kora_trainer.wire.fast_receive import AdapterRing, PipelinedReceiver
+from kora_trainer.wire.group import DEFAULT_GROUP_NAME, WeightUpdateGroup
+from kora_trainer.wire.protocol import PackedChecksum, checksum, dtype_name, dtype_of
 
 log = logging.getLogger("kora.hf_engine")
 

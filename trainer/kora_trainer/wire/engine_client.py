@@ -1,5 +1,5 @@
 """The one HTTP client kora's trainer uses for every rollout engine: a real SGLang server
-(sglang 0.5.23) or kora's reference engine (`hf_server`), which speak the same API.
+(sglang 0.5.23) or kora's reference engine (`reference_engine`), which speak the same API.
 
     client = EngineClient("http://127.0.0.1:30000", api_key=None)
     client.wait_healthy(timeout_s=120)
@@ -32,7 +32,7 @@ import requests
 import torch
 from requests.adapters import HTTPAdapter
 
-from kora_trainer.sync.protocol import FLAT, checksum, dtype_of
+from kora_trainer.wire.protocol import FLAT, checksum, dtype_of
 
 DEFAULT_GROUP = "weight_update_group"
 T = TypeVar("T")
@@ -247,7 +247,7 @@ class EngineClient:
         return self.post("/update_weight_version", {"new_version": new_version,
                                                     "abort_all_requests": abort_all_requests})
 
-    # ---- kora's fast sync (reference engine only: rollout/fast_sync_routes.py; SGLang answers 404) ----------
+    # ---- kora's fast sync (reference engine only: reference_engine/fast_routes.py; SGLang answers 404) ----------
 
     def fast_sync_plan(self, mode: str, metadata: list[dict[str, list]], group_name: str = DEFAULT_GROUP,  # type: ignore[type-arg]
                        slots: int = 2, lora_name: str | None = None,

@@ -20,8 +20,8 @@ from collections.abc import Iterable
 
 import torch
 
-from kora_trainer.rollout.engine_model import EngineModel
-from kora_trainer.rollout.lora_adapters import LoRAAdapter, build_adapter, read_peft_dir
+from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, build_adapter, read_peft_dir
+from kora_trainer.reference_engine.model import EngineModel
 
 WIRE_SOURCES = ("__tensor__", "__distributed__")
 

@@ -25,13 +25,13 @@ import hashlib
 import time
 from typing import Any
 
+from kora_trainer.algorithm.rewards import Sample, reward_fn
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.orchestration.data import batches, load_rows
-from kora_trainer.rollout.client import EngineClient, EngineError, GenerateOutput
-from kora_trainer.rollout.rewards import Sample, reward_fn
-from kora_trainer.rollout.sglang_launcher import reproducible_rollouts
+from kora_trainer.orchestration.sglang_launcher import reproducible_rollouts
 from kora_trainer.sync.sender import POLICY_ADAPTER
+from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput
 
 ADAPTER_SWAP_RETRIES = 5
 SEED_MASK = 0x7FFF_FFFF  # 31 bits: SGLang keeps request seeds in an int32 tensor

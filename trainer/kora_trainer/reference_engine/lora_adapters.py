@@ -29,16 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kora_trainer.rollout.param_lora import ParamDelta, owns_matrices, resolve_target, rows_forward
-
-_PEFT_PREFIX = "base_model.model."
-_LORA_RE = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
-
-
-def split_lora_name(name: str) -> tuple[str, str] | None:
-    """'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' -> ('model.layers.0.self_attn.q_proj', 'A')."""
-    m = _LORA_RE.match(name.removeprefix(_PEFT_PREFIX))
-    return (m["module"], m["which"]) if m else None
+from kora_trainer.reference_engine.param_lora import ParamDelta, owns_matrices, resolve_target, rows_forward
+from kora_trainer.wire.lora_names import split_lora_name
 
 
 def pair_lora_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:

@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kora_trainer.rollout.engine_model import GenRequest, GenResult
-from kora_trainer.rollout.lora_adapters import LoRAAdapter
-from kora_trainer.rollout.request_bodies import BadRequest
-from kora_trainer.rollout.sampling import SamplingParams
+from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
+from kora_trainer.reference_engine.model import GenRequest, GenResult
+from kora_trainer.reference_engine.request_bodies import BadRequest
+from kora_trainer.reference_engine.sampling import SamplingParams
 
 
 @dataclass

@@ -24,9 +24,15 @@ import torch
 from torch import nn
 
 from kora_trainer.hf_experts import fused_parent, fused_slot
-from kora_trainer.rollout.lora_adapters import LoRAAdapter, MultiLoRAHooks
-from kora_trainer.rollout.param_lora import ROUTER_MERGE_REFUSED, folded, resolve_target
-from kora_trainer.rollout.sampling import SamplingParams, apply_penalties, check_stop, needs_processing, sample_rows
+from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, MultiLoRAHooks
+from kora_trainer.reference_engine.param_lora import ROUTER_MERGE_REFUSED, folded, resolve_target
+from kora_trainer.reference_engine.sampling import (
+    SamplingParams,
+    apply_penalties,
+    check_stop,
+    needs_processing,
+    sample_rows,
+)
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's ServerArgs.weight_version default
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kora_trainer.sync.group import WeightUpdateGroup, init_weight_update_group
-from kora_trainer.sync.protocol import FLAT, Assembler, dtype_of
+from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
+from kora_trainer.wire.protocol import FLAT, Assembler, dtype_of
 
 Named = list[tuple[str, torch.Tensor]]
 

@@ -1,0 +1,1 @@
+"""The RL math: GRPO advantages and the clipped policy loss (`grpo`), and the reward functions (`rewards`)."""
