@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kora_trainer.recorder import read_events
 from kora_trainer.wire.group import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +71,8 @@ class TrainRun:
 
     def __init__(self, toy_dir: Path, work: Path, *overrides: str, env: dict[str, str] | None = None):
         work.mkdir(parents=True, exist_ok=True)
-        self.port, self.token, self.log = free_port(), "test-token", work / "out.log"
-        cmd = train_command(toy_dir, self.port, work / "run", *overrides)
+        self.port, self.token, self.log, self.run_dir = free_port(), "test-token", work / "out.log", work / "run"
+        cmd = train_command(toy_dir, self.port, self.run_dir, *overrides)
         # the Ray workers of a local cluster inherit the driver's environment, PYTHONPATH included
         full_env = {**os.environ, "KORA_CONTROL_TOKEN": self.token,
                     "PYTHONPATH": os.pathsep.join([str(E2E), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
@@ -115,11 +116,25 @@ class TrainRun:
         for d in temp_dirs:
             shutil.rmtree(d, ignore_errors=True)
 
+    def events(self, kind: str | None = None) -> list[dict]:
+        """The run's event file (recorder.py), all of it or the events of one kind."""
+        return [e for e in read_events(self.run_dir) if kind is None or e["event"] == kind]
+
+    def steps(self) -> list[int]:
+        return [e["step"] for e in self.events("step")]
+
+    def notes(self) -> list[str]:
+        """What each sync said of its path (the first push and every step's)."""
+        syncs = [e["sync"] for e in self.events() if e["event"] in ("start", "step")]
+        return [s["note"] for s in syncs if s.get("note")]
+
     def summary(self) -> dict:
         out = self.output
         lines = [line for line in out.splitlines() if line.startswith('{"event": "summary"')]
         assert self.proc.returncode == 0 and lines, f"exit {self.proc.returncode}:\n{out[-3000:]}"
-        return json.loads(lines[-1])
+        summary = json.loads(lines[-1])
+        assert self.events("summary") == [summary], "the event file's summary is not the printed one"
+        return summary
 
 
 def wait_all(runs: list[TrainRun], timeout_s: float = TIMEOUT_S, poll: bool = True) -> None:

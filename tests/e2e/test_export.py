@@ -47,7 +47,8 @@ def test_exported_adapter_and_merged_model_give_the_trained_policy(toy_dir, tmp_
     summary = run.summary()
     export = ckpt / "lora_adapter"
     assert summary["export"] == str(export) and summary["last_checkpoint"]["step"] == STEPS
-    assert f"exported the adapter (HF-PEFT, step {STEPS}) -> {export}" in run.output
+    assert run.events("export") == [{"event": "export", "step": STEPS, "path": str(export),
+                                     "wall_s": run.events("export")[0]["wall_s"]}]
 
     config = json.loads((export / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(Path(toy_dir).resolve())

@@ -51,10 +51,6 @@ def job(ckpt: Path) -> list[str]:
     return [*JOB, f"checkpoint.path={ckpt}"]
 
 
-def step_lines(out: str) -> list[int]:
-    return [int(line.split()[1].split("/")[0]) for line in out.splitlines() if line.startswith("step ")]
-
-
 def adapter(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(str(ckpt / f"step_{step:08d}" / "adapter.safetensors"))
 
@@ -90,7 +86,7 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(toy_dir, tmp_path):
             if r.running():
                 r.kill()
     t_first = time.monotonic() - t0
-    assert step_lines(b1.output) == [1, 2, 3, 4] and '"event": "summary"' not in b1.output
+    assert b1.steps() == [1, 2, 3, 4] and b1.events("summary") == []
     assert sorted(p.name for p in ck_b.glob("step_*")) == ["step_00000002", "step_00000004"]  # keep 2
 
     want = a.summary()
@@ -114,8 +110,9 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(toy_dir, tmp_path):
 
     for run, ckpt, k in ((b2, ck_b, 4), (b3, ck_c, 2)):
         out, got = run.output, run.summary()
-        assert f"resumed from checkpoint step {k} ({ckpt / f'step_{k:08d}'})" in out, out[-3000:]
-        assert step_lines(out) == list(range(k + 1, STEPS + 1))  # steps before the checkpoint are not redone
+        resumed = run.events("resume")
+        assert [(e["step"], e["path"]) for e in resumed] == [(k, str(ckpt / f"step_{k:08d}"))], out[-3000:]
+        assert run.steps() == list(range(k + 1, STEPS + 1))  # steps before the checkpoint are not redone
         assert got["first_step"] == k + 1 and got["resumed_from_step"] == k
         # exact: the same floats, not close ones
         assert got["loss_curve"] == want["loss_curve"][k:], (got["loss_curve"], want["loss_curve"])
@@ -128,8 +125,9 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(toy_dir, tmp_path):
         assert status["lastCheckpoint"] == {"path": str(ckpt / f"step_{STEPS:08d}"), "step": STEPS}
         running = [s for s in run.seen if s["phase"] == "Running"]
         assert all(s["resumedFromStep"] == k and s["step"] >= k for s in running)
-    assert "checkpoint refused, falling back to an older one" in b3.output
-    assert "step_00000004: adapter.safetensors fails its checksum" in b3.output
-    assert "refused" not in b2.output
+    refused = b3.events("resume")[0]["refused"]
+    assert len(refused) == 1 and "step_00000004: adapter.safetensors fails its checksum" in refused[0]
+    assert "checkpoint refused, falling back to an older one" in b3.output  # and the user is told
+    assert b2.events("resume")[0]["refused"] == [] and "refused" not in b2.output
     print(f"A + B1 (killed after checkpoint 4) {t_first:.0f}s, B2 + B3 {t_second:.0f}s; "
           f"losses of steps 5-6 (B2) and 3-6 (B3) equal A's exactly: {want['loss_curve']}")

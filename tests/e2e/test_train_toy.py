@@ -18,7 +18,6 @@ def test_train_command_runs_and_reports(toy_dir, tmp_path, mode, deployment):
     run = TrainRun(toy_dir, tmp_path, f"lora.syncMode={mode}", f"deployment.mode={deployment}",
                    "algorithm.numSteps=3")
     wait_all([run])
-    out = run.output
     summary = run.summary()
     assert summary["steps"] == 3 and summary["sync_mode"] == mode
     assert summary["transport"] == ("colocated" if deployment == "Colocate" else "distributed")
@@ -32,7 +31,7 @@ def test_train_command_runs_and_reports(toy_dir, tmp_path, mode, deployment):
     assert last["totalSteps"] == 3 and last["syncMode"] == mode and last["lastSync"]["checksum"]
     assert last["lastSync"]["adapterVersion"] <= last["step"]
     assert last["resumedFromStep"] is None and last["lastCheckpoint"] is None  # no checkpoint.path: none
-    assert "step 3/3" in out
+    assert run.steps() == [1, 2, 3] and all(e["total"] == 3 for e in run.events("step"))
     assert last.get("syncedStep") is not None and last["syncedStep"] >= last["lastSync"]["adapterVersion"]
 
 

@@ -22,6 +22,10 @@ exactness is not claimed: the uninterrupted run generated step K+1's rollouts wi
 K trained, and that in-flight generation is not in the checkpoint, so the resumed run regenerates step
 K+1's rollouts from policy K.
 
+Everything the loop records goes through recorder.StepRecorder: stdout, the control plane's progress, and the
+JSON-lines event file `<run dir>/events.jsonl` (one event per step, sync, checkpoint, and the summary; the
+recorder's docstring lists them).
+
 At the end the control plane lingers for the operator: until one authorized GET /status has returned
 the final phase, or KORA_CONTROL_LINGER_S seconds (default 0) passed.
 """
@@ -29,17 +33,16 @@ the final phase, or KORA_CONTROL_LINGER_S seconds (default 0) passed.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kora_trainer.config import TrainerConfig
+    from kora_trainer.orchestration.cluster import Job
+    from kora_trainer.recorder import StepRecorder
 
 T_START = time.monotonic()  # the whole command's wall time counts, Ray start included
 SHUTDOWN_S = 5.0  # stopping the engines and Ray, kept in reserve by --time-limit
@@ -72,40 +75,33 @@ def total_steps(cfg: TrainerConfig) -> int:
     return max(1, (alg.num_epochs or 1) * rows // alg.rollout_batch_size)
 
 
-def progress_line(step: int, steps: int, metrics: dict[str, Any], rstats: dict[str, Any],
-                  report: dict[str, Any]) -> str:
-    sync = f"{report['ms']:.0f}ms {report['bytes']}B v{report['adapter_version']}" if report["pushed"] else "skipped"
-    g = metrics["rollout_logp_gap_max"]
-    gap = f"gap {g:.0e}" if g is not None else f"lag {metrics['rollout_version_lag']}"
-    return (f"step {step}/{steps} reward {metrics['reward_mean']:.3f} loss {metrics['loss']:.6g} | "
-            f"gen {rstats['gen_ms'] / 1000:.2f}s "
-            f"train {metrics['train_ms'] / 1000:.2f}s clip {metrics['clip_frac']:.3f} "
-            f"{gap} | sync {sync} | {time.monotonic() - T_START:.0f}s")
+class Lookahead:
+    """The rollouts queued ahead of the trainer. With deployment.async the engines generate up to maxStaleness
+    steps ahead while the trainer trains, so a rollout lags the policy by at most that many versions (the
+    clipped ratio against the engines' own log-probs corrects for it); without, the next step's rollouts are
+    generated while the trainer writes its checkpoint. Generations queue on the one rollout actor, which runs
+    them in order; a batch goes to the trainer without visiting the driver."""
+
+    def __init__(self, job: Job, cfg: TrainerConfig, start: int, steps: int):
+        self.gen = job.rollout.generate.options(num_returns=2)
+        self.ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
+        self.steps, self.issued = steps, start  # the last step whose generation is queued
+        self.queue: deque[Any] = deque()  # (batch, stats) refs
+        self.issue_through(start + 1)
+
+    def issue_through(self, last: int) -> None:
+        while self.issued < min(last, self.steps):
+            self.issued += 1
+            self.queue.append(self.gen.remote(self.issued))
+
+    def take(self, step: int) -> tuple[Any, Any]:
+        """This step's (batch, stats) refs; queues what async may generate meanwhile."""
+        refs = self.queue.popleft()
+        self.issue_through(step + self.ahead)
+        return refs
 
 
-@dataclass
-class Run:
-    """What this process did: per-step curves, syncs, and where it started / checkpointed."""
-
-    start: int = 0  # the step resumed from (0: a fresh start); the first step run is start + 1
-    resumed: bool = False
-    data_position: int = 0  # prompt batches taken for the steps done so far
-    rewards: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    lags: list[int] = field(default_factory=list)  # policy versions each step's rollouts lagged the trainer
-    # per step: max |trainer log-prob - engine log-prob| of the sampled tokens before the first update (0 up to
-    # kernel noise when the engines serve exactly the policy the trainer holds: the sync is right)
-    logp_gaps: list[float | None] = field(default_factory=list)  # None: rollouts of an older version (async)
-    syncs: list[dict[str, Any]] = field(default_factory=list)
-    saved_step: int | None = None  # the newest checkpoint's step
-    export: str | None = None
-
-    @property
-    def done(self) -> int:  # the last step whose update is applied
-        return self.start + len(self.rewards)
-
-
-def resume(job: Any, cfg: TrainerConfig, root: str, progress: Any, run: Run) -> None:
+def resume(job: Job, cfg: TrainerConfig, root: str, rec: StepRecorder) -> None:
     """SPEC rule 8, then the newest checkpoint under root that verifies (newer refused ones are logged)."""
     import ray
 
@@ -113,171 +109,106 @@ def resume(job: Any, cfg: TrainerConfig, root: str, progress: Any, run: Run) -> 
         ray.get(job.trainer.check_lora_only.remote())
     info = ray.get(job.trainer.resume.remote(root))
     if info is None:
-        print(f"no checkpoint under {root}: starting at step 1", flush=True)
+        rec.say(f"no checkpoint under {root}: starting at step 1")
         return
-    for reason in info["skipped"]:
-        print(f"checkpoint refused, falling back to an older one: {reason}", flush=True)
-    run.start, run.resumed, run.saved_step = info["step"], True, info["step"]
-    run.data_position = ray.get(job.rollout.skip_to.remote(info["data_position"]))
-    print(f"resumed from checkpoint step {info['step']} ({info['path']})", flush=True)
-    progress.update(resumedFromStep=info["step"], step=info["step"],
-                    lastCheckpoint={"path": info["path"], "step": info["step"]})
+    rec.resumed(info)
+    rec.run.data_position = ray.get(job.rollout.skip_to.remote(info["data_position"]))
 
 
-def save_checkpoint(job: Any, cfg: TrainerConfig, root: str, step: int, progress: Any, run: Run) -> None:
+def save_checkpoint(job: Job, cfg: TrainerConfig, root: str, step: int, rec: StepRecorder) -> None:
     import ray
 
     t0 = time.monotonic()
     meta = {"sync_mode": str(cfg.lora.effective_sync_mode), "base_model": str(Path(cfg.model.path).resolve()),
             "seed": cfg.algorithm.seed, "async": cfg.deployment.async_}
-    path = ray.get(job.trainer.save_checkpoint.remote(root, run.data_position, cfg.checkpoint.keep, meta))
-    run.saved_step = step
-    progress.update(lastCheckpoint={"path": path, "step": step})
-    print(f"checkpoint step {step} -> {path} ({(time.monotonic() - t0) * 1000:.0f} ms)", flush=True)
+    path = ray.get(job.trainer.save_checkpoint.remote(root, rec.run.data_position, cfg.checkpoint.keep, meta))
+    rec.checkpointed(step, path, (time.monotonic() - t0) * 1000)
 
 
-def sync_paths(pushed: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Pushes and their median ms per sync path (http: the engine routes per bucket; fast: sync/fast_sender.py)."""
-    out = {}
-    for path in dict.fromkeys(s.get("path", "http") for s in pushed):
-        ms = [s["ms"] for s in pushed if s.get("path", "http") == path]
-        out[path] = {"pushes": len(ms), "ms_p50": round(statistics.median(ms), 2)}
-    return out
-
-
-def make_summary(run: Run, mode: str, job: Any, progress: Any) -> dict[str, Any]:
-    pushed = [s for s in run.syncs if s["pushed"]]
-    rewards = run.rewards
-    return {
-        "event": "summary", "steps": len(rewards), "first_step": run.start + 1,
-        "resumed_from_step": run.start if run.resumed else None,
-        "sync_mode": mode, "transport": job.transport if job else None,
-        "backend": job.info.get("backend") if job else None,
-        "reward_first": round(statistics.fmean(rewards[:10]), 4) if rewards else None,
-        "reward_last": round(statistics.fmean(rewards[-10:]), 4) if rewards else None,
-        "sync_ms_p50": round(statistics.median(s["ms"] for s in pushed), 2) if pushed else None,
-        "sync_paths": sync_paths(pushed),
-        "sync_bytes_per_step": round(statistics.fmean(s["bytes"] for s in run.syncs)) if run.syncs else 0,
-        "syncs_skipped": len(run.syncs) - len(pushed),
-        "rollout_lag_max": max(run.lags, default=0),
-        "rollout_logp_gap_max": max((g for g in run.logp_gaps if g is not None), default=None),
-        "wall_s": round(time.monotonic() - T_START, 1),
-        "reward_curve": [round(r, 3) for r in rewards],
-        "loss_curve": run.losses,  # unrounded: a resumed run's tail is compared with the uninterrupted one
-        "last_checkpoint": progress.snapshot()["lastCheckpoint"], "export": run.export,
-    }
-
-
-def main(argv: list[str] | None = None) -> int:
+def load(args: argparse.Namespace) -> TrainerConfig | None:
+    """The job's config with its overrides and seed flags (None: refused, the reason printed), the toy made
+    first if asked for."""
     from kora_trainer.config import ConfigError, load_config
     from kora_trainer.config.flags import as_overrides, seed_flag_values
 
-    args = parse_args(argv)
     try:
         cfg, warnings = load_config(args.config, [*args.overrides, *as_overrides(seed_flag_values(args))])
     except ConfigError as e:
         print(e, file=sys.stderr)
-        return 2
+        return None
     for w in warnings:
         print(f"warning: {w.message}", flush=True)
-    run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
     if not Path(cfg.model.path).exists() and Path(cfg.model.path).name == "toy":
         from kora_trainer.toy import make_toy  # the toy is made on first use, like a dataset download
 
         print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)
         make_toy(cfg.model.path, threads=args.threads)
+    return cfg
 
-    from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_port, resolve_token
+
+def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_limit: float | None) -> None:
+    """Resume, push the policy, then per step: generate, train, sync, checkpoint; export at the end."""
+    import ray
+
+    if root:
+        resume(job, cfg, root, rec)
+    rec.started(job.info, len(job.engines), cfg.rollout.engine, job.transport, ray.get(job.trainer.sync.remote()))
+    rollouts, last_step_s = Lookahead(job, cfg, rec.run.start, rec.steps), 0.0
+    for step in range(rec.run.start + 1, rec.steps + 1):
+        if time_limit and time.monotonic() - T_START + last_step_s + SHUTDOWN_S > time_limit:
+            rec.stopped(f"time limit {time_limit:.0f}s: stopping after step {step - 1}")
+            break
+        t_step = time.monotonic()
+        batch_ref, stats_ref = rollouts.take(step)
+        metrics, rstats = ray.get([job.trainer.train_step.remote(batch_ref), stats_ref])
+        rec.stepped(step, metrics, rstats, ray.get(job.trainer.sync.remote()))
+        rollouts.issue_through(step + 1)
+        if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
+            save_checkpoint(job, cfg, root, step, rec)
+        last_step_s = time.monotonic() - t_step
+    if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
+        save_checkpoint(job, cfg, root, rec.run.done, rec)
+    if root and cfg.checkpoint.export_hf:
+        rec.exported(ray.get(job.trainer.export_hf.remote(root, {"seed": cfg.algorithm.seed})))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = load(args)
+    if cfg is None:
+        return 2
+    from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
     from kora_trainer.orchestration.cluster import launch, shutdown, start_ray
+    from kora_trainer.recorder import StepRecorder
 
-    steps, mode = total_steps(cfg), str(cfg.lora.effective_sync_mode)
-    ck = cfg.checkpoint
-    root = str(Path(ck.path).resolve()) if ck.path else None  # absolute: the workers need not share our cwd
+    run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
+    rec = StepRecorder(run_dir, total_steps(cfg), str(cfg.lora.effective_sync_mode), T_START)
+    root = str(Path(cfg.checkpoint.path).resolve()) if cfg.checkpoint.path else None  # workers need not share cwd
     linger_s, linger_warning = resolve_linger()
     if linger_warning:
-        print(f"warning: {linger_warning}", flush=True)
-    progress = Progress(steps, mode)
+        rec.say(f"warning: {linger_warning}")
     token, token_from = resolve_token(run_dir)
-    control = ControlPlane(progress, token, resolve_port(args.control_port)).start()
-    print(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}", flush=True)
-    started_ray, temp_dir, job = False, None, None
-    run, ok = Run(), False
+    control = ControlPlane(rec.progress, token, resolve_port(args.control_port)).start()
+    rec.say(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}")
+    started_ray, temp_dir, job, ok = False, None, None, False
     try:
         started_ray, temp_dir = start_ray()  # imports Ray, after setting the environment Ray reads at import
-        import ray
-
         job = launch(cfg, run_dir, threads=args.threads)
-        if root:
-            resume(job, cfg, root, progress, run)
-        first = ray.get(job.trainer.sync.remote())  # the engines serve the initial (or the restored) policy
-        progress.record_sync(first, step=run.start)
-        progress.update(phase="Running")
-        print(f"ready in {time.monotonic() - T_START:.1f}s: {job.info['backend']} on {job.info['device']}, "
-              f"{len(job.engines)} {cfg.rollout.engine} engine(s), "
-              f"sync {mode} over {job.transport}, first push {first['bytes']} B in {first['ms']:.0f} ms", flush=True)
-        if first.get("note"):
-            print(f"sync: {first['note']}", flush=True)
-        # deployment.async: the engines generate ahead while the trainer trains, up to maxStaleness steps ahead,
-        # so a rollout lags the policy by at most that many versions (the clipped ratio against the engines' own
-        # log-probs corrects for it). Generations are queued on the one rollout actor, which runs them in order.
-        ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
-        gen = job.rollout.generate.options(num_returns=2)
-        queue: deque[Any] = deque()  # (batch, stats) refs: a batch goes to the trainer without visiting the driver
-        issued = run.start  # the last step whose generation is queued
-
-        def issue_through(last: int) -> None:
-            nonlocal issued
-            while issued < min(last, steps):
-                issued += 1
-                queue.append(gen.remote(issued))
-
-        issue_through(run.start + 1)
-        last_step_s = 0.0
-        for step in range(run.start + 1, steps + 1):
-            if args.time_limit and time.monotonic() - T_START + last_step_s + SHUTDOWN_S > args.time_limit:
-                print(f"time limit {args.time_limit:.0f}s: stopping after step {step - 1}", flush=True)
-                break
-            t_step = time.monotonic()
-            batch_ref, stats_ref = queue.popleft()  # issued before the loop or during an earlier step
-            metrics_ref = job.trainer.train_step.remote(batch_ref)
-            issue_through(step + ahead)
-            metrics, rstats = ray.get([metrics_ref, stats_ref])
-            report = ray.get(job.trainer.sync.remote())
-            run.rewards.append(metrics["reward_mean"])
-            run.losses.append(metrics["loss"])
-            run.lags.append(metrics["rollout_version_lag"])
-            run.logp_gaps.append(metrics["rollout_logp_gap_max"])
-            run.syncs.append(report)
-            run.data_position = rstats["data_position"]
-            progress.record_sync(report, step=step)
-            progress.update(step=step, rewardMean=metrics["reward_mean"])
-            print(progress_line(step, steps, metrics, rstats, report), flush=True)
-            if report.get("note"):
-                print(f"sync: {report['note']}", flush=True)
-            issue_through(step + 1)  # (not async) the engines generate while the trainer writes the checkpoint
-            if root and (step % ck.interval == 0 or step == steps):
-                save_checkpoint(job, cfg, root, step, progress, run)
-            last_step_s = time.monotonic() - t_step
-        if root and run.rewards and run.done != run.saved_step:  # stopped early (time limit): keep the last step
-            save_checkpoint(job, cfg, root, run.done, progress, run)
-        if root and ck.export_hf:
-            run.export = ray.get(job.trainer.export_hf.remote(root, {"seed": cfg.algorithm.seed}))
-            print(f"exported the adapter (HF-PEFT, step {run.done}) -> {run.export}", flush=True)
-        progress.update(phase="Succeeded")
+        train(job, cfg, rec, root, args.time_limit)
+        rec.progress.update(phase="Succeeded")
         ok = True
     except BaseException as e:
-        cause = getattr(e, "cause", None)  # a worker's error arrives wrapped in a RayTaskError
-        shown = cause if isinstance(cause, BaseException) else e
-        progress.update(phase="Failed", message=f"{type(shown).__name__}: {shown}"[:1000])
+        rec.failed(e)
         raise
     finally:
         shutdown(job, started_ray, temp_dir)
         if ok:
-            print(json.dumps(make_summary(run, mode, job, progress)), flush=True)
+            rec.summary(job.transport if job else None, job.info.get("backend") if job else None)
+        rec.close()
         if linger_s > 0:
-            print(f"control plane: serving the final status for up to {linger_s:g}s", flush=True)
+            rec.say(f"control plane: serving the final status for up to {linger_s:g}s")
             read = control.linger(linger_s)
-            print(f"control plane: final status {'read' if read else 'not read'}; stopping", flush=True)
+            rec.say(f"control plane: final status {'read' if read else 'not read'}; stopping")
         control.stop()
     return 0
 
