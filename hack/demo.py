@@ -35,6 +35,7 @@ from localray import LocalRay  # noqa: E402
 
 STATE = ROOT / ".kora" / "demo"
 SAMPLE = ROOT / "manifests" / "samples" / "toy-local.yaml"
+TOY = ROOT / ".kora" / "toy"  # the sample's model.path, relative to the Ray job's working directory (ROOT)
 CHECKPOINTS = STATE / "checkpoints"
 FINAL = ("Succeeded", "Failed")
 
@@ -129,6 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     cluster = ray = operator = None
     try:
+        if not TOY.exists():
+            log(f"kora make-toy {TOY.relative_to(ROOT)}: the toy model, tokenizer and dataset the job trains on")
+            from kora_trainer.toy import make_toy
+
+            make_toy(TOY)
         log("starting etcd + kube-apiserver + kube-controller-manager on 127.0.0.1")
         cluster = LocalCluster.start(STATE / "cluster")
         cluster.kubectl("apply", "--server-side", "-f", str(ROOT / "manifests" / "crds"))

@@ -39,6 +39,8 @@ STATE = ROOT / ".kora" / "kind"
 KUBERAY_CHART_REPO = "https://ray-project.github.io/kuberay-helm/"
 OPERATOR_IMAGE = "kora-operator:e2e"
 TRAINER_IMAGE = "kora-trainer:e2e"
+TOY_IMAGE = "kora-trainer:e2e-toy"  # TRAINER_IMAGE plus the toy, made at build time by `kora make-toy`
+TOY_DIR = "/opt/kora-toy"
 CPU_TRAINER_BASE = "python:3.11.11-slim-bookworm"
 JOB = "toy-kind"
 NAMESPACE = "default"
@@ -78,9 +80,10 @@ def job_doc(steps: int) -> dict[str, Any]:
     doc["metadata"]["name"] = JOB
     spec = doc["spec"]
     spec.pop("runtime")  # the default, KubeRay: a RayJob per LoRATrainingJob
-    spec["image"] = TRAINER_IMAGE
-    spec["model"] = {"path": "/data/toy", "volume": {"emptyDir": {}, "mountPath": "/data"}}  # made on first use
-    spec["data"]["path"] = "/data/toy/train.parquet"
+    spec["image"] = TOY_IMAGE
+    # the toy is baked into TOY_IMAGE (kora make-toy); the emptyDir holds the checkpoints
+    spec["model"] = {"path": TOY_DIR, "volume": {"emptyDir": {}, "mountPath": "/data"}}
+    spec["data"]["path"] = f"{TOY_DIR}/train.parquet"
     spec["algorithm"]["numSteps"] = steps
     spec["checkpoint"]["path"] = "/data/checkpoints"
     spec["checkpoint"]["interval"] = max(1, steps // 2)
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         k.run("docker", "build", "--target", "operator", "-t", OPERATOR_IMAGE, ROOT)
         k.run("docker", "build", "--target", "trainer", "--build-arg", f"SGLANG_IMAGE={base}", "-t", TRAINER_IMAGE,
               ROOT)
-        k.run("kind", "load", "docker-image", OPERATOR_IMAGE, TRAINER_IMAGE, "--name", name)
+        k.run("docker", "build", "-t", TOY_IMAGE, "-", input=f"FROM {TRAINER_IMAGE}\nRUN kora make-toy {TOY_DIR}\n")
+        k.run("kind", "load", "docker-image", OPERATOR_IMAGE, TOY_IMAGE, "--name", name)
         repo, tag = OPERATOR_IMAGE.split(":")
         k.helm("upgrade", "--install", "kora", ROOT / "charts" / "kora", "--namespace", "kora-system",
                "--create-namespace", "--set", f"image.repository={repo}", "--set", f"image.tag={tag}",

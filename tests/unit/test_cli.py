@@ -87,3 +87,19 @@ def test_render_shows_a_placeholder_token_unless_asked(tmp_path: Path):
     assert secret["stringData"]["token"] == "<generated-by-the-operator-at-create-time>"
     secret = list(yaml.safe_load_all(kora("render", "--generate-token", path).stdout))[1]
     assert len(secret["stringData"]["token"]) >= 43
+
+
+def test_the_trainer_refuses_a_missing_model_path_and_names_the_fix(tmp_path):
+    """No magic: a missing model.path is an error (exit 2) that says how to make the toy, not a silent build."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    toy_yaml = Path(__file__).resolve().parents[2] / "trainer" / "examples" / "toy.yaml"
+    missing = tmp_path / "toy"
+    proc = subprocess.run([sys.executable, "-m", "kora_trainer.train", "--config", str(toy_yaml),
+                           f"model.path={missing}", f"data.path={missing}/train.parquet", "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"model.path {missing} does not exist" in proc.stderr and "--make-toy" in proc.stderr
+    assert not missing.exists()

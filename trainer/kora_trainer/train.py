@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "or 8068; 0 picks a free one)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="stop after the last step that fits in this wall time (the summary says how many ran)")
+    p.add_argument("--make-toy", action="store_true", help="first make the toy model and dataset at model.path "
+                   "if nothing is there (what `kora make-toy DIR` does)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: see orchestration/"
                    "cluster.py for why)")
     add_seed_flags(p)
@@ -126,8 +128,8 @@ def save_checkpoint(job: Job, cfg: TrainerConfig, root: str, step: int, rec: Ste
 
 
 def load(args: argparse.Namespace) -> TrainerConfig | None:
-    """The job's config with its overrides and seed flags (None: refused, the reason printed), the toy made
-    first if asked for."""
+    """The job's config with its overrides and seed flags (None: refused, the reason printed); with --make-toy
+    the toy is made at model.path first when nothing is there."""
     from kora_trainer.config import ConfigError, load_config
     from kora_trainer.config.flags import as_overrides, seed_flag_values
 
@@ -138,8 +140,12 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
         return None
     for w in warnings:
         print(f"warning: {w.message}", flush=True)
-    if not Path(cfg.model.path).exists() and Path(cfg.model.path).name == "toy":
-        from kora_trainer.toy import make_toy  # the toy is made on first use, like a dataset download
+    if not Path(cfg.model.path).exists():
+        if not args.make_toy:
+            print(f"model.path {cfg.model.path} does not exist: point model.path at an HF checkpoint directory, or "
+                  "pass --make-toy to make the toy model and dataset there", file=sys.stderr)
+            return None
+        from kora_trainer.toy import make_toy
 
         print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)
         make_toy(cfg.model.path, threads=args.threads)
