@@ -37,6 +37,8 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
   for Merge and Adapter mode over the weight-update group — the bucket layout sent once, then per push one HTTP
   call while the buckets are broadcast, received straight into the parameters / a ring of adapter buffers.
   `--disable-fast-sync` turns them off (404, like SGLang).
+- `GET /kora/state` {held_requests, receiving}: the /generate calls a pause holds, and the weight-update
+  receives under way (waiting in their broadcasts).
 - Weight-update responses add `weight_version` and `checksum` (`sync.protocol.checksum` of the
   tensors the call applied, in order — `client.applied_checksum` computes the same on the sender;
   for the adapter route: of the whole adapter, on its last bucket). `/model_info` adds
@@ -114,6 +116,7 @@ class HFEngineServer:
         self._staging: dict[str, _AdapterStaging] = {}
         self._running = asyncio.Event()  # cleared by /pause_generation (created inside the server's loop)
         self._running.set()
+        self._held = 0  # /generate calls waiting for /continue_generation (GET /kora/state)
         self._levels: dict[str, str] = {}
 
     # ---- app, auth --------------------------------------------------------------------------
@@ -126,6 +129,7 @@ class HFEngineServer:
             ("GET", "/health_generate", self.health, OPEN),
             ("GET", "/model_info", self.model_info, NORMAL),
             ("GET", "/get_model_info", self.get_model_info, NORMAL),
+            ("GET", "/kora/state", self.kora_state, NORMAL),
             ("POST", "/init_weights_update_group", self.init_weights_update_group, ADMIN),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, ADMIN),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, ADMIN),
@@ -201,7 +205,7 @@ class HFEngineServer:
         if problem is not None:
             return _json({"error": problem}, 400)
         engine = self.engine
-        await self._running.wait()  # while paused, new requests wait here (SGLang queues them)
+        await self._admitted()
         try:
             parsed = parse_generate(body, lambda t: engine.tokenizer(t)["input_ids"], self.adapters.resolve)
             for r in parsed.requests:
@@ -222,6 +226,16 @@ class HFEngineServer:
             await resp.write_eof()
             return resp
         return _json(outs[0] if parsed.single else outs)
+
+    async def _admitted(self) -> None:
+        """While paused, new requests wait here (SGLang queues them), counted as held."""
+        if self._running.is_set():
+            return
+        self._held += 1
+        try:
+            await self._running.wait()
+        finally:
+            self._held -= 1
 
     # ---- health, info -----------------------------------------------------------------------
 
@@ -253,6 +267,10 @@ class HFEngineServer:
             "architectures": getattr(e.config, "architectures", None),
             "kora_engine": "hf",
         })
+
+    async def kora_state(self, request: web.Request) -> web.Response:
+        """kora: what a caller cannot see otherwise (tests wait on it instead of sleeping)."""
+        return _json({"held_requests": self._held, "receiving": self.receiver.receiving})
 
     async def get_model_info(self, request: web.Request) -> web.Response:
         log.warning("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
