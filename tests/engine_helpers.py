@@ -19,6 +19,7 @@ import torch
 from kora_trainer.wire.engine_client import EngineClient
 from kora_trainer.wire.group import WeightUpdateGroup, free_port, init_weight_update_group
 from kora_trainer.wire.protocol import FLAT, Bucket, pack, plan_buckets
+from localcluster import wait_for
 
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14], [1, 9, 9, 13, 9, 9, 14, 4]]
 ATOL = 1e-4  # fp32 engine vs fp32 reference forward: batching/padding/KV-cache change summation order only
@@ -61,6 +62,15 @@ def stop_engine(engine: EngineProc) -> None:
     except subprocess.TimeoutExpired:
         engine.proc.kill()
         engine.proc.wait(timeout=10)
+
+
+def wait_engine_state(client: EngineClient, what: str, timeout_s: float = 30.0, **expected: int) -> None:
+    """Bounded wait until the engine's GET /kora/state shows `expected` (e.g. receiving=1)."""
+    def reached() -> bool:
+        state = client.request("GET", "/kora/state")
+        return all(state[key] == value for key, value in expected.items())
+
+    wait_for(reached, timeout=timeout_s, interval=0.02, what=what)
 
 
 def load_hf(model_dir: Path, device: str = "cpu") -> torch.nn.Module:

@@ -55,11 +55,11 @@ def test_stop_rules_in_sglang_order():
 
 
 def test_request_structs_report_missing_and_mistyped_fields():
-    out = rq.parse("InitWeightsUpdateGroupReqInput", rq.INIT_WEIGHTS_UPDATE_GROUP,
+    out = rq.parse(rq.InitWeightsUpdateGroupReqInput,
                    {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "extra": 1})
-    assert out["group_name"] == "weight_update_group" and out["backend"] == "nccl" and "extra" not in out
+    assert out.group_name == "weight_update_group" and out.backend == "nccl" and "extra" not in out.model_dump()
     with pytest.raises(rq.BadRequest, match="2 validation errors") as err:
-        rq.parse("LoadLoRAAdapterReqInput", rq.LOAD_LORA_ADAPTER, {"lora_name": 3})
+        rq.parse(rq.LoadLoRAAdapterReqInput, {"lora_name": 3})
     assert "body.lora_name" in str(err.value) and "body.lora_path" in str(err.value)
     assert rq.bad_request_body("m") == {"object": "error", "message": "m", "type": "Bad Request", "param": None,
                                         "code": 400}

@@ -23,6 +23,7 @@ from engine_helpers import (
     reference_logprobs,
     start_engine,
     stop_engine,
+    wait_engine_state,
 )
 from kora_trainer.reference_engine.contract import SAMPLING_FIELDS
 from kora_trainer.wire.engine_client import EngineClient, EngineError
@@ -230,7 +231,7 @@ def test_stream_returns_one_cumulative_chunk_per_item_then_done(engine):
 def test_pause_holds_new_requests_until_continue(client):
     assert client.pause_generation("abort") == {"message": "Generation paused successfully.", "status": "ok"}
     fut = client.submit(client.generate, [PROMPTS[0]], {"max_new_tokens": 1})
-    time.sleep(0.3)
+    wait_engine_state(client, "the request held by the pause", held_requests=1)
     assert not fut.done()
     assert client.flush_cache().startswith("Cache flushed.")  # nothing in flight: the held request waits
     assert client.continue_generation() == {"message": "Generation continued successfully.", "status": "ok"}

@@ -28,6 +28,7 @@ from engine_helpers import (
     start_engine,
     stop_engine,
     trainer_group,
+    wait_engine_state,
 )
 from kora_trainer.wire.engine_client import EngineClient, EngineError, applied_checksum
 from kora_trainer.wire.lora_names import split_lora_name
@@ -111,7 +112,7 @@ def test_model_info_and_health_answer_while_an_update_waits_for_its_broadcast(cl
     named = random_weights(load_hf(model_dir), seed=13, names=["lm_head.weight"])
     bucket = plan_buckets([named], 1 << 20)[0]
     fut = client.submit(client.update_weights_from_distributed, bucket.metadata(), load_format=FLAT)
-    time.sleep(0.2)  # the engine is now blocked in the broadcast
+    wait_engine_state(client, "the engine blocked in the broadcast", receiving=1)
     start = time.monotonic()
     assert client.model_info()["model_path"] and client.health(timeout=5)
     assert time.monotonic() - start < 5 and not fut.done()

@@ -11,17 +11,27 @@ from kora_operator.handlers.poller import Poller
 from localcluster import wait_for
 
 
+def _polls_of_one_since(calls: list[tuple[str, str]], mark: int) -> int:
+    return calls[mark:].count(("a", "one"))
+
+
 def test_watched_jobs_are_polled_and_unwatched_ones_are_not():
     calls: list[tuple[str, str]] = []
-    p = Poller(0.05, lambda ns, name: calls.append((ns, name))).start()
+    # one worker: polls run one after another in the order they were handed out
+    p = Poller(0.05, lambda ns, name: calls.append((ns, name)), workers=1).start()
     try:
         p.watch("a", "one")
         p.watch("a", "two")
         wait_for(lambda: {("a", "one"), ("a", "two")} <= set(calls), timeout=5, what="both polled")
         p.unwatch("a", "two")
-        time.sleep(0.2)  # let a poll already handed out finish
-        n = calls.count(("a", "two"))
-        time.sleep(0.3)
+        mark = len(calls)
+        # one poll of a job is out at a time, so the 2nd poll of "one" after `mark` was handed out after the
+        # unwatch; with one worker, every poll handed out before it ("two" included) has run by then
+        wait_for(lambda: _polls_of_one_since(calls, mark) >= 2, timeout=5, interval=0.01,
+                 what="a poll already handed out to finish")
+        n, mark = calls.count(("a", "two")), len(calls)
+        wait_for(lambda: _polls_of_one_since(calls, mark) >= 3, timeout=5, interval=0.01,
+                 what="three more rounds that would have polled two")
         assert calls.count(("a", "two")) == n and p.watched() == {("a", "one")}
     finally:
         p.stop()

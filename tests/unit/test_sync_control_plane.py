@@ -12,6 +12,7 @@ import pytest
 
 from kora_operator.api.status import Progress as OperatorProgress
 from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_token
+from localcluster import wait_for
 
 
 def get(url: str, token: str | None = None) -> tuple[int, object]:
@@ -79,6 +80,33 @@ def test_status_says_where_a_run_resumed_from(plane):
     assert OperatorProgress.model_validate({"lastCheckpoint": body["lastCheckpoint"]}).last_checkpoint.step == 4
 
 
+class _WaitSeen(threading.Event):
+    """`ControlPlane.final_read` that also tells when linger() has started waiting on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
+
+
+def _count_handled(cp: ControlPlane) -> list[str]:
+    """One entry per request the server has handled to the end (its handler has returned)."""
+    handled: list[str] = []
+    finish = cp.server.finish_request
+
+    def counted(request, client_address) -> None:
+        try:
+            finish(request, client_address)
+        finally:
+            handled.append("done")
+
+    cp.server.finish_request = counted  # type: ignore[method-assign]
+    return handled
+
+
 def _linger_in_thread(cp: ControlPlane, seconds: float) -> tuple[threading.Thread, dict]:
     out: dict = {}
 
@@ -95,18 +123,22 @@ def _linger_in_thread(cp: ControlPlane, seconds: float) -> tuple[threading.Threa
 @pytest.mark.parametrize("final", ["Succeeded", "Failed"])
 def test_linger_ends_when_an_authorized_status_read_saw_the_final_phase(final):
     progress = Progress(total_steps=3, sync_mode="Merge")
-    cp = ControlPlane(progress, "s3cret", port=0, host="127.0.0.1").start()
+    cp = ControlPlane(progress, "s3cret", port=0, host="127.0.0.1")
+    cp.final_read = seen = _WaitSeen()
+    handled = _count_handled(cp)
+    cp.start()
     try:
         progress.update(phase="Running", step=3)
         assert get(f"{cp.url}/status", "s3cret")[1]["phase"] == "Running"  # not final: does not count
         progress.update(phase=final)
         thread, out = _linger_in_thread(cp, 60.0)
-        time.sleep(0.3)
+        assert seen.waiting.wait(10)
         assert thread.is_alive()  # still serving, waiting for the operator's read
+        wait_for(lambda: len(handled) == 1, timeout=10, interval=0.01, what="the Running read handled to the end")
         assert get(f"{cp.url}/status")[0] == 401 and get(f"{cp.url}/status", "wrong")[0] == 401  # do not count
         assert get(f"{cp.url}/healthz") == (200, "ok")  # does not count either
-        time.sleep(0.3)
-        assert thread.is_alive()
+        wait_for(lambda: len(handled) == 4, timeout=10, interval=0.01, what="the three reads handled to the end")
+        assert thread.is_alive() and not seen.is_set()
         code, body = get(f"{cp.url}/status", "s3cret")
         assert code == 200 and body["phase"] == final
         thread.join(timeout=10)

@@ -159,12 +159,3 @@ def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1,
     info["rows"] = write_dataset(out / dataset)
     (out / "toy.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
-
-
-def ensure_toy(out_dir: str | Path) -> bool:
-    """Make the toy in `out_dir` unless it is already complete there. True when it was made."""
-    out = Path(out_dir)
-    if all((out / f).exists() for f in ("config.json", "tokenizer.json", "train.parquet", "toy.json")):
-        return False
-    make_toy(out)
-    return True

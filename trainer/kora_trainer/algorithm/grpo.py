@@ -42,7 +42,6 @@ class LossOut:
     kl: float
     clip_frac: float
     ratio_mean: float
-    approx_kl_old: float  # mean (old − new) log-prob: how far the policy moved from the rollout policy
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -75,4 +74,4 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tens
         n = mask.sum().clamp(min=1.0)
         was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
         return LossOut(loss, float((pg * mask).sum() / denom), kl_value, float(was_clipped.sum() / n),
-                       float((ratio * mask).sum() / n), float((-log_ratio).sum() / n))
+                       float((ratio * mask).sum() / n))

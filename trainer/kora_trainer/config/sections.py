@@ -86,9 +86,6 @@ class LoRASpec(CamelModel):
     def effective_sync_mode(self) -> SyncMode:
         return self.sync_mode or SyncMode.MERGE
 
-    def hf_module_names(self) -> list[str]:
-        return [hf for m in self.target_modules for hf in MEGATRON_TO_HF[m]]
-
 
 class Algorithm(StrEnum):
     GRPO = "GRPO"

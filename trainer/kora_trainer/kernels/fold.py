@@ -336,10 +336,6 @@ class GroupedFold:
                   num_warps=self.cfg["num_warps"], num_stages=self.cfg["num_stages"], grid=(first,))
         return args, kw
 
-    @property
-    def tiles(self) -> int:
-        return sum(kw["grid"][0] for _, kw in self.launches)
-
     def _launch_single(self, it: FoldItem, mode: int) -> None:
         m, n = it.w.shape
         bm, bn = self.cfg["block_m"], self.cfg["block_n"]

@@ -21,7 +21,7 @@ from typing import Any
 
 from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
 from kora_trainer.reference_engine.model import GenRequest, GenResult
-from kora_trainer.reference_engine.request_bodies import BadRequest
+from kora_trainer.reference_engine.request_bodies import GenerateReqInput, parse
 from kora_trainer.reference_engine.sampling import SamplingParams
 
 
@@ -70,11 +70,7 @@ def parse_generate(body: dict[str, Any], tokenize: Callable[[str], list[int]],
         params = [SamplingParams.from_json(raw_sp)] * len(prompts)
     n = params[0].n if params else 1
 
-    lora_path = body.get("lora_path")
-    if lora_path is not None and not (isinstance(lora_path, str) or (
-            isinstance(lora_path, list) and all(e is None or isinstance(e, str) for e in lora_path))):
-        raise BadRequest(f"1 validation error for GenerateReqInput\nbody.lora_path\n  Input should be a valid "
-                         f"string or a list of strings/null [type=type_error, input_value={lora_path!r}]")
+    lora_path = parse(GenerateReqInput, body).lora_path  # BadRequest (SGLang's 400) for a mistyped one
     rid = body.get("rid")
     requests: list[GenRequest] = []
     for i, prompt in enumerate(prompts):

@@ -37,6 +37,8 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
   for Merge and Adapter mode over the weight-update group — the bucket layout sent once, then per push one HTTP
   call while the buckets are broadcast, received straight into the parameters / a ring of adapter buffers.
   `--disable-fast-sync` turns them off (404, like SGLang).
+- `GET /kora/state` {held_requests, receiving}: the /generate calls a pause holds, and the weight-update
+  receives under way (waiting in their broadcasts).
 - Weight-update responses add `weight_version` and `checksum` (`sync.protocol.checksum` of the
   tensors the call applied, in order — `client.applied_checksum` computes the same on the sender;
   for the adapter route: of the whole adapter, on its last bucket). `/model_info` adds
@@ -60,6 +62,7 @@ import contextlib
 import json
 import logging
 import sys
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,18 +116,20 @@ class HFEngineServer:
         self._staging: dict[str, _AdapterStaging] = {}
         self._running = asyncio.Event()  # cleared by /pause_generation (created inside the server's loop)
         self._running.set()
+        self._held = 0  # /generate calls waiting for /continue_generation (GET /kora/state)
         self._levels: dict[str, str] = {}
 
     # ---- app, auth --------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._auth, self._bad_requests], client_max_size=1 << 30)
         routes: list[tuple[str, str, Any, str]] = [
             ("*", "/generate", self.generate, NORMAL),
             ("GET", "/health", self.health, OPEN),
             ("GET", "/health_generate", self.health, OPEN),
             ("GET", "/model_info", self.model_info, NORMAL),
             ("GET", "/get_model_info", self.get_model_info, NORMAL),
+            ("GET", "/kora/state", self.kora_state, NORMAL),
             ("POST", "/init_weights_update_group", self.init_weights_update_group, ADMIN),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, ADMIN),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, ADMIN),
@@ -169,29 +174,38 @@ class HFEngineServer:
         response: web.StreamResponse = await handler(request)
         return response
 
+    @web.middleware
+    async def _bad_requests(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """SGLang's `validation_exception_handler`, app-wide as there: a body that does not parse is a 400."""
+        try:
+            response: web.StreamResponse = await handler(request)
+        except rq.BadRequest as e:
+            return _json(rq.bad_request_body(str(e)), 400)
+        return response
+
     async def _run(self, fn: Any, *args: Any, sync: bool = False) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.sync_pool if sync else self.pool, fn, *args)
 
     @staticmethod
-    async def _body(request: web.Request, struct: str, fields: dict[str, rq.F]) -> dict[str, Any]:
+    async def _json_body(request: web.Request) -> Any:
         try:
-            raw = await request.json()
+            return await request.json()
         except json.JSONDecodeError as e:
             raise rq.BadRequest(f"JSON decode error: {e}") from None
-        return rq.parse(struct, fields, raw)
+
+    @classmethod
+    async def _body(cls, request: web.Request, model: type[rq.Body]) -> rq.Body:
+        return rq.parse(model, await cls._json_body(request))
 
     # ---- generate ---------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as e:
-            return _json(rq.bad_request_body(f"JSON decode error: {e}"), 400)
+        body = await self._json_body(request)
         problem = generate_contract_error(body)
         if problem is not None:
             return _json({"error": problem}, 400)
         engine = self.engine
-        await self._running.wait()  # while paused, new requests wait here (SGLang queues them)
+        await self._admitted()
         try:
             parsed = parse_generate(body, lambda t: engine.tokenizer(t)["input_ids"], self.adapters.resolve)
             for r in parsed.requests:
@@ -199,8 +213,6 @@ class HFEngineServer:
                     raise ValueError(f"The input ({len(r.input_ids)} tokens) is longer than the model's context "
                                      f"length ({engine.max_context} tokens).")
             results = await self._run(self.batcher.generate, parsed.requests)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
         except ValueError as e:
             return _json(rq.value_error_body(str(e)), 400)
         outs = [format_result(r, parsed.return_prompt_token_ids, engine.decode_token) for r in results]
@@ -214,6 +226,16 @@ class HFEngineServer:
             await resp.write_eof()
             return resp
         return _json(outs[0] if parsed.single else outs)
+
+    async def _admitted(self) -> None:
+        """While paused, new requests wait here (SGLang queues them), counted as held."""
+        if self._running.is_set():
+            return
+        self._held += 1
+        try:
+            await self._running.wait()
+        finally:
+            self._held -= 1
 
     # ---- health, info -----------------------------------------------------------------------
 
@@ -246,6 +268,10 @@ class HFEngineServer:
             "kora_engine": "hf",
         })
 
+    async def kora_state(self, request: web.Request) -> web.Response:
+        """kora: what a caller cannot see otherwise (tests wait on it instead of sleeping)."""
+        return _json({"held_requests": self._held, "receiving": self.receiver.receiving})
+
     async def get_model_info(self, request: web.Request) -> web.Response:
         log.warning("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
                     "Please use '/model_info' instead.")
@@ -254,53 +280,45 @@ class HFEngineServer:
     # ---- weight-update group ----------------------------------------------------------------
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        try:
-            b = await self._body(request, "InitWeightsUpdateGroupReqInput", rq.INIT_WEIGHTS_UPDATE_GROUP)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
-        ok, message = await self._run(self.receiver.init_group, b["master_address"], b["master_port"],
-                                      b["rank_offset"], b["world_size"], b["group_name"], b["backend"],
-                                      self.engine.device, sync=True)
+        b = await self._body(request, rq.InitWeightsUpdateGroupReqInput)
+        ok, message = await self._run(self.receiver.init_group, b.master_address, b.master_port, b.rank_offset,
+                                      b.world_size, b.group_name, b.backend, self.engine.device, sync=True)
         return _json({"success": ok, "message": message}, 200 if ok else 400)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        try:
-            b = await self._body(request, "DestroyWeightsUpdateGroupReqInput", rq.DESTROY_WEIGHTS_UPDATE_GROUP)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
-        ok, message = await self._run(self.receiver.destroy_group, b["group_name"], sync=True)
+        b = await self._body(request, rq.DestroyWeightsUpdateGroupReqInput)
+        ok, message = await self._run(self.receiver.destroy_group, b.group_name, sync=True)
         return _json({"success": ok, "message": message}, 200 if ok else 400)
 
     # ---- weight updates ---------------------------------------------------------------------
 
-    def _apply(self, named: list[tuple[str, torch.Tensor]], b: dict[str, Any]) -> None:
+    def _apply(self, named: list[tuple[str, torch.Tensor]], b: rq.WeightUpdate) -> None:
         """Full weights, or (weight_update_mode lora_merge) A/B pairs folded into the pristine base."""
-        mode = b.get("weight_update_mode")
+        mode = b.weight_update_mode
         if mode in (None, "full"):
             self.engine.load_weights(named)
             return
         if mode != "lora_merge":
             raise ValueError(f"Unknown weight_update_mode={mode}")
-        if b.get("lora_alpha") is None or not b.get("lora_rank"):
+        if b.lora_alpha is None or not b.lora_rank:
             raise ValueError("weight_update_mode lora_merge needs lora_alpha and lora_rank")
-        self.engine.merge_lora(pair_lora_tensors(named), float(b["lora_alpha"]), int(b["lora_rank"]),
-                               bool(b["merge_fp32"]))
+        self.engine.merge_lora(pair_lora_tensors(named), b.lora_alpha, b.lora_rank, b.merge_fp32)
 
-    def _weights_done(self, named: list[tuple[str, torch.Tensor]], b: dict[str, Any], message: str) -> dict[str, Any]:
-        if b.get("weight_version") is not None:
-            self.engine.weight_version = b["weight_version"]
-            message += f" Weight version updated to {b['weight_version']}."
+    def _weights_done(self, named: list[tuple[str, torch.Tensor]], b: rq.WeightUpdate, message: str) -> dict[str, Any]:
+        if b.weight_version is not None:
+            self.engine.weight_version = b.weight_version
+            message += f" Weight version updated to {b.weight_version}."
         return {"success": True, "message": message, "weight_version": self.engine.weight_version,
                 "checksum": checksum(named)}
 
-    def _abort_if_asked(self, b: dict[str, Any]) -> None:
-        if b.get("abort_all_requests"):
+    def _abort_if_asked(self, abort_all_requests: bool) -> None:
+        if abort_all_requests:
             self.engine.control.abort_all()
 
-    def _update_from_distributed(self, b: dict[str, Any]) -> dict[str, Any]:
-        meta = BucketMeta(b["names"], b["dtypes"], b["shapes"], b["byte_ranges"], b["load_format"])
-        self._abort_if_asked(b)
-        named = self.receiver.receive(meta, b["group_name"])
+    def _update_from_distributed(self, b: rq.UpdateWeightsFromDistributedReqInput) -> dict[str, Any]:
+        meta = BucketMeta(b.names, b.dtypes, b.shapes, b.byte_ranges, b.load_format)
+        self._abort_if_asked(b.abort_all_requests)
+        named = self.receiver.receive(meta, b.group_name)
         try:
             self._apply(named, b)
         except Exception as e:
@@ -309,35 +327,31 @@ class HFEngineServer:
         return self._weights_done(named, b, "Succeeded to update parameter online.")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        b = await self._body(request, rq.UpdateWeightsFromDistributedReqInput)
         try:
-            b = await self._body(request, "UpdateWeightsFromDistributedReqInput", rq.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
             out = await self._run(self._update_from_distributed, b, sync=True)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
         except Exception as e:  # any failure is the route's {"success": false, "message"} (SGLang reports them so)
             log.exception("update_weights_from_distributed failed")
             return _json({"success": False, "message": str(e)}, 400)
         return _json(out, 200 if out["success"] else 400)
 
-    def _update_from_tensor(self, b: dict[str, Any]) -> dict[str, Any]:
-        payload = b["serialized_named_tensors"][self.receiver.tp_rank]
-        if b["load_format"] == FLAT:
+    def _update_from_tensor(self, b: rq.UpdateWeightsFromTensorReqInput) -> dict[str, Any]:
+        payload = b.serialized_named_tensors[self.receiver.tp_rank]
+        if b.load_format == FLAT:
             bucket = deserialize_payload(payload)
             named = _unflatten_sglang_bucket(bucket)
-        elif b["load_format"] in (None, "direct"):
+        elif b.load_format in (None, "direct"):
             named = deserialize_named_tensors(payload)
         else:
-            raise ValueError(f"Unknown load_format={b['load_format']}")
-        self._abort_if_asked(b)
+            raise ValueError(f"Unknown load_format={b.load_format}")
+        self._abort_if_asked(b.abort_all_requests)
         self._apply(named, b)
         return self._weights_done(named, b, "Success")
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        b = await self._body(request, rq.UpdateWeightsFromTensorReqInput)
         try:
-            b = await self._body(request, "UpdateWeightsFromTensorReqInput", rq.UPDATE_WEIGHTS_FROM_TENSOR)
             out = await self._run(self._update_from_tensor, b)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
         except Exception as e:  # a bad payload (unpickling, names, shapes) fails the call, not the server
             log.exception("update_weights_from_tensor failed")
             return _json({"success": False, "message": str(e)}, 400)
@@ -345,11 +359,9 @@ class HFEngineServer:
 
     # ---- LoRA -------------------------------------------------------------------------------
 
-    async def _lora_call(self, request: web.Request, struct: str, fields: dict[str, rq.F], fn: Any) -> web.Response:
-        try:
-            b = await self._body(request, struct, fields)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
+    async def _lora_call(self, request: web.Request, model: type[rq.Body],
+                         fn: Callable[[rq.Body], Awaitable[dict[str, Any] | None]]) -> web.Response:
+        b = await self._body(request, model)
         try:
             extra = await fn(b) or {}
         except Exception as e:  # SGLang answers every failed LoRA operation with success false + the message
@@ -357,40 +369,39 @@ class HFEngineServer:
         return _json({**rq.lora_update_output(True, "", self.adapters.loaded()), **extra})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        async def do(b: dict[str, Any]) -> None:
-            await self._run(self.adapters.load_from_dir, b["lora_name"], b["lora_path"])
+        async def do(b: rq.LoadLoRAAdapterReqInput) -> None:
+            await self._run(self.adapters.load_from_dir, b.lora_name, b.lora_path)
 
-        return await self._lora_call(request, "LoadLoRAAdapterReqInput", rq.LOAD_LORA_ADAPTER, do)
+        return await self._lora_call(request, rq.LoadLoRAAdapterReqInput, do)
 
     async def load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
-        def load(b: dict[str, Any]) -> dict[str, Any]:
-            if b.get("added_tokens_config"):
+        def load(b: rq.LoadLoRAAdapterFromTensorsReqInput) -> dict[str, Any]:
+            if b.added_tokens_config:
                 raise ValueError("LoRA adapters that add tokens are not supported.")
-            named = deserialize_named_tensors(b["serialized_named_tensors"][self.receiver.tp_rank])
-            self.adapters.load_from_tensors(b["lora_name"], b["config_dict"], named)
+            named = deserialize_named_tensors(b.serialized_named_tensors[self.receiver.tp_rank])
+            self.adapters.load_from_tensors(b.lora_name, b.config_dict, named)
             return {"checksum": checksum(named)}  # kora: what was applied, for the sender to compare
 
-        async def do(b: dict[str, Any]) -> dict[str, Any]:
+        async def do(b: rq.LoadLoRAAdapterFromTensorsReqInput) -> dict[str, Any]:
             out: dict[str, Any] = await self._run(load, b)
             return out
 
-        return await self._lora_call(request, "LoadLoRAAdapterFromTensorsReqInput",
-                                     rq.LOAD_LORA_ADAPTER_FROM_TENSORS, do)
+        return await self._lora_call(request, rq.LoadLoRAAdapterFromTensorsReqInput, do)
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        async def do(b: dict[str, Any]) -> None:
-            self.adapters.unload(b["lora_name"])
+        async def do(b: rq.UnloadLoRAAdapterReqInput) -> None:
+            self.adapters.unload(b.lora_name)
 
-        return await self._lora_call(request, "UnloadLoRAAdapterReqInput", rq.UNLOAD_LORA_ADAPTER, do)
+        return await self._lora_call(request, rq.UnloadLoRAAdapterReqInput, do)
 
-    def _adapter_bucket(self, b: dict[str, Any]) -> dict[str, Any]:
-        name, index, total = b["lora_name"], b["bucket_index"], b["num_buckets"]
-        meta = BucketMeta(b["names"], b["dtypes"], b["shapes"], b["byte_ranges"], b["load_format"])
+    def _adapter_bucket(self, b: rq.LoadLoRAAdapterFromDistributedReqInput) -> dict[str, Any]:
+        name, index, total = b.lora_name, b.bucket_index, b.num_buckets
+        meta = BucketMeta(b.names, b.dtypes, b.shapes, b.byte_ranges, b.load_format)
         stream = f"adapter:{name}"
         if index == 0:
-            self.receiver.reset_stream(b["group_name"], stream)
+            self.receiver.reset_stream(b.group_name, stream)
         # receive first, whatever the bookkeeping says: the trainer is already broadcasting
-        named = self.receiver.receive(meta, b["group_name"], stream)
+        named = self.receiver.receive(meta, b.group_name, stream)
         staging = self._staging.get(name)
         if index == 0:
             staging = self._staging[name] = _AdapterStaging(0, total)
@@ -404,27 +415,23 @@ class HFEngineServer:
         if staging.next_bucket < total:
             return {"weight_version": None, "checksum": None}
         del self._staging[name]
-        adapter = self.adapters.upsert(name, b["config_dict"], staging.tensors, b["weight_version"])
+        adapter = self.adapters.upsert(name, b.config_dict, staging.tensors, b.weight_version)
         return {"weight_version": adapter.version, "checksum": checksum(staging.tensors)}
 
     async def load_lora_adapter_from_distributed(self, request: web.Request) -> web.Response:
-        async def do(b: dict[str, Any]) -> dict[str, Any]:
+        async def do(b: rq.LoadLoRAAdapterFromDistributedReqInput) -> dict[str, Any]:
             out: dict[str, Any] = await self._run(self._adapter_bucket, b, sync=True)
             return out
 
-        return await self._lora_call(request, "LoadLoRAAdapterFromDistributedReqInput",
-                                     rq.LOAD_LORA_ADAPTER_FROM_DISTRIBUTED, do)
+        return await self._lora_call(request, rq.LoadLoRAAdapterFromDistributedReqInput, do)
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         """SGLang's route: only the version label changes (the adapter routes carry none of their own)."""
-        try:
-            b = await self._body(request, "UpdateWeightVersionReqInput", rq.UPDATE_WEIGHT_VERSION)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
-        self._abort_if_asked(b)
-        self.engine.weight_version = b["new_version"]
-        return _json({"success": True, "message": f"Weight version updated to {b['new_version']}",
-                      "new_version": b["new_version"]})
+        b = await self._body(request, rq.UpdateWeightVersionReqInput)
+        self._abort_if_asked(b.abort_all_requests)
+        self.engine.weight_version = b.new_version
+        return _json({"success": True, "message": f"Weight version updated to {b.new_version}",
+                      "new_version": b.new_version})
 
     # ---- control ----------------------------------------------------------------------------
 
@@ -433,7 +440,7 @@ class HFEngineServer:
         try:
             timeout = float(request.query.get("timeout", "0"))
         except ValueError:
-            return _json(rq.bad_request_body("timeout must be a number"), 400)
+            raise rq.BadRequest("timeout must be a number") from None
         idle = await self._run(self.engine.control.wait_idle, max(timeout, 0.0))
         if idle:
             return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
@@ -442,27 +449,18 @@ class HFEngineServer:
                             status=400)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        try:
-            b = await self._body(request, "PauseGenerationReqInput", rq.PAUSE_GENERATION)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
-        if b["mode"] not in ("abort", "retract", "in_place"):
-            return _json(rq.bad_request_body(f"mode must be one of abort, retract, in_place, got {b['mode']!r}"), 400)
+        b = await self._body(request, rq.PauseGenerationReqInput)
         self._running.clear()
-        self.engine.control.pause(b["mode"])
-        if b["mode"] == "abort":  # abort repeats until nothing is in flight
+        self.engine.control.pause(b.mode)
+        if b.mode == "abort":  # abort repeats until nothing is in flight
             await self._run(self.engine.control.wait_idle, None)
         return _json({"message": "Generation paused successfully.", "status": "ok"})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        try:
-            await self._body(request, "ContinueGenerationReqInput", rq.CONTINUE_GENERATION)
-        except rq.BadRequest as e:
-            return _json(rq.bad_request_body(str(e)), 400)
+        await self._body(request, rq.ContinueGenerationReqInput)
         self.engine.control.resume()
         self._running.set()
         return _json({"message": "Generation continued successfully.", "status": "ok"})
-
 
 def _unflatten_sglang_bucket(bucket: Any) -> list[tuple[str, torch.Tensor]]:
     """SGLang's flattened-bucket dict {flattened_tensor, metadata: [{name, shape, dtype, start_idx, end_idx}]}."""

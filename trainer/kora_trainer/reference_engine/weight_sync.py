@@ -80,6 +80,7 @@ class WeightReceiver:
     tp_rank: int = 0
     groups: dict[str, WeightUpdateGroup] = field(default_factory=dict)
     assemblers: dict[str, Assembler] = field(default_factory=dict)
+    receiving: int = 0  # receive() calls under way, i.e. waiting in their broadcasts (GET /kora/state)
 
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                    group_name: str, backend: str, device: torch.device) -> tuple[bool, str]:
@@ -114,10 +115,17 @@ class WeightReceiver:
         """Receive one call's broadcasts; returns the tensors it completed, in metadata order."""
         meta.validate()
         group = self.group(group_name)
+        self.receiving += 1
+        try:
+            return self._receive(meta, group, f"{group_name}/{stream}")
+        finally:
+            self.receiving -= 1
+
+    def _receive(self, meta: BucketMeta, group: WeightUpdateGroup, stream_key: str) -> Named:
         if meta.load_format == FLAT:
             flat = torch.empty(meta.flat_nbytes(), dtype=torch.uint8, device=group.device)
             group.broadcast(flat, src=0)
-            assembler = self.assemblers.setdefault(f"{group_name}/{stream}", Assembler(group.device))
+            assembler = self.assemblers.setdefault(stream_key, Assembler(group.device))
             return list(assembler.feed(meta.as_protocol(), flat))
         if meta.load_format is not None:
             raise ValueError(f"Unknown load_format={meta.load_format}")
