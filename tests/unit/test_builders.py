@@ -10,6 +10,7 @@ from kora_operator.builders.children import build_children
 from kora_operator.builders.names import MAX_RAYJOB_NAME, ray_job_name, secret_name
 from kora_operator.builders.rayjob import CONTROL_PORT, ENTRYPOINT, build_ray_job, mutable_spec
 from kora_operator.builders.secret import build_secret, new_token
+from kora_operator.reasons import CREATED, FAILED_TO_CREATE
 from kora_operator.validation import validate_job
 from specs import set_path, valid_job
 
@@ -40,6 +41,12 @@ def test_every_child_is_owned_by_the_job_and_labelled():
         assert meta["labels"]["kora.dev/component"]
     kinds = [o["kind"] for o in build_children(job(), "tok")]
     assert kinds == ["ConfigMap", "Secret", "RayJob"]
+
+
+def test_every_child_kind_has_its_event_reasons():
+    # the reasons `kubectl describe` lists for a child's creation, one Reason member per kind
+    for kind in (o["kind"] for o in build_children(job(), "tok")):
+        assert (CREATED[kind], FAILED_TO_CREATE[kind]) == (f"Created{kind}", f"FailedToCreate{kind}")
 
 
 def test_no_owner_reference_without_a_uid():

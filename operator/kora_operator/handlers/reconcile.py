@@ -30,7 +30,7 @@ from kora_operator.kube import ApiException, Kube, now_rfc3339
 from kora_operator.metrics import CHILDREN_CREATED, observe_reconcile
 from kora_operator.phase import TERMINAL, Observation, next_status, observe
 from kora_operator.progress import ProgressUnavailable, fetch, progress_conditions, progress_of
-from kora_operator.reasons import ConditionType, EventType, Reason
+from kora_operator.reasons import CREATED, FAILED_TO_CREATE, ConditionType, EventType, Reason
 from kora_operator.runtimes import kuberay
 from kora_operator.runtimes import ray as rayrt
 from kora_operator.runtimes.rayjobs import (
@@ -197,12 +197,12 @@ def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob) -
             try:
                 created = kube.create_child(child)
             except ApiException as e:
-                kube.event(body, EventType.WARNING, f"FailedToCreate{kind}",
+                kube.event(body, EventType.WARNING, FAILED_TO_CREATE[kind],
                            f"creating {kind} {child['metadata']['name']} failed: {e.status} {e.reason}")
                 raise kopf.TemporaryError(f"creating {kind}: {e.status} {e.reason}", delay=RETRY_DELAY) from e
             if created is not None:  # None: it was there already (a Secret, or a race)
                 CHILDREN_CREATED.labels(kind).inc()
-                kube.event(body, EventType.NORMAL, f"Created{kind}", f"created {kind} {child['metadata']['name']}")
+                kube.event(body, EventType.NORMAL, CREATED[kind], f"created {kind} {child['metadata']['name']}")
                 existing = created
             elif kind != "Secret":
                 existing = kube.get_child(child)
