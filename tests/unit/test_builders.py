@@ -5,13 +5,16 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 from kora_operator.builders.children import build_children
+from kora_operator.builders.configmap import build_config_map
 from kora_operator.builders.names import MAX_RAYJOB_NAME, ray_job_name, secret_name
 from kora_operator.builders.rayjob import CONTROL_PORT, ENTRYPOINT, build_ray_job, mutable_spec
 from kora_operator.builders.secret import build_secret, new_token
 from kora_operator.reasons import CREATED, FAILED_TO_CREATE
 from kora_operator.validation import validate_job
+from kora_trainer.config import ModelSpec
 from specs import set_path, valid_job
 
 UID = "0b8c7d52-1111-4222-8333-444455556666"
@@ -82,6 +85,17 @@ def test_rayjob_lifecycle_fields_follow_the_spec():
 
 def test_no_queue_label_without_queue_name():
     assert "kueue.x-k8s.io/queue-name" not in build_ray_job(job())["metadata"]["labels"]
+
+
+def test_the_trainer_config_keeps_every_model_spec_field_and_drops_the_volume():
+    doc = valid_job("demo")
+    doc["spec"]["model"]["volume"] = {"persistentVolumeClaim": {"claimName": "models"}}
+    spec = job(doc).spec
+    model = spec.trainer_config().model
+    assert type(model) is ModelSpec and set(ModelSpec.model_fields) <= set(type(spec.model).model_fields)
+    assert model.model_dump() == spec.model.model_dump(include=set(ModelSpec.model_fields))
+    rendered = yaml.safe_load(build_config_map(job(doc))["data"]["job.yaml"])["model"]
+    assert set(rendered) == {f.alias or n for n, f in ModelSpec.model_fields.items()} and "volume" not in rendered
 
 
 def test_head_and_workers_get_resources_volumes_and_ports():

@@ -172,10 +172,11 @@ class LoRATrainingJobSpec(TrainerConfig):
     """Kueue LocalQueue; passed as the kueue.x-k8s.io/queue-name label on the RayJob."""
 
     def trainer_config(self) -> TrainerConfig:
-        """The part the trainer reads (rendered into the job's ConfigMap)."""
-        data = self.model_dump(by_alias=True, mode="json", include=set(TrainerConfig.model_fields))
-        data["model"] = {"path": self.model.path}
-        return TrainerConfig.model_validate(data)
+        """The part the trainer reads (rendered into the job's ConfigMap): the trainer's sections, and of
+        the model section every ModelSpec field (the volume is the pods' business, not the trainer's)."""
+        keep: dict[str, Any] = dict.fromkeys(TrainerConfig.model_fields, True)
+        keep["model"] = set(ModelSpec.model_fields)
+        return TrainerConfig.model_validate(self.model_dump(by_alias=True, mode="json", include=keep))
 
 
 IMMUTABLE_SECTIONS = immutable_sections(LoRATrainingJobSpec)
