@@ -9,11 +9,13 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from kora_trainer.config.control import CONTROL_PORT
+
 DEFAULT_POLL_INTERVAL = 5.0
 DEFAULT_TRAINER_COMMAND = "python -m kora_trainer.train"
 # Runtime Ray: trainers of different jobs may share one Ray head, so each submission gets its own
 # control-plane port from this range (picked from the submission id, recorded in its metadata).
-DEFAULT_RAY_CONTROL_PORTS = (8068, 8167)
+DEFAULT_RAY_CONTROL_PORTS = (CONTROL_PORT, CONTROL_PORT + 99)
 DEFAULT_KEY_SECRET = "kora-operator-key"
 MAX_LINGER_S = 300
 

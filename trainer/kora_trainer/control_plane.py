@@ -31,12 +31,13 @@ import json
 import os
 import secrets
 import threading
-from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PORT = 8068
+from kora_trainer.config.control import CONTROL_PORT
+from kora_trainer.config.status import rfc3339
+
 FINAL_PHASES = frozenset({"Succeeded", "Failed"})
 
 
@@ -63,7 +64,7 @@ class Progress:
                 self._data["syncedStep"] = step
         last = {"mode": report["mode"], "bytes": report["bytes"], "milliseconds": report["ms"],
                 "adapterVersion": report["adapter_version"], "checksum": report["checksum"],
-                "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+                "time": rfc3339()}
         with self._lock:
             if report["pushed"] or self._data["lastSync"] is None:
                 self._data["lastSync"] = last
@@ -94,7 +95,7 @@ def resolve_token(run_dir: Path) -> tuple[str, str]:
 def resolve_port(flag: int | None) -> int:
     if flag is not None:
         return flag
-    return int(os.environ.get("KORA_CONTROL_PORT", DEFAULT_PORT))
+    return int(os.environ.get("KORA_CONTROL_PORT", CONTROL_PORT))
 
 
 def resolve_linger() -> tuple[float, str | None]:
@@ -112,7 +113,7 @@ def resolve_linger() -> tuple[float, str | None]:
 
 
 class ControlPlane:
-    def __init__(self, progress: Progress, token: str, port: int = DEFAULT_PORT, host: str | None = None):
+    def __init__(self, progress: Progress, token: str, port: int = CONTROL_PORT, host: str | None = None):
         self.progress, self.token = progress, token
         self.final_read = threading.Event()  # set once an authorized GET /status returned a final phase
         outer = self

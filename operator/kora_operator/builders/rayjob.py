@@ -14,9 +14,9 @@ from kora_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_DIR
 from kora_operator.builders.meta import COMPONENT_LABEL, JOB_LABEL, QUEUE_LABEL, labels, object_meta
 from kora_operator.builders.names import config_map_name, ray_job_name, secret_name
 from kora_operator.builders.secret import TOKEN_KEY
+from kora_trainer.config.control import CONTROL_PORT
 from kora_trainer.config.ray_env import usage_stats_env
 
-CONTROL_PORT = 8068
 CONTROL_LINGER_S = 30
 TOKEN_DIR = "/var/run/secrets/kora"
 ENTRYPOINT = f"python -m kora_trainer.train --config {CONFIG_MOUNT_DIR}/{CONFIG_KEY}"

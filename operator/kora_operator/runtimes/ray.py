@@ -37,6 +37,7 @@ from kora_operator.phase import Observation
 from kora_operator.reasons import ConditionType, Reason
 from kora_operator.runtimes.rayjobs import FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, JobInfo
 from kora_trainer.config.ray_env import usage_stats_env
+from kora_trainer.config.status import MAX_MESSAGE
 
 T, F = "True", "False"
 PORT_KEY = "kora.dev/control-port"
@@ -44,7 +45,6 @@ JOB_KEY = "kora.dev/job"
 UID_KEY = "kora.dev/uid"
 RUN_DIR = ".kora/runs"  # relative to the Ray job's working directory (where the Ray head was started)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-MAX_MESSAGE = 1000
 
 
 def submission_id(uid: str, n: int = 0) -> str:
