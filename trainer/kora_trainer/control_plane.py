@@ -22,6 +22,9 @@ Linger: the operator learns the final phase from /status, so a run that ends mus
 before anyone read it. `ControlPlane.linger(seconds)` keeps serving until one authorized GET /status has
 returned a final phase (Succeeded / Failed) or `seconds` passed, whichever comes first; the trainer calls
 it at the end with env KORA_CONTROL_LINGER_S (default 0: stop at once).
+
+The KORA_CONTROL_* variables are the fields of `kora_trainer.config.control.ControlEnv`, which the operator
+writes them with.
 """
 
 from __future__ import annotations
@@ -35,7 +38,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from kora_trainer.config.control import CONTROL_PORT
+from pydantic import ValidationError
+
+from kora_trainer.config.control import CONTROL_PORT, ControlEnv
 from kora_trainer.config.status import rfc3339
 
 FINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -76,14 +81,14 @@ class Progress:
 
 def resolve_token(run_dir: Path) -> tuple[str, str]:
     """(token, where it came from)."""
-    if os.environ.get("KORA_CONTROL_TOKEN"):
-        return os.environ["KORA_CONTROL_TOKEN"], "env KORA_CONTROL_TOKEN"
-    path = os.environ.get("KORA_CONTROL_TOKEN_FILE")
-    if path:
-        token = Path(path).read_text().strip()
+    env = ControlEnv.from_env(only=("token", "token_file"))
+    if env.token:
+        return env.token, f"env {ControlEnv.env_name('token')}"
+    if env.token_file:
+        token = Path(env.token_file).read_text().strip()
         if not token:
-            raise ValueError(f"KORA_CONTROL_TOKEN_FILE {path} is empty")
-        return token, path
+            raise ValueError(f"{ControlEnv.env_name('token_file')} {env.token_file} is empty")
+        return token, env.token_file
     run_dir.mkdir(parents=True, exist_ok=True)
     file = run_dir / "control-token"
     token = secrets.token_urlsafe(24)
@@ -95,21 +100,23 @@ def resolve_token(run_dir: Path) -> tuple[str, str]:
 def resolve_port(flag: int | None) -> int:
     if flag is not None:
         return flag
-    return int(os.environ.get("KORA_CONTROL_PORT", CONTROL_PORT))
+    port = ControlEnv.from_env(only=("port",)).port
+    return CONTROL_PORT if port is None else port
 
 
 def resolve_linger() -> tuple[float, str | None]:
-    """(seconds from KORA_CONTROL_LINGER_S, a warning when the value was unusable and 0 is used)."""
-    raw = os.environ.get("KORA_CONTROL_LINGER_S", "").strip()
+    """(seconds from KORA_CONTROL_LINGER_S, a warning when the value was unusable and 0 is used): lingering
+    is a courtesy to the operator, no reason to fail a run."""
+    name = ControlEnv.env_name("linger_s")
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return 0.0, None
     try:
-        value = float(raw)
-    except ValueError:
-        return 0.0, f"KORA_CONTROL_LINGER_S={raw!r} is not a number of seconds: not lingering"
-    if not value >= 0 or value == float("inf"):  # NaN, negative, infinite
-        return 0.0, f"KORA_CONTROL_LINGER_S={raw!r} must be a finite number >= 0: not lingering"
-    return value, None
+        return ControlEnv.model_validate({name: raw}).linger_s, None
+    except ValidationError as e:
+        if e.errors()[0]["type"] == "float_parsing":
+            return 0.0, f"{name}={raw!r} is not a number of seconds: not lingering"
+        return 0.0, f"{name}={raw!r} must be a finite number >= 0: not lingering"  # NaN, negative, infinite
 
 
 class ControlPlane:
@@ -147,7 +154,8 @@ class ControlPlane:
                     self.wfile.flush()
                     outer.final_read.set()  # the whole answer is written: linger() may stop the server now
 
-        self.server = ThreadingHTTPServer((host or os.environ.get("KORA_CONTROL_HOST", "127.0.0.1"), port), Handler)
+        host = host or ControlEnv.from_env(only=("host",)).host or "127.0.0.1"
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="control-plane", daemon=True)
 
