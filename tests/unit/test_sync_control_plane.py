@@ -13,8 +13,10 @@ import pytest
 from kora_operator.api.job import LoRATrainingJob
 from kora_operator.api.status import Progress as OperatorProgress
 from kora_operator.builders.rayjob import build_ray_job
+from kora_operator.progress import read_status
 from kora_operator.runtimes import ray as rt
 from kora_trainer.config.control import CONTROL_PORT, ControlEnv
+from kora_trainer.config.status import MAX_MESSAGE, TrainerStatus
 from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_port, resolve_token
 from specs import valid_job
 
@@ -60,6 +62,20 @@ def test_status_reports_progress_and_the_last_pushed_sync(plane):
     parsed = OperatorProgress.model_validate({k: body[k] for k in
                                               ("step", "totalSteps", "rewardMean", "lastSync", "lastCheckpoint")})
     assert parsed.last_sync.adapter_version == 7 and parsed.step == 8
+
+
+def test_the_answer_is_the_shared_model_both_sides_read(plane):
+    cp, progress = plane
+    progress.record_sync({"mode": "Adapter", "bytes": 1, "ms": 2.0, "adapter_version": 3, "checksum": "c",
+                          "pushed": True}, step=3)
+    progress.update(step=3, phase="Failed", message="x" * 5000)
+    _, body = get(f"{cp.url}/status", "s3cret")
+    assert list(body) == [f.alias for f in TrainerStatus.model_fields.values()]  # every key, in the model's order
+    parsed = read_status(body)  # the operator's reading
+    assert parsed == TrainerStatus.model_validate(body) and parsed.synced_step == 3 and parsed.phase == "Failed"
+    assert len(body["message"]) == MAX_MESSAGE and body["lastSync"]["time"].endswith("Z")
+    with pytest.raises(TypeError, match="no /status field"):
+        progress.update(reward_mean=1.0)  # the JSON names only: a typo fails the writer, not the reader
 
 
 def test_token_sources(tmp_path, monkeypatch):

@@ -9,8 +9,9 @@
        "resumedFromStep": the checkpoint step this run resumed from | null (a fresh start)}
     GET /healthz  (open) -> 200 "ok"
 
-The progress keys are exactly the operator's `Progress` model (camelCase), so it can copy them into
-the LoRATrainingJob status; `phase`, `syncMode`, `message` and `syncedStep` are extra. A stale policy on
+The answer is the model `kora_trainer.config.status.TrainerStatus`, which the operator parses it with: its
+`Progress` keys the operator copies into the LoRATrainingJob status; `phase`, `syncMode`, `message`,
+`syncedStep` and `resumedFromStep` are extra. A stale policy on
 the engines shows as `lastSync.adapterVersion < step` (unless `syncedStep` says a skip kept it current).
 
 The token: env KORA_CONTROL_TOKEN, else the file named by KORA_CONTROL_TOKEN_FILE (the operator mounts
@@ -34,6 +35,7 @@ import json
 import os
 import secrets
 import threading
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -41,42 +43,50 @@ from typing import Any
 from pydantic import ValidationError
 
 from kora_trainer.config.control import CONTROL_PORT, ControlEnv
-from kora_trainer.config.status import rfc3339
-
-FINAL_PHASES = frozenset({"Succeeded", "Failed"})
+from kora_trainer.config.sections import SyncMode
+from kora_trainer.config.status import FINAL_PHASES, SyncProgress, TrainerStatus, rfc3339
 
 
 class Progress:
-    """What the loop knows, behind a lock (the HTTP threads read it while the loop writes it)."""
+    """The run's TrainerStatus as the loop moves it on, behind a lock (the HTTP threads read it while the loop
+    writes it). Every change is checked against the model, so /status answers only what it declares."""
 
     def __init__(self, total_steps: int, sync_mode: str):
         self._lock = threading.Lock()
-        self._data: dict[str, Any] = {"step": 0, "totalSteps": total_steps, "rewardMean": None, "lastSync": None,
-                                      "lastCheckpoint": None, "phase": "Starting", "syncMode": sync_mode,
-                                      "message": "", "syncedStep": None,
-                                      "resumedFromStep": None}
+        self._status = TrainerStatus(step=0, total_steps=total_steps, sync_mode=SyncMode(sync_mode))
 
     def update(self, **fields: Any) -> None:
+        """Set fields by their /status (camelCase) names: update(step=3, rewardMean=0.5)."""
+        unknown = set(fields) - _KEYS
+        if unknown:
+            raise TypeError(f"no /status field {sorted(unknown)}: the fields are {sorted(_KEYS)}")
         with self._lock:
-            self._data.update(fields)
+            self._set(fields)
 
-    def record_sync(self, report: dict[str, Any], step: int | None = None) -> None:
+    def record_sync(self, report: Mapping[str, Any], step: int | None = None) -> None:
         """A sync of policy `step`: pushed, or skipped because the engines' copy is equivalent (delta-skip).
         Either way the engines serve that step's policy, which `syncedStep` says; `lastSync` keeps the last
         push (a skip moves no bytes and leaves adapterVersion at the last pushed version)."""
-        if step is not None:
-            with self._lock:
-                self._data["syncedStep"] = step
-        last = {"mode": report["mode"], "bytes": report["bytes"], "milliseconds": report["ms"],
-                "adapterVersion": report["adapter_version"], "checksum": report["checksum"],
-                "time": rfc3339()}
+        last = SyncProgress(mode=report["mode"], bytes=report["bytes"], milliseconds=report["ms"],
+                            adapter_version=report["adapter_version"], checksum=report["checksum"], time=rfc3339())
+        changes: dict[str, Any] = {} if step is None else {"syncedStep": step}
         with self._lock:
-            if report["pushed"] or self._data["lastSync"] is None:
-                self._data["lastSync"] = last
+            if report["pushed"] or self._status.last_sync is None:
+                changes["lastSync"] = last
+            self._set(changes)
+
+    def _set(self, fields: Mapping[str, Any]) -> None:
+        # under the lock; a frozen model replaced whole, so a reader never sees half an update
+        self._status = TrainerStatus.model_validate({**self._status.model_dump(by_alias=True), **fields})
 
     def snapshot(self) -> dict[str, Any]:
+        """The /status answer, as JSON-ready data."""
         with self._lock:
-            return json.loads(json.dumps(self._data))
+            status = self._status
+        return status.model_dump(by_alias=True, mode="json")
+
+
+_KEYS = frozenset(str(f.alias) for f in TrainerStatus.model_fields.values())
 
 
 def resolve_token(run_dir: Path) -> tuple[str, str]:
@@ -162,7 +172,7 @@ class ControlPlane:
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> ControlPlane:
         self.thread.start()

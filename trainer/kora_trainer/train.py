@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as e:
         cause = getattr(e, "cause", None)  # a worker's error arrives wrapped in a RayTaskError
         shown = cause if isinstance(cause, BaseException) else e
-        progress.update(phase="Failed", message=f"{type(shown).__name__}: {shown}"[:1000])
+        progress.update(phase="Failed", message=f"{type(shown).__name__}: {shown}")  # TrainerStatus caps it
         raise
     finally:
         shutdown(job, started_ray, temp_dir)
