@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kora_operator.reasons import ConditionType, EventType, Reason
-
-MAX_MESSAGE = 1000  # Events are cut below 1 KiB; conditions use the same cap so they read alike
+from kora_trainer.config.status import MAX_MESSAGE
 
 Conditions = list[dict[str, Any]]
 

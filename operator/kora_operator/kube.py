@@ -16,6 +16,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kora_operator.api.job import GROUP, VERSION
 from kora_operator.conditions import truncate
+from kora_trainer.config.status import rfc3339
 
 JOB_PLURAL = "loratrainingjobs"
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayjobs"
@@ -27,7 +28,7 @@ __all__ = ["ApiException", "Kube", "now_rfc3339"]
 
 
 def now_rfc3339() -> str:
-    return dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return rfc3339()
 
 
 # The client's generated signatures want its V1* model classes; we hand it plain dicts (the

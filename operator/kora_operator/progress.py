@@ -1,10 +1,11 @@
 """Training progress, read from the trainer's control-plane API, into the job's status.
 
-`GET <trainer>:<port>/status` with `Authorization: Bearer <the job's token>` answers the keys of
-the `Progress` model (camelCase: step, totalSteps, rewardMean, lastSync, lastCheckpoint) plus a few
-the operator ignores. `fetch` does the one HTTP call; `progress_of` and `progress_conditions` are
-pure: the snapshot (and the spec) in, `status.progress` and the WeightsSynced / Checkpointed
-conditions out.
+`GET <trainer>:<port>/status` with `Authorization: Bearer <the job's token>` answers the trainer's
+`TrainerStatus` (kora_trainer.config.status, the model the trainer serializes it with): the `Progress`
+keys (camelCase: step, totalSteps, rewardMean, lastSync, lastCheckpoint) plus how the run stands (phase,
+syncedStep, ...). `fetch` does the one HTTP call; `read_status`, `progress_of` and `progress_conditions`
+are pure: the snapshot (and the spec) in, the parsed answer, `status.progress` and the WeightsSynced /
+Checkpointed conditions out.
 
 WeightsSynced is False when the engines serve a policy more than spec.deployment.maxStaleness steps
 older than the trainer's (lastSync.adapterVersion < step - maxStaleness): a stale policy shows, with
@@ -28,9 +29,10 @@ from kora_operator.api.job import LoRATrainingJobSpec
 from kora_operator.api.status import Progress
 from kora_operator.conditions import Cond
 from kora_operator.reasons import ConditionType, Reason
+from kora_trainer.config.status import TrainerStatus
 
 T, F = "True", "False"
-PROGRESS_KEYS = tuple(f.alias or n for n, f in Progress.model_fields.items())
+STATUS_KEYS = tuple(f.alias or n for n, f in TrainerStatus.model_fields.items())
 
 
 class ProgressUnavailable(Exception):
@@ -61,19 +63,28 @@ def fetch(base_url: str, token: str, timeout: float) -> dict[str, Any]:
     return data
 
 
-def progress_of(snapshot: Mapping[str, Any]) -> dict[str, Any]:
-    """status.progress from a /status answer: the Progress keys only, checked against the model (and
-    so the CRD schema), None values dropped."""
-    picked = {k: snapshot[k] for k in PROGRESS_KEYS if snapshot.get(k) is not None}
+def read_status(snapshot: Mapping[str, Any]) -> TrainerStatus:
+    """A /status answer checked against the trainer's model (and so, for its progress, the CRD schema): the
+    keys the model has (a newer trainer may send more), a None value as unset."""
+    picked = {k: snapshot[k] for k in STATUS_KEYS if snapshot.get(k) is not None}
     try:
-        model = Progress.model_validate(picked)
+        return TrainerStatus.model_validate(picked)
     except ValidationError as e:
         raise ProgressUnavailable(f"the trainer's /status does not match the Progress model: {e.errors()[0]}") from None
-    return model.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+def status_progress(status: TrainerStatus) -> dict[str, Any]:
+    """status.progress from a parsed /status answer: the Progress fields only, None values dropped."""
+    return status.model_dump(by_alias=True, mode="json", exclude_none=True, include=set(Progress.model_fields))
+
+
+def progress_of(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """status.progress from a /status answer (read_status, then status_progress)."""
+    return status_progress(read_status(snapshot))
 
 
 def progress_conditions(progress: Mapping[str, Any], spec: LoRATrainingJobSpec,
-                        synced_step: Any = None) -> list[Cond]:
+                        synced_step: int | None = None) -> list[Cond]:
     """WeightsSynced and Checkpointed from status.progress (and the snapshot's `syncedStep`, if any)."""
     conds: list[Cond] = []
     step = int(progress.get("step") or 0)

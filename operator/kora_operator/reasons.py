@@ -38,7 +38,6 @@ class Reason(StrEnum):
     FAILED_TO_CREATE_SECRET = "FailedToCreateSecret"
     FAILED_TO_CREATE_RAY_JOB = "FailedToCreateRayJob"
     FAILED_TO_UPDATE_RAY_JOB = "FailedToUpdateRayJob"
-    RAY_JOB_MISSING = "RayJobMissing"
     # the Ray cluster and the trainer, as KubeRay reports them
     RAY_JOB_PENDING = "RayJobPending"
     CLUSTER_PROVISIONING = "ClusterProvisioning"
@@ -72,6 +71,18 @@ class Reason(StrEnum):
     CHECKPOINTS_DISABLED = "CheckpointsDisabled"
     PROGRESS_UNAVAILABLE = "ProgressUnavailable"
 
+
+# child kind -> the Event reasons of its creation (handlers/reconcile.py creates every child alike)
+CREATED: dict[str, Reason] = {
+    "ConfigMap": Reason.CREATED_CONFIG_MAP,
+    "Secret": Reason.CREATED_SECRET,
+    "RayJob": Reason.CREATED_RAY_JOB,
+}
+FAILED_TO_CREATE: dict[str, Reason] = {
+    "ConfigMap": Reason.FAILED_TO_CREATE_CONFIG_MAP,
+    "Secret": Reason.FAILED_TO_CREATE_SECRET,
+    "RayJob": Reason.FAILED_TO_CREATE_RAY_JOB,
+}
 
 # RayJob .status.reason -> our reason (anything else is RAY_JOB_FAILED)
 KUBERAY_FAILURE_REASONS: dict[str, Reason] = {

@@ -1,21 +1,34 @@
-"""The operator's own settings (not the jobs'): `kora operator` flags, each with an environment
-variable of the same meaning so that `kopf run -m kora_operator.handlers` can set them too."""
+"""The operator's own settings (not the jobs'): one pydantic-settings class, read from environment
+variables (so that `kopf run -m kora_operator.handlers` can set them) and, for `kora operator`, from flags
+generated from the same fields (`add_flags` / `from_flags`). Each field's docstring is its --help text, its
+validation alias its environment variable, its default the default of both: flags over environment
+variables over defaults.
+
+`Settings(...)` is a plain value (tests build one so); only `from_env` reads an environment.
+"""
 
 from __future__ import annotations
 
+import argparse
 import math
 import os
 import shlex
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator, Field, ValidationError
+from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
+
+from kora_trainer.config.control import CONTROL_PORT
 
 DEFAULT_POLL_INTERVAL = 5.0
 DEFAULT_TRAINER_COMMAND = "python -m kora_trainer.train"
 # Runtime Ray: trainers of different jobs may share one Ray head, so each submission gets its own
 # control-plane port from this range (picked from the submission id, recorded in its metadata).
-DEFAULT_RAY_CONTROL_PORTS = (8068, 8167)
+DEFAULT_RAY_CONTROL_PORTS = (CONTROL_PORT, CONTROL_PORT + 99)
 DEFAULT_KEY_SECRET = "kora-operator-key"
 MAX_LINGER_S = 300
+IN_A_POD = "KUBERNETES_SERVICE_HOST"  # set in every pod's environment
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -30,24 +43,55 @@ def parse_port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-@dataclass(frozen=True)
-class Settings:
-    poll_interval: float = DEFAULT_POLL_INTERVAL
-    """Seconds between polls of running jobs (the trainer's /status; the Ray Jobs API for runtime Ray)."""
-    http_timeout: float = 3.0
+def _command(value: Any) -> Any:
+    return tuple(shlex.split(value)) if isinstance(value, str) else value
+
+
+def _port_range(value: Any) -> Any:
+    return parse_port_range(value) if isinstance(value, str) else value
+
+
+def _yes(value: Any) -> Any:
+    # as the operator has always read it: 1, true or yes (any case) is on, anything else off
+    return value.strip().lower() in ("1", "true", "yes") if isinstance(value, str) else value
+
+
+# text (an environment variable, a flag) is parsed here, never as JSON (NoDecode)
+Command = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_command)]
+PortRange = Annotated[tuple[int, int], NoDecode, BeforeValidator(_port_range)]
+YesNo = Annotated[bool, BeforeValidator(_yes)]
+
+
+class Settings(BaseSettings):
+    """How the operator polls, submits and derives tokens; the same for every job it serves."""
+
+    model_config = SettingsConfigDict(
+        case_sensitive=True, env_ignore_empty=True, populate_by_name=True, frozen=True, extra="forbid",
+        use_attribute_docstrings=True,
+    )
+
+    poll_interval: float = Field(DEFAULT_POLL_INTERVAL, validation_alias="KORA_POLL_INTERVAL",
+                                 json_schema_extra={"metavar": "SECONDS"})
+    """How often running jobs are polled: the trainer's progress, and the Ray Jobs API for runtime Ray."""
+    http_timeout: float = Field(3.0, validation_alias="KORA_HTTP_TIMEOUT", json_schema_extra={"metavar": "SECONDS"})
     """Timeout of one HTTP call to a trainer or a Ray Jobs API (the poll loop never waits longer)."""
-    trainer_command: tuple[str, ...] = tuple(shlex.split(DEFAULT_TRAINER_COMMAND))
-    """Runtime Ray: the command that starts the trainer on the Ray cluster (`--config` and `--run-dir`
-    are appended), e.g. `/opt/venv/bin/python -m kora_trainer.train` when `python` is not kora's."""
-    ray_control_ports: tuple[int, int] = DEFAULT_RAY_CONTROL_PORTS
-    """Runtime Ray: the range the trainer's control-plane port is picked from."""
-    key_file: str | None = None
-    """File holding the operator key (control-plane tokens are derived from it)."""
-    key_secret: str | None = None
-    """NAMESPACE/NAME of the Secret holding the operator key (created when missing)."""
-    kuberay_progress: bool = field(default_factory=lambda: bool(os.environ.get("KUBERNETES_SERVICE_HOST")))
-    """Poll KubeRay jobs' trainers (at their head service's cluster DNS name). Default: when running in
-    a pod, since outside a cluster those names do not resolve (and the lookups would leave the host)."""
+    trainer_command: Command = Field(tuple(shlex.split(DEFAULT_TRAINER_COMMAND)),
+                                     validation_alias="KORA_TRAINER_COMMAND", json_schema_extra={"metavar": "CMD"})
+    """Runtime Ray: the command that starts the trainer on the Ray cluster, --config and --run-dir appended
+    (e.g. `/opt/venv/bin/python -m kora_trainer.train` when `python` is not kora's)."""
+    ray_control_ports: PortRange = Field(DEFAULT_RAY_CONTROL_PORTS, validation_alias="KORA_RAY_CONTROL_PORTS",
+                                         json_schema_extra={"metavar": "LOW-HIGH"})
+    """Runtime Ray: ports the trainers' control planes may use on the Ray head, one per submission."""
+    key_file: str | None = Field(None, validation_alias="KORA_OPERATOR_KEY_FILE", json_schema_extra={"metavar": "PATH"})
+    """File with the operator key that control-plane tokens are derived from (made if missing)."""
+    key_secret: str | None = Field(
+        None, validation_alias="KORA_OPERATOR_KEY_SECRET", json_schema_extra={"metavar": "NAMESPACE/NAME"},
+        description=f"Secret with the operator key (made if missing). Unset: in a pod, {DEFAULT_KEY_SECRET} in the "
+                    "pod's namespace; elsewhere the file ~/.local/state/kora/operator-key.")
+    kuberay_progress: YesNo = Field(default_factory=lambda: bool(os.environ.get(IN_A_POD)),
+                                    validation_alias="KORA_KUBERAY_PROGRESS")
+    """Poll KubeRay jobs' trainers (at their head service's cluster DNS name). Default: when running in a
+    pod, since outside a cluster those names do not resolve (and the lookups would leave the host)."""
 
     @property
     def linger_s(self) -> int:
@@ -57,21 +101,76 @@ class Settings:
         return min(MAX_LINGER_S, max(10, math.ceil(3 * self.poll_interval)))
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings,)  # the keyword arguments only: from_env adds an environment
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **flags: Any) -> Settings:
+        """`flags` (by field name) over the environment `env` (default: this process's) over the defaults."""
         env = os.environ if env is None else env
-        s = cls(kuberay_progress=bool(env.get("KUBERNETES_SERVICE_HOST")))
-        if env.get("KORA_POLL_INTERVAL"):
-            s = replace(s, poll_interval=float(env["KORA_POLL_INTERVAL"]))
-        if env.get("KORA_HTTP_TIMEOUT"):
-            s = replace(s, http_timeout=float(env["KORA_HTTP_TIMEOUT"]))
-        if env.get("KORA_TRAINER_COMMAND"):
-            s = replace(s, trainer_command=tuple(shlex.split(env["KORA_TRAINER_COMMAND"])))
-        if env.get("KORA_RAY_CONTROL_PORTS"):
-            s = replace(s, ray_control_ports=parse_port_range(env["KORA_RAY_CONTROL_PORTS"]))
-        if env.get("KORA_OPERATOR_KEY_FILE"):
-            s = replace(s, key_file=env["KORA_OPERATOR_KEY_FILE"])
-        if env.get("KORA_OPERATOR_KEY_SECRET"):
-            s = replace(s, key_secret=env["KORA_OPERATOR_KEY_SECRET"])
-        if env.get("KORA_KUBERAY_PROGRESS"):
-            s = replace(s, kuberay_progress=env["KORA_KUBERAY_PROGRESS"].lower() in ("1", "true", "yes"))
-        return s
+        values = {**_Environment(cls, env)(), **{env_name(name): value for name, value in flags.items()}}
+        values.setdefault(env_name("kuberay_progress"), bool(env.get(IN_A_POD)))
+        return cls(**values)
+
+
+class _Environment(EnvSettingsSource):
+    """pydantic-settings' environment source over a given mapping instead of os.environ."""
+
+    def __init__(self, settings_cls: type[BaseSettings], env: Mapping[str, str]) -> None:
+        self._given = env  # read by _load_env_vars, which the base __init__ calls
+        super().__init__(settings_cls)
+
+    def _load_env_vars(self) -> Mapping[str, str | None]:
+        return {k: v for k, v in self._given.items() if not (self.env_ignore_empty and v == "")}
+
+
+def env_name(field: str) -> str:
+    """The environment variable of a Settings field."""
+    return str(Settings.model_fields[field].validation_alias)
+
+
+def _flag_value(field: str) -> Any:
+    """argparse `type` for a field's flag: the text validated as the environment variable would be."""
+
+    def parse(text: str) -> Any:
+        try:
+            return getattr(Settings.model_validate({env_name(field): text}), field)
+        except ValidationError as e:
+            raise argparse.ArgumentTypeError(e.errors()[0]["msg"]) from None
+
+    parse.__name__ = field  # argparse names it in its "invalid ... value" message
+    return parse
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, tuple) and all(isinstance(v, int) for v in value):
+        return "-".join(map(str, value))
+    return f"'{shlex.join(value)}'" if isinstance(value, tuple) else str(value)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field (--poll-interval for poll_interval); unset flags leave the field to the
+    environment and the defaults (from_flags)."""
+    for name, field in Settings.model_fields.items():
+        default = "" if field.default is None or field.default_factory else f" or {_shown(field.default)}"
+        text = " ".join((field.description or "").split()).rstrip(".")
+        help_ = f"{text} (default ${env_name(name)}{default})"
+        flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=None, help=help_)
+            continue
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        parser.add_argument(flag, dest=name, type=_flag_value(name), metavar=str(extra.get("metavar", "VALUE")),
+                            default=None, help=help_)
+
+
+def from_flags(args: argparse.Namespace, env: Mapping[str, str] | None = None) -> Settings:
+    """Flags over environment variables over defaults."""
+    given = {name: getattr(args, name) for name in Settings.model_fields if getattr(args, name, None) is not None}
+    return Settings.from_env(env, **given)

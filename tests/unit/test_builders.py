@@ -5,12 +5,16 @@ from __future__ import annotations
 import re
 
 import pytest
+import yaml
 
 from kora_operator.builders.children import build_children
+from kora_operator.builders.configmap import build_config_map
 from kora_operator.builders.names import MAX_RAYJOB_NAME, ray_job_name, secret_name
 from kora_operator.builders.rayjob import CONTROL_PORT, ENTRYPOINT, build_ray_job, mutable_spec
 from kora_operator.builders.secret import build_secret, new_token
+from kora_operator.reasons import CREATED, FAILED_TO_CREATE
 from kora_operator.validation import validate_job
+from kora_trainer.config import ModelSpec
 from specs import set_path, valid_job
 
 UID = "0b8c7d52-1111-4222-8333-444455556666"
@@ -40,6 +44,12 @@ def test_every_child_is_owned_by_the_job_and_labelled():
         assert meta["labels"]["kora.dev/component"]
     kinds = [o["kind"] for o in build_children(job(), "tok")]
     assert kinds == ["ConfigMap", "Secret", "RayJob"]
+
+
+def test_every_child_kind_has_its_event_reasons():
+    # the reasons `kubectl describe` lists for a child's creation, one Reason member per kind
+    for kind in (o["kind"] for o in build_children(job(), "tok")):
+        assert (CREATED[kind], FAILED_TO_CREATE[kind]) == (f"Created{kind}", f"FailedToCreate{kind}")
 
 
 def test_no_owner_reference_without_a_uid():
@@ -77,6 +87,17 @@ def test_no_queue_label_without_queue_name():
     assert "kueue.x-k8s.io/queue-name" not in build_ray_job(job())["metadata"]["labels"]
 
 
+def test_the_trainer_config_keeps_every_model_spec_field_and_drops_the_volume():
+    doc = valid_job("demo")
+    doc["spec"]["model"]["volume"] = {"persistentVolumeClaim": {"claimName": "models"}}
+    spec = job(doc).spec
+    model = spec.trainer_config().model
+    assert type(model) is ModelSpec and set(ModelSpec.model_fields) <= set(type(spec.model).model_fields)
+    assert model.model_dump() == spec.model.model_dump(include=set(ModelSpec.model_fields))
+    rendered = yaml.safe_load(build_config_map(job(doc))["data"]["job.yaml"])["model"]
+    assert set(rendered) == {f.alias or n for n, f in ModelSpec.model_fields.items()} and "volume" not in rendered
+
+
 def test_head_and_workers_get_resources_volumes_and_ports():
     doc = valid_job("demo", resources={
         "workers": 2, "gpusPerWorker": 4, "cpu": "8", "memory": "64Gi", "shmSize": "8Gi",
@@ -105,7 +126,7 @@ def test_head_and_workers_get_resources_volumes_and_ports():
         assert vols["data"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": False}
         assert mounts["data"] == "/mnt/m"
         env = {e["name"]: e["value"] for e in container(tmpl)["env"]}
-        assert env["NCCL_DEBUG"] and env["NCCL_SOCKET_IFNAME"] and env["KORA_JOB_NAME"] == "demo"
+        assert env["NCCL_DEBUG"] and env["NCCL_SOCKET_IFNAME"]
         # only the head (the driver, which serves :8068) sees the token
         assert ("control-token" in vols) == (component == "ray-head")
         assert ("KORA_CONTROL_TOKEN_FILE" in env) == (component == "ray-head")

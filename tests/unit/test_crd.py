@@ -5,8 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import yaml
+from pydantic import Field
 
 from kora_operator.api.crd import OUTPUT_DIRS, generated_files, loratrainingjob_crd, main
+from kora_operator.api.job import IMMUTABLE_SECTIONS, LoRATrainingJob, LoRATrainingJobSpec, immutable_sections
+from kora_operator.builders.rayjob import mutable_spec
+from specs import valid_job
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -66,6 +70,29 @@ def test_defaults_enums_bounds_and_rules_are_in_the_schema():
     assert any("router" in m for m in rules)
     assert spec["properties"]["lora"]["x-kubernetes-validations"][0]["rule"] == "self == oldSelf"
     assert "x-kubernetes-validations" not in spec["properties"]["suspend"]
+
+
+def test_immutable_sections_are_every_spec_field_but_the_mutable_ones():
+    assert set(IMMUTABLE_SECTIONS) == {
+        "model", "lora", "algorithm", "data", "rollout", "parallelism", "deployment", "sync", "multiLora",
+        "backend", "runtime", "image", "resources", "queueName"}
+    # the lifecycle fields are the ones the operator passes on to the RayJob, and they stay mutable
+    job = LoRATrainingJob.model_validate(valid_job("immut"))
+    lifecycle = set(mutable_spec(job))
+    assert lifecycle == {"suspend", "backoffLimit", "ttlSecondsAfterFinished"}
+    assert not lifecycle & set(IMMUTABLE_SECTIONS) and "checkpoint" not in IMMUTABLE_SECTIONS
+    spec = _version()["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    for name, prop in spec.items():
+        rules = [v["rule"] for v in prop.get("x-kubernetes-validations", [])]
+        assert ("self == oldSelf" in rules) == (name in IMMUTABLE_SECTIONS), name
+
+
+def test_a_new_spec_section_is_immutable_unless_said_otherwise():
+    class Grown(LoRATrainingJobSpec):
+        new_section: dict[str, str] = Field(default_factory=dict)
+        """A section added later."""
+
+    assert immutable_sections(Grown) == (*immutable_sections(LoRATrainingJobSpec), "newSection")
 
 
 def test_printer_columns_and_names():

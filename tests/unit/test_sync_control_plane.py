@@ -10,9 +10,16 @@ import urllib.request
 
 import pytest
 
+from kora_operator.api.job import LoRATrainingJob
 from kora_operator.api.status import Progress as OperatorProgress
-from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_token
+from kora_operator.builders.rayjob import build_ray_job
+from kora_operator.progress import read_status
+from kora_operator.runtimes import ray as rt
+from kora_trainer.config.control import CONTROL_PORT, ControlEnv
+from kora_trainer.config.status import MAX_MESSAGE, TrainerStatus
+from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_port, resolve_token
 from localcluster import wait_for
+from specs import valid_job
 
 
 def get(url: str, token: str | None = None) -> tuple[int, object]:
@@ -58,6 +65,20 @@ def test_status_reports_progress_and_the_last_pushed_sync(plane):
     assert parsed.last_sync.adapter_version == 7 and parsed.step == 8
 
 
+def test_the_answer_is_the_shared_model_both_sides_read(plane):
+    cp, progress = plane
+    progress.record_sync({"mode": "Adapter", "bytes": 1, "ms": 2.0, "adapter_version": 3, "checksum": "c",
+                          "pushed": True}, step=3)
+    progress.update(step=3, phase="Failed", message="x" * 5000)
+    _, body = get(f"{cp.url}/status", "s3cret")
+    assert list(body) == [f.alias for f in TrainerStatus.model_fields.values()]  # every key, in the model's order
+    parsed = read_status(body)  # the operator's reading
+    assert parsed == TrainerStatus.model_validate(body) and parsed.synced_step == 3 and parsed.phase == "Failed"
+    assert len(body["message"]) == MAX_MESSAGE and body["lastSync"]["time"].endswith("Z")
+    with pytest.raises(TypeError, match="no /status field"):
+        progress.update(reward_mean=1.0)  # the JSON names only: a typo fails the writer, not the reader
+
+
 def test_token_sources(tmp_path, monkeypatch):
     monkeypatch.delenv("KORA_CONTROL_TOKEN", raising=False)
     monkeypatch.delenv("KORA_CONTROL_TOKEN_FILE", raising=False)
@@ -69,6 +90,37 @@ def test_token_sources(tmp_path, monkeypatch):
     assert resolve_token(tmp_path)[0] == "from-secret"
     monkeypatch.setenv("KORA_CONTROL_TOKEN", "from-env")
     assert resolve_token(tmp_path) == ("from-env", "env KORA_CONTROL_TOKEN")
+
+
+def _trainer_env(monkeypatch, env: dict[str, str]) -> None:
+    for field in ControlEnv.model_fields:
+        monkeypatch.delenv(ControlEnv.env_name(field), raising=False)
+    for name, value in env.items():
+        if name.startswith("KORA_CONTROL_"):
+            monkeypatch.setenv(name, value)
+
+
+def test_the_trainer_reads_the_control_env_the_operator_writes(tmp_path, monkeypatch):
+    doc = valid_job("toy", runtime={"kind": "Ray", "address": "http://127.0.0.1:8265"})
+    doc["metadata"].update(namespace="team-a", uid="u-1")
+    body = rt.build_submission(LoRATrainingJob.model_validate(doc), sub="s", token="tok", port=0,
+                               trainer_command=["x"], linger_s=15)
+    _trainer_env(monkeypatch, body["runtime_env"]["env_vars"])
+    assert resolve_token(tmp_path) == ("tok", "env KORA_CONTROL_TOKEN")
+    assert resolve_port(None) == 0 and resolve_port(9000) == 9000 and resolve_linger() == (15.0, None)
+    cp = ControlPlane(Progress(1, "Merge"), "tok", resolve_port(None))
+    try:
+        assert cp.server.server_address[0] == "127.0.0.1"
+    finally:
+        cp.server.server_close()
+    # a KubeRay head: the token from the mounted Secret, the fixed port, every interface
+    (head,) = build_ray_job(LoRATrainingJob.model_validate(doc))["spec"]["rayClusterSpec"]["headGroupSpec"][
+        "template"]["spec"]["containers"]
+    written = {e["name"]: e["value"] for e in head["env"]}
+    assert ControlEnv.from_env(written) == ControlEnv(port=CONTROL_PORT, token_file="/var/run/secrets/kora/token",
+                                                      host="0.0.0.0", linger_s=30)
+    _trainer_env(monkeypatch, {})
+    assert resolve_port(None) == CONTROL_PORT and resolve_linger() == (0.0, None)
 
 
 def test_status_says_where_a_run_resumed_from(plane):

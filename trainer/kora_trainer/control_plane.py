@@ -9,8 +9,9 @@
        "resumedFromStep": the checkpoint step this run resumed from | null (a fresh start)}
     GET /healthz  (open) -> 200 "ok"
 
-The progress keys are exactly the operator's `Progress` model (camelCase), so it can copy them into
-the LoRATrainingJob status; `phase`, `syncMode`, `message` and `syncedStep` are extra. A stale policy on
+The answer is the model `kora_trainer.config.status.TrainerStatus`, which the operator parses it with: its
+`Progress` keys the operator copies into the LoRATrainingJob status; `phase`, `syncMode`, `message`,
+`syncedStep` and `resumedFromStep` are extra. A stale policy on
 the engines shows as `lastSync.adapterVersion < step` (unless `syncedStep` says a skip kept it current).
 
 The token: env KORA_CONTROL_TOKEN, else the file named by KORA_CONTROL_TOKEN_FILE (the operator mounts
@@ -22,6 +23,9 @@ Linger: the operator learns the final phase from /status, so a run that ends mus
 before anyone read it. `ControlPlane.linger(seconds)` keeps serving until one authorized GET /status has
 returned a final phase (Succeeded / Failed) or `seconds` passed, whichever comes first; the trainer calls
 it at the end with env KORA_CONTROL_LINGER_S (default 0: stop at once).
+
+The KORA_CONTROL_* variables are the fields of `kora_trainer.config.control.ControlEnv`, which the operator
+writes them with.
 """
 
 from __future__ import annotations
@@ -31,58 +35,70 @@ import json
 import os
 import secrets
 import threading
-from datetime import UTC, datetime
+from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-DEFAULT_PORT = 8068
-FINAL_PHASES = frozenset({"Succeeded", "Failed"})
+from pydantic import ValidationError
+
+from kora_trainer.config.control import CONTROL_PORT, ControlEnv
+from kora_trainer.config.sections import SyncMode
+from kora_trainer.config.status import FINAL_PHASES, SyncProgress, TrainerStatus, rfc3339
 
 
 class Progress:
-    """What the loop knows, behind a lock (the HTTP threads read it while the loop writes it)."""
+    """The run's TrainerStatus as the loop moves it on, behind a lock (the HTTP threads read it while the loop
+    writes it). Every change is checked against the model, so /status answers only what it declares."""
 
     def __init__(self, total_steps: int, sync_mode: str):
         self._lock = threading.Lock()
-        self._data: dict[str, Any] = {"step": 0, "totalSteps": total_steps, "rewardMean": None, "lastSync": None,
-                                      "lastCheckpoint": None, "phase": "Starting", "syncMode": sync_mode,
-                                      "message": "", "syncedStep": None,
-                                      "resumedFromStep": None}
+        self._status = TrainerStatus(step=0, total_steps=total_steps, sync_mode=SyncMode(sync_mode))
 
     def update(self, **fields: Any) -> None:
+        """Set fields by their /status (camelCase) names: update(step=3, rewardMean=0.5)."""
+        unknown = set(fields) - _KEYS
+        if unknown:
+            raise TypeError(f"no /status field {sorted(unknown)}: the fields are {sorted(_KEYS)}")
         with self._lock:
-            self._data.update(fields)
+            self._set(fields)
 
-    def record_sync(self, report: dict[str, Any], step: int | None = None) -> None:
+    def record_sync(self, report: Mapping[str, Any], step: int | None = None) -> None:
         """A sync of policy `step`: pushed, or skipped because the engines' copy is equivalent (delta-skip).
         Either way the engines serve that step's policy, which `syncedStep` says; `lastSync` keeps the last
         push (a skip moves no bytes and leaves adapterVersion at the last pushed version)."""
-        if step is not None:
-            with self._lock:
-                self._data["syncedStep"] = step
-        last = {"mode": report["mode"], "bytes": report["bytes"], "milliseconds": report["ms"],
-                "adapterVersion": report["adapter_version"], "checksum": report["checksum"],
-                "time": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
+        last = SyncProgress(mode=report["mode"], bytes=report["bytes"], milliseconds=report["ms"],
+                            adapter_version=report["adapter_version"], checksum=report["checksum"], time=rfc3339())
+        changes: dict[str, Any] = {} if step is None else {"syncedStep": step}
         with self._lock:
-            if report["pushed"] or self._data["lastSync"] is None:
-                self._data["lastSync"] = last
+            if report["pushed"] or self._status.last_sync is None:
+                changes["lastSync"] = last
+            self._set(changes)
+
+    def _set(self, fields: Mapping[str, Any]) -> None:
+        # under the lock; a frozen model replaced whole, so a reader never sees half an update
+        self._status = TrainerStatus.model_validate({**self._status.model_dump(by_alias=True), **fields})
 
     def snapshot(self) -> dict[str, Any]:
+        """The /status answer, as JSON-ready data."""
         with self._lock:
-            return json.loads(json.dumps(self._data))
+            status = self._status
+        return status.model_dump(by_alias=True, mode="json")
+
+
+_KEYS = frozenset(str(f.alias) for f in TrainerStatus.model_fields.values())
 
 
 def resolve_token(run_dir: Path) -> tuple[str, str]:
     """(token, where it came from)."""
-    if os.environ.get("KORA_CONTROL_TOKEN"):
-        return os.environ["KORA_CONTROL_TOKEN"], "env KORA_CONTROL_TOKEN"
-    path = os.environ.get("KORA_CONTROL_TOKEN_FILE")
-    if path:
-        token = Path(path).read_text().strip()
+    env = ControlEnv.from_env(only=("token", "token_file"))
+    if env.token:
+        return env.token, f"env {ControlEnv.env_name('token')}"
+    if env.token_file:
+        token = Path(env.token_file).read_text().strip()
         if not token:
-            raise ValueError(f"KORA_CONTROL_TOKEN_FILE {path} is empty")
-        return token, path
+            raise ValueError(f"{ControlEnv.env_name('token_file')} {env.token_file} is empty")
+        return token, env.token_file
     run_dir.mkdir(parents=True, exist_ok=True)
     file = run_dir / "control-token"
     token = secrets.token_urlsafe(24)
@@ -94,25 +110,27 @@ def resolve_token(run_dir: Path) -> tuple[str, str]:
 def resolve_port(flag: int | None) -> int:
     if flag is not None:
         return flag
-    return int(os.environ.get("KORA_CONTROL_PORT", DEFAULT_PORT))
+    port = ControlEnv.from_env(only=("port",)).port
+    return CONTROL_PORT if port is None else port
 
 
 def resolve_linger() -> tuple[float, str | None]:
-    """(seconds from KORA_CONTROL_LINGER_S, a warning when the value was unusable and 0 is used)."""
-    raw = os.environ.get("KORA_CONTROL_LINGER_S", "").strip()
+    """(seconds from KORA_CONTROL_LINGER_S, a warning when the value was unusable and 0 is used): lingering
+    is a courtesy to the operator, no reason to fail a run."""
+    name = ControlEnv.env_name("linger_s")
+    raw = os.environ.get(name, "").strip()
     if not raw:
         return 0.0, None
     try:
-        value = float(raw)
-    except ValueError:
-        return 0.0, f"KORA_CONTROL_LINGER_S={raw!r} is not a number of seconds: not lingering"
-    if not value >= 0 or value == float("inf"):  # NaN, negative, infinite
-        return 0.0, f"KORA_CONTROL_LINGER_S={raw!r} must be a finite number >= 0: not lingering"
-    return value, None
+        return ControlEnv.model_validate({name: raw}).linger_s, None
+    except ValidationError as e:
+        if e.errors()[0]["type"] == "float_parsing":
+            return 0.0, f"{name}={raw!r} is not a number of seconds: not lingering"
+        return 0.0, f"{name}={raw!r} must be a finite number >= 0: not lingering"  # NaN, negative, infinite
 
 
 class ControlPlane:
-    def __init__(self, progress: Progress, token: str, port: int = DEFAULT_PORT, host: str | None = None):
+    def __init__(self, progress: Progress, token: str, port: int = CONTROL_PORT, host: str | None = None):
         self.progress, self.token = progress, token
         self.final_read = threading.Event()  # set once an authorized GET /status returned a final phase
         outer = self
@@ -146,14 +164,15 @@ class ControlPlane:
                     self.wfile.flush()
                     outer.final_read.set()  # the whole answer is written: linger() may stop the server now
 
-        self.server = ThreadingHTTPServer((host or os.environ.get("KORA_CONTROL_HOST", "127.0.0.1"), port), Handler)
+        host = host or ControlEnv.from_env(only=("host",)).host or "127.0.0.1"
+        self.server = ThreadingHTTPServer((host, port), Handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="control-plane", daemon=True)
 
     @property
     def url(self) -> str:
         host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> ControlPlane:
         self.thread.start()

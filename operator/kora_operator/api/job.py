@@ -5,7 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
 from kora_operator.api.status import LoRATrainingJobStatus
 from kora_trainer.config.base import CamelModel
@@ -136,13 +136,19 @@ class RuntimeSpec(CamelModel):
     its own settings."""
 
 
-# Spec sections that define what is being trained, or the Ray cluster it runs on (the RayJob's
-# rayClusterSpec is fixed once created); they cannot change on a created job. Lifecycle fields
-# (suspend, backoffLimit, ttlSecondsAfterFinished) can, and the operator passes them on.
-IMMUTABLE_SECTIONS = (
-    "model", "lora", "algorithm", "data", "rollout", "parallelism", "deployment", "sync",
-    "multiLora", "backend", "runtime", "image", "resources", "queueName",
-)
+# Spec fields that may change on a created job. The lifecycle fields, which the operator passes on
+# (the RayJob's suspend/backoffLimit/ttlSecondsAfterFinished; for runtime Ray a stop or a resubmission);
+# and spec.checkpoint, which has always been left mutable (kept so here: no behaviour changes with the
+# derivation below).
+LIFECYCLE_FIELDS = frozenset({"suspend", "backoff_limit", "ttl_seconds_after_finished"})
+MUTABLE_FIELDS = LIFECYCLE_FIELDS | {"checkpoint"}
+
+
+def immutable_sections(spec: type[BaseModel]) -> tuple[str, ...]:
+    """The fields of `spec` that cannot change on a created job, as the CRD spells them: everything but
+    MUTABLE_FIELDS. They define what is being trained, or the Ray cluster it runs on (the RayJob's
+    rayClusterSpec is fixed once created), so a new section is immutable unless it is said otherwise."""
+    return tuple(f.alias or name for name, f in spec.model_fields.items() if name not in MUTABLE_FIELDS)
 
 
 class LoRATrainingJobSpec(TrainerConfig):
@@ -166,10 +172,14 @@ class LoRATrainingJobSpec(TrainerConfig):
     """Kueue LocalQueue; passed as the kueue.x-k8s.io/queue-name label on the RayJob."""
 
     def trainer_config(self) -> TrainerConfig:
-        """The part the trainer reads (rendered into the job's ConfigMap)."""
-        data = self.model_dump(by_alias=True, mode="json", include=set(TrainerConfig.model_fields))
-        data["model"] = {"path": self.model.path}
-        return TrainerConfig.model_validate(data)
+        """The part the trainer reads (rendered into the job's ConfigMap): the trainer's sections, and of
+        the model section every ModelSpec field (the volume is the pods' business, not the trainer's)."""
+        keep: dict[str, Any] = dict.fromkeys(TrainerConfig.model_fields, True)
+        keep["model"] = set(ModelSpec.model_fields)
+        return TrainerConfig.model_validate(self.model_dump(by_alias=True, mode="json", include=keep))
+
+
+IMMUTABLE_SECTIONS = immutable_sections(LoRATrainingJobSpec)
 
 
 class LoRATrainingJob(CamelModel):

@@ -11,6 +11,12 @@ from pydantic import Field
 from kora_trainer.config.base import CamelModel
 from kora_trainer.config.sections import SyncMode
 
+# status.progress is the trainer's own /status model (its Progress part): one definition for the trainer
+# that serves it, the operator that copies it, and the CRD schema generated from it
+from kora_trainer.config.status import CheckpointProgress, Progress, SyncProgress
+
+__all__ = ["CheckpointProgress", "Condition", "LoRATrainingJobStatus", "Phase", "Progress", "SyncProgress"]
+
 
 class Phase(StrEnum):
     PENDING = "Pending"
@@ -36,47 +42,6 @@ class Condition(CamelModel):
     """CamelCase reason for the last transition."""
     message: Annotated[str, Field(max_length=32768)] = ""
     """Human-readable details."""
-
-
-class SyncProgress(CamelModel):
-    """The last weight sync to the rollout engines; compare adapterVersion with step for staleness."""
-
-    mode: SyncMode | None = None
-    """Merge, Adapter or EngineMerge."""
-    bytes: Annotated[int, Field(ge=0)] | None = None
-    """Bytes pushed."""
-    milliseconds: Annotated[float, Field(ge=0)] | None = None
-    """Wall time of the push, trainer step done to engines serving it."""
-    adapter_version: Annotated[int, Field(ge=0)] | None = None
-    """Policy version (trainer step) the engines now serve."""
-    checksum: str | None = None
-    """Checksum of the pushed weights, as computed by the trainer."""
-    time: datetime | None = None
-    """When the sync finished."""
-
-
-class CheckpointProgress(CamelModel):
-    """The last checkpoint written."""
-
-    path: str | None = None
-    """Checkpoint directory."""
-    step: Annotated[int, Field(ge=0)] | None = None
-    """Step it holds."""
-
-
-class Progress(CamelModel):
-    """Training progress, read from the trainer's control-plane API."""
-
-    step: Annotated[int, Field(ge=0)] | None = None
-    """Optimizer steps done."""
-    total_steps: Annotated[int, Field(ge=0)] | None = None
-    """Steps the job will run."""
-    reward_mean: float | None = None
-    """Mean training reward of the last step."""
-    last_sync: SyncProgress | None = None
-    """The last weight sync."""
-    last_checkpoint: CheckpointProgress | None = None
-    """The last checkpoint."""
 
 
 class LoRATrainingJobStatus(CamelModel):

@@ -14,9 +14,9 @@ from kora_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_DIR
 from kora_operator.builders.meta import COMPONENT_LABEL, JOB_LABEL, QUEUE_LABEL, labels, object_meta
 from kora_operator.builders.names import config_map_name, ray_job_name, secret_name
 from kora_operator.builders.secret import TOKEN_KEY
+from kora_trainer.config.control import CONTROL_PORT, ControlEnv
 from kora_trainer.config.ray_env import usage_stats_env
 
-CONTROL_PORT = 8068
 CONTROL_LINGER_S = 30
 TOKEN_DIR = "/var/run/secrets/kora"
 ENTRYPOINT = f"python -m kora_trainer.train --config {CONFIG_MOUNT_DIR}/{CONFIG_KEY}"
@@ -37,15 +37,13 @@ def _env(job: LoRATrainingJob, head: bool) -> list[dict[str, Any]]:
         # Ray's usage report off unless the job opts in (runtime.rayUsageStats); the image's HOME holds the
         # cluster config that keeps Ray's dashboard from probing cloud metadata (config/ray_env.py)
         **usage_stats_env(job.spec.runtime.ray_usage_stats),
-        "KORA_JOB_NAME": str(job.metadata["name"]),
-        "KORA_CONFIG": f"{CONFIG_MOUNT_DIR}/{CONFIG_KEY}",
     }
     if head:  # the driver serves the control-plane API; only it needs the token
-        env["KORA_CONTROL_PORT"] = str(CONTROL_PORT)
-        env["KORA_CONTROL_TOKEN_FILE"] = f"{TOKEN_DIR}/{TOKEN_KEY}"
-        env["KORA_CONTROL_HOST"] = "0.0.0.0"  # the operator polls it through the head service (bearer token)
-        # after the last step, wait (at most this long) until the operator has read the final numbers
-        env["KORA_CONTROL_LINGER_S"] = str(CONTROL_LINGER_S)
+        env |= ControlEnv(
+            port=CONTROL_PORT, token_file=f"{TOKEN_DIR}/{TOKEN_KEY}",
+            host="0.0.0.0",  # the operator polls it through the head service (bearer token)
+            linger_s=CONTROL_LINGER_S,  # after the last step, wait (at most this long) for the operator's read
+        ).to_env()
     return [{"name": k, "value": v} for k, v in env.items()]
 
 

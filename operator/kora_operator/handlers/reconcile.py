@@ -29,8 +29,8 @@ from kora_operator.handlers.poller import Poller
 from kora_operator.kube import ApiException, Kube, now_rfc3339
 from kora_operator.metrics import CHILDREN_CREATED, observe_reconcile
 from kora_operator.phase import TERMINAL, Observation, next_status, observe
-from kora_operator.progress import ProgressUnavailable, fetch, progress_conditions, progress_of
-from kora_operator.reasons import ConditionType, EventType, Reason
+from kora_operator.progress import ProgressUnavailable, fetch, progress_conditions, read_status, status_progress
+from kora_operator.reasons import CREATED, FAILED_TO_CREATE, ConditionType, EventType, Reason
 from kora_operator.runtimes import kuberay
 from kora_operator.runtimes import ray as rayrt
 from kora_operator.runtimes.rayjobs import (
@@ -44,10 +44,10 @@ from kora_operator.runtimes.rayjobs import (
 from kora_operator.settings import Settings
 from kora_operator.tokens import Tokens
 from kora_operator.validation import validate_job
+from kora_trainer.config.status import TrainerPhase
 
 log = logging.getLogger("kora.reconcile")
 RETRY_DELAY = 5.0  # seconds kopf waits before retrying after transient API trouble
-STARTING = "Starting"  # the trainer's /status phase before its first step (control_plane.py)
 
 # Handlers for one job (its own events, its RayJob's) may run in parallel threads; one at a time
 # per job keeps the read-decide-write of the status from racing itself.
@@ -197,12 +197,12 @@ def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob) -
             try:
                 created = kube.create_child(child)
             except ApiException as e:
-                kube.event(body, EventType.WARNING, f"FailedToCreate{kind}",
+                kube.event(body, EventType.WARNING, FAILED_TO_CREATE[kind],
                            f"creating {kind} {child['metadata']['name']} failed: {e.status} {e.reason}")
                 raise kopf.TemporaryError(f"creating {kind}: {e.status} {e.reason}", delay=RETRY_DELAY) from e
             if created is not None:  # None: it was there already (a Secret, or a race)
                 CHILDREN_CREATED.labels(kind).inc()
-                kube.event(body, EventType.NORMAL, f"Created{kind}", f"created {kind} {child['metadata']['name']}")
+                kube.event(body, EventType.NORMAL, CREATED[kind], f"created {kind} {child['metadata']['name']}")
                 existing = created
             elif kind != "Secret":
                 existing = kube.get_child(child)
@@ -340,8 +340,7 @@ def _with_progress(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, sta
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     try:
-        snapshot = fetch(url, ctx.tokens.for_job(str(meta["uid"])), ctx.settings.http_timeout)
-        progress = progress_of(snapshot)
+        trainer = read_status(fetch(url, ctx.tokens.for_job(str(meta["uid"])), ctx.settings.http_timeout))
     except ProgressUnavailable as e:
         if ctx.progress_errors.get(key) != str(e):
             ctx.progress_errors[key] = str(e)
@@ -350,13 +349,14 @@ def _with_progress(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, sta
                 ctx.kube.event(body, EventType.WARNING, Reason.PROGRESS_UNAVAILABLE, str(e))
         return status
     ctx.progress_errors.pop(key, None)
+    progress = status_progress(trainer)
     shown = (status.get("progress") or {}).get("step")
-    if snapshot.get("phase") == STARTING and isinstance(shown, int) and int(progress.get("step") or 0) < shown:
+    if trainer.phase is TrainerPhase.STARTING and isinstance(shown, int) and int(progress.get("step") or 0) < shown:
         # a resubmitted trainer that has not restored its checkpoint yet says step 0: keep what the
         # status shows (the last attempt's progress) until it runs, so the Step column never drops to 0
         return status
     new = dict(status)
     new["progress"] = progress
-    conds = progress_conditions(progress, job.spec, synced_step=snapshot.get("syncedStep"))
+    conds = progress_conditions(progress, job.spec, synced_step=trainer.synced_step)
     new["conditions"] = set_conditions(status.get("conditions") or [], conds, meta.get("generation"), now)
     return new

@@ -36,7 +36,9 @@ from kora_operator.conditions import Cond
 from kora_operator.phase import Observation
 from kora_operator.reasons import ConditionType, Reason
 from kora_operator.runtimes.rayjobs import FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, JobInfo
+from kora_trainer.config.control import ControlEnv
 from kora_trainer.config.ray_env import usage_stats_env
+from kora_trainer.config.status import MAX_MESSAGE
 
 T, F = "True", "False"
 PORT_KEY = "kora.dev/control-port"
@@ -44,7 +46,6 @@ JOB_KEY = "kora.dev/job"
 UID_KEY = "kora.dev/uid"
 RUN_DIR = ".kora/runs"  # relative to the Ray job's working directory (where the Ray head was started)
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-MAX_MESSAGE = 1000
 
 
 def submission_id(uid: str, n: int = 0) -> str:
@@ -84,25 +85,28 @@ def build_submission(job: LoRATrainingJob, *, sub: str, token: str, port: int,
     control plane up after the last step, until the operator has read the final numbers."""
     meta = job.metadata
     address = str(job.spec.runtime.address)
+    name, namespace = str(meta["name"]), str(meta.get("namespace", "default"))
     env = {
         "KORA_JOB_YAML": trainer_config_yaml(job),
-        "KORA_JOB_NAME": str(meta["name"]),
-        "KORA_JOB_NAMESPACE": str(meta.get("namespace", "default")),
-        "KORA_CONTROL_TOKEN": token,
-        "KORA_CONTROL_PORT": str(port),
-        # the operator reaches the trainer at the Ray head's address: loopback stays loopback
-        "KORA_CONTROL_HOST": "127.0.0.1" if ray_host(address) in LOOPBACK else "0.0.0.0",
+        # every process of the job (driver and workers: the submission metadata reaches the driver only)
+        # carries its job's name in its environment, so that it can be told apart on a shared Ray head
+        # (tests/raykit.py finds a job's processes so; `ps e` shows it to a person)
+        "KORA_JOB_NAME": name,
+        "KORA_JOB_NAMESPACE": namespace,
+        **ControlEnv(
+            token=token, port=port,
+            # the operator reaches the trainer at the Ray head's address: loopback stays loopback
+            host="127.0.0.1" if ray_host(address) in LOOPBACK else "0.0.0.0",
+            linger_s=linger_s,
+        ).to_env(),
         # the job's driver and workers (the cluster's own dashboard is its operator's to configure)
         **usage_stats_env(job.spec.runtime.ray_usage_stats),
     }
-    if linger_s:
-        env["KORA_CONTROL_LINGER_S"] = str(linger_s)
     return {
         "entrypoint": entrypoint(trainer_command, sub),
         "submission_id": sub,
         "runtime_env": {"env_vars": env},
-        "metadata": {JOB_KEY: f"{env['KORA_JOB_NAMESPACE']}/{env['KORA_JOB_NAME']}",
-                     UID_KEY: str(meta.get("uid", "")), PORT_KEY: str(port)},
+        "metadata": {JOB_KEY: f"{namespace}/{name}", UID_KEY: str(meta.get("uid", "")), PORT_KEY: str(port)},
     }
 
 

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
+from kora_trainer.config.status import rfc3339
+
 PENDING, RUNNING, STOPPED, SUCCEEDED, FAILED = "PENDING", "RUNNING", "STOPPED", "SUCCEEDED", "FAILED"
 TERMINAL = frozenset({STOPPED, SUCCEEDED, FAILED})
 SUBMIT_TIMEOUT = 30.0
@@ -58,7 +60,7 @@ def ray_auth_token(env: Mapping[str, str] | None = None) -> str | None:
 def _ms_to_rfc3339(ms: Any) -> str | None:
     if not isinstance(ms, int | float) or ms <= 0:
         return None
-    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return rfc3339(dt.datetime.fromtimestamp(ms / 1000, dt.UTC))
 
 
 @dataclass(frozen=True)

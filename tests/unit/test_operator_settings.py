@@ -1,0 +1,62 @@
+"""The operator's settings: one class, read from environment variables and from `kora operator` flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kora_cli.main import build_parser
+from kora_operator.settings import Settings, add_flags, env_name, from_flags
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kora operator")
+    add_flags(p)
+    return p
+
+
+def test_every_setting_keeps_its_flag_and_its_variable():
+    flags = {a.option_strings[0] for a in parser()._actions if a.dest in Settings.model_fields}
+    assert flags == {"--poll-interval", "--http-timeout", "--trainer-command", "--ray-control-ports", "--key-file",
+                     "--key-secret", "--kuberay-progress"}
+    assert {env_name(n) for n in Settings.model_fields} == {
+        "KORA_POLL_INTERVAL", "KORA_HTTP_TIMEOUT", "KORA_TRAINER_COMMAND", "KORA_RAY_CONTROL_PORTS",
+        "KORA_OPERATOR_KEY_FILE", "KORA_OPERATOR_KEY_SECRET", "KORA_KUBERAY_PROGRESS"}
+    text = parser().format_help()
+    assert "(default $KORA_POLL_INTERVAL or 5)" in text and "$KORA_RAY_CONTROL_PORTS or 8068-8167" in text
+
+
+def test_flags_over_environment_variables_over_defaults():
+    args = parser().parse_args(["--poll-interval", "2", "--key-secret=ns/key", "--trainer-command", "/opt/py -m t"])
+    env = {"KORA_POLL_INTERVAL": "7", "KORA_HTTP_TIMEOUT": "9", "KORA_RAY_CONTROL_PORTS": "9000-9009",
+           "KORA_OPERATOR_KEY_FILE": ""}  # empty: unset
+    s = from_flags(args, env)
+    assert (s.poll_interval, s.http_timeout, s.key_secret, s.key_file) == (2.0, 9.0, "ns/key", None)
+    assert s.trainer_command == ("/opt/py", "-m", "t") and s.ray_control_ports == (9000, 9009)
+    assert from_flags(parser().parse_args([]), {}) == Settings(kuberay_progress=False)
+    assert from_flags(parser().parse_args(["--no-kuberay-progress"]), {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}) == \
+        Settings(kuberay_progress=False)
+    assert not Settings.from_env({"KORA_KUBERAY_PROGRESS": "on"}).kuberay_progress  # 1, true or yes only
+
+
+def test_a_settings_value_reads_no_environment(monkeypatch):
+    monkeypatch.setenv("KORA_POLL_INTERVAL", "7")
+    assert Settings(kuberay_progress=False).poll_interval == 5.0
+    assert Settings.from_env(kuberay_progress=False).poll_interval == 7.0
+
+
+@pytest.mark.parametrize(("flag", "why"), [("--ray-control-ports=9-1", "port range"),
+                                           ("--poll-interval=soon", "valid number")])
+def test_a_bad_flag_is_a_usage_error(flag, why, capsys):
+    with pytest.raises(SystemExit) as e:
+        parser().parse_args([flag])
+    assert e.value.code == 2 and why in capsys.readouterr().err
+
+
+def test_kora_operator_takes_the_settings_flags_beside_its_own():
+    args = build_parser().parse_args(["operator", "-n", "team-a", "--liveness", "", "--metrics-port", "0",
+                                      "--poll-interval=10", "--ray-control-ports", "8068", "-v"])
+    assert (args.namespace, args.liveness, args.metrics_port, args.verbose) == (["team-a"], "", 0, True)
+    s = from_flags(args, {})
+    assert s.poll_interval == 10.0 and s.ray_control_ports == (8068, 8068) and s.linger_s == 30
