@@ -23,7 +23,7 @@ routes, its HF model built from the same config in the engine process) plus the 
 Tensor parallel (`--tp T`, megatron only): T trainer processes (this one is TP rank 0 on GPU 0, the others are
 spawned on GPUs 1..T-1; megatron parallel_state's TP group). Every TP rank runs the same phases; only TP rank 0
 talks to the engines. In (a) and (b) each rank's shards are gathered to TP rank 0 inside the push
-(`fast.PipelinedSender` / `fast.AdapterPack` with the TP group), (c) folds TP rank 0's shards, (d)'s MAX runs
+(`fast.PipelinedSender` / `fast_adapter.AdapterPack` with the TP group), (c) folds TP rank 0's shards, (d)'s MAX runs
 over the TP group, the HTTP adapter path gathers through `export.hf_adapter_tensors`.
 Engines (`--engines N`): engine i on GPU T+i (fewer GPUs: wrapped onto the trainer's GPUs other than GPU 0,
 with a warning — TP rank 0 and the engines share the weight-update group and NCCL refuses two ranks of one
@@ -254,7 +254,7 @@ class Trainer:
     def __init__(self, kind: str, dims: dict[str, Any], rank: int, alpha: float, device: torch.device, seed: int = 0,
                  tp: int = 1):
         from kora_trainer.config import LoRASpec
-        from kora_trainer.sync.fast import flatten_parameters
+        from kora_trainer.sync.fast_adapter import flatten_parameters
 
         if tp > 1 and kind != "megatron":
             raise ValueError("tensor parallelism needs --trainer megatron")
@@ -509,7 +509,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
             engines: list[EngineProc], groups: dict[int, Any], device: torch.device) -> None:
     """The measurements (a)-(e), in order, on every TP rank (see `run`)."""
     from kora_trainer.kernels.fold import FoldItem, GroupedFold, fold
-    from kora_trainer.sync import fast
+    from kora_trainer.sync import fast, fast_adapter
     from kora_trainer.wire import fast_receive
     from kora_trainer.wire.group import free_port, init_weight_update_group
 
@@ -683,11 +683,11 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
         phase("base_push", base_push)
 
     # (a) adapter push vs raw broadcast; (d) delta-skip -----------------------------------------------------
-    pack = fast.AdapterPack(trainer.params, trainer.adapter_specs(), cap, tp=tp)
+    pack = fast_adapter.AdapterPack(trainer.params, trainer.adapter_specs(), cap, tp=tp)
     res["adapter_bytes"] = pack.out.numel() * pack.out.element_size()
     res["adapter_params"] = trainer.flat.numel()  # under TP: this rank's (sharded factors split, A / B whole)
     config = trainer.peft_config()
-    delta = fast.FlatDelta(trainer.flat)
+    delta = fast_adapter.FlatDelta(trainer.flat)
     # the same "optimizer step" on every TP rank (a replicated factor must stay equal across the ranks)
     noise = torch.randn(trainer.flat.shape, device=device, dtype=trainer.flat.dtype,
                         generator=torch.Generator(device=device).manual_seed(7)) * 1e-3

@@ -20,7 +20,7 @@ Two paths, one run:
   unload + load + /update_weight_version; /update_weights_from_tensor per bucket), serialize.py payloads,
   engine and sender checksums; with a breakdown of where the time goes.
 Anchors: one device copy of the same bytes (`adapter_copy_ms`, `copy_ms`, CUDA events).
-(d) delta-skip decision: fast.FlatDelta (one max|Δ| + one host read; one trainer rank: no collective).
+(d) delta-skip decision: fast_adapter.FlatDelta (one max|Δ| + one host read; one trainer rank: no collective).
 Serving checks: engine log-probs (HTTP /generate, input log-probs of fixed sequences) vs the trainer's; the
 fast and the HTTP path at the same policy compared with each other; merged weights vs torch's fp32 fold.
 
@@ -71,7 +71,7 @@ def engine_main(conn: Any, opts: dict[str, Any]) -> None:
 def _engine(conn: Any, opts: dict[str, Any]) -> None:
     from kora_trainer.reference_engine import server as engine_server
     from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-    from kora_trainer.sync import fast
+    from kora_trainer.sync import colocated
     from kora_trainer.wire import fast_receive
     from kora_trainer.wire.serialize import deserialize_named_tensors, serialize_payload
 
@@ -94,7 +94,7 @@ def _engine(conn: Any, opts: dict[str, Any]) -> None:
         if cmd == "ping":
             pass
         elif cmd == "fuse":  # SGLang's fused qkv_proj layout for the reference engine's HF model
-            fast.fuse_rows(params, arg["groups"])
+            colocated.fuse_rows(params, arg["groups"])
             sync_dev(device)
         elif cmd == "export":  # every weight, mapped by the trainer once
             info["payload"] = serialize_payload([(n, p.detach()) for n, p in params.items()])
@@ -269,7 +269,7 @@ def run(args: argparse.Namespace, res: dict[str, Any], save: Any) -> None:
 
 def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engine, st: dict[str, Any],
          device: torch.device, dims: dict[str, Any], model_dir: Path, t0: float) -> None:
-    from kora_trainer.sync import fast
+    from kora_trainer.sync import colocated, fast, fast_adapter
     from kora_trainer.sync.transport import ColocatedTransport, packed_views
     from kora_trainer.wire.engine_client import EngineClient
     from kora_trainer.wire.serialize import deserialize_payload, serialize_named_tensors
@@ -315,8 +315,8 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
         engine.call("fuse", groups=groups)
         exp = engine.call("export")
         st["dst"] = dict(deserialize_payload(exp["payload"]))
-        st["merge"] = fast.ColocatedMerge(st["merged"], st["dst"], fold_kw, args.copy_streams)
-        st["basepush"] = fast.ColocatedMerge(st["base"], st["dst"], fold_kw, args.copy_streams)
+        st["merge"] = colocated.ColocatedMerge(st["merged"], st["dst"], fold_kw, args.copy_streams)
+        st["basepush"] = colocated.ColocatedMerge(st["base"], st["dst"], fold_kw, args.copy_streams)
         st["merge"].prepare()
         st["basepush"].prepare()
         m = st["merge"]
@@ -326,7 +326,7 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
                              "adapted_bytes": m.adapted_bytes, "frozen_copy_tensors": len(m.copies.pairs),
                              "frozen_rowmapped": len(m.frozen.items), "scratch_fallbacks": m.scratch_entries,
                              "payload_chars": len(exp["payload"])}
-        pack = st["pack"] = fast.AdapterPack(trainer.params, trainer.adapter_specs(), cap)
+        pack = st["pack"] = fast_adapter.AdapterPack(trainer.params, trainer.adapter_specs(), cap)
         st["config"] = trainer.peft_config()
         ring = engine.call("ring", metadata=pack.metadata, scaling=trainer.scaling, config=st["config"], slots=3)
         st["slots"] = deserialize_payload(ring["payload"])
@@ -411,7 +411,7 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
     pack, slots = st["pack"], st["slots"]
     counter = {"v": 0, "slot": 0}
 
-    def fast_adapter(http_label: Any = None) -> float:
+    def push_fast_adapter(http_label: Any = None) -> float:
         step()
         counter["v"] += 1
         k = counter["slot"]
@@ -425,16 +425,16 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
         return (time.perf_counter() - t) * 1e3
 
     def adapter_fast() -> None:
-        times = [fast_adapter() for _ in range(reps + 2)][2:]
+        times = [push_fast_adapter() for _ in range(reps + 2)][2:]
         res["adapter_push_ms"] = med(times)
         res["adapter_push_all_ms"] = times
-        times = [fast_adapter(client) for _ in range(reps + 2)][2:]
+        times = [push_fast_adapter(client) for _ in range(reps + 2)][2:]
         res["adapter_push_with_http_version_ms"] = med(times)  # + the /update_weight_version call
         if cuda:
             res["adapter_pack_into_engine_gpu_ms"] = gs.event_ms(lambda: pack.pack_into(slots[0]), reps)
             res["adapter_push_vs_copy"] = res["adapter_push_ms"] / res["adapter_copy_ms"]
             res["adapter_push_vs_copy_ack"] = res["adapter_push_ms"] / res["adapter_copy_ack_ms"]
-        fast_adapter()  # leave the engine on a slot the timing loop above did not re-write afterwards
+        push_fast_adapter()  # leave the engine on a slot the timing loop above did not re-write afterwards
 
     phase("adapter_push", adapter_fast)
 
@@ -614,7 +614,7 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
 
     # ---- (d) delta-skip ------------------------------------------------------------------------------------------
     def delta_skip() -> None:
-        delta = fast.FlatDelta(trainer.flat)
+        delta = fast_adapter.FlatDelta(trainer.flat)
         delta.mark_pushed(trainer.flat)
         step()
         times = []

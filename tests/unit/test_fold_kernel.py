@@ -191,14 +191,14 @@ def test_fast_merge_sync_over_gloo_lands_every_tensor():
 
 def test_fast_adapter_push_and_flat_delta_over_gloo():
     from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
-    from kora_trainer.sync import fast
+    from kora_trainer.sync import fast, fast_adapter
     from kora_trainer.wire import fast_receive
 
     g = torch.Generator().manual_seed(1)
     params = [torch.nn.Parameter(torch.randn(s, generator=g).to(torch.bfloat16)) for s in [(4, 8), (12, 4), (4, 6),
                                                                                           (8, 4)]]
-    flat = fast.flatten_parameters(params)
-    assert fast.flat_view(params) is not None and fast.flat_view(params[::-1]) is None
+    flat = fast_adapter.flatten_parameters(params)
+    assert fast_adapter.flat_view(params) is not None and fast_adapter.flat_view(params[::-1]) is None
     rows = torch.tensor([3, 0, 7, 5, 1, 2, 4, 6])
     specs = [fast.GatherSpec("base_model.model.m.q.lora_A.weight", params[0]),
              fast.GatherSpec("base_model.model.m.q.lora_B.weight", params[1], rows),
@@ -206,7 +206,7 @@ def test_fast_adapter_push_and_flat_delta_over_gloo():
              fast.GatherSpec("base_model.model.m.k.lora_B.weight", params[1], torch.arange(8, 12)),
              fast.GatherSpec("base_model.model.m.o.lora_A.weight", params[2]),
              fast.GatherSpec("base_model.model.m.o.lora_B.weight", params[3])]
-    pack = fast.AdapterPack(params, specs, cap=200)
+    pack = fast_adapter.AdapterPack(params, specs, cap=200)
     assert len(pack.buckets) > 1
     g0, g1 = _pair_of_groups()
     ring = fast_receive.AdapterRing(pack.metadata, torch.device("cpu"), {"*": 2.0})
@@ -221,11 +221,11 @@ def test_fast_adapter_push_and_flat_delta_over_gloo():
     assert set(pair_lora_tensors([(n, t.view(s)) for (n, t), s in zip(named, pack.shapes, strict=True)])) == set(want)
     # the non-flat path (concatenate first) gives the same bytes
     loose = [p.detach().clone() for p in params]
-    pack2 = fast.AdapterPack(loose, [fast.GatherSpec(s.name, loose[_which(params, s.src)], s.rows) for s in specs],
-                             cap=200)
+    loose_specs = [fast.GatherSpec(s.name, loose[_which(params, s.src)], s.rows) for s in specs]
+    pack2 = fast_adapter.AdapterPack(loose, loose_specs, cap=200)
     assert torch.equal(pack2.pack(), pack.pack())
     # delta-skip: inf before the first push, then the exact largest change
-    delta = fast.FlatDelta(flat)
+    delta = fast_adapter.FlatDelta(flat)
     assert delta.should_push(flat, 1e-6) == (True, float("inf"))
     delta.mark_pushed(flat)
     assert delta.should_push(flat, 1e-6) == (False, 0.0)

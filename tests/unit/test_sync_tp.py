@@ -243,13 +243,13 @@ def test_fast_merge_sync_gathers_tp_shards_into_the_buckets(megatron_tp):
 def test_fast_adapter_pack_gathers_tp_shards(megatron_tp):
     from kora_trainer.backends.megatron.lora import adapter_parameters
     from kora_trainer.backends.megatron.sync import adapter_specs
-    from kora_trainer.sync import fast
+    from kora_trainer.sync import fast_adapter
     from kora_trainer.wire import fast_receive
 
     state, adapter = full_model()
     models = [shard_model(state, adapter, r) for r in range(TP)]
     tp, wu = groups(TP), groups(2)
-    packs = [fast.AdapterPack(adapter_parameters(m), adapter_specs(m, LAYOUT), 100, tp=g)
+    packs = [fast_adapter.AdapterPack(adapter_parameters(m), adapter_specs(m, LAYOUT), 100, tp=g)
              for m, g in zip(models, tp, strict=True)]
     assert len(packs[0].buckets) > 1
     ring = fast_receive.AdapterRing(packs[0].metadata, torch.device("cpu"), {"*": ALPHA / R})

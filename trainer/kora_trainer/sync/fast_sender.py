@@ -7,14 +7,15 @@ and returns it unchanged otherwise (SGLang engines, EngineMerge, the colocated i
 
 1. The first sync is the HTTP path's (Adapter: the base + the adapter; Merge: the merged model), checked end to
    end by the engines' checksums; the engines now hold the policy.
-2. Right after it, ONE plan. The adapter parameters are laid end to end in one buffer (`fast.flatten_parameters`:
-   the same parameter objects and values, the optimizer untouched); Merge: `fast.MergePlan` over the backend's
-   `fast_merge_entries` and a `fast.PipelinedSender` (ring buffers; on CUDA the folds captured once); Adapter:
-   `fast.AdapterPack` over `fast_adapter_specs` (one gather). Every engine gets the buckets' metadata (`POST
+2. Right after it, ONE plan. The adapter parameters are laid end to end in one buffer
+   (`fast_adapter.flatten_parameters`: the same parameter objects and values, the optimizer untouched); Merge:
+   `fast.MergePlan` over the backend's `fast_merge_entries` and a `fast.PipelinedSender` (ring buffers; on CUDA
+   the folds captured once); Adapter:
+   `fast_adapter.AdapterPack` over `fast_adapter_specs` (one gather). Every engine gets the buckets' metadata (`POST
    /kora/fast_sync/plan`, reference_engine/fast_routes.py). A policy the plan does not cover (MoE experts, TP > 1, a
    folded weight over sync.bufferSize, ...), an engine without the route (404: SGLang) or one refusing the plan
    keeps the job on the HTTP path; the report's `note` says why (and, when it worked, that the fast path is on).
-3. Every later sync: `fast.FlatDelta` decides with the HTTP path's rule (push iff the max |Δadapter| over the
+3. Every later sync: `fast_adapter.FlatDelta` decides with the HTTP path's rule (push iff the max |Δadapter| over the
    trainer's group since the last push > sync.deltaSkipThreshold; collective: every rank calls `sync`); a push
    issues `POST /kora/fast_sync/push` to every engine from the clients' threads while the buckets are broadcast
    (Merge: bucket i+1 packed while bucket i is on the wire; Adapter: one gather, one broadcast per bucket); the
@@ -41,7 +42,8 @@ import torch
 
 from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.config.sections import Engine
-from kora_trainer.sync.fast import AdapterPack, FlatDelta, MergePlan, PipelinedSender, flatten_parameters
+from kora_trainer.sync.fast import MergePlan, PipelinedSender
+from kora_trainer.sync.fast_adapter import AdapterPack, FlatDelta, flatten_parameters
 from kora_trainer.sync.sender import POLICY_ADAPTER, RunningChecksum, SyncReport, WeightSender
 from kora_trainer.sync.transport import GROUP_NAME, DistributedTransport, SyncError, wait_all
 from kora_trainer.wire.engine_client import EngineError

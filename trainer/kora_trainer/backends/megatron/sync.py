@@ -11,7 +11,7 @@
 - `merge_entries` / `adapter_specs`: the GPU fast path's plan (`sync/fast.py`): which megatron tensor (and
   which rows of it) each HF tensor is, so the fold writes megatron's fused QKV straight into HF's q, k, v
   layout inside the sync bucket (`qkv_row_map`) and the adapter is one gather. Under TP each rank plans its
-  own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `fast.PipelinedSender` / `fast.AdapterPack` gather
+  own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `fast.PipelinedSender` / `fast_adapter.AdapterPack` gather
   them to TP rank 0 over `tp_group()`. `MegatronWeightSender` hands them to the trainer's fast path
   (`sync/fast_sender.py`) at TP = 1 for dense models.
 
