@@ -63,12 +63,6 @@ class SyncReport:
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def as_status(self) -> dict[str, Any]:
-        """The control plane's `lastSync` (camelCase, as the operator's status carries it)."""
-        return {"mode": self.mode, "bytes": self.bytes, "ms": self.ms, "adapterVersion": self.adapter_version,
-                "checksum": self.checksum, "pushed": self.pushed}
-
-
 class RunningChecksum:
     """protocol.checksum computed one tensor at a time (no list of every pushed tensor kept alive)."""
 
