@@ -267,7 +267,7 @@ def run(args: argparse.Namespace, res: dict[str, Any], save: Any) -> None:
         engine.stop()
 
 
-def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engine, st: dict[str, Any],
+def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engine, st: dict[str, Any],  # noqa: C901 (split by phase: STATUS.md)
          device: torch.device, dims: dict[str, Any], model_dir: Path, t0: float) -> None:
     from kora_trainer.sync import colocated, fast, fast_adapter
     from kora_trainer.sync.transport import ColocatedTransport, packed_views

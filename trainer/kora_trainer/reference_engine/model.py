@@ -209,12 +209,9 @@ class EngineModel:
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding keeps real positions 0..len-1
         return cache, self._forward(seq, mask, pos, cache, last_only=not all_logits)
 
-    @torch.no_grad()
-    def _run_batch(self, results: list[GenResult], epoch: int) -> None:
-        reqs = [r.request for r in results]
-        b = len(reqs)
-        lens = [len(r.input_ids) for r in reqs]
-        width = max(lens)
+    def _left_padded(self, lens: list[int], reqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts left-padded into seq [B, L] and its attention mask [B, L]."""
+        b, width = len(reqs), max(lens)
         for n in lens:
             if n >= self.max_context:
                 raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
@@ -224,6 +221,23 @@ class EngineModel:
         for i, r in enumerate(reqs):
             seq[i, width - lens[i]:] = torch.tensor(r.input_ids, dtype=torch.long)
             mask[i, width - lens[i]:] = 1
+        return seq, mask
+
+    @staticmethod
+    def _abort(results: list[GenResult], active: list[bool]) -> None:
+        for i, res in enumerate(results):
+            if active[i]:
+                active[i] = False
+                res.finish_reason = {"type": "abort", "message": "Abort all requests.",
+                                     "status_code": None, "err_type": None}
+
+    @torch.no_grad()
+    def _run_batch(self, results: list[GenResult], epoch: int) -> None:
+        reqs = [r.request for r in results]
+        b = len(reqs)
+        lens = [len(r.input_ids) for r in reqs]
+        width = max(lens)
+        seq, mask = self._left_padded(lens, reqs)
         adapters = [r.adapter for r in reqs]
         want_input = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
         with self.hooks.rows(adapters, self.device):
@@ -240,11 +254,7 @@ class EngineModel:
         step = 0
         while any(active):
             if self.control.abort_epoch != epoch:
-                for i, res in enumerate(results):
-                    if active[i]:
-                        active[i] = False
-                        res.finish_reason = {"type": "abort", "message": "Abort all requests.",
-                                             "status_code": None, "err_type": None}
+                self._abort(results, active)
                 break
             raw = torch.log_softmax(next_logits, dim=-1).cpu()  # [B, V] raw model log-probs (no temperature)
             rows = [i for i in range(b) if active[i]]
