@@ -145,7 +145,7 @@ def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1,
     torch.manual_seed(PRETRAIN["seed"])
     t0 = time.monotonic()
     model = Qwen3ForCausalLM(model_config())
-    params = dict(PRETRAIN, target=PRETRAIN["target"] if target is None else target)
+    params: dict[str, Any] = dict(PRETRAIN, target=PRETRAIN["target"] if target is None else target)
     steps = pretrain(model, **params)
     info = {
         "params": sum(p.numel() for p in model.parameters()),

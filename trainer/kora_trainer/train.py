@@ -88,7 +88,7 @@ class Lookahead:
         self.gen = job.rollout.generate.options(num_returns=2)
         self.ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
         self.steps, self.issued = steps, start  # the last step whose generation is queued
-        self.queue: deque[Any] = deque()  # (batch, stats) refs
+        self.queue: deque[list[Any]] = deque()  # [batch, stats] refs (ray gives num_returns=2 as a list)
         self.issue_through(start + 1)
 
     def issue_through(self, last: int) -> None:
@@ -96,7 +96,7 @@ class Lookahead:
             self.issued += 1
             self.queue.append(self.gen.remote(self.issued))
 
-    def take(self, step: int) -> tuple[Any, Any]:
+    def take(self, step: int) -> list[Any]:
         """This step's (batch, stats) refs; queues what async may generate meanwhile."""
         refs = self.queue.popleft()
         self.issue_through(step + self.ahead)

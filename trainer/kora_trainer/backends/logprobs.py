@@ -84,8 +84,9 @@ def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: fl
     resp_ids, resp_mask = p.response_ids.to(device), p.response_mask.to(device)
     if r > 1:
         for layer in cache.layers:  # fan the prompt's KV out to its G samples (differentiable gather)
-            layer.keys = layer.keys.index_select(0, owner)  # [B, kv_heads, Wp, head_dim]
-            layer.values = layer.values.index_select(0, owner)
+            # attention layers, filled by the prefill (the union also has linear-attention and dummy layers)
+            layer.keys = layer.keys.index_select(0, owner)  # type: ignore[union-attr]  # [B, kv_heads, Wp, head_dim]
+            layer.values = layer.values.index_select(0, owner)  # type: ignore[union-attr]
         inp = resp_ids[:, :-1]  # [B, R-1]: tokens 0..R-2 predict 1..R-1
         mask = torch.cat([p_mask.index_select(0, owner), resp_mask[:, :-1].long()], dim=1)  # [B, Wp+R-1]
         pos = p_mask.sum(-1).index_select(0, owner).unsqueeze(1) + torch.arange(r - 1, device=device)  # [B, R-1]

@@ -48,14 +48,15 @@ class TorchBackend(ShuffleState):
         torch.manual_seed(cfg.algorithm.seed)
         self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype="auto").to(self.device)
+        # transformers wraps .to with functools.wraps(nn.Module.to): typeshed's _Wrapped does not bind self
+        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype="auto").to(self.device)  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.wrapped = apply_lora(self.model, cfg.lora)
         self.model.eval()
         self.params = adapter_parameters(self.model)
         # only adapter parameters reach the optimizer: the base is frozen and holds no Adam state
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.shared_prefix = shared_prefix  # forward a GRPO group's prompt once (backends/logprobs.py)

@@ -14,8 +14,10 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 from kora_trainer.checkpoint.peft_adapter import AdapterError, fold, load_adapter, pair_with_base
 from kora_trainer.checkpoint.safetensors_io import StreamWriter, iter_shards, read_array, read_header
@@ -110,7 +112,7 @@ class _progress:
     def __init__(self, enabled: bool, total: int):
         self.enabled, self.total = enabled, total
 
-    def __enter__(self):  # type: ignore[no-untyped-def]
+    def __enter__(self) -> Callable[[int], None]:
         if not self.enabled:
             return lambda n: None
         from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
@@ -122,6 +124,7 @@ class _progress:
         task = self._bar.add_task("merge", total=self.total)
         return lambda n: self._bar.advance(task, n)
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self.enabled:
-            self._bar.__exit__(*exc)
+            self._bar.__exit__(exc_type, exc, tb)

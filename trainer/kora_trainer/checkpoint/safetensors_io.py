@@ -11,6 +11,7 @@ budget. bf16 (which numpy lacks) is carried as its raw uint16 bits; `fold.py` co
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 from collections.abc import Iterator
@@ -71,13 +72,14 @@ def read_header(path: Path) -> Header:
     return Header(path, entries, meta)
 
 
-def read_array(f: IO[bytes], entry: Entry) -> np.ndarray:
+def read_array(f: io.BufferedIOBase, entry: Entry) -> np.ndarray:
     """One tensor, read into memory it owns (no mmap). BF16 comes back as uint16 bits."""
     if entry.dtype not in NUMPY:
         raise ValueError(f"{entry.name}: dtype {entry.dtype} is not supported by kora merge")
-    out = np.empty(entry.shape, dtype=NUMPY[entry.dtype])
+    out: np.ndarray = np.empty(entry.shape, dtype=NUMPY[entry.dtype])
     f.seek(entry.start)
-    if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != entry.nbytes:
+    # numpy's stubs give ndarray __buffer__ (typing's Buffer) on Python >= 3.12 only
+    if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != entry.nbytes:  # type: ignore[arg-type]
         raise ValueError(f"{entry.name}: file ended early")
     return out
 
@@ -113,7 +115,7 @@ class StreamWriter:
     def write_array(self, name: str, array: np.ndarray) -> None:
         data = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
         self._expect(name, data.nbytes)
-        self._f.write(memoryview(data))
+        self._f.write(memoryview(data))  # type: ignore[arg-type]  # numpy's Buffer on 3.12+ only, as above
 
     def copy_bytes(self, name: str, src: IO[bytes], entry: Entry) -> None:
         """Copy an untouched tensor in bounded chunks."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,9 +49,11 @@ def fold_reference(
 
 
 if triton is not None:
+    # Triton kernels: triton.jit is untyped and a kernel's parameters are Triton values whose annotations
+    # (tl.constexpr) Triton itself reads, so they stay unannotated for mypy (the ignores below)
 
-    @triton.jit
-    def _fold_tile(
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _fold_tile(  # type: ignore[no-untyped-def]
         w_ptr, a_ptr, b_ptr, o_ptr, map_ptr, M, N, r, scale, stride_w, stride_o, pid_m, pid_n, map_flag,
         R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         HAS_LORA: tl.constexpr, MAP_MODE: tl.constexpr, NATIVE_DOT: tl.constexpr, FMA: tl.constexpr,
@@ -93,8 +96,8 @@ if triton is not None:
         o_rows = rows[:, None].to(tl.int64) if BIG else rows[:, None]
         tl.store(o_ptr + o_rows * stride_o + rn[None, :], acc.to(o_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
-    def _fold_kernel(
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _fold_kernel(  # type: ignore[no-untyped-def]
         w_ptr, a_ptr, b_ptr, o_ptr, map_ptr, M, N, r, scale, stride_w, stride_o,
         R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         HAS_LORA: tl.constexpr, MAP_MODE: tl.constexpr, NATIVE_DOT: tl.constexpr, FMA: tl.constexpr,
@@ -104,8 +107,8 @@ if triton is not None:
                    tl.program_id(0), tl.program_id(1), 0, R, BLOCK_M, BLOCK_N, PRECISION,
                    HAS_LORA, MAP_MODE, NATIVE_DOT, FMA, BIG)
 
-    @triton.jit
-    def _fold_group_kernel(
+    @triton.jit  # type: ignore[untyped-decorator]
+    def _fold_group_kernel(  # type: ignore[no-untyped-def]
         w_base, a_base, b_base, o_base, map_base, meta, scales, tile_item, r,
         R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
         HAS_LORA: tl.constexpr, MAP_MODE: tl.constexpr, NATIVE_DOT: tl.constexpr, FMA: tl.constexpr,
@@ -261,8 +264,8 @@ class GroupedFold:
         self.cfg = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
         self.precision, self.fma = precision, fma
         self.fallback: list[FoldItem] = []
-        self.launches: list[tuple[tuple, dict]] = []
-        groups: dict[tuple, list[FoldItem]] = {}
+        self.launches: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        groups: dict[tuple[Any, ...], list[FoldItem]] = {}
         for it in self.items:
             if it.w.numel() == 0:
                 continue
@@ -273,8 +276,10 @@ class GroupedFold:
                 self.singles.append(it)
                 self._modes.append(0 if it.row_map is None else (map_mode(it.row_map, block_m) if map_modes else 2))
                 continue
-            lora = it.a is not None and it.b is not None
-            key = (it.w.dtype, it.out.dtype, it.a.dtype if lora else None, it.a.shape[0] if lora else 0)
+            if it.a is not None and it.b is not None:  # a LoRA fold
+                key: tuple[Any, ...] = (it.w.dtype, it.out.dtype, it.a.dtype, it.a.shape[0])
+            else:
+                key = (it.w.dtype, it.out.dtype, None, 0)
             groups.setdefault(key, []).append(it)
         for key, group in groups.items():
             self.launches.append(self._tables(key, group))
@@ -290,16 +295,19 @@ class GroupedFold:
                                                    it.w.stride(0) * it.w.element_size(),
                                                    it.out.stride(0) * it.out.element_size()))
 
-    def _tables(self, key: tuple, group: list[FoldItem]) -> tuple[tuple, dict]:
+    def _tables(self, key: tuple[Any, ...], group: list[FoldItem]) -> tuple[tuple[Any, ...], dict[str, Any]]:
         wdt, odt, adt, r = key
         bm, bn = self.cfg["block_m"], self.cfg["block_n"]
         dev = group[0].w.device
         lora = adt is not None
+        # the factors in item order (with `lora` every item of the group has both)
+        fa = [it.a for it in group if it.a is not None]
+        fb = [it.b for it in group if it.b is not None]
         bases = {
             "w": min(group, key=lambda i: i.w.data_ptr()).w,
             "o": min(group, key=lambda i: i.out.data_ptr()).out,
-            "a": min(group, key=lambda i: i.a.data_ptr()).a if lora else group[0].w,
-            "b": min(group, key=lambda i: i.b.data_ptr()).b if lora else group[0].w,
+            "a": min(fa, key=lambda t: t.data_ptr()) if lora else group[0].w,
+            "b": min(fb, key=lambda t: t.data_ptr()) if lora else group[0].w,
         }
         maps = [it.row_map for it in group if it.row_map is not None]
         mode = 0
@@ -326,7 +334,7 @@ class GroupedFold:
             tile_item.append(torch.full((tm * tn,), i, dtype=torch.int32))
             first += tm * tn
         meta = torch.tensor(rows, dtype=torch.int64, device=dev).reshape(-1)
-        native, prec = (_precision(group[0].a, group[0].b, self.precision) if lora else (False, "tf32x3"))
+        native, prec = (_precision(fa[0], fb[0], self.precision) if lora else (False, "tf32x3"))
         args = (bases["w"], bases["a"], bases["b"], bases["o"], map_base, meta,
                 torch.tensor(scales, dtype=torch.float32, device=dev), torch.cat(tile_item).to(dev), max(r, 1))
         big = any(_big(it.w, it.out) for it in group)
@@ -339,10 +347,10 @@ class GroupedFold:
     def _launch_single(self, it: FoldItem, mode: int) -> None:
         m, n = it.w.shape
         bm, bn = self.cfg["block_m"], self.cfg["block_n"]
-        lora = it.a is not None and it.b is not None
-        a = it.a if lora else it.w
-        b = it.b if lora else it.w
-        r = it.a.shape[0] if lora else 1
+        if it.a is not None and it.b is not None:
+            lora, a, b, r = True, it.a, it.b, it.a.shape[0]
+        else:
+            lora, a, b, r = False, it.w, it.w, 1
         native, prec = _precision(a, b, self.precision) if lora else (False, "tf32x3")
         _fold_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             it.w, a, b, it.out, it.row_map if it.row_map is not None else it.w, m, n, r, float(it.scale),

@@ -43,10 +43,10 @@ class LoRALinear(nn.Module):
         return self.base_layer.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in] -> [..., out]
-        out = self.base_layer(x)
+        out: torch.Tensor = self.base_layer(x)
         if not self.enabled:
             return out
-        delta = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))  # [..., out]
+        delta: torch.Tensor = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))  # [..., out]
         return out + (self.scaling * delta).to(out.dtype)
 
     @torch.no_grad()

@@ -161,7 +161,7 @@ def peft_config_dict(model: nn.Module, spec: LoRASpec, base_model_path: str | No
         targets: list[str] = wrapped
     else:
         targets = leaves
-    config = {
+    config: dict[str, Any] = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_path,
         "r": spec.rank, "lora_alpha": spec.alpha, "lora_dropout": spec.dropout, "target_modules": targets,
         "bias": "none", "fan_in_fan_out": False, "use_rslora": False, "use_dora": False,

@@ -96,9 +96,11 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
     kind = transport_kind(cfg)
     gpus = gpu_shares(cfg, kind == "colocated", float(ray.cluster_resources().get("GPU", 0)))
     engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"], num_gpus=gpus.engine)(EngineWorker)
-    engines = [engine_cls.remote(cfg, str(run_dir / "logs"), threads, i) for i in range(cfg.rollout.num_engines)]
+    # actor handles as Any: ray types a handle's methods as the plain methods, without their .remote
+    engines: list[Any] = [engine_cls.remote(cfg, str(run_dir / "logs"), threads, i)
+                          for i in range(cfg.rollout.num_engines)]
     train_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=gpus.trainer)(TrainWorker)
-    trainer = train_cls.remote(cfg, threads)  # loads the model while the engines start
+    trainer: Any = train_cls.remote(cfg, threads)  # loads the model while the engines start
     urls = ray.get([e.url.remote() for e in engines])
     rollout = ray.remote(num_cpus=CPU_SHARES["rollout"])(RolloutWorker).remote(cfg, urls)
     info = ray.get(trainer.describe.remote())

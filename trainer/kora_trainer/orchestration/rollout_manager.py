@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any
+from typing import Any, cast
 
 from kora_trainer.algorithm.rewards import Sample, reward_fn
 from kora_trainer.backends.batch import RolloutBatch
@@ -99,8 +99,9 @@ class Rollout:
             batch.response_ids.append(out.output_ids)
             batch.rollout_logprobs.append(out.output_logprobs)
             batch.weight_versions.append(out.weight_version)
-            response = out.text if out.text is not None else self.tokenizer.decode(out.output_ids,
-                                                                                  skip_special_tokens=True)
+            # decode of one sequence is a str (transformers types it str | list[str])
+            response = out.text if out.text is not None else cast(str, self.tokenizer.decode(
+                out.output_ids, skip_special_tokens=True))
             batch.rewards.append(float(self.reward(Sample(row.prompt, response, row.label, row.index))))
         stats = {"gen_ms": round(gen_s * 1000, 1), "rollout_ms": round((time.monotonic() - t0) * 1000, 1),
                  "weight_versions": sorted({v or "" for v in batch.weight_versions}),

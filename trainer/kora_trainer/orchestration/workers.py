@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config import DeploymentMode, TrainerConfig
@@ -44,16 +44,17 @@ class TrainWorker:
         from kora_trainer.wire.engine_client import EngineClient
 
         clients = [EngineClient(u) for u in engine_urls]
+        transport: DistributedTransport | ColocatedTransport
         if kind == "distributed":
             backend = "nccl" if self.backend.device.type == "cuda" and torch.distributed.is_nccl_available() else "gloo"
-            transport: Any = DistributedTransport.connect(clients, backend=backend)
+            transport = DistributedTransport.connect(clients, backend=backend)
         else:
             transport = ColocatedTransport(clients)
         self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast_sender.py
         return transport.kind
 
     def sync(self) -> dict[str, Any]:
-        return self.sender.sync(self.backend.version).as_dict()
+        return cast("dict[str, Any]", self.sender.sync(self.backend.version).as_dict())
 
     def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
         return self.backend.train_step(batch)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
@@ -40,7 +41,7 @@ class AdapterRegistry:
     def get(self, name: str) -> LoRAAdapter | None:
         return self._adapters.get(name)
 
-    def _build(self, name: str, source: str, config: dict, named: Iterable[tuple[str, torch.Tensor]],
+    def _build(self, name: str, source: str, config: dict[str, Any], named: Iterable[tuple[str, torch.Tensor]],
                version: str | None = None) -> LoRAAdapter:
         e = self.engine
         return build_adapter(name, source, config, named, e.model, e.dtype, e.device, e.max_lora_rank, version)
@@ -63,13 +64,14 @@ class AdapterRegistry:
         self._register(adapter)
         return adapter
 
-    def load_from_tensors(self, name: str, config: dict, named: list[tuple[str, torch.Tensor]]) -> LoRAAdapter:
+    def load_from_tensors(self, name: str, config: dict[str, Any],
+                          named: list[tuple[str, torch.Tensor]]) -> LoRAAdapter:
         self._check_new(name)
         adapter = self._build(name, "__tensor__", config, named)
         self._register(adapter)
         return adapter
 
-    def upsert(self, name: str, config: dict, named: list[tuple[str, torch.Tensor]],
+    def upsert(self, name: str, config: dict[str, Any], named: list[tuple[str, torch.Tensor]],
                version: str | None) -> LoRAAdapter:
         adapter = self._build(name, "__distributed__", config, named, version)
         self._register(adapter, upsert=True)

@@ -20,7 +20,7 @@ import json
 import math
 import re
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,7 +62,7 @@ def _pattern_value(patterns: dict[str, float], module: str, default: float) -> f
     return default
 
 
-def module_scaling(config: dict, module: str, rank: int) -> float:
+def module_scaling(config: dict[str, Any], module: str, rank: int) -> float:
     """alpha / r (alpha / sqrt(r) with use_rslora), honouring rank_pattern / alpha_pattern."""
     r = _pattern_value(config.get("rank_pattern") or {}, module, config.get("r", rank))
     alpha = _pattern_value(config.get("alpha_pattern") or {}, module, config.get("lora_alpha", r))
@@ -78,7 +78,7 @@ class LoRAAdapter:
     source: str  # the PEFT dir, or "__tensor__" / "__distributed__" for adapters that came over the wire
     rank: int
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]]
-    config: dict = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
     version: str | None = None
     params: dict[str, tuple[ParamDelta, ...]] = field(default_factory=dict)
 
@@ -87,7 +87,7 @@ class LoRAAdapter:
         return {m.rsplit(".", 1)[-1] for m in self.weights}
 
 
-def validate_config(config: dict) -> None:
+def validate_config(config: dict[str, Any]) -> None:
     """The adapter kinds the engine refuses (SGLang's `validate_new_adapter` refuses the same)."""
     if config.get("use_dora"):
         raise ValueError("DoRA adapters are not supported.")
@@ -95,7 +95,7 @@ def validate_config(config: dict) -> None:
         raise ValueError(f"only LoRA adapters are supported, got peft_type {config.get('peft_type')}")
 
 
-def build_adapter(name: str, source: str, config: dict, named: Iterable[tuple[str, torch.Tensor]],
+def build_adapter(name: str, source: str, config: dict[str, Any], named: Iterable[tuple[str, torch.Tensor]],
                   model: nn.Module, dtype: torch.dtype, device: torch.device,
                   max_rank: int | None = None, version: str | None = None) -> LoRAAdapter:
     """Check the tensors against the model and copy them to the engine's device/dtype."""
@@ -127,7 +127,7 @@ def build_adapter(name: str, source: str, config: dict, named: Iterable[tuple[st
                        {m: tuple(d) for m, d in params.items()})
 
 
-def read_peft_dir(path: str | Path) -> tuple[dict, list[tuple[str, torch.Tensor]]]:
+def read_peft_dir(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
     """adapter_config.json + adapter_model.safetensors (or .bin) of a PEFT save_pretrained directory."""
     root = Path(path)
     if not root.is_dir():
@@ -176,8 +176,8 @@ class MultiLoRAHooks:
         finally:
             self._local.groups = []
 
-    def _make_hook(self, module: str):
-        def hook(_mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    def _make_hook(self, module: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], torch.Tensor]:
+        def hook(_mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> torch.Tensor:
             groups = getattr(self._local, "groups", None)
             if not groups:
                 return out

@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -127,7 +127,9 @@ class EngineModel:
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(model_path)
         self.dtype = _dtype(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-        self.model: nn.Module = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device)
+        # transformers wraps .to with functools.wraps(nn.Module.to): typeshed's _Wrapped does not bind self
+        self.model: nn.Module = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=self.dtype).to(self.device)  # type: ignore[arg-type]
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.config = self.model.config
@@ -140,7 +142,7 @@ class EngineModel:
         self.control = GenerationControl()
         self.hooks = MultiLoRAHooks(self.model)
         self.weight_version = DEFAULT_WEIGHT_VERSION
-        self._params = dict(self.model.named_parameters(remove_duplicate=False))
+        self._params: dict[str, nn.Parameter] = dict(self.model.named_parameters(remove_duplicate=False))
         # transformers 5.x renames `past_key_values` to `cache` (the old name is deprecated)
         forward_args = inspect.signature(self.model.forward).parameters
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
@@ -199,7 +201,7 @@ class EngineModel:
         if last_only and self._keep_kw:
             kwargs["logits_to_keep"] = 1  # the lm_head for the last position only
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
-        return out.logits  # [B, T, V]
+        return cast(torch.Tensor, out.logits)  # [B, T, V]
 
     def _prefill(self, seq: torch.Tensor, mask: torch.Tensor, all_logits: bool = False) -> tuple[Any, torch.Tensor]:
         """A fresh KV cache over seq [B, T]; logits [B, T, V] (all_logits) or [B, 1, V]."""

@@ -166,7 +166,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], positions: l
     does not depend on the other rows.
     """
     out = [0] * len(params)
-    groups: dict[tuple, list[int]] = {}
+    groups: dict[tuple[Any, ...], list[int]] = {}
     for i, p in enumerate(params):
         key = ("greedy",) if p.greedy else (p.temperature, p.top_k, p.top_p, p.min_p)
         groups.setdefault(key, []).append(i)

@@ -67,8 +67,8 @@ class BucketMeta:
         if self.load_format != FLAT and self.byte_ranges is not None:
             for (start, end), dtype, shape in zip(self.byte_ranges, self.dtypes, self.shapes, strict=True):
                 n = dtype_of(dtype).itemsize
-                for d in shape:
-                    n *= int(d)
+                for dim in shape:
+                    n *= int(dim)
                 if (int(start), int(end)) != (0, n):
                     raise ValueError("a tensor split into byte ranges needs load_format flattened_bucket")
 

@@ -8,6 +8,7 @@ until the trainer's colocated sync takes it up (the colocated issue); kept impor
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -119,7 +120,7 @@ class ColocatedMerge:
     apply. Like any in-place update, a forward the engine runs meanwhile sees a mix of versions: pause
     generation around the push or accept that rollouts tagged with the old version ran on mixed weights."""
 
-    def __init__(self, entries: Sequence[Entry], dst: Mapping[str, torch.Tensor], fold_kw: dict | None = None,
+    def __init__(self, entries: Sequence[Entry], dst: Mapping[str, torch.Tensor], fold_kw: dict[str, Any] | None = None,
                  copy_streams: int = 4):
         adapted: list[FoldItem] = []
         frozen: list[FoldItem] = []

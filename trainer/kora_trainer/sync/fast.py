@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -265,7 +266,7 @@ class PipelinedSender:
     shards to rank 0 (no buckets, no folds)."""
 
     def __init__(self, plan: MergePlan, group: WeightUpdateGroup | None, slots: int = 2,
-                 fold_kw: dict | None = None, tp: WeightUpdateGroup | None = None):
+                 fold_kw: dict[str, Any] | None = None, tp: WeightUpdateGroup | None = None):
         self.plan, self.group, self.slots = plan, group, slots
         self.tp = tp if tp is not None and tp.world_size > 1 else None
         if (self.tp.world_size if self.tp is not None else 1) != plan.tp:
@@ -364,6 +365,7 @@ class PipelinedSender:
             for i in range(len(self.plan.buckets)):
                 self.group.broadcast(self.fill(i), src=0)
             return
+        assert s.work is not None and s.comm is not None  # Streams makes both on CUDA
         s.work.wait_stream(torch.cuda.current_stream(self.device))  # the optimizer step that made the adapter
         for i in range(len(self.plan.buckets)):
             slot = i % self.slots

@@ -8,6 +8,7 @@ the delta-skip with one fused max-abs-diff and one all-reduce of one number (`de
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -181,8 +182,9 @@ class FlatDelta:
     def local_max(self, now: torch.Tensor) -> torch.Tensor:
         if self.last is None:
             return torch.full((1,), float("inf"), device=self.device)
-        return torch.linalg.vector_norm(now.float() - self.last if now.dtype != torch.float32 else now - self.last,
-                                        ord=float("inf")).reshape(1)
+        norm = torch.linalg.vector_norm(now.float() - self.last if now.dtype != torch.float32 else now - self.last,
+                                        ord=float("inf"))
+        return cast(torch.Tensor, norm).reshape(1)  # torch.linalg's functions are untyped (_add_docstr)
 
     def should_push(self, now: torch.Tensor, threshold: float, group: WeightUpdateGroup | None = None
                     ) -> tuple[bool, float]:

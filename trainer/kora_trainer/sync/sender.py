@@ -250,8 +250,11 @@ class WeightSender:
             for i, bucket in enumerate(buckets):
                 tensors = src.get(list(dict.fromkeys(p.name for p in bucket.pieces)))
                 wv = tag(i, len(buckets))
-                results = self.transport.send(bucket, tensors, lambda c, meta, wv=wv: c.update_weights_from_distributed(
-                    meta, load_format=FLAT, weight_version=wv, **extra))
+
+                def call(c: EngineClient, meta: dict[str, list[Any]], wv: str | None = wv) -> dict[str, Any]:
+                    return c.update_weights_from_distributed(meta, load_format=FLAT, weight_version=wv, **extra)
+
+                results = self.transport.send(bucket, tensors, call)
                 meta = bucket.metadata()
                 self._check(results, checksum, lambda meta=meta, tensors=tensors: applied_checksum(meta, tensors))
                 for name in _completed(bucket):
@@ -264,8 +267,11 @@ class WeightSender:
             tensors = src.get(names)
             named = [(n, tensors[n]) for n in names]
             wv = tag(i, len(name_buckets))
-            results = self.transport.send(named, lambda c, payload, wv=wv: c.update_weights_from_tensor(
-                payload, weight_version=wv, **extra))
+
+            def call_ipc(c: EngineClient, payload: str, wv: str | None = wv) -> dict[str, Any]:
+                return c.update_weights_from_tensor(payload, weight_version=wv, **extra)
+
+            results = self.transport.send(named, call_ipc)
             self._check(results, checksum, lambda named=named: protocol_checksum(named))
             for n, t in named:
                 checksum.add(n, t)

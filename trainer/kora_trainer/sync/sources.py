@@ -11,7 +11,7 @@ largest single tensor), not a second copy of the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +45,7 @@ def _meta(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
-def _per_expert_source(live: dict[str, torch.Tensor], make: Callable[[str], torch.Tensor]) -> Source:
+def _per_expert_source(live: Mapping[str, torch.Tensor], make: Callable[[str], torch.Tensor]) -> Source:
     """`live` (HF names -> tensors) as a Source whose fused MoE expert tensors go out under their per-expert
     names (hf_experts.py: what SGLang's load_weights and checkpoints use); `make(name)` produces a live name's
     tensor when its bucket goes out (once per bucket, however many of its experts the bucket holds)."""

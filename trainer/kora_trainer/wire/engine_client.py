@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import requests
 import torch
@@ -150,7 +150,7 @@ class EngineClient:
         raise TimeoutError(f"engine {self.base_url} not healthy after {timeout_s:.0f}s")
 
     def model_info(self) -> dict[str, Any]:
-        return self.request("GET", "/model_info")
+        return cast("dict[str, Any]", self.request("GET", "/model_info"))
 
     # ---- generate ---------------------------------------------------------------------------
 
@@ -177,12 +177,12 @@ class EngineClient:
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> dict[str, Any]:
         """Blocks until every member joined: submit() it, then join the group yourself."""
-        return self.post("/init_weights_update_group", {
+        return cast("dict[str, Any]", self.post("/init_weights_update_group", {
             "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
-            "world_size": world_size, "group_name": group_name, "backend": backend})
+            "world_size": world_size, "group_name": group_name, "backend": backend}))
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
-        return self.post("/destroy_weights_update_group", {"group_name": group_name})
+        return cast("dict[str, Any]", self.post("/destroy_weights_update_group", {"group_name": group_name}))
 
     def update_weights_from_distributed(self, metadata: dict[str, list], group_name: str = DEFAULT_GROUP,  # type: ignore[type-arg]
                                         load_format: str | None = None, weight_version: str | None = None,
@@ -194,7 +194,7 @@ class EngineClient:
                 "flush_cache": flush_cache, "abort_all_requests": abort_all_requests, **extra}
         if body.get("byte_ranges") is None:
             body.pop("byte_ranges", None)
-        return self.post("/update_weights_from_distributed", body)
+        return cast("dict[str, Any]", self.post("/update_weights_from_distributed", body))
 
     def update_weights_lora_merge(self, metadata: dict[str, list], lora_alpha: float, lora_rank: int,  # type: ignore[type-arg]
                                   merge_fp32: bool = True, **kwargs: Any) -> dict[str, Any]:
@@ -209,25 +209,26 @@ class EngineClient:
         """`serialized` = sync.serialize.serialize_named_tensors(...) (one per TP rank; a str = one rank).
         Same host only; keep the tensors alive until this returns. kora EngineMerge over IPC: pass
         weight_update_mode="lora_merge", lora_alpha=, lora_rank=, merge_fp32= in `extra`."""
-        return self.post("/update_weights_from_tensor", {
+        return cast("dict[str, Any]", self.post("/update_weights_from_tensor", {
             "serialized_named_tensors": [serialized] if isinstance(serialized, str) else list(serialized),
             "load_format": load_format, "weight_version": weight_version, "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests, **extra})
+            "abort_all_requests": abort_all_requests, **extra}))
 
     # ---- LoRA -------------------------------------------------------------------------------
 
     def load_lora_adapter(self, name: str, path: str, pinned: bool = False) -> dict[str, Any]:
-        return self.post("/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": pinned})
+        return cast("dict[str, Any]", self.post("/load_lora_adapter", {"lora_name": name, "lora_path": path,
+                                                                        "pinned": pinned}))
 
     def load_lora_adapter_from_tensors(self, name: str, config_dict: dict[str, Any], serialized: str | Sequence[str],
                                        pinned: bool = False) -> dict[str, Any]:
         """`config_dict` = the PEFT adapter_config.json contents; tensors named like PEFT's save."""
-        return self.post("/load_lora_adapter_from_tensors", {
+        return cast("dict[str, Any]", self.post("/load_lora_adapter_from_tensors", {
             "lora_name": name, "config_dict": config_dict, "pinned": pinned,
-            "serialized_named_tensors": [serialized] if isinstance(serialized, str) else list(serialized)})
+            "serialized_named_tensors": [serialized] if isinstance(serialized, str) else list(serialized)}))
 
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
-        return self.post("/unload_lora_adapter", {"lora_name": name})
+        return cast("dict[str, Any]", self.post("/unload_lora_adapter", {"lora_name": name}))
 
     def load_lora_adapter_from_distributed(self, name: str, config_dict: dict[str, Any], metadata: dict[str, list],  # type: ignore[type-arg]
                                            bucket_index: int = 0, num_buckets: int = 1,
@@ -240,12 +241,12 @@ class EngineClient:
                 "weight_version": weight_version}
         if body.get("byte_ranges") is None:
             body.pop("byte_ranges", None)
-        return self.post("/load_lora_adapter_from_distributed", body)
+        return cast("dict[str, Any]", self.post("/load_lora_adapter_from_distributed", body))
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
         """The version /generate reports from now on (SGLang's /update_weight_version)."""
-        return self.post("/update_weight_version", {"new_version": new_version,
-                                                    "abort_all_requests": abort_all_requests})
+        return cast("dict[str, Any]", self.post("/update_weight_version", {"new_version": new_version,
+                                                    "abort_all_requests": abort_all_requests}))
 
     # ---- kora's fast sync (reference engine only: reference_engine/fast_routes.py; SGLang answers 404) ----------
 
@@ -253,26 +254,26 @@ class EngineClient:
                        slots: int = 2, lora_name: str | None = None,
                        config_dict: dict[str, Any] | None = None) -> dict[str, Any]:
         """The layout of every later fast push (`metadata`: one Bucket.metadata() per bucket), once."""
-        return self.post("/kora/fast_sync/plan", {
+        return cast("dict[str, Any]", self.post("/kora/fast_sync/plan", {
             "mode": mode, "metadata": metadata, "group_name": group_name, "slots": slots, "lora_name": lora_name,
-            "config_dict": config_dict})
+            "config_dict": config_dict}))
 
     def fast_sync_push(self, weight_version: str, group_name: str = DEFAULT_GROUP, verify: bool = False
                        ) -> dict[str, Any]:
         """One push of the planned buckets; blocks until the engine applied it: submit() it, then broadcast."""
-        return self.post("/kora/fast_sync/push", {"weight_version": weight_version, "group_name": group_name,
-                                                  "verify": verify})
+        return cast("dict[str, Any]", self.post("/kora/fast_sync/push", {
+            "weight_version": weight_version, "group_name": group_name, "verify": verify}))
 
     # ---- control ----------------------------------------------------------------------------
 
     def flush_cache(self, timeout: float = 0.0) -> str:
-        return self.request("POST", "/flush_cache", params={"timeout": timeout})
+        return cast("str", self.request("POST", "/flush_cache", params={"timeout": timeout}))
 
     def pause_generation(self, mode: str = "abort") -> dict[str, Any]:
-        return self.post("/pause_generation", {"mode": mode})
+        return cast("dict[str, Any]", self.post("/pause_generation", {"mode": mode}))
 
     def continue_generation(self) -> dict[str, Any]:
-        return self.post("/continue_generation", {})
+        return cast("dict[str, Any]", self.post("/continue_generation", {}))
 
 
 def applied_checksum(metadata: dict[str, list], tensors: dict[str, torch.Tensor]) -> str:  # type: ignore[type-arg]

@@ -85,6 +85,7 @@ class PipelinedReceiver:
                 for dst, src in pairs:
                     dst.copy_(src)
             return
+        assert s.comm is not None and s.work is not None  # Streams makes both on CUDA
         s.comm.wait_stream(torch.cuda.current_stream(self.device))
         for i, pairs in enumerate(self.applies):
             slot = i % self.slots

@@ -16,6 +16,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypedDict
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,11 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _listen_on(host: str, port: int) -> dict[str, int]:
+class _ListenArgs(TypedDict, total=False):
+    master_listen_fd: int
+
+
+def _listen_on(host: str, port: int) -> _ListenArgs:
     """TCPStore arguments for a server that listens on `host` (IPv4) only. Left to itself the store listens on
     every interface (IPv6 `::`), and each loopback peer then shows up as ::ffff:127.0.0.1, whose reverse lookup
     for torch's log lines misses /etc/hosts and goes to the DNS server."""
@@ -104,17 +109,18 @@ def init_weight_update_group(
     prefixed = dist.PrefixStore(group_name, store)
     pg: dist.ProcessGroup
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub calls it Options
         options._timeout = timeout
         # gloo's default device resolves the machine's hostname (DNS where /etc/hosts lacks it) and binds its
         # address; a group whose members are all on this machine binds loopback instead
         options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local
                             else dist.ProcessGroupGloo.create_default_device()]
-        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        # a Backend has ProcessGroup's collectives (broadcast/allreduce/gather) at runtime; its stub lists none
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)  # type: ignore[assignment]
     elif backend == "nccl":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)  # type: ignore[assignment]  # as above
     else:
         raise ValueError(f"backend {backend!r}: use gloo (CPU) or nccl (GPU)")
     group = WeightUpdateGroup(pg, store, rank, world_size, backend)

@@ -10,7 +10,7 @@ Log-probs come from the vocab-sharded logits through megatron's vocab-parallel c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -35,7 +35,8 @@ def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature:
     shifted = logits[:, :-1].to(torch.float32, copy=True)  # [B, L-1, V/tp]
     if temperature > 0 and temperature != 1.0:
         shifted = shifted / temperature
-    return -tensor_parallel.vocab_parallel_cross_entropy(shifted, input_ids[:, 1:].contiguous())  # [B, L-1]
+    loss = tensor_parallel.vocab_parallel_cross_entropy(shifted, input_ids[:, 1:].contiguous())  # megatron: untyped
+    return -cast(torch.Tensor, loss)  # [B, L-1]
 
 
 def response_logprobs(model: torch.nn.Module, prompts: list[list[int]], response_ids: torch.Tensor,
@@ -110,7 +111,7 @@ class MegatronBackend(ShuffleState):
         self.model.eval()
         self.pad_id = getattr(self.hf_config, "pad_token_id", None) or 0
         self.params = adapter_parameters(self.model)
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
+        self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.version = 0

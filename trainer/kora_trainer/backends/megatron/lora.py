@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -84,13 +84,14 @@ class MegatronLoRA(nn.Module):
         self.enabled = True
 
     # the attention / MLP modules and megatron utilities look at these on the module they hold
+    # (nn.Module's __getattr__ types an attribute as Tensor | Module: the megatron layer's are tensors)
     @property
     def weight(self) -> torch.Tensor:
-        return self.base_layer.weight
+        return cast(torch.Tensor, self.base_layer.weight)
 
     @property
     def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
+        return cast("torch.Tensor | None", self.base_layer.bias)
 
     @torch.no_grad()
     def load_factors(self, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -103,7 +104,7 @@ class MegatronLoRA(nn.Module):
         """This rank's shard of W + (alpha/r)·B·A (fp32, rounded once): the shard of the full fold."""
         from kora_trainer.kernels.fold import fold
 
-        return fold(self.base_layer.weight, self.lora_A.weight, self.lora_B.weight, self.scaling)
+        return fold(cast(torch.Tensor, self.base_layer.weight), self.lora_A.weight, self.lora_B.weight, self.scaling)
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, alpha={self.alpha}, tp={self.tp_rank}/{self.tp_size}, enabled={self.enabled}"
@@ -129,7 +130,7 @@ class _ParallelLoRA(MegatronLoRA):
             tensor_parallel.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
 
     def backward_dw(self) -> None:
-        self.base_layer.backward_dw()
+        cast(Any, self.base_layer).backward_dw()  # megatron's TE linear layers (untyped here)
 
 
 class LoRAColumnParallelLinear(_ParallelLoRA):

@@ -126,11 +126,12 @@ def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int
             ms = [mods.get(f"decoder.layers.{i}{_EXPERT}{e}.{leaf}") for e in range(layout.num_experts)]
             if all(m is None for m in ms):
                 continue
-            if any(m is None for m in ms) or len({(m.rank, m.scaling) for m in ms}) != 1:
+            loras = [m for m in ms if m is not None]
+            if len(loras) != len(ms) or len({(m.rank, m.scaling) for m in loras}) != 1:
                 raise ValueError(f"layer {i} {leaf}: every expert needs a LoRA of the same rank and alpha")
-            if any(m.tp_size != 1 for m in ms):
+            if any(m.tp_size != 1 for m in loras):
                 raise NotImplementedError("expert LoRA under tensor parallelism is not wired yet")
-            out[(i, param)] = ms
+            out[(i, param)] = loras
     return out
 
 
