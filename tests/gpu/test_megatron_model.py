@@ -361,10 +361,10 @@ def test_grpo_steps_equal_the_torch_backend(model_dir, targets):
                       "grad_norm")}, **{f"{k}_megatron": b[k] for k in ("loss", "kl", "grad_norm")}})
         rel = 1e-4 if step == 0 else 2e-3  # later steps: AdamW amplifies fp32 rounding differences
         assert lp_err < (FP32_ATOL if step == 0 else 1e-3)
-        assert abs(a["loss"] - b["loss"]) < 1e-5 + rel * abs(a["loss"])
-        assert abs(a["kl"] - b["kl"]) < 1e-6 + rel * abs(a["kl"])
+        assert abs(a.loss - b.loss) < 1e-5 + rel * abs(a.loss)
+        assert abs(a.kl - b.kl) < 1e-6 + rel * abs(a.kl)
         if targets != TARGETS:  # unfused targets: the same parametrisation, so the same gradients
-            assert abs(a["grad_norm"] - b["grad_norm"]) < rel * a["grad_norm"]
+            assert abs(a.grad_norm - b.grad_norm) < rel * a.grad_norm
         else:  # a shared A trains differently after the first update; compare the first step only
             break
     report(test="grpo_vs_torch_backend_fp32", targets=targets, steps=steps)
@@ -390,5 +390,6 @@ def megatron_grpo_steps(model_dir: Path, targets: list[str], tensor: int = 1, st
     for _ in range(steps):
         old = mg.logprobs(prompts, RESPONSES)
         m = mg.train_step(RolloutBatch(prompts, RESPONSES, old, REWARDS, group_size=4))
-        out.append({k: m[k] for k in ("loss", "kl", "grad_norm", "ratio")} | {"logp": [x for r in old for x in r]})
+        kept = {k: getattr(m, k) for k in ("loss", "kl", "grad_norm", "ratio")}
+        out.append(kept | {"logp": [x for r in old for x in r]})
     return out

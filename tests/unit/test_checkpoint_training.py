@@ -56,20 +56,20 @@ def adapter(b: TorchBackend) -> dict[str, torch.Tensor]:
 
 def test_a_restored_backend_continues_exactly(model_dir, tmp_path):
     straight = backend(model_dir)
-    losses = [straight.train_step(batch(straight, s))["loss"] for s in (1, 2)]
+    losses = [straight.train_step(batch(straight, s)).loss for s in (1, 2)]
     saved = save_training_state(tmp_path, straight, data_position=2, keep=2, meta={"sync_mode": "Merge"})
     assert saved.name == "step_00000002"
     meta = json.loads((saved / "meta.json").read_text())
     assert meta["step"] == 2 and meta["data_position"] == 2 and meta["sync_mode"] == "Merge"
     assert meta["param_names"] == [n for n, _ in adapter_tensors(straight.model)]
-    losses += [straight.train_step(batch(straight, s))["loss"] for s in (3, 4)]
+    losses += [straight.train_step(batch(straight, s)).loss for s in (3, 4)]
 
     torch.manual_seed(999)  # a fresh process: other global RNG state, a freshly initialised adapter
     resumed = backend(model_dir)
     info = restore_training_state(tmp_path, resumed)
     assert info is not None and (info.step, info.data_position, info.skipped) == (2, 2, [])
     assert info.path == str(saved) and resumed.version == 2
-    tail = [resumed.train_step(batch(resumed, s))["loss"] for s in (3, 4)]
+    tail = [resumed.train_step(batch(resumed, s)).loss for s in (3, 4)]
     assert tail == losses[2:]  # equal floats: dropout masks, shuffles and AdamW moments all continued
     want, got = adapter(straight), adapter(resumed)
     assert all(torch.equal(want[n], got[n]) for n in want)

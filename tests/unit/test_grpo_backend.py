@@ -82,8 +82,8 @@ def test_grpo_steps_follow_the_reward_and_touch_only_the_adapter(model_dir):
         metrics = b.train_step(RolloutBatch([PROMPT] * 4, responses, lps, [1.0, 0.0, 1.0, 0.0], group_size=4))
     after = b.logprobs([PROMPT], [GOOD])[0]
     assert sum(after) > sum(start) + 0.5
-    assert metrics["version"] == 4 and metrics["updates"] == 2  # 2 inner epochs x 1 optimizer batch
-    assert metrics["rollout_logp_gap_max"] < 1e-5  # rollout log-probs were the policy's own
+    assert metrics.version == 4 and metrics.updates == 2  # 2 inner epochs x 1 optimizer batch
+    assert metrics.rollout_logp_gap_max < 1e-5  # rollout log-probs were the policy's own
     for n, p in b.model.named_parameters():
         if n in base_before:
             assert torch.equal(p, base_before[n]), n
@@ -96,7 +96,7 @@ def test_kl_reference_is_the_base(model_dir):
             p.add_(0.1 * torch.randn_like(p))
     lps = b.logprobs([PROMPT] * 2, [GOOD, BAD])
     m = b.train_step(RolloutBatch([PROMPT] * 2, [GOOD, BAD], lps, [1.0, 0.0], group_size=2))
-    assert m["kl"] > 0  # the adapted policy is away from the base: the k3 estimate sees it
+    assert m.kl > 0  # the adapted policy is away from the base: the k3 estimate sees it
 
 
 def test_stale_rollouts_report_their_lag_not_a_gap(model_dir):
@@ -104,6 +104,6 @@ def test_stale_rollouts_report_their_lag_not_a_gap(model_dir):
     b = backend(model_dir)
     lps = b.logprobs([PROMPT] * 2, [GOOD, BAD])
     fresh = b.train_step(RolloutBatch([PROMPT] * 2, [GOOD, BAD], lps, [1.0, 0.0], 2, weight_versions=["0", "0"]))
-    assert fresh["rollout_version_lag"] == 0 and fresh["rollout_logp_gap_max"] is not None
+    assert fresh.rollout_version_lag == 0 and fresh.rollout_logp_gap_max is not None
     stale = b.train_step(RolloutBatch([PROMPT] * 2, [GOOD, BAD], lps, [1.0, 0.0], 2, weight_versions=["0", "0"]))
-    assert stale["rollout_version_lag"] == 1 and stale["rollout_logp_gap_max"] is None
+    assert stale.rollout_version_lag == 1 and stale.rollout_logp_gap_max is None

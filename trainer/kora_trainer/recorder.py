@@ -22,16 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kora_trainer.backends.grpo_step import StepMetrics
 from kora_trainer.control_plane import Progress
+from kora_trainer.sync.sender import SyncReport
 
 EVENT_FILE = "events.jsonl"
 
 
-def sync_paths(pushed: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def sync_paths(pushed: list[SyncReport]) -> dict[str, dict[str, Any]]:
     """Pushes and their median ms per sync path (http: the engine routes per bucket; fast: sync/fast_sender.py)."""
     out = {}
-    for path in dict.fromkeys(s.get("path", "http") for s in pushed):
-        ms = [s["ms"] for s in pushed if s.get("path", "http") == path]
+    for path in dict.fromkeys(s.path for s in pushed):
+        ms = [s.ms for s in pushed if s.path == path]
         out[path] = {"pushes": len(ms), "ms_p50": round(statistics.median(ms), 2)}
     return out
 
@@ -49,7 +51,7 @@ class Run:
     # per step: max |trainer log-prob - engine log-prob| of the sampled tokens before the first update (0 up to
     # kernel noise when the engines serve exactly the policy the trainer holds: the sync is right)
     logp_gaps: list[float | None] = field(default_factory=list)  # None: rollouts of an older version (async)
-    syncs: list[dict[str, Any]] = field(default_factory=list)
+    syncs: list[SyncReport] = field(default_factory=list)
     saved_step: int | None = None  # the newest checkpoint's step
     export: str | None = None
 
@@ -89,42 +91,41 @@ class StepRecorder:
         self.event("resume", step=info["step"], path=info["path"], refused=list(info["skipped"]))
 
     def started(self, info: dict[str, Any], engines: int, engine_kind: str, transport: str,
-                first: dict[str, Any]) -> None:
-        self.progress.record_sync(first, step=self.run.start)
+                first: SyncReport) -> None:
+        self.progress.record_sync(first.as_dict(), step=self.run.start)
         self.progress.update(phase="Running")
         self.say(f"ready in {self.wall_s():.1f}s: {info['backend']} on {info['device']}, {engines} {engine_kind} "
-                 f"engine(s), sync {self.mode} over {transport}, first push {first['bytes']} B in {first['ms']:.0f} ms")
-        if first.get("note"):
-            self.say(f"sync: {first['note']}")
+                 f"engine(s), sync {self.mode} over {transport}, first push {first.bytes} B in {first.ms:.0f} ms")
+        if first.note:
+            self.say(f"sync: {first.note}")
         self.event("start", backend=info["backend"], device=info["device"], engines=engines, engine=engine_kind,
-                   sync_mode=self.mode, transport=transport, sync=first)
+                   sync_mode=self.mode, transport=transport, sync=first.as_dict())
 
-    def stepped(self, step: int, metrics: dict[str, Any], rstats: dict[str, Any], report: dict[str, Any]) -> None:
+    def stepped(self, step: int, metrics: StepMetrics, rstats: dict[str, Any], report: SyncReport) -> None:
         r = self.run
-        r.rewards.append(metrics["reward_mean"])
-        r.losses.append(metrics["loss"])
-        r.lags.append(metrics["rollout_version_lag"])
-        r.logp_gaps.append(metrics["rollout_logp_gap_max"])
+        r.rewards.append(metrics.reward_mean)
+        r.losses.append(metrics.loss)
+        r.lags.append(metrics.rollout_version_lag)
+        r.logp_gaps.append(metrics.rollout_logp_gap_max)
         r.syncs.append(report)
         r.data_position = rstats["data_position"]
-        self.progress.record_sync(report, step=step)
-        self.progress.update(step=step, rewardMean=metrics["reward_mean"])
+        self.progress.record_sync(report.as_dict(), step=step)
+        self.progress.update(step=step, rewardMean=metrics.reward_mean)
         self.say(self._progress_line(step, metrics, rstats, report))
-        if report.get("note"):
-            self.say(f"sync: {report['note']}")
+        if report.note:
+            self.say(f"sync: {report.note}")
         keys = ("reward_mean", "loss", "clip_frac", "train_ms", "rollout_version_lag", "rollout_logp_gap_max")
-        self.event("step", step=step, total=self.steps, gen_ms=rstats["gen_ms"], sync=report,
-                   **{k: metrics[k] for k in keys})
+        self.event("step", step=step, total=self.steps, gen_ms=rstats["gen_ms"], sync=report.as_dict(),
+                   **{k: getattr(metrics, k) for k in keys})
 
-    def _progress_line(self, step: int, metrics: dict[str, Any], rstats: dict[str, Any],
-                       report: dict[str, Any]) -> str:
-        sync = (f"{report['ms']:.0f}ms {report['bytes']}B v{report['adapter_version']}" if report["pushed"]
-                else "skipped")
-        g = metrics["rollout_logp_gap_max"]
-        gap = f"gap {g:.0e}" if g is not None else f"lag {metrics['rollout_version_lag']}"
-        return (f"step {step}/{self.steps} reward {metrics['reward_mean']:.3f} loss {metrics['loss']:.6g} | "
-                f"gen {rstats['gen_ms'] / 1000:.2f}s train {metrics['train_ms'] / 1000:.2f}s "
-                f"clip {metrics['clip_frac']:.3f} {gap} | sync {sync} | {self.wall_s():.0f}s")
+    def _progress_line(self, step: int, metrics: StepMetrics, rstats: dict[str, Any],
+                       report: SyncReport) -> str:
+        sync = f"{report.ms:.0f}ms {report.bytes}B v{report.adapter_version}" if report.pushed else "skipped"
+        g = metrics.rollout_logp_gap_max
+        gap = f"gap {g:.0e}" if g is not None else f"lag {metrics.rollout_version_lag}"
+        return (f"step {step}/{self.steps} reward {metrics.reward_mean:.3f} loss {metrics.loss:.6g} | "
+                f"gen {rstats['gen_ms'] / 1000:.2f}s train {metrics.train_ms / 1000:.2f}s "
+                f"clip {metrics.clip_frac:.3f} {gap} | sync {sync} | {self.wall_s():.0f}s")
 
     def checkpointed(self, step: int, path: str, ms: float) -> None:
         self.run.saved_step = step
@@ -148,16 +149,16 @@ class StepRecorder:
 
     def summary(self, transport: str | None, backend: str | None) -> dict[str, Any]:
         r = self.run
-        pushed = [s for s in r.syncs if s["pushed"]]
+        pushed = [s for s in r.syncs if s.pushed]
         out = {
             "event": "summary", "steps": len(r.rewards), "first_step": r.start + 1,
             "resumed_from_step": r.start if r.resumed else None,
             "sync_mode": self.mode, "transport": transport, "backend": backend,
             "reward_first": round(statistics.fmean(r.rewards[:10]), 4) if r.rewards else None,
             "reward_last": round(statistics.fmean(r.rewards[-10:]), 4) if r.rewards else None,
-            "sync_ms_p50": round(statistics.median(s["ms"] for s in pushed), 2) if pushed else None,
+            "sync_ms_p50": round(statistics.median(s.ms for s in pushed), 2) if pushed else None,
             "sync_paths": sync_paths(pushed),
-            "sync_bytes_per_step": round(statistics.fmean(s["bytes"] for s in r.syncs)) if r.syncs else 0,
+            "sync_bytes_per_step": round(statistics.fmean(s.bytes for s in r.syncs)) if r.syncs else 0,
             "syncs_skipped": len(r.syncs) - len(pushed),
             "rollout_lag_max": max(r.lags, default=0),
             "rollout_logp_gap_max": max((g for g in r.logp_gaps if g is not None), default=None),

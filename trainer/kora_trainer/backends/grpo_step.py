@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
@@ -22,6 +23,30 @@ import torch
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.config import TrainerConfig
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One GRPO step, as the trainer's worker returns it through Ray to the driver's recorder. The loss terms
+    are means over the step's optimizer updates."""
+
+    version: int  # the policy version after this step's update
+    reward_mean: float
+    samples: int
+    updates: int  # optimizer steps taken (inner epochs x optimizer batches)
+    loss: float  # clipped policy-gradient loss
+    clip_frac: float  # share of tokens whose ratio was clipped
+    kl: float  # k3 estimate against the base (the adapter switched off)
+    ratio: float  # mean policy ratio against the engines' log-probs
+    grad_norm: float
+    response_len: float  # mean tokens per response
+    rollout_logp_gap_max: float | None  # max |trainer - engine| log-prob of the sampled tokens (None: async)
+    rollout_logp_gap_mean: float | None
+    rollout_version_lag: int  # policy versions the rollouts lagged the trainer
+    train_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 TokenLogp = Callable[[Padded, float], torch.Tensor]  # (padded batch, temperature) -> [B, R]
 
@@ -55,7 +80,7 @@ class ShuffleState:
 
 def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
               adapter_off: Callable[[], AbstractContextManager[None]],
-              clip_grad_norm: Callable[[list[torch.nn.Parameter], float], float]) -> dict[str, Any]:
+              clip_grad_norm: Callable[[list[torch.nn.Parameter], float], float]) -> StepMetrics:
     """Train `owner`'s adapter on one batch of rollouts; bumps `owner.version`; returns the step's metrics."""
     t0 = time.monotonic()
     alg = owner.cfg.algorithm
@@ -110,13 +135,13 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
     owner.model.eval()
     owner.version += 1
     rewards = torch.tensor(batch.rewards)
-    return {
-        "version": owner.version, "reward_mean": float(rewards.mean()), "samples": n, "updates": updates,
+    return StepMetrics(
+        version=owner.version, reward_mean=float(rewards.mean()), samples=n, updates=updates,
         **{k: v / updates for k, v in sums.items()},
-        "response_len": float(p.response_mask.sum() / n),
+        response_len=float(p.response_mask.sum() / n),
         # None when the rollouts came from an older policy version (async): then no gap is expected
-        "rollout_logp_gap_max": gap_max if on_policy else None,
-        "rollout_logp_gap_mean": gap_sum / max(gap_n, 1.0) if on_policy else None,
-        "rollout_version_lag": lag,
-        "train_ms": round((time.monotonic() - t0) * 1000, 1),
-    }
+        rollout_logp_gap_max=gap_max if on_policy else None,
+        rollout_logp_gap_mean=gap_sum / max(gap_n, 1.0) if on_policy else None,
+        rollout_version_lag=lag,
+        train_ms=round((time.monotonic() - t0) * 1000, 1),
+    )

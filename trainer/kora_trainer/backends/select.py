@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from kora_trainer.config import Backend, ConfigError, TrainerConfig
 from kora_trainer.config.sections import Engine
+
+if TYPE_CHECKING:
+    from kora_trainer.backends.grpo_step import StepMetrics
 
 LARGE_MODEL_BYTES = 2 * 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -43,7 +46,7 @@ class PolicyBackend(Protocol):
     device: torch.device
     version: int
 
-    def train_step(self, batch: Any) -> dict[str, Any]: ...
+    def train_step(self, batch: Any) -> StepMetrics: ...
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]],
                  adapter: bool = True) -> list[list[float]]: ...
     def generator_states(self) -> dict[str, torch.Tensor]: ...

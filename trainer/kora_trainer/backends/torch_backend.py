@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
-from kora_trainer.backends.grpo_step import ShuffleState, grpo_step
+from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.logprobs import sequence_logp, shared_prefix_logp
 from kora_trainer.checkpoint.lora_only import check_lora_only
 from kora_trainer.config import TrainerConfig
@@ -104,5 +104,5 @@ class TorchBackend(ShuffleState):
 
     # ---- one GRPO step --------------------------------------------------------------------------
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
+    def train_step(self, batch: RolloutBatch) -> StepMetrics:
         return grpo_step(self, batch, self._token_logp, lambda: adapter_disabled(self.model), _clip_grad_norm)

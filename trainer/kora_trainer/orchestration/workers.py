@@ -9,12 +9,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from kora_trainer.backends.batch import RolloutBatch
+from kora_trainer.backends.grpo_step import StepMetrics
 from kora_trainer.config import DeploymentMode, TrainerConfig
 from kora_trainer.orchestration.engines import EngineProcess
 from kora_trainer.orchestration.rollout_manager import Rollout
+from kora_trainer.sync.sender import SyncReport
 
 
 def transport_kind(cfg: TrainerConfig) -> str:
@@ -53,10 +55,11 @@ class TrainWorker:
         self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast_sender.py
         return transport.kind
 
-    def sync(self) -> dict[str, Any]:
-        return cast("dict[str, Any]", self.sender.sync(self.backend.version).as_dict())
+    def sync(self) -> SyncReport:
+        report: SyncReport = self.sender.sync(self.backend.version)  # a dataclass through Ray, not a dict
+        return report
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
+    def train_step(self, batch: RolloutBatch) -> StepMetrics:
         return self.backend.train_step(batch)
 
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:

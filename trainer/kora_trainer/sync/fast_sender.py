@@ -171,7 +171,7 @@ class FastWeightSender:
         kind, mode = self.transport.kind, str(self.mode)
         push, delta = self.delta.should_push(self.flat, self.http.threshold, self.http.trainer_group)
         if not push:
-            return SyncReport(mode, kind, False, 0, 0.0, self.engine_version, None, 0, delta, "skipped", "fast")
+            return SyncReport.skip(mode, kind, self.engine_version, delta, path="fast")
         verify = self.http.verify and self.pushes % self.verify_every == 0
         clients = self.transport.clients
         futs = [c.submit(c.fast_sync_push, str(version), GROUP_NAME, verify) for c in clients]
@@ -193,8 +193,9 @@ class FastWeightSender:
                    if r.get("checksum") != digest]
             if bad:
                 raise SyncError(f"an engine applied different bytes than were sent ({bad[0]} != {digest})")
-        return SyncReport(mode, kind, True, self.nbytes, round(ms, 2), version, digest, self.nbuckets, delta,
-                          "full" if self.sender is not None else "adapter", "fast")
+        return SyncReport(mode=mode, transport=kind, pushed=True, bytes=self.nbytes, ms=round(ms, 2),
+                          adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
+                          what="full" if self.sender is not None else "adapter", path="fast")
 
     def _checksum(self, verify: bool) -> str | None:
         """`protocol.checksum` of what was pushed (Merge: verified pushes only; see the module docstring)."""

@@ -47,6 +47,8 @@ Named = tuple[str, torch.Tensor]
 
 @dataclass
 class SyncReport:
+    """One sync, as the trainer's worker returns it through Ray and the recorder writes it (events, /status)."""
+
     mode: str  # Merge | Adapter | EngineMerge
     transport: str  # distributed | colocated | none (a rank other than 0) | follower (`follower`)
     pushed: bool
@@ -59,6 +61,12 @@ class SyncReport:
     what: str = ""  # full | base+adapter | adapter | lora_pairs | skipped
     path: str = "http"  # http (the engine routes, per bucket) | fast (sync/fast_sender.py: planned once)
     note: str = ""  # set once, where the path was decided: the fast path planned, or why it is not used
+
+    @classmethod
+    def skip(cls, mode: str, transport: str, version: int, max_delta: float | None, path: str = "http") -> SyncReport:
+        """Delta-skip: nothing moved past the threshold, the engines keep serving `version`."""
+        return cls(mode=mode, transport=transport, pushed=False, bytes=0, ms=0.0, adapter_version=version,
+                   checksum=None, max_delta=max_delta, what="skipped", path=path)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -200,8 +208,7 @@ class WeightSender:
         first = not self.tracker.ever_pushed
         push, delta = should_push(self.tracker, adapter, self.threshold, self.trainer_group)
         if not push:
-            return SyncReport(str(self.mode), self._transport_kind(), False, 0, 0.0, self.engine_version, None,
-                              0, delta, "skipped")
+            return SyncReport.skip(str(self.mode), self._transport_kind(), self.engine_version, delta)
         checksum = RunningChecksum()
         nbytes, nbuckets, what = 0, 0, ""
         if self.transport is not None:
@@ -209,9 +216,10 @@ class WeightSender:
         self.tracker.mark_pushed(adapter)
         self.engine_version = version
         ms = (time.perf_counter() - t0 - checksum.seconds) * 1000
-        return SyncReport(str(self.mode), self._transport_kind(), True, nbytes, round(ms, 2), version,
-                          checksum.hexdigest() if self.transport is not None else None, nbuckets,
-                          None if first else delta, what)
+        return SyncReport(mode=str(self.mode), transport=self._transport_kind(), pushed=True, bytes=nbytes,
+                          ms=round(ms, 2), adapter_version=version,
+                          checksum=checksum.hexdigest() if self.transport is not None else None, buckets=nbuckets,
+                          max_delta=None if first else delta, what=what)
 
     def _transport_kind(self) -> str:
         return self.transport.kind if self.transport is not None else "none"

@@ -15,7 +15,7 @@ from typing import Any, cast
 import torch
 
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
-from kora_trainer.backends.grpo_step import ShuffleState, grpo_step
+from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.megatron.convert import layout_from_hf_config
 from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora, lora_modules
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
@@ -160,7 +160,7 @@ class MegatronBackend(ShuffleState):
                 lp = self._token_logp(p)
         return [lp[i, :len(r)].tolist() for i, r in enumerate(responses)]
 
-    def train_step(self, batch: RolloutBatch) -> dict[str, Any]:
+    def train_step(self, batch: RolloutBatch) -> StepMetrics:
         """One GRPO step: `backends/grpo_step.py`, the torch backend's loop, with megatron's log-probs and the
         TP-aware grad-norm clip."""
         return grpo_step(self, batch, self._token_logp, lambda: adapter_disabled(self.model), clip_grad_norm)
