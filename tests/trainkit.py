@@ -77,7 +77,10 @@ class TrainRun:
         full_env = {**os.environ, "KORA_CONTROL_TOKEN": self.token,
                     "PYTHONPATH": os.pathsep.join([str(E2E), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
                     **(env or {})}
-        full_env.pop("RAY_ADDRESS", None)
+        # not this test process's cluster or process group (a megatron test earlier in the session sets
+        # MASTER_PORT in os.environ, and the trainer's own group would then find that port taken)
+        for inherited in ("RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            full_env.pop(inherited, None)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=work,
                                          start_new_session=True)
