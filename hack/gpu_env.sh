@@ -6,6 +6,14 @@
 #   .whl/extra/ray_min.tar.xz  ray 2.60.0 (cp312) without jars/rllib/tune/train/serve/data/llm: the full
 #                     wheel (75.6 MiB) is over what a device call may carry (64 MiB); kora uses Ray core only
 # Usage: bash hack/gpu_env.sh [/tmp/mc]; export PYTHONPATH=trainer:tests:/tmp/mc NCCL_NVLS_ENABLE=0
+# Making .whl/ on the dev machine (cp312 wheels; pass them to the device with carry: [".whl"]):
+#   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+#      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
+#   pip download $P -d .whl megatron-core==0.19.2 pydantic==<venv's> pydantic_core==<venv's> annotated-types typing-inspection
+#   pip download $P -d .whl/extra msgpack protobuf jsonschema jsonschema-specifications referencing rpds-py click attrs
+#   ray: pip download $P ray==2.60.0, unpack it KEEPING the file modes (python's zipfile drops them: set each
+#   member's mode from external_attr >> 16, or gcs_server/raylet are not executable), delete ray/{jars,rllib,tune,
+#   train,serve,data,llm}, and tar -cJf .whl/extra/ray_min.tar.xz ray ray-2.60.0.dist-info (about 30 MiB)
 set -euo pipefail
 target=${1:-/tmp/mc}
 mkdir -p "$target"
