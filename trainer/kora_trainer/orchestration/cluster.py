@@ -28,7 +28,7 @@ from typing import Any
 
 from kora_trainer.backends.select import gpu_shares
 from kora_trainer.config import TrainerConfig
-from kora_trainer.config.ray_env import ray_home, single_node_env, usage_stats_env
+from kora_trainer.config.ray_env import ray_home, single_node_env
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
 
 CPU_SHARES = {"trainer": 0.5, "rollout": 0.1, "engine": 0.2}
@@ -53,7 +53,8 @@ def start_ray(num_cpus: int | None = None) -> tuple[bool, str | None]:
 
     The private head gets config/ray_env.py's single-node environment (loopback only, no usage report,
     no cloud metadata probe). It must be in os.environ before Ray is first imported: Ray reads
-    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import time, so this is where the driver imports Ray.
+    RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER at import time, so this is where the driver imports Ray. A joined cluster
+    keeps its own environment: the operator sets usage stats in the pods and submissions it builds.
     """
     if "ray" in sys.modules and not os.environ.get("RAY_ADDRESS"):
         from ray._private import ray_constants
@@ -61,7 +62,6 @@ def start_ray(num_cpus: int | None = None) -> tuple[bool, str | None]:
         if ray_constants.ENABLE_RAY_CLUSTER:
             raise RuntimeError("Ray was imported before kora_trainer.orchestration.cluster.start_ray set its "
                                "environment: the private head would use the machine's address, not 127.0.0.1")
-    os.environ.update(usage_stats_env(False))
     if os.environ.get("RAY_ADDRESS"):
         import ray
 
