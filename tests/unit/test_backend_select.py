@@ -55,29 +55,42 @@ def test_weights_bytes_counts_only_weight_files(tmp_path):
     assert weights_bytes(tmp_path / "missing") == 0
 
 
-def test_a_multi_gpu_actor_is_refused_at_start():
-    with pytest.raises(ConfigError, match=r"tensor 2.*one trainer process per GPU.*set every parallelism size to 1"):
+def test_model_parallel_layouts_are_refused_at_start_and_data_parallel_runs():
+    with pytest.raises(ConfigError, match=r"tensor 2: the trainer runs data parallelism only.*set them to 1"):
         check_actor_layout(cfg("parallelism.tensor=2"), Backend.MEGATRON)
+    with pytest.raises(ConfigError, match=r"pipeline 2 needs backend: megatron"):
+        check_actor_layout(cfg("parallelism.pipeline=2"), Backend.TORCH)
+    with pytest.raises(ConfigError, match=r"expert 4 x expertTensor 1 must divide .* = 2.*parallelism.data to a "
+                                          r"multiple of 2"):
+        check_actor_layout(cfg("parallelism.tensor=2", "parallelism.expert=4"), Backend.MEGATRON)
     check_actor_layout(cfg(), Backend.MEGATRON)  # the default layout runs
+    check_actor_layout(cfg("parallelism.data=4"), Backend.TORCH)  # data parallel on either backend
+    check_actor_layout(cfg("parallelism.data=4"), Backend.MEGATRON)
 
 
 def test_cpu_cluster_asks_for_no_gpu_and_refuses_gpu_engines():
-    assert gpu_shares(cfg("rollout.gpusPerEngine=0"), colocated=True, cluster_gpus=0).total == 0
+    assert gpu_shares(cfg("rollout.gpusPerEngine=0"), cluster_gpus=0).total == 0
     with pytest.raises(ConfigError, match=r"gpusPerEngine is 1 but the Ray cluster has no GPU.*gpusPerEngine: 0"):
-        gpu_shares(cfg("rollout.gpusPerEngine=1"), colocated=False, cluster_gpus=0)
+        gpu_shares(cfg("rollout.gpusPerEngine=1", "deployment.mode=Disaggregated"), cluster_gpus=0)
 
 
-def test_colocated_shares_one_gpu_and_disaggregated_gets_its_own():
-    two = cfg("rollout.numEngines=2", "rollout.gpusPerEngine=1")
-    shared = gpu_shares(two, colocated=True, cluster_gpus=1)
+def test_colocated_shares_a_ranks_gpu_and_disaggregated_gets_its_own():
+    two = ("rollout.numEngines=2", "rollout.gpusPerEngine=1")
+    shared = gpu_shares(cfg(*two, "deployment.mode=Colocate"), cluster_gpus=1)
     assert (shared.trainer, shared.engine) == (0.5, 0.25)
     assert shared.trainer + 2 * shared.engine == 1.0  # Ray packs the three actors onto one GPU
-    apart = gpu_shares(two, colocated=False, cluster_gpus=3)
+    # data 2: one engine beside each rank, each pair on its own GPU
+    beside = gpu_shares(cfg(*two, "deployment.mode=Colocate", "parallelism.data=2"), cluster_gpus=2)
+    assert (beside.trainer, beside.engine) == (0.5, 0.5)
+    with pytest.raises(ConfigError, match=r"needs 2 GPUs \(2 trainer ranks.*Colocate.*\) and the cluster has 1"):
+        gpu_shares(cfg(*two, "deployment.mode=Colocate", "parallelism.data=2"), cluster_gpus=1)
+    apart = gpu_shares(cfg(*two, "deployment.mode=Disaggregated"), cluster_gpus=3)
     assert (apart.trainer, apart.engine) == (1.0, 1.0)
-    with pytest.raises(ConfigError, match=r"need 3 GPUs, the Ray cluster has 2"):
-        gpu_shares(two, colocated=False, cluster_gpus=2)
-    with pytest.raises(ConfigError, match=r"Colocate shares one GPU.*gpusPerEngine is 2"):
-        gpu_shares(cfg("rollout.engine=sglang", "rollout.gpusPerEngine=2"), colocated=True, cluster_gpus=4)
+    with pytest.raises(ConfigError, match=r"needs 3 GPUs .*Disaggregated\) and the cluster has 2"):
+        gpu_shares(cfg(*two, "deployment.mode=Disaggregated"), cluster_gpus=2)
+    with pytest.raises(ConfigError, match=r"Colocate puts each engine on one trainer rank's GPU.*gpusPerEngine is 2"):
+        gpu_shares(cfg("rollout.engine=sglang", "rollout.gpusPerEngine=2", "deployment.mode=Colocate"),
+                   cluster_gpus=4)
 
 
 def test_make_backend_builds_the_torch_backend_on_cpu(tmp_path):

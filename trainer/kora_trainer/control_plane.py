@@ -30,6 +30,7 @@ writes them with.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import os
@@ -145,7 +146,8 @@ class ControlPlane:
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(data)
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the poller gave up waiting
+                    self.wfile.write(data)
 
             def do_GET(self) -> None:
                 if self.path == "/healthz":

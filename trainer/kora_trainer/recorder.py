@@ -94,12 +94,16 @@ class StepRecorder:
                 first: SyncReport) -> None:
         self.progress.record_sync(first.as_dict(), step=self.run.start)
         self.progress.update(phase="Running")
-        self.say(f"ready in {self.wall_s():.1f}s: {info['backend']} on {info['device']}, {engines} {engine_kind} "
-                 f"engine(s), sync {self.mode} over {transport}, first push {first.bytes} B in {first.ms:.0f} ms")
+        ranks = info.get("ranks", [])
+        where = ", ".join(f"rank {r['rank']} on {r['address']} ({r['device']})" for r in ranks)
+        self.say(f"ready in {self.wall_s():.1f}s: {info['backend']} on {info['device']} x {info.get('world', 1)} "
+                 f"rank(s), {engines} {engine_kind} engine(s), sync {self.mode} over {transport}, first push "
+                 f"{first.bytes} B in {first.ms:.0f} ms" + (f"; {where}" if len(ranks) > 1 else ""))
         if first.note:
             self.say(f"sync: {first.note}")
         self.event("start", backend=info["backend"], device=info["device"], engines=engines, engine=engine_kind,
-                   sync_mode=self.mode, transport=transport, sync=first.as_dict())
+                   sync_mode=self.mode, transport=transport, sync=first.as_dict(), world=info.get("world", 1),
+                   ranks=ranks, engine_nodes=info.get("engine_nodes", []))
 
     def stepped(self, step: int, metrics: StepMetrics, rstats: dict[str, Any], report: SyncReport) -> None:
         r = self.run

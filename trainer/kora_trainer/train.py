@@ -108,8 +108,8 @@ def resume(job: Job, cfg: TrainerConfig, root: str, rec: StepRecorder) -> None:
     import ray
 
     if cfg.checkpoint.lora_only:
-        ray.get(job.trainer.check_lora_only.remote())
-    info = ray.get(job.trainer.resume.remote(root))
+        job.trainer.first("check_lora_only")
+    info = job.trainer.all("resume", root)[0]  # every rank restores the same state (data-parallel replicas)
     if info is None:
         rec.say(f"no checkpoint under {root}: starting at step 1")
         return
@@ -118,12 +118,11 @@ def resume(job: Job, cfg: TrainerConfig, root: str, rec: StepRecorder) -> None:
 
 
 def save_checkpoint(job: Job, cfg: TrainerConfig, root: str, step: int, rec: StepRecorder) -> None:
-    import ray
 
     t0 = time.monotonic()
     meta = {"sync_mode": str(cfg.lora.effective_sync_mode), "base_model": str(Path(cfg.model.path).resolve()),
             "seed": cfg.algorithm.seed, "async": cfg.deployment.async_}
-    path = ray.get(job.trainer.save_checkpoint.remote(root, rec.run.data_position, cfg.checkpoint.keep, meta))
+    path = job.trainer.first("save_checkpoint", root, rec.run.data_position, cfg.checkpoint.keep, meta)
     rec.checkpointed(step, path, (time.monotonic() - t0) * 1000)
 
 
@@ -158,7 +157,7 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
 
     if root:
         resume(job, cfg, root, rec)
-    rec.started(job.info, len(job.engines), cfg.rollout.engine, job.transport, ray.get(job.trainer.sync.remote()))
+    rec.started(job.info, len(job.engines), cfg.rollout.engine, job.transport, job.trainer.sync())
     rollouts, last_step_s = Lookahead(job, cfg, rec.run.start, rec.steps), 0.0
     for step in range(rec.run.start + 1, rec.steps + 1):
         if time_limit and time.monotonic() - T_START + last_step_s + SHUTDOWN_S > time_limit:
@@ -166,8 +165,8 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
             break
         t_step = time.monotonic()
         batch_ref, stats_ref = rollouts.take(step)
-        metrics, rstats = ray.get([job.trainer.train_step.remote(batch_ref), stats_ref])
-        rec.stepped(step, metrics, rstats, ray.get(job.trainer.sync.remote()))
+        metrics, rstats = job.trainer.train_step(batch_ref), ray.get(stats_ref)
+        rec.stepped(step, metrics, rstats, job.trainer.sync())
         rollouts.issue_through(step + 1)
         if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
             save_checkpoint(job, cfg, root, step, rec)
@@ -175,7 +174,7 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
     if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
         save_checkpoint(job, cfg, root, rec.run.done, rec)
     if root and cfg.checkpoint.export_hf:
-        rec.exported(ray.get(job.trainer.export_hf.remote(root, {"seed": cfg.algorithm.seed})))
+        rec.exported(job.trainer.first("export_hf", root, {"seed": cfg.algorithm.seed}))
 
 
 def main(argv: list[str] | None = None) -> int:

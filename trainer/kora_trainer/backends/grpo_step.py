@@ -7,7 +7,9 @@ step). Engines report raw log-probs (before temperature, SGLang's default), so a
 sampling distribution: there the actor recomputes them at T before the first update.
 
 Minibatches hold whole GRPO groups (shuffled by the backend's private generator, which checkpoints save),
-micro-batches accumulate gradients, and the loss is normalised by the minibatch's response tokens.
+micro-batches accumulate gradients, and the loss is normalised by the minibatch's response tokens. With data
+parallelism each rank takes its share of every minibatch and the gradients are summed over the ranks
+(`data_parallel.py`), so the step is the one-rank step's; the metrics are summed over the ranks likewise.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
+from kora_trainer.backends.data_parallel import DataParallel
 from kora_trainer.config import TrainerConfig
 
 
@@ -61,6 +64,7 @@ class StepOwner(Protocol):
     version: int
     micro_batch_size: int
     max_grad_norm: float
+    dp: DataParallel
     _shuffle: torch.Generator
 
 
@@ -113,27 +117,35 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
             idx = order[start:start + gbs]
             num_tokens = float(p.response_mask[idx].sum())
             owner.optimizer.zero_grad(set_to_none=True)
-            for mb in idx.split(owner.micro_batch_size):
+            for mb in owner.dp.share(idx).split(owner.micro_batch_size):
                 mbd = mb.to(device)
                 logp = token_logp(p.select(mb), temperature)  # [b, R]
                 out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
                                 None if ref is None else ref[mbd], alg.kl_coef, num_tokens=num_tokens)
                 out.loss.backward()
                 w = float(mask[mbd].sum()) / max(num_tokens, 1.0)
-                sums["loss"] += out.pg_loss * w
+                # pg_loss and kl are already over the minibatch's tokens (num_tokens): a share adds up as is;
+                # clip_frac and ratio are means over this micro-batch's tokens: weighted by its share
+                sums["loss"] += out.pg_loss
                 sums["clip_frac"] += out.clip_frac * w
-                sums["kl"] += out.kl * w
+                sums["kl"] += out.kl
                 sums["ratio"] += out.ratio_mean * w
                 if updates == 0 and on_policy:  # before any update: trainer vs engine, the same policy
                     gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
                     gap_max = max(gap_max, float(gap.max()))
                     gap_sum += float(gap.sum())
                     gap_n += float(mask[mbd].sum())
+            owner.dp.allreduce_grads(owner.params)  # the minibatch's gradient: every rank's share summed
             sums["grad_norm"] += clip_grad_norm(owner.params, owner.max_grad_norm)
             owner.optimizer.step()
             updates += 1
     owner.model.eval()
     owner.version += 1
+    # the shares' sums -> the step's (grad_norm is already the whole minibatch's on every rank)
+    keys = ["loss", "clip_frac", "kl", "ratio"]
+    *totals, gap_sum, gap_n = owner.dp.sum([sums[k] for k in keys] + [gap_sum, gap_n])
+    sums.update(zip(keys, totals, strict=True))
+    gap_max = owner.dp.max(gap_max)
     rewards = torch.tensor(batch.rewards)
     return StepMetrics(
         version=owner.version, reward_mean=float(rewards.mean()), samples=n, updates=updates,

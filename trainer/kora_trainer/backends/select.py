@@ -14,10 +14,11 @@ Backend (`backend:` in the job):
 GPU placement (Ray `num_gpus` per actor; Ray then sets each actor's CUDA_VISIBLE_DEVICES, and an engine
 process inherits its actor's):
 - no GPU in the cluster: nothing asks for one (the CPU path);
-- Colocate with in-memory sync: the trainer and its engines share one GPU (fractions that add up to 1);
-- otherwise (Disaggregated, or Colocate's distributedEngines fed over NCCL): the trainer takes
-  `parallelism` GPUs and each engine `rollout.gpusPerEngine` of its own, so the weight-update group never
-  has two ranks on one GPU (NCCL refuses that).
+- Colocate with in-memory sync: each trainer rank and the engines beside it share one GPU (fractions that add
+  up to 1; engine e sits beside rank e % world);
+- otherwise (Disaggregated, or Colocate's distributedEngines fed over NCCL): each trainer rank takes a GPU and
+  each engine `rollout.gpusPerEngine` of its own, so the weight-update group never has two ranks on one GPU
+  (NCCL refuses that). config/layout.py counts what a job needs.
 """
 
 from __future__ import annotations
@@ -28,7 +29,16 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from kora_trainer.backends.data_parallel import RankContext
 from kora_trainer.config import Backend, ConfigError, TrainerConfig
+from kora_trainer.config.layout import (
+    colocated,
+    engine_gpus,
+    fit_problems,
+    gpu_demand,
+    parallel_problems,
+    world_size,
+)
 from kora_trainer.config.sections import Engine
 
 if TYPE_CHECKING:
@@ -80,15 +90,23 @@ def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_byt
 
 
 def check_actor_layout(cfg: TrainerConfig, backend: Backend) -> None:
-    """The trainer runs as ONE process today: refuse actor layouts that need one process per GPU."""
+    """Refuse, at start, a layout this trainer would not train as asked. Data parallelism runs on both backends
+    (one Ray actor per rank); tensor, pipeline, context and expert parallelism need megatron's layers, and the
+    trainer's actor group does not launch them yet."""
     p = cfg.parallelism
-    if p.actor_gpus > 1 or p.expert > 1:
-        raise ConfigError([
-            f"parallelism (data {p.data}, tensor {p.tensor}, pipeline {p.pipeline}, context {p.context}, "
-            f"expert {p.expert}) needs one trainer process per GPU, which the trainer does not launch yet: set "
-            "every parallelism size to 1 (bench/gpu_sync.py --tp runs the tensor-parallel actor)"])
-    if backend is Backend.TORCH and (p.expert_tensor > 1):
-        raise ConfigError(["parallelism.expertTensor > 1 needs backend: megatron"])
+    problems = parallel_problems(p)
+    split = {name: size for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("context", p.context),
+                                           ("expert", p.expert), ("expertTensor", p.expert_tensor)) if size > 1}
+    if split and backend is Backend.TORCH:
+        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())} needs backend: megatron "
+                        "(megatron-core's parallel layers, on GPUs); the torch backend splits the data only: set "
+                        "backend: megatron on a GPU cluster, or those sizes to 1 and raise parallelism.data")
+    elif split:
+        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())}: the trainer runs data "
+                        "parallelism only so far (bench/gpu_sync.py --tp runs the tensor-parallel actor): set "
+                        "them to 1 and use parallelism.data for the GPUs")
+    if problems:
+        raise ConfigError(problems)
 
 
 @dataclass(frozen=True)
@@ -101,35 +119,34 @@ class GpuShares:
         return self.trainer + self.engine
 
 
-def gpu_shares(cfg: TrainerConfig, colocated: bool, cluster_gpus: float) -> GpuShares:
-    """Ray `num_gpus` for the trainer and for each engine (see the module docstring)."""
-    engine_gpus = cfg.rollout.gpus_per_engine if cfg.rollout.engine is Engine.SGLANG else min(
-        cfg.rollout.gpus_per_engine, 1)  # the reference engine uses one device
+def gpu_shares(cfg: TrainerConfig, cluster_gpus: float) -> GpuShares:
+    """Ray `num_gpus` for each trainer rank and for each engine (see the module docstring)."""
+    per_engine = engine_gpus(cfg)
     if cluster_gpus <= 0:
-        if cfg.rollout.engine is Engine.SGLANG or engine_gpus > 0:
+        if cfg.rollout.engine is Engine.SGLANG or per_engine > 0:
             raise ConfigError([
                 f"rollout.gpusPerEngine is {cfg.rollout.gpus_per_engine} but the Ray cluster has no GPU: set "
                 "rollout.engine: hf and rollout.gpusPerEngine: 0 to run the reference engine on CPU, or add GPUs"])
         return GpuShares(0.0, 0.0)
-    n = cfg.rollout.num_engines
-    if colocated:
-        if engine_gpus > 1:
-            raise ConfigError([f"deployment Colocate shares one GPU between the trainer and its engines, but "
-                              f"rollout.gpusPerEngine is {engine_gpus}: set it to 1, or use Disaggregated"])
-        # one GPU: half for the trainer, the rest split between the engines (Ray packs fractions on one GPU)
-        return GpuShares(0.5, 0.5 / n)
-    trainer = float(cfg.parallelism.actor_gpus)
-    need = trainer + n * engine_gpus
-    if need > cluster_gpus:
-        raise ConfigError([
-            f"the trainer ({trainer:g} GPU) and {n} engine(s) of rollout.gpusPerEngine {engine_gpus} need "
-            f"{need:g} GPUs, the Ray cluster has {cluster_gpus:g}: lower rollout.numEngines / gpusPerEngine, or "
-            "use deployment.mode Colocate"])
-    return GpuShares(trainer, float(engine_gpus))
+    if gpu_demand(cfg).total > cluster_gpus:  # the count only: the placement group finds the nodes
+        raise ConfigError(fit_problems(cfg, [int(cluster_gpus)])[:1])
+    if colocated(cfg):
+        if per_engine > 1:
+            raise ConfigError([f"deployment Colocate puts each engine on one trainer rank's GPU, but "
+                              f"rollout.gpusPerEngine is {per_engine}: set it to 1, or use Disaggregated"])
+        # a rank's GPU: half for the rank, the rest split between the engines beside it (Ray packs the fractions)
+        return GpuShares(0.5, 0.5 / engines_per_rank(cfg))
+    return GpuShares(1.0, float(per_engine))
 
 
-def make_backend(cfg: TrainerConfig, threads: int | None = None) -> PolicyBackend:
-    """The training backend for this job, built where the trainer runs (the process with the GPU)."""
+def engines_per_rank(cfg: TrainerConfig) -> int:
+    """Colocate: the most engines one rank feeds (engine e sits beside rank e % world)."""
+    return max(1, -(-cfg.rollout.num_engines // world_size(cfg.parallelism)))
+
+
+def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankContext | None = None) -> PolicyBackend:
+    """The training backend for this job, built where the trainer rank runs (the process with the GPU); with
+    several ranks `rank` says where the trainer's process group meets."""
     from kora_trainer.backends.megatron import megatron_available
 
     cuda = torch.cuda.is_available()
@@ -139,7 +156,7 @@ def make_backend(cfg: TrainerConfig, threads: int | None = None) -> PolicyBacken
     if backend is Backend.MEGATRON:
         from kora_trainer.backends.megatron.backend import MegatronBackend
 
-        return MegatronBackend(cfg)
+        return MegatronBackend(cfg, rank=rank)
     from kora_trainer.backends.torch_backend import TorchBackend
 
-    return TorchBackend(cfg, threads=threads)
+    return TorchBackend(cfg, threads=threads, rank=rank)

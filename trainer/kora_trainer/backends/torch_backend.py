@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
+from kora_trainer.backends.data_parallel import DataParallel, RankContext
 from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.logprobs import sequence_logp, shared_prefix_logp
 from kora_trainer.checkpoint.lora_only import check_lora_only
@@ -40,20 +41,26 @@ def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
 
 class TorchBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, device: str | None = None, threads: int | None = None,
-                 micro_batch_size: int = 256, max_grad_norm: float = 1.0, shared_prefix: bool = True):
+                 micro_batch_size: int = 256, max_grad_norm: float = 1.0, shared_prefix: bool = True,
+                 rank: RankContext | None = None):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if threads:
             torch.set_num_threads(threads)
-        torch.manual_seed(cfg.algorithm.seed)
-        self.cfg = cfg
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        # the trainer's group: every rank a data-parallel replica (the torch backend splits the data only)
+        self.group = rank.join("nccl" if self.device.type == "cuda" else "gloo") if rank else None
+        self.dp = DataParallel(rank.rank, rank.world, self.group) if rank else DataParallel()
+        torch.manual_seed(cfg.algorithm.seed)  # the same LoRA init on every rank
+        self.cfg = cfg
         # transformers wraps .to with functools.wraps(nn.Module.to): typeshed's _Wrapped does not bind self
         self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype="auto").to(self.device)  # type: ignore[arg-type]
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.wrapped = apply_lora(self.model, cfg.lora)
         self.model.eval()
+        if self.dp.rank:  # LoRA dropout: each rank its own draws (rank 0 keeps the one-rank stream)
+            torch.manual_seed(cfg.algorithm.seed + self.dp.rank)
         self.params = adapter_parameters(self.model)
         # only adapter parameters reach the optimizer: the base is frozen and holds no Adam state
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
@@ -81,7 +88,7 @@ class TorchBackend(ShuffleState):
     def make_sender(self, transport: Any) -> Any:
         from kora_trainer.sync.sender import WeightSender
 
-        return WeightSender(self.model, self.cfg, transport)
+        return WeightSender(self.model, self.cfg, transport, trainer_group=self.group)  # delta-skip: MAX over ranks
 
     # ---- log-probs ----------------------------------------------------------------------------
 

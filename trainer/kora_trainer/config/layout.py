@@ -9,9 +9,10 @@ expertTensor x expert x expert-data, so expert x expertTensor must divide world 
 GPUs (a GPU cluster):
 - Disaggregated: every rank has a GPU and every engine rollout.gpusPerEngine of its own: world + engines x
   gpusPerEngine.
-- Colocate: engine i shares the GPUs of the ranks beside it (rank i's GPU, or as many GPUs as the engine spans):
-  max(world, engines x gpusPerEngine). With rollout.distributedEngines those are extra engines on GPUs of
-  their own.
+- Colocate: the engines share the ranks' GPUs: engine e sits on the GPU of rank e % world (spanning
+  gpusPerEngine adjacent ranks' GPUs when it needs more than one), several engines per GPU when there are more
+  engines than GPUs: max(world, gpusPerEngine). (Colocate with rollout.distributedEngines > 0 feeds its engines
+  over the weight-update group: they count as Disaggregated.)
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def gpu_demand(cfg: TrainerConfig) -> GpuDemand:
     ranks = world_size(cfg.parallelism)
     per_engine = engine_gpus(cfg)
     engines = cfg.rollout.num_engines * per_engine
-    total = max(ranks, engines) if colocated(cfg) else ranks + engines
+    total = max(ranks, per_engine) if colocated(cfg) else ranks + engines
     return GpuDemand(ranks, ranks, engines, total, max(cfg.parallelism.tensor, per_engine))
 
 
@@ -107,7 +108,7 @@ def fit_problems(cfg: TrainerConfig, gpus_per_node: list[int]) -> list[str]:
     have, biggest = sum(gpus_per_node), max(gpus_per_node, default=0)
     problems = []
     if d.total > have:
-        how = ("max(ranks, engines x gpusPerEngine): Colocate" if colocated(cfg)
+        how = ("max(ranks, gpusPerEngine): Colocate, the engines share the ranks' GPUs" if colocated(cfg)
                else "ranks + engines x gpusPerEngine: Disaggregated")
         problems.append(
             f"the job needs {d.total} GPUs ({d.ranks} trainer ranks = parallelism data x tensor x pipeline x context, "

@@ -4,8 +4,9 @@ Locally `python -m kora_trainer.train` starts its own Ray head on 127.0.0.1 with
 dashboard, nothing listening beyond loopback) and stops it at the end. Under KubeRay the driver runs on
 the head pod, where RAY_ADDRESS points at the running cluster: then it joins instead.
 
-GPUs: `backends/select.gpu_shares` says how many each actor asks Ray for (none on a CPU-only cluster); Ray
-sets each actor's CUDA_VISIBLE_DEVICES and an engine process inherits its actor's.
+Placement: `placement.py` makes one placement-group bundle per trainer rank (and per engine of its own);
+`backends/select.gpu_shares` says how many GPUs each actor asks for inside its bundle (none on a CPU-only
+cluster); Ray sets each actor's CUDA_VISIBLE_DEVICES and an engine process inherits its actor's.
 
 CPU fractions only steer placement. Threads are set explicitly, one per process by default: the loop
 is sequential (generate, then train, then sync), and on a small shared machine OpenMP's spinning
@@ -26,25 +27,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kora_trainer.backends.select import gpu_shares
 from kora_trainer.config import TrainerConfig
 from kora_trainer.config.ray_env import ray_home, single_node_env
+from kora_trainer.orchestration.actor_group import TrainGroup
+from kora_trainer.orchestration.placement import CPU_SHARES, STRATEGY, Placement, plan_placement
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
-
-CPU_SHARES = {"trainer": 0.5, "rollout": 0.1, "engine": 0.2}
 
 
 @dataclass
 class Job:
     """Handles to the job's Ray actors (and what to tear down)."""
 
-    trainer: Any
+    trainer: TrainGroup
     rollout: Any
     engines: list[Any]
     engine_urls: list[str]
     transport: str
-    temp_dir: str | None = None
-    started_ray: bool = False
+    pg: Any = None  # the placement group
     info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -89,24 +88,50 @@ def start_ray(num_cpus: int | None = None) -> tuple[bool, str | None]:
 
 
 def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job:
-    """Engines first (the trainer's group needs their URLs), then the trainer and the rollout manager."""
+    """The placement group, then the engines and the trainer's ranks (which load the model while the engines
+    start), then the rollout manager and each rank's transport to the engines it feeds."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     threads = threads or 1
     kind = transport_kind(cfg)
-    gpus = gpu_shares(cfg, kind == "colocated", float(ray.cluster_resources().get("GPU", 0)))
-    engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"], num_gpus=gpus.engine)(EngineWorker)
+    plan = plan_placement(cfg, float(ray.cluster_resources().get("GPU", 0)))
+    pg = ray.util.placement_group(plan.bundles, strategy=STRATEGY)
+    wait_placed(pg, plan)
+
+    def bundle(i: int) -> PlacementGroupSchedulingStrategy:
+        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+
+    engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"], num_gpus=plan.shares.engine)(EngineWorker)
     # actor handles as Any: ray types a handle's methods as the plain methods, without their .remote
-    engines: list[Any] = [engine_cls.remote(cfg, str(run_dir / "logs"), threads, i)
-                          for i in range(cfg.rollout.num_engines)]
-    train_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=gpus.trainer)(TrainWorker)
-    trainer: Any = train_cls.remote(cfg, threads)  # loads the model while the engines start
+    engines: list[Any] = [engine_cls.options(scheduling_strategy=bundle(plan.engine_bundle[i]))
+                          .remote(cfg, str(run_dir / "logs"), threads, i) for i in range(cfg.rollout.num_engines)]
+    world = len(plan.rank_bundle)
+    rank_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=plan.shares.trainer)(TrainWorker)
+    trainer = TrainGroup([rank_cls.options(scheduling_strategy=bundle(plan.rank_bundle[r]))
+                          .remote(cfg, threads, r, world) for r in range(world)])
+    master = trainer.first("rendezvous")
+    ranks = trainer.all("setup", *master)
     urls = ray.get([e.url.remote() for e in engines])
     rollout = ray.remote(num_cpus=CPU_SHARES["rollout"])(RolloutWorker).remote(cfg, urls)
-    info = ray.get(trainer.describe.remote())
-    transport = ray.get(trainer.connect.remote(urls, kind))
-    return Job(trainer, rollout, engines, urls, transport, info={**info, "gpus_per_trainer": gpus.trainer,
-                                                                 "gpus_per_engine": gpus.engine})
+    kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], kind, master[0])
+                     for r, a in enumerate(trainer.actors)])
+    info = {**{k: ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": ranks,
+            "gpus_per_trainer": plan.shares.trainer, "gpus_per_engine": plan.shares.engine}
+    return Job(trainer, rollout, engines, urls, kinds[0], pg=pg, info=info)
+
+
+def wait_placed(pg: Any, plan: Placement, timeout_s: float = 120.0) -> None:
+    """Bounded: a placement group the cluster cannot hold never becomes ready, so say what it asked for."""
+    import ray
+
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(pg)
+        raise RuntimeError(f"the Ray cluster cannot place the job's {len(plan.bundles)} bundles {plan.bundles} "
+                           f"within {timeout_s:.0f}s (cluster resources: {ray.cluster_resources()}): add nodes or "
+                           "GPUs, or lower parallelism / rollout.numEngines") from None
 
 
 def shutdown(job: Job | None, started_ray: bool, temp_dir: str | None) -> None:
@@ -115,9 +140,13 @@ def shutdown(job: Job | None, started_ray: bool, temp_dir: str | None) -> None:
 
     if job is not None:
         # tearing down: keep going past a failed call; an engine whose worker died got SIGTERM with it
-        for calls in ([job.trainer.close.remote(), job.rollout.close.remote()], [e.stop.remote() for e in job.engines]):
+        closing = [a.close.remote() for a in job.trainer.actors] + [job.rollout.close.remote()]
+        for calls in (closing, [e.stop.remote() for e in job.engines]):
             with contextlib.suppress(Exception):
                 ray.get(calls, timeout=30)
+        if job.pg is not None:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(job.pg)
     if ray.is_initialized():
         ray.shutdown()
     if started_ray and temp_dir:

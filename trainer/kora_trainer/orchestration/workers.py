@@ -13,6 +13,7 @@ from typing import Any
 
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.backends.grpo_step import StepMetrics
+from kora_trainer.backends.select import PolicyBackend
 from kora_trainer.config import DeploymentMode, TrainerConfig
 from kora_trainer.orchestration.engines import EngineProcess
 from kora_trainer.orchestration.rollout_manager import Rollout
@@ -27,18 +28,49 @@ def transport_kind(cfg: TrainerConfig) -> str:
 
 
 class TrainWorker:
-    def __init__(self, cfg: TrainerConfig, threads: int | None = None):
-        from kora_trainer.backends.select import make_backend
+    """One trainer rank. Made in two steps, so that rank 0's node address and port (where the ranks' process
+    group meets) are known before any rank builds its backend: `rendezvous()` on rank 0, then `setup()` on every
+    rank at once."""
 
-        self.cfg = cfg
-        self.backend = make_backend(cfg, threads=threads)  # torch or megatron: backends/select.py
+    def __init__(self, cfg: TrainerConfig, threads: int | None = None, rank: int = 0, world: int = 1):
+        self.cfg, self.threads, self.rank, self.world = cfg, threads, rank, world
+        self._backend: PolicyBackend | None = None
         self.sender: Any = None
 
-    def describe(self) -> dict[str, Any]:
-        """Which backend trains, on which device (the driver prints it)."""
-        return {"backend": type(self.backend).__name__, "device": str(self.backend.device)}
+    @property
+    def backend(self) -> PolicyBackend:
+        if self._backend is None:
+            raise RuntimeError("TrainWorker.setup() builds the backend: call it first")
+        return self._backend
 
-    def connect(self, engine_urls: list[str], kind: str) -> str:
+    def rendezvous(self) -> tuple[str, int]:
+        """Rank 0: this node's address (127.0.0.1 on a one-node cluster) and a port free on it."""
+        from kora_trainer.orchestration.addresses import node_address
+        from kora_trainer.wire.group import free_port
+
+        host = node_address()
+        return host, free_port(host)
+
+    def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
+        """Join the trainer's process group and build the backend (torch or megatron: backends/select.py);
+        returns where this rank runs (the driver prints rank 0's, `kora plan` predicts them)."""
+        import ray
+
+        from kora_trainer.backends.data_parallel import RankContext
+        from kora_trainer.backends.select import make_backend
+
+        ctx = RankContext(self.rank, self.world, master_address, master_port)
+        self._backend = make_backend(self.cfg, threads=self.threads, rank=ctx if self.world > 1 else None)
+        context = ray.get_runtime_context()
+        return {"rank": self.rank, "backend": type(self.backend).__name__, "device": str(self.backend.device),
+                "node": context.get_node_id(), "address": ray.util.get_node_ip_address(),
+                "gpus": [str(g) for g in ray.get_gpu_ids()]}
+
+    def connect(self, engine_urls: list[str], kind: str, host: str = "127.0.0.1") -> str:
+        """This rank's transport to the engines it feeds: Disaggregated, rank 0 makes the weight-update group on
+        `host` (its node address when engines run on other nodes) with every engine; Colocate, each rank hands its
+        own engines the policy in memory. A rank with no engine sends nothing (it still takes part in the
+        collective delta-skip decision)."""
         import torch
 
         from kora_trainer.sync.fast_sender import with_fast_path
@@ -46,14 +78,14 @@ class TrainWorker:
         from kora_trainer.wire.engine_client import EngineClient
 
         clients = [EngineClient(u) for u in engine_urls]
-        transport: DistributedTransport | ColocatedTransport
-        if kind == "distributed":
+        transport: DistributedTransport | ColocatedTransport | None = None
+        if clients and kind == "distributed":
             backend = "nccl" if self.backend.device.type == "cuda" and torch.distributed.is_nccl_available() else "gloo"
-            transport = DistributedTransport.connect(clients, backend=backend)
-        else:
+            transport = DistributedTransport.connect(clients, backend=backend, host=host)
+        elif clients:
             transport = ColocatedTransport(clients)
         self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast_sender.py
-        return transport.kind
+        return transport.kind if transport is not None else "none"
 
     def sync(self) -> SyncReport:
         report: SyncReport = self.sender.sync(self.backend.version)  # a dataclass through Ray, not a dict

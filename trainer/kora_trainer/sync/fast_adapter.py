@@ -188,8 +188,10 @@ class FlatDelta:
 
     def should_push(self, now: torch.Tensor, threshold: float, group: WeightUpdateGroup | None = None
                     ) -> tuple[bool, float]:
-        """Collective: every rank of `group` calls it every step and gets the same answer."""
-        d = self.local_max(now)
+        """Collective: every rank of `group` calls it every step and gets the same answer. float64, as
+        delta.collective_max's: a rank on the HTTP path (a data-parallel rank without engines) meets this one in
+        the same all-reduce, and gloo aborts the process on a size mismatch."""
+        d = self.local_max(now).double()
         if group is not None and group.world_size > 1:
             group.allreduce_max(d)
         value = float(d.item())

@@ -36,7 +36,8 @@ class _ListenArgs(TypedDict, total=False):
 
 
 def _listen_on(host: str, port: int) -> _ListenArgs:
-    """TCPStore arguments for a server that listens on `host` (IPv4) only. Left to itself the store listens on
+    """TCPStore arguments for a server that listens on `host` (IPv4: loopback, or the node's address when the
+    group spans nodes) only. Left to itself the store listens on
     every interface (IPv6 `::`), and each loopback peer then shows up as ::ffff:127.0.0.1, whose reverse lookup
     for torch's log lines misses /etc/hosts and goes to the DNS server."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -44,6 +45,16 @@ def _listen_on(host: str, port: int) -> _ListenArgs:
     sock.bind((host, port))
     sock.listen(128)
     return {"master_listen_fd": sock.detach()}  # the store owns (and closes) the descriptor from here
+
+
+def local_address_towards(host: str) -> str:
+    """This machine's address on the route to `host` (a UDP socket's connect sends nothing): the address a
+    group member on another node reaches us at. Loopback for a loopback host."""
+    if is_loopback(host):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return str(s.getsockname()[0])
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -78,8 +89,14 @@ class WeightUpdateGroup:
         self.pg.broadcast([tensor], opts).wait()
 
     def allreduce_max(self, tensor: torch.Tensor) -> None:
+        self._allreduce(tensor, dist.ReduceOp.MAX)
+
+    def allreduce_sum(self, tensor: torch.Tensor) -> None:
+        self._allreduce(tensor, dist.ReduceOp.SUM)
+
+    def _allreduce(self, tensor: torch.Tensor, op: dist.ReduceOp.RedOpType) -> None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = op
         self.pg.allreduce([tensor], opts).wait()
 
     def gather(self, tensor: torch.Tensor, outs: list[torch.Tensor] | None, dst: int = 0) -> None:
@@ -103,18 +120,16 @@ def init_weight_update_group(
 ) -> WeightUpdateGroup:
     """Join (rank 0: create) the group. Blocks until all `world_size` members have joined."""
     timeout = timedelta(seconds=timeout_s)
-    local = is_loopback(master_address)
     store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          **_listen_on(master_address, master_port) if rank == 0 and local else {})
+                          **_listen_on(master_address, master_port) if rank == 0 else {})
     prefixed = dist.PrefixStore(group_name, store)
     pg: dist.ProcessGroup
     if backend == "gloo":
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub calls it Options
         options._timeout = timeout
         # gloo's default device resolves the machine's hostname (DNS where /etc/hosts lacks it) and binds its
-        # address; a group whose members are all on this machine binds loopback instead
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1") if local
-                            else dist.ProcessGroupGloo.create_default_device()]
+        # address: bind the address the master is reached from instead (loopback when all members are local)
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
         # a Backend has ProcessGroup's collectives (broadcast/allreduce/gather) at runtime; its stub lists none
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)  # type: ignore[assignment]
     elif backend == "nccl":

@@ -15,12 +15,14 @@ from typing import Any, cast
 import torch
 
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
+from kora_trainer.backends.data_parallel import DataParallel, RankContext
 from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.megatron.convert import layout_from_hf_config
 from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora, lora_modules
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
 from kora_trainer.backends.megatron.parallel import init_parallel
 from kora_trainer.config import TrainerConfig
+from kora_trainer.wire.group import WeightUpdateGroup
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -96,11 +98,21 @@ def checkpoint_dtype(hf_config: object) -> torch.dtype:
 
 class MegatronBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, dtype: torch.dtype | None = None, micro_batch_size: int = 256,
-                 max_grad_norm: float = 1.0):
+                 max_grad_norm: float = 1.0, rank: RankContext | None = None):
+        import os
+
+        from megatron.core import parallel_state
         from transformers import AutoConfig
 
-        torch.manual_seed(cfg.algorithm.seed)
+        if rank is not None:  # one Ray actor per rank: the default group megatron's layers talk through
+            os.environ.update(rank.torch_env())
         init_parallel(cfg.parallelism.tensor, cfg.algorithm.seed)
+        world = torch.distributed.get_world_size()
+        self.dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                               WeightUpdateGroup.wrap(parallel_state.get_data_parallel_group()) if world > 1 else None)
+        # the delta-skip decision spans every rank (MAX over the world); None: one rank
+        self.group = WeightUpdateGroup.wrap(torch.distributed.group.WORLD) if world > 1 else None  # type: ignore[arg-type]
+        torch.manual_seed(cfg.algorithm.seed)  # the same LoRA init on every rank (apply_lora takes the seed too)
         self.cfg = cfg
         self.hf_config = AutoConfig.from_pretrained(cfg.model.path)
         self.layout = layout_from_hf_config(self.hf_config)
@@ -143,7 +155,7 @@ class MegatronBackend(ShuffleState):
     def make_sender(self, transport: Any) -> Any:
         from kora_trainer.backends.megatron.sync import MegatronWeightSender
 
-        return MegatronWeightSender(self.model, self.layout, self.cfg, transport)
+        return MegatronWeightSender(self.model, self.layout, self.cfg, transport, trainer_group=self.group)
 
     def _token_logp(self, p: Padded, temperature: float = 1.0) -> torch.Tensor:
         """[B, R] log p of each response token (aligned with `p.response_ids`, 0 on padding)."""
