@@ -1,19 +1,22 @@
-"""`kora validate FILE` and `kora render FILE` (plugged into the `kora` CLI by entry points)."""
+"""`kora validate FILE`, `kora render FILE` and `kora plan FILE` (plugged into the `kora` CLI by entry points)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kora_operator.api.job import LoRATrainingJob
+from kora_operator.api.job import LoRATrainingJob, RuntimeKind
 from kora_operator.builders.children import build_children
 from kora_operator.builders.configmap import dump_yaml
 from kora_operator.builders.secret import TOKEN_PLACEHOLDER, new_token
 from kora_operator.validation import validate_adapter, validate_job
+from kora_trainer.config.load import ConfigError
+from kora_trainer.config.placement import Node, parse_nodes, plan_job
 
 
 def _documents(path: str) -> list[dict[str, Any]]:
@@ -97,3 +100,55 @@ def register_render(sub: Any) -> None:
     p.add_argument("--generate-token", action="store_true",
                    help="put a fresh random control-plane token in the Secret instead of a placeholder")
     p.set_defaults(func=render)
+
+
+def _cpus(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def kuberay_nodes(job: LoRATrainingJob) -> list[Node]:
+    """The Ray nodes the job's RayJob makes: the head (the driver; no GPU unless it is the only pod) and
+    resources.workers worker pods of resources.gpusPerWorker GPUs."""
+    r = job.spec.resources
+    head = Node("head", _cpus(r.head_cpu), r.gpus_per_worker if r.workers == 0 else 0)
+    return [head] + [Node(f"worker-{i}", _cpus(r.cpu), r.gpus_per_worker) for i in range(r.workers)]
+
+
+def plan(args: argparse.Namespace) -> int:
+    """Print where each job of FILE would run: ranks, engines, the weight-update group
+    (kora_trainer.config.placement)."""
+    failed = False
+    for doc in _documents(args.file):
+        if doc.get("kind") != "LoRATrainingJob":
+            continue
+        job, problems = validate_job(doc)
+        errors = [p for p in problems if p.severity == "error"]
+        if job is None or errors:
+            _report(args.file, _name(doc), problems)
+            failed = True
+            continue
+        nodes = parse_nodes(args.nodes) if args.nodes else kuberay_nodes(job)
+        try:
+            job_plan = plan_job(job.spec, nodes)
+        except ConfigError as e:
+            print(f"{args.file}: {_name(doc)}: {e}", file=sys.stderr)
+            failed = True
+            continue
+        if args.json:
+            print(json.dumps({"job": _name(doc), **job_plan.as_dict()}))
+            continue
+        where = "--nodes " + args.nodes if args.nodes else "resources.workers x gpusPerWorker"
+        if job.spec.runtime.kind is RuntimeKind.RAY and not args.nodes:
+            where += " (runtime Ray: the existing cluster's nodes are not known here; --nodes plans on another shape)"
+        print(f"{_name(doc)} on {len(nodes)} node(s) from {where}:")
+        print("\n".join(job_plan.lines()))
+    return 1 if failed else 0
+
+
+def register_plan(sub: Any) -> None:
+    p = sub.add_parser("plan", help="print where each job in FILE would run, without starting anything")
+    p.add_argument("file", metavar="FILE", help="YAML file with LoRATrainingJob(s); - for stdin")
+    p.add_argument("--nodes", default=None, metavar="NxG",
+                   help="plan on N nodes of G GPUs instead of the job's resources (e.g. 2x8)")
+    p.add_argument("--json", action="store_true", help="one JSON object per job, for tools")
+    p.set_defaults(func=plan)

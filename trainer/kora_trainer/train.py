@@ -63,8 +63,45 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "if nothing is there (what `kora make-toy DIR` does)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1: see orchestration/"
                    "cluster.py for why)")
+    p.add_argument("--dry-run", action="store_true", help="print the placement (each rank's node, GPU and parallel "
+                   "coordinates, each engine's GPUs, the weight-update group) and exit, starting nothing")
+    p.add_argument("--nodes", default=None, metavar="NxG", help="--dry-run: plan on N nodes of G GPUs (default: "
+                   "this machine)")
+    p.add_argument("--json", action="store_true", help="--dry-run: the placement as one JSON object")
     add_seed_flags(p)
     return p.parse_args(argv)
+
+
+def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
+    """`--dry-run`: config/placement.py's plan, on --nodes or on this machine (what a local run would get)."""
+    import json
+    import os
+
+    from kora_trainer.backends.select import check_actor_layout, resolve_backend, weights_bytes
+    from kora_trainer.config import ConfigError
+    from kora_trainer.config.placement import Node, parse_nodes, plan_job
+
+    try:
+        if args.nodes:  # a cluster elsewhere: assume its image has megatron-core where it has GPUs
+            nodes = parse_nodes(args.nodes)
+            megatron = any(n.gpus for n in nodes)
+        else:
+            import torch
+
+            from kora_trainer.backends.megatron import megatron_available
+
+            nodes = [Node("local", float(os.cpu_count() or 1), torch.cuda.device_count())]
+            megatron = bool(nodes[0].gpus) and megatron_available()
+        cuda = any(n.gpus for n in nodes)
+        # the refusals the ranks would raise at start, said now
+        check_actor_layout(cfg, resolve_backend(cfg, cuda=cuda, megatron=megatron,
+                                                model_bytes=weights_bytes(cfg.model.path)))
+        job_plan = plan_job(cfg, nodes)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(json.dumps(job_plan.as_dict()) if args.json else "\n".join(job_plan.lines()))
+    return 0
 
 
 def total_steps(cfg: TrainerConfig) -> int:
@@ -139,7 +176,7 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
         return None
     for w in warnings:
         print(f"warning: {w.message}", flush=True)
-    if not Path(cfg.model.path).exists():
+    if not args.dry_run and not Path(cfg.model.path).exists():  # a plan needs no model
         if not args.make_toy:
             print(f"model.path {cfg.model.path} does not exist: point model.path at an HF checkpoint directory, or "
                   "pass --make-toy to make the toy model and dataset there", file=sys.stderr)
@@ -182,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load(args)
     if cfg is None:
         return 2
+    if args.dry_run:
+        return dry_run(cfg, args)
     from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
     from kora_trainer.orchestration.cluster import launch, shutdown, start_ray
     from kora_trainer.recorder import StepRecorder

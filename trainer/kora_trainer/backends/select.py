@@ -11,8 +11,8 @@ Backend (`backend:` in the job):
   LARGE_MODEL_BYTES on disk: about 1 B parameters in bf16), torch otherwise. Small models gain nothing from
   megatron's parallel layers, and the torch backend also runs on CPU.
 
-GPU placement (Ray `num_gpus` per actor; Ray then sets each actor's CUDA_VISIBLE_DEVICES, and an engine
-process inherits its actor's):
+GPU placement (config/placement.gpu_shares: Ray `num_gpus` per actor; Ray then sets each actor's
+CUDA_VISIBLE_DEVICES, and an engine process inherits its actor's):
 - no GPU in the cluster: nothing asks for one (the CPU path);
 - Colocate with in-memory sync: each trainer rank and the engines beside it share one GPU (fractions that add
   up to 1; engine e sits beside rank e % world);
@@ -23,7 +23,6 @@ process inherits its actor's):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,15 +30,7 @@ import torch
 
 from kora_trainer.backends.data_parallel import RankContext
 from kora_trainer.config import Backend, ConfigError, TrainerConfig
-from kora_trainer.config.layout import (
-    colocated,
-    engine_gpus,
-    fit_problems,
-    gpu_demand,
-    parallel_problems,
-    world_size,
-)
-from kora_trainer.config.sections import Engine
+from kora_trainer.config.layout import parallel_problems
 
 if TYPE_CHECKING:
     from kora_trainer.backends.grpo_step import StepMetrics
@@ -107,41 +98,6 @@ def check_actor_layout(cfg: TrainerConfig, backend: Backend) -> None:
                         "them to 1 and use parallelism.data for the GPUs")
     if problems:
         raise ConfigError(problems)
-
-
-@dataclass(frozen=True)
-class GpuShares:
-    trainer: float
-    engine: float  # per engine
-
-    @property
-    def total(self) -> float:
-        return self.trainer + self.engine
-
-
-def gpu_shares(cfg: TrainerConfig, cluster_gpus: float) -> GpuShares:
-    """Ray `num_gpus` for each trainer rank and for each engine (see the module docstring)."""
-    per_engine = engine_gpus(cfg)
-    if cluster_gpus <= 0:
-        if cfg.rollout.engine is Engine.SGLANG or per_engine > 0:
-            raise ConfigError([
-                f"rollout.gpusPerEngine is {cfg.rollout.gpus_per_engine} but the Ray cluster has no GPU: set "
-                "rollout.engine: hf and rollout.gpusPerEngine: 0 to run the reference engine on CPU, or add GPUs"])
-        return GpuShares(0.0, 0.0)
-    if gpu_demand(cfg).total > cluster_gpus:  # the count only: the placement group finds the nodes
-        raise ConfigError(fit_problems(cfg, [int(cluster_gpus)])[:1])
-    if colocated(cfg):
-        if per_engine > 1:
-            raise ConfigError([f"deployment Colocate puts each engine on one trainer rank's GPU, but "
-                              f"rollout.gpusPerEngine is {per_engine}: set it to 1, or use Disaggregated"])
-        # a rank's GPU: half for the rank, the rest split between the engines beside it (Ray packs the fractions)
-        return GpuShares(0.5, 0.5 / engines_per_rank(cfg))
-    return GpuShares(1.0, float(per_engine))
-
-
-def engines_per_rank(cfg: TrainerConfig) -> int:
-    """Colocate: the most engines one rank feeds (engine e sits beside rank e % world)."""
-    return max(1, -(-cfg.rollout.num_engines // world_size(cfg.parallelism)))
 
 
 def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankContext | None = None) -> PolicyBackend:

@@ -4,8 +4,8 @@ Locally `python -m kora_trainer.train` starts its own Ray head on 127.0.0.1 with
 dashboard, nothing listening beyond loopback) and stops it at the end. Under KubeRay the driver runs on
 the head pod, where RAY_ADDRESS points at the running cluster: then it joins instead.
 
-Placement: `placement.py` makes one placement-group bundle per trainer rank (and per engine of its own);
-`backends/select.gpu_shares` says how many GPUs each actor asks for inside its bundle (none on a CPU-only
+Placement: `config/placement.py` makes one placement-group bundle per trainer rank (and per engine of its own);
+its `gpu_shares` says how many GPUs each actor asks for inside its bundle (none on a CPU-only
 cluster); Ray sets each actor's CUDA_VISIBLE_DEVICES and an engine process inherits its actor's.
 
 CPU fractions only steer placement. Threads are set explicitly, one per process by default: the loop
@@ -27,10 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kora_trainer.config import TrainerConfig
+from kora_trainer.config import ConfigError, TrainerConfig
+from kora_trainer.config.layout import engine_gpus
+from kora_trainer.config.placement import CPU_SHARES, STRATEGY, Placement, plan_placement
 from kora_trainer.config.ray_env import ray_home, single_node_env
 from kora_trainer.orchestration.actor_group import TrainGroup
-from kora_trainer.orchestration.placement import CPU_SHARES, STRATEGY, Placement, plan_placement
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
 
 
@@ -95,6 +96,10 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
 
     threads = threads or 1
     kind = transport_kind(cfg)
+    if kind == "colocated" and engine_gpus(cfg) > 1:
+        raise ConfigError([f"deployment Colocate with rollout.gpusPerEngine {engine_gpus(cfg)}: an engine spanning "
+                           "several trainer ranks' GPUs is planned (kora plan) but not launched yet: set "
+                           "rollout.gpusPerEngine to 1, or use deployment.mode Disaggregated"])
     plan = plan_placement(cfg, float(ray.cluster_resources().get("GPU", 0)))
     pg = ray.util.placement_group(plan.bundles, strategy=STRATEGY)
     wait_placed(pg, plan)
