@@ -43,6 +43,22 @@ def single_node_env() -> dict[str, str]:
     return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", **usage_stats_env(False)}
 
 
+def multi_node_env() -> dict[str, str]:
+    """A Ray node of a cluster of several (hack/netns_cluster.py's namespaced nodes): no usage report, no probe.
+
+    - `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1` (ray_constants.py `ENABLE_RAY_CLUSTER`): without it `ray start
+      --address=...` aborts ("Multi-node Ray clusters are not supported", scripts.py `start`), and every process
+      that asks `services.get_node_ip_address` before it has a node gets 127.0.0.1, which another node cannot
+      reach. With it Ray asks the kernel which source address routes toward 8.8.8.8:53 (a UDP connect, no
+      packet: `node_ip_address_from_perspective`, then its IPv6 twin 2001:4860:4860::8888). `ray start` asks
+      even when given `--node-ip-address` (scripts.py evaluates `update_if_absent`'s argument eagerly), and so
+      does each node's runtime-env agent; so a node runs where that connect cannot get out (in a network
+      namespace without a default route it fails with ENETUNREACH) and is given its address.
+    - usage statistics off, as `usage_stats_env(False)` says.
+    """
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", **usage_stats_env(False)}
+
+
 def ray_home(directory: str | Path) -> Path:
     """Make `directory` a HOME for Ray processes: it holds the bootstrap config that stops the metadata probe."""
     home = Path(directory)
