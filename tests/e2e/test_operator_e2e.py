@@ -170,6 +170,22 @@ def test_apply_trains_to_the_end_and_describe_shows_it(cluster, ns, operator, he
     delete_job(cluster, "toy-local", ns)
 
 
+def test_a_data_parallel_job_reaches_succeeded(cluster, ns, operator, head, toy_dir, tmp_path):
+    """parallelism.data 2 through the operator: two trainer ranks (Ray actors) on the job's Ray cluster, to the
+    last step, Succeeded."""
+    steps, ckpt = 3, tmp_path / "ckpt"
+    doc = toy_job("toy-dp2", head, toy_dir, ckpt, steps=steps, interval=steps)
+    doc["spec"]["parallelism"] = {"data": 2}
+    apply(cluster, doc, ns)
+    uid = uid_of(cluster, "toy-dp2", ns)
+    s = wait_final(cluster, "toy-dp2", ns)
+    logs = ray_job_logs(head, f"kora-{uid}-0")
+    assert s["phase"] == "Succeeded", (s, logs[-3000:])
+    assert s["progress"]["step"] == steps and step_lines(logs) == list(range(1, steps + 1)), logs[-3000:]
+    assert "x 2 rank(s)" in logs and "rank 1 on 127.0.0.1" in logs, logs[-3000:]
+    delete_job(cluster, "toy-dp2", ns)
+
+
 def test_a_killed_trainer_restarts_once_and_resumes_from_its_checkpoint(cluster, ns, operator, head, toy_dir,
                                                                          control_port, tmp_path):
     """SIGKILL the trainer after its first checkpoint: backoffLimit 1 resubmits it, the rerun resumes at

@@ -118,7 +118,8 @@ class StepRecorder:
         self.say(self._progress_line(step, metrics, rstats, report))
         if report.note:
             self.say(f"sync: {report.note}")
-        keys = ("reward_mean", "loss", "clip_frac", "train_ms", "rollout_version_lag", "rollout_logp_gap_max")
+        keys = ("reward_mean", "loss", "clip_frac", "train_ms", "dp_allreduce_ms", "rollout_version_lag",
+                "rollout_logp_gap_max")
         self.event("step", step=step, total=self.steps, gen_ms=rstats["gen_ms"], sync=report.as_dict(),
                    **{k: getattr(metrics, k) for k in keys})
 

@@ -47,6 +47,7 @@ class StepMetrics:
     rollout_logp_gap_mean: float | None
     rollout_version_lag: int  # policy versions the rollouts lagged the trainer
     train_ms: float
+    dp_allreduce_ms: float = 0.0  # of train_ms: summing the adapter gradients over the data-parallel ranks
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -107,7 +108,7 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
     gbs = min(alg.effective_global_batch_size, n)
     sums: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio": 0.0, "grad_norm": 0.0}
     gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
-    updates = 0
+    updates, reduce_s = 0, 0.0
     owner.model.train()  # LoRA dropout on
     for _ in range(alg.inner_epochs):
         # shuffle whole groups, so a minibatch holds complete groups (and their shared prompts)
@@ -135,7 +136,9 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
                     gap_max = max(gap_max, float(gap.max()))
                     gap_sum += float(gap.sum())
                     gap_n += float(mask[mbd].sum())
+            t_reduce = time.monotonic()
             owner.dp.allreduce_grads(owner.params)  # the minibatch's gradient: every rank's share summed
+            reduce_s += time.monotonic() - t_reduce
             sums["grad_norm"] += clip_grad_norm(owner.params, owner.max_grad_norm)
             owner.optimizer.step()
             updates += 1
@@ -156,4 +159,5 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
         rollout_logp_gap_mean=gap_sum / max(gap_n, 1.0) if on_policy else None,
         rollout_version_lag=lag,
         train_ms=round((time.monotonic() - t0) * 1000, 1),
+        dp_allreduce_ms=round(reduce_s * 1000, 2),
     )
