@@ -103,7 +103,7 @@ class StepRecorder:
             self.say(f"sync: {first.note}")
         self.event("start", backend=info["backend"], device=info["device"], engines=engines, engine=engine_kind,
                    sync_mode=self.mode, transport=transport, sync=first.as_dict(), world=info.get("world", 1),
-                   ranks=ranks, engine_nodes=info.get("engine_nodes", []))
+                   ranks=ranks, engine_urls=info.get("engine_urls", []))
 
     def stepped(self, step: int, metrics: StepMetrics, rstats: dict[str, Any], report: SyncReport) -> None:
         r = self.run

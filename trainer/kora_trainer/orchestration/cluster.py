@@ -121,7 +121,7 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
     rollout = ray.remote(num_cpus=CPU_SHARES["rollout"])(RolloutWorker).remote(cfg, urls)
     kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], kind, master[0])
                      for r, a in enumerate(trainer.actors)])
-    info = {**{k: ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": ranks,
+    info = {**{k: ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": ranks, "engine_urls": urls,
             "gpus_per_trainer": plan.shares.trainer, "gpus_per_engine": plan.shares.engine}
     return Job(trainer, rollout, engines, urls, kinds[0], pg=pg, info=info)
 
