@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+import yaml
 
 from kora_trainer.config import TrainerConfig
 from kora_trainer.orchestration.sglang_launcher import (
@@ -40,7 +41,7 @@ def test_merge_mode_colocated_serves_a_plain_model_with_a_memory_share():
     assert flag(argv, "--tp-size") == "2" and flag(argv, "--dp-size") == "1"
     assert flag(argv, "--mem-fraction-static") == "0.5" and "--enable-memory-saver" in argv
     assert "--enable-lora" not in argv and "--disable-radix-cache" not in argv
-    assert flag(argv, "--api-key") == "k" and flag(argv, "--admin-api-key") == "adm"
+    assert "--api-key" not in argv and "--admin-api-key" not in argv  # the keys go by file: see below
 
 
 def test_adapter_mode_enables_lora_with_sglang_module_names():
@@ -81,13 +82,31 @@ def test_engine_merge_and_cpu_engines_are_refused_for_sglang():
         sglang_command(config(rollout={"gpusPerEngine": 0}), port=1)
 
 
+def test_sglang_gets_its_keys_from_a_private_config_file_not_argv(tmp_path):
+    # SGLang reads no key from the environment; `launch_server --config F.yaml` turns F's `flag: value`
+    # pairs into flags inside the process, so argv (what `ps` shows) names only the file
+    tricky = "true"  # a YAML scalar that would not load as a string unquoted
+    launch = sglang_command(config(), port=30002, api_key=tricky, admin_api_key="adm-123",
+                            secrets_dir=str(tmp_path))
+    argv = launch.argv
+    assert tricky not in argv[argv.index("--port"):] and "adm-123" not in argv
+    path = flag(argv, "--config")
+    assert path.startswith(str(tmp_path)) and path.endswith(".yaml") and list(launch.secret_files) == [path]
+    assert yaml.safe_load(launch.secret_files[path]) == {"api-key": "true", "admin-api-key": "adm-123"}
+    assert "--config" not in sglang_command(config(), port=1).argv and not sglang_command(config(), port=1).secret_files
+
+
 def test_hf_command_is_accepted_by_the_hf_engine_parser():
     cfg = config(lora={"syncMode": "Adapter"}, rollout={"engine": "hf", "gpusPerEngine": 0})
-    launch = engine_command(cfg, port=31000, api_key="k", num_threads=1)
+    launch = engine_command(cfg, port=31000, api_key="k", admin_api_key="adm", num_threads=1)
     assert launch.engine == "hf" and launch.argv[1:3] == ["-m", "kora_trainer.reference_engine"]
-    args = engine_server.parse_args(launch.argv[3:])
+    assert "k" not in launch.argv and "adm" not in launch.argv and not launch.secret_files  # keys by environment
+    args = engine_server.parse_args(launch.argv[3:], environ=launch.env)
     assert (args.model_path, args.port, args.device, args.max_lora_rank) == ("/models/qwen", 31000, "cpu", 16)
-    assert (args.max_loras_per_batch, args.api_key, args.num_threads) == (2, "k", 1)
+    assert (args.max_loras_per_batch, args.api_key, args.admin_api_key, args.num_threads) == (2, "k", "adm", 1)
+    flagged = engine_server.parse_args([*launch.argv[3:], "--admin-api-key", "cli"], environ=launch.env)
+    assert flagged.admin_api_key == "cli"  # a flag wins over the environment
+    assert engine_server.parse_args(launch.argv[3:], environ={}).admin_api_key is None
     assert hf_engine_command(config(), port=1).argv[hf_engine_command(config(), port=1).argv.index("--device") + 1] \
         == "cuda"
     assert engine_command(config(), port=2).engine == "sglang"

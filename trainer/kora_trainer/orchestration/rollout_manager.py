@@ -4,6 +4,18 @@ Each step takes `rolloutBatchSize` prompts, asks for `nSamplesPerPrompt` samples
 prompts over the engines, and scores every response with the configured reward. In Adapter mode every
 request carries `lora_path=kora-policy`, so generation runs through the adapter being trained.
 
+Spreading, balanced and health-checked. A step first asks every engine's `/health` (at once, bounded);
+an engine that fails it is out for the step. The step's prompts are cut into runs of consecutive prompts,
+about CHUNKS_PER_ENGINE per engine left (one call in all when one engine is left: nothing to balance),
+and each run is one `/generate` call sent to the engine holding the fewest requests among those with
+room (fewer than IN_FLIGHT calls): half an engine's share goes out at once and the rest to whichever
+engines free up first, so a slower or busier engine gets less. A call that fails for the engine's sake
+(no answer, a connection cut, a 5xx) takes that engine out for the step and its run goes to the others,
+each run at most once per engine; a refused request (4xx: it would be refused anywhere) or no engine left
+fails the step with a RolloutError naming each engine and why. `stats["engine_requests"]` says how many
+requests each engine answered, `stats["engines_out"]` which were taken out; `load` shows the step in
+progress (per engine: requests in flight, answered; requests not yet sent).
+
 Every sample is its own request: the prompt repeated, a prompt's samples adjacent (the GRPO group
 layout). SGLang's `n` is not used, because the `n` samples of one request share its `sampling_seed` and
 would be the same draw.
@@ -13,7 +25,9 @@ checkpoint.path set, deployment.async false): each request then carries its own 
 function of (algorithm.seed, step, prompt index in the step's batch, sample index). Both engines make a
 seeded draw depend only on (seed, position) and the logits (SGLang with --enable-deterministic-inference,
 which the launcher adds for such runs), so step t's rollouts depend only on the policy the engines serve
-and on which prompts step t takes. Otherwise no seed is sent: the requests sample independently (a seeded
+and on which prompts step t takes — not on which engine served a sample, nor on what shared its call or
+its batch (tests/unit/test_rollout_engines.py runs one step on two engines either way round and on each
+alone). Otherwise no seed is sent: the requests sample independently (a seeded
 draw costs the reference engine ~30% more generation time on the toy, SGLang its batch-invariant kernels).
 The prompts come from one seeded iterator; `position` counts the batches it has yielded, and `skip_to`
 fast-forwards a fresh manager to a checkpoint's position on resume.
@@ -23,6 +37,9 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import Any, cast
 
 from kora_trainer.algorithm.rewards import Sample, reward_fn
@@ -34,6 +51,9 @@ from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput
 
 ADAPTER_SWAP_RETRIES = 5
+CHUNKS_PER_ENGINE = 8  # a step is split into about this many calls per engine (the unit of balancing)
+IN_FLIGHT = 4  # calls one engine may hold at once: half its share, so the rest goes to whoever frees first
+HEALTH_TIMEOUT_S = 30.0  # above the engines' own 20 s probe (SGLANG_HEALTH_CHECK_TIMEOUT)
 SEED_MASK = 0x7FFF_FFFF  # 31 bits: SGLang keeps request seeds in an int32 tensor
 
 
@@ -43,20 +63,55 @@ def sampling_seed(seed: int, step: int, prompt: int, sample: int) -> int:
     return int.from_bytes(digest, "little") & SEED_MASK
 
 
+class RolloutError(RuntimeError):
+    """A step's rollouts could not be generated: no engine left, a request refused, or out of time."""
+
+
+@dataclass
+class _Chunk:
+    """Consecutive prompts of the step, sent in one /generate call: their g samples each, adjacent."""
+
+    ids: list[list[int]]
+    params: list[dict[str, Any]]
+
+
+@dataclass
+class _Load:
+    """The step in progress, per engine: what it holds now and what it served; readable from other threads."""
+
+    outstanding: list[int]  # requests (samples) in flight
+    served: list[int]  # requests answered
+    queued: int = 0  # requests no engine holds yet (waiting for room, or to be retried)
+
+
 class Rollout:
-    def __init__(self, cfg: TrainerConfig, engine_urls: list[str], timeout_s: float = 600.0):
+    def __init__(self, cfg: TrainerConfig, engine_urls: list[str], timeout_s: float = 600.0,
+                 admin_api_key: str | None = None, api_key: str | None = None,
+                 health_timeout_s: float = HEALTH_TIMEOUT_S, chunks_per_engine: int = CHUNKS_PER_ENGINE,
+                 in_flight: int = IN_FLIGHT):
+        """`engine_urls`: the job's engines (nothing is contacted here). `api_key` goes with /generate, as
+        the engines' `--api-key` asks; `admin_api_key` would go with their admin routes, none of which
+        the rollout manager calls. `chunks_per_engine` / `in_flight`: how finely a step is split and how
+        many of its calls one engine may hold at once (see the module docstring)."""
         from transformers import AutoTokenizer
 
+        if not engine_urls:
+            raise ValueError("the rollout manager needs at least one engine URL")
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.rows = load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key)
         self._batches = batches(self.rows, cfg.algorithm.rollout_batch_size, cfg.algorithm.seed)
         self.position = 0  # batches taken from self._batches (one per generated step)
         self.reward = reward_fn(cfg.data)
-        self.clients = [EngineClient(u, timeout=timeout_s) for u in engine_urls]
+        self.urls = list(engine_urls)
+        self.clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_api_key, timeout=timeout_s,
+                                     pool_size=max(in_flight, 1) + 1) for u in engine_urls]
         self.lora_path = POLICY_ADAPTER if cfg.lora.effective_sync_mode is SyncMode.ADAPTER else None
         self.seeded = reproducible_rollouts(cfg)  # per-sample sampling_seed (see the module docstring)
-        self.timeout_s = timeout_s
+        self.timeout_s, self.health_timeout_s = timeout_s, health_timeout_s
+        self.chunks_per_engine, self.in_flight = max(chunks_per_engine, 1), max(in_flight, 1)
+        self.load = _Load([0] * len(self.clients), [0] * len(self.clients))
+        self._pool = ThreadPoolExecutor(len(self.clients) * (self.in_flight + 1), thread_name_prefix="rollout")
 
     def skip_to(self, position: int) -> int:
         """Fast-forward the prompt iterator to `position` batches taken (a checkpoint's data position)."""
@@ -75,25 +130,15 @@ class Rollout:
         prompts = [self.tokenizer(r.prompt)["input_ids"] for r in rows]  # [N] token ids (bos added)
         g = alg.n_samples_per_prompt
         base = {"max_new_tokens": alg.max_new_tokens, "temperature": alg.temperature}
-        shards = [list(range(i, len(rows), len(self.clients))) for i in range(len(self.clients))]
-        futs = []
-        for c, idx in zip(self.clients, shards, strict=True):
-            if not idx:
-                continue
-            # one request per sample, a prompt's g samples adjacent (each with its own seed when seeded)
-            ids = [prompts[i] for i in idx for _ in range(g)]
-            params = [{**base, "sampling_seed": sampling_seed(alg.seed, step, i, j)} if self.seeded else base
-                      for i in idx for j in range(g)]
-            futs.append(c.submit(self._generate, c, ids, params))
-        outs: list[GenerateOutput | None] = [None] * (len(rows) * g)
-        for idx, fut in zip([s for s in shards if s], futs, strict=True):
-            result = fut.result(timeout=self.timeout_s)  # [len(idx) * g] in request order
-            for j, i in enumerate(idx):
-                outs[i * g:(i + 1) * g] = result[j * g:(j + 1) * g]
+        # one request per sample, a prompt's g samples adjacent; a seed (when seeded) names the sample, not
+        # the engine or the chunk that carries it
+        ids = [prompts[i] for i in range(len(rows)) for _ in range(g)]
+        params = [{**base, "sampling_seed": sampling_seed(alg.seed, step, i, j)} if self.seeded else base
+                  for i in range(len(rows)) for j in range(g)]
+        outs, out_engines = self._spread(step, ids, params, g)
         gen_s = time.monotonic() - t0
         batch = RolloutBatch([], [], [], [], g)
         for k, out in enumerate(outs):
-            assert out is not None
             row = rows[k // g]
             batch.prompt_ids.append(prompts[k // g])
             batch.response_ids.append(out.output_ids)
@@ -105,8 +150,84 @@ class Rollout:
             batch.rewards.append(float(self.reward(Sample(row.prompt, response, row.label, row.index))))
         stats = {"gen_ms": round(gen_s * 1000, 1), "rollout_ms": round((time.monotonic() - t0) * 1000, 1),
                  "weight_versions": sorted({v or "" for v in batch.weight_versions}),
-                 "data_position": self.position}  # batches taken up to and including this step's
+                 "data_position": self.position,  # batches taken up to and including this step's
+                 "engine_requests": list(self.load.served),  # requests each engine answered, in engine_urls order
+                 "engines_out": out_engines}  # url -> why it was taken out for this step
         return batch, stats
+
+    # ---- spreading a step over the engines ---------------------------------------------------------------
+
+    def _chunks(self, ids: list[list[int]], params: list[dict[str, Any]], g: int, engines: int) -> list[_Chunk]:
+        """The step's prompts in consecutive runs, about `chunks_per_engine` per engine (one call per engine when
+        there is one: nothing to balance, and the engine batches the whole step)."""
+        n_prompts = len(ids) // g
+        per = -(-n_prompts // (engines * self.chunks_per_engine)) if engines > 1 else n_prompts
+        return [_Chunk(ids[p * g:(p + per) * g], params[p * g:(p + per) * g]) for p in range(0, n_prompts, per)]
+
+    def _health(self) -> dict[int, str]:
+        """GET /health on every engine at once: those that fail it, with why."""
+        futs = [self._pool.submit(c.health, self.health_timeout_s) for c in self.clients]
+        return {e: f"GET /health failed within {self.health_timeout_s:g}s" for e, f in enumerate(futs)
+                if not f.result()}
+
+    def _spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int
+                ) -> tuple[list[GenerateOutput], dict[str, str]]:
+        """Every request answered, in order. Each call goes to the healthy engine holding the fewest requests
+        that has room (`in_flight` calls); an engine that fails /health or a call is out for the step and its
+        calls go to the others; a refused request (4xx) or no engine left fails the step."""
+        down = self._health()
+        alive = [e for e in range(len(self.clients)) if e not in down]
+        if not alive:
+            raise RolloutError(self._none_left(step, down))
+        chunks = self._chunks(ids, params, g, len(alive))
+        results: list[list[GenerateOutput] | None] = [None] * len(chunks)
+        queue = deque(range(len(chunks)))
+        running: dict[Future[list[GenerateOutput]], tuple[int, int]] = {}  # call -> (chunk, engine)
+        calls = [0] * len(self.clients)
+        self.load = load = _Load([0] * len(self.clients), [0] * len(self.clients), len(ids))
+        # every call is bounded by the client's timeout; each chunk is tried at most once per engine
+        deadline = time.monotonic() + self.timeout_s * len(self.clients) + self.health_timeout_s
+        while queue or running:
+            while queue:
+                room = [e for e in alive if calls[e] < self.in_flight]
+                if not room:
+                    break
+                e = min(room, key=lambda i: (load.outstanding[i], i))
+                c = queue.popleft()
+                n = len(chunks[c].ids)
+                calls[e] += 1
+                load.outstanding[e] += n
+                load.queued -= n
+                running[self._pool.submit(self._generate, self.clients[e], chunks[c].ids, chunks[c].params)] = (c, e)
+            done, _ = wait(running, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
+            if not done:
+                raise RolloutError(f"step {step}: {len(running)} /generate calls unanswered after "
+                                   f"{self.timeout_s * len(self.clients):.0f}s")
+            for fut in done:
+                c, e = running.pop(fut)
+                n = len(chunks[c].ids)
+                calls[e] -= 1
+                load.outstanding[e] -= n
+                try:
+                    results[c] = fut.result()
+                except EngineError as err:
+                    if 0 < err.status < 500:  # the request itself was refused: another engine would refuse it too
+                        raise RolloutError(f"step {step}: engine {self.urls[e]} refused a request: {err}") from err
+                    if e in alive:
+                        alive.remove(e)
+                        down[e] = str(err)
+                    if not alive:
+                        raise RolloutError(self._none_left(step, down)) from err
+                    queue.appendleft(c)  # to the engines left
+                    load.queued += n
+                else:
+                    load.served[e] += n
+        return [out for chunk in results if chunk is not None for out in chunk], {
+            self.urls[e]: why for e, why in sorted(down.items())}
+
+    def _none_left(self, step: int, down: dict[int, str]) -> str:
+        why = "; ".join(f"{self.urls[e]}: {reason}" for e, reason in sorted(down.items()))
+        return f"step {step}: no rollout engine left ({why})"
 
     def _generate(self, client: EngineClient, prompts: list[list[int]],
                   params: list[dict[str, Any]]) -> list[GenerateOutput]:
@@ -123,5 +244,6 @@ class Rollout:
         raise AssertionError("unreachable")
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()

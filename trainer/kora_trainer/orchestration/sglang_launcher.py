@@ -31,16 +31,30 @@ How the config maps onto them:
   that supports them (fa3 / triton; flashinfer loses the radix cache), so a sample does not depend on
   what else is in the batch. It costs throughput (SGLang's blog: about a third with CUDA graphs), so it
   is added only for such runs, or when asked (`deterministic=True`).
+
+Keys (`api_key`, `admin_api_key`: SGLang's `--api-key` / `--admin-api-key`, wire/engine_auth.py's rules)
+never go into argv, which `ps` shows every user of the machine. The reference engine reads them from its
+environment (`EngineLaunch.env`: KORA_ENGINE_API_KEY / KORA_ENGINE_ADMIN_API_KEY). SGLang reads no key
+from the environment (its ServerArgs fields `api_key` / `admin_api_key` come from flags only), but
+`sglang.launch_server --config FILE.yaml` (`prepare_server_args` → `ConfigArgumentMerger`) turns a
+YAML file's `flag-name: value` pairs into flags inside the process: the keys go into such a file
+(`EngineLaunch.secret_files`, mode 0600, removed once the engine is healthy) and argv names only its
+path. ⚠ SGLang logs `server_args=ServerArgs(...)` at INFO level when it starts, keys included: its log
+file is as secret as the key.
 """
 
 from __future__ import annotations
 
+import json
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from importlib import metadata
+from pathlib import Path
 
 from kora_trainer.config import MEGATRON_TO_SGLANG, DeploymentMode, SyncMode, TrainerConfig
 from kora_trainer.config.sections import Engine
+from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 
 SGLANG_VERSION = "0.5.23"
 SGLANG_REQUIREMENT = f"sglang=={SGLANG_VERSION}"
@@ -54,13 +68,16 @@ class UnsupportedEngineConfig(ValueError):
 
 @dataclass(frozen=True)
 class EngineLaunch:
-    """argv + environment for one engine process, and where it will listen."""
+    """argv + environment for one engine process, and where it will listen. `secret_files` (path ->
+    contents) must exist, readable by the owner only, before the process starts: SGLang reads its keys
+    from one (see "Keys" above); whoever runs the launch writes them and removes them once it is up."""
 
     argv: list[str]
     host: str
     port: int
     engine: str
     env: dict[str, str] = field(default_factory=dict)
+    secret_files: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -107,9 +124,10 @@ def sglang_version_problem() -> str | None:
 def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *, python: str = sys.executable,
                    api_key: str | None = None, admin_api_key: str | None = None, base_gpu_id: int | None = None,
                    mem_fraction_static: float | None = None, random_seed: int | None = None,
-                   deterministic: bool | None = None) -> EngineLaunch:
+                   deterministic: bool | None = None, secrets_dir: str | None = None) -> EngineLaunch:
     """`python -m sglang.launch_server ...` for one engine of this job. `deterministic` (default: the
-    config's `reproducible_rollouts`) adds `--enable-deterministic-inference` so `sampling_seed` counts."""
+    config's `reproducible_rollouts`) adds `--enable-deterministic-inference` so `sampling_seed` counts.
+    The keys go into `secret_files` under `secrets_dir` (default: the temp dir), named by `--config`."""
     mode = sync_mode(config)
     if mode == SyncMode.ENGINE_MERGE:
         raise UnsupportedEngineConfig(
@@ -137,28 +155,27 @@ def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *,
         argv += ["--random-seed", str(random_seed)]
     if reproducible_rollouts(config) if deterministic is None else deterministic:
         argv += ["--enable-deterministic-inference"]
-    if api_key:
-        argv += ["--api-key", api_key]
-    if admin_api_key:
-        argv += ["--admin-api-key", admin_api_key]
-    return EngineLaunch(argv, host, port, Engine.SGLANG.value)
+    keys = {flag: key for flag, key in (("api-key", api_key), ("admin-api-key", admin_api_key)) if key}
+    secret_files = {}
+    if keys:  # a private YAML for SGLang's --config, not argv (see "Keys" above)
+        path = str(Path(secrets_dir or tempfile.gettempdir()) / f"sglang-keys-{port}.yaml")
+        secret_files[path] = "".join(f"{flag}: {json.dumps(key)}\n" for flag, key in keys.items())
+        argv += ["--config", path]
+    return EngineLaunch(argv, host, port, Engine.SGLANG.value, secret_files=secret_files)
 
 
 def hf_engine_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *, python: str = sys.executable,
                       api_key: str | None = None, admin_api_key: str | None = None, dtype: str = "auto",
                       num_threads: int | None = None) -> EngineLaunch:
-    """`python -m kora_trainer.reference_engine ...`: the reference engine for the same job."""
+    """`python -m kora_trainer.reference_engine ...`: the reference engine for the same job (its keys in `env`)."""
     device = "cuda" if config.rollout.gpus_per_engine > 0 else "cpu"
     argv = [python, "-m", "kora_trainer.reference_engine", "--model-path", config.model.path, "--host", host,
             "--port", str(port), "--device", device, "--dtype", dtype,
             "--max-loras-per-batch", str(max_loras_per_batch(config)), "--max-lora-rank", str(config.lora.rank)]
     if num_threads:
         argv += ["--num-threads", str(num_threads)]
-    if api_key:
-        argv += ["--api-key", api_key]
-    if admin_api_key:
-        argv += ["--admin-api-key", admin_api_key]
-    return EngineLaunch(argv, host, port, Engine.HF.value)
+    env = {name: key for name, key in ((API_KEY_ENV, api_key), (ADMIN_API_KEY_ENV, admin_api_key)) if key}
+    return EngineLaunch(argv, host, port, Engine.HF.value, env=env)  # the keys by environment, not argv
 
 
 def engine_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", **kwargs: object) -> EngineLaunch:

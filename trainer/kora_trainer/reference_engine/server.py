@@ -4,6 +4,12 @@
         [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--max-loras-per-batch N]
         [--max-lora-rank R] [--api-key K] [--admin-api-key K] [--num-threads T] [--disable-fast-sync]
 
+The keys may come from the environment instead (KORA_ENGINE_API_KEY, KORA_ENGINE_ADMIN_API_KEY), which
+is how kora's launcher passes them: argv is visible to every user through `ps`. Who may call what is
+SGLang's rule (wire/engine_auth.py): /health*, /ready, /metrics always open; the weight, LoRA, flush,
+pause and /kora/* routes need the admin key when set (else the api key when set); /generate and
+/model_info need the api key only when one is set; a refusal is 401 {"error": "Unauthorized"}.
+
 SGLang cannot run on our CPU machines, so this server is its stand-in (`rollout.engine: hf`):
 tests, the local demo and the GPU benchmarks drive it through the same client and the same
 routes, fields, defaults, response shapes and error bodies as a real SGLang server
@@ -61,8 +67,9 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,13 +86,13 @@ from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
 from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenRequest
 from kora_trainer.reference_engine.sampling import SamplingParams
 from kora_trainer.reference_engine.weight_sync import BucketMeta, WeightReceiver
+from kora_trainer.wire import engine_auth
 from kora_trainer.wire.protocol import FLAT, checksum
 from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
 
 log = logging.getLogger("kora.hf_engine")
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
-OPEN, NORMAL, ADMIN = "open", "normal", "admin"
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -117,41 +124,40 @@ class HFEngineServer:
         self._running = asyncio.Event()  # cleared by /pause_generation (created inside the server's loop)
         self._running.set()
         self._held = 0  # /generate calls waiting for /continue_generation (GET /kora/state)
-        self._levels: dict[str, str] = {}
 
     # ---- app, auth --------------------------------------------------------------------------
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth, self._bad_requests], client_max_size=1 << 30)
-        routes: list[tuple[str, str, Any, str]] = [
-            ("*", "/generate", self.generate, NORMAL),
-            ("GET", "/health", self.health, OPEN),
-            ("GET", "/health_generate", self.health, OPEN),
-            ("GET", "/model_info", self.model_info, NORMAL),
-            ("GET", "/get_model_info", self.get_model_info, NORMAL),
-            ("GET", "/kora/state", self.kora_state, NORMAL),
-            ("POST", "/init_weights_update_group", self.init_weights_update_group, ADMIN),
-            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group, ADMIN),
-            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed, ADMIN),
-            ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor, ADMIN),
-            ("POST", "/load_lora_adapter", self.load_lora_adapter, ADMIN),
-            ("POST", "/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors, ADMIN),
-            ("POST", "/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed, ADMIN),
-            ("POST", "/unload_lora_adapter", self.unload_lora_adapter, ADMIN),
-            ("POST", "/update_weight_version", self.update_weight_version, ADMIN),
-            ("*", "/flush_cache", self.flush_cache, ADMIN),
-            ("POST", "/pause_generation", self.pause_generation, ADMIN),
-            ("POST", "/continue_generation", self.continue_generation, ADMIN),
+        # who may call each route is wire/engine_auth.py's (SGLang's) rule, by path: one middleware checks it
+        routes: list[tuple[str, str, Any]] = [
+            ("*", "/generate", self.generate),
+            ("GET", "/health", self.health),
+            ("GET", "/health_generate", self.health),
+            ("GET", "/model_info", self.model_info),
+            ("GET", "/get_model_info", self.get_model_info),
+            ("GET", "/kora/state", self.kora_state),
+            ("POST", "/init_weights_update_group", self.init_weights_update_group),
+            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
+            ("POST", "/load_lora_adapter", self.load_lora_adapter),
+            ("POST", "/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors),
+            ("POST", "/load_lora_adapter_from_distributed", self.load_lora_adapter_from_distributed),
+            ("POST", "/unload_lora_adapter", self.unload_lora_adapter),
+            ("POST", "/update_weight_version", self.update_weight_version),
+            ("*", "/flush_cache", self.flush_cache),
+            ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/continue_generation", self.continue_generation),
         ]
         if self.fast_sync is not None:
-            routes += [(method, path, handler, ADMIN) for method, path, handler in self.fast_sync.routes()]
-        for method, path, handler, level in routes:
+            routes += self.fast_sync.routes()
+        for method, path, handler in routes:
             if method == "*":  # SGLang serves these on GET|POST (flush_cache) or POST|PUT (generate)
                 for m in (("GET", "POST") if path == "/flush_cache" else ("POST", "PUT")):
                     app.router.add_route(m, path, handler)
             else:
                 app.router.add_route(method, path, handler)
-            self._levels[path] = level
         app.on_shutdown.append(self._shutdown)
         return app
 
@@ -161,16 +167,10 @@ class HFEngineServer:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """SGLang's `decide_request_auth`: admin routes need the admin key if set, else the api key."""
-        level = self._levels.get(request.path, OPEN)
-        if level == ADMIN:
-            wanted = [self.admin_api_key] if self.admin_api_key else ([self.api_key] if self.api_key else [])
-        elif level == NORMAL:
-            wanted = [k for k in (self.api_key, self.admin_api_key) if k] if self.api_key else []
-        else:
-            wanted = []
-        if wanted and request.headers.get("Authorization", "") not in {f"Bearer {k}" for k in wanted}:
-            return _json({"error": "Unauthorized"}, 401)
+        """SGLang's `decide_request_auth` for every request, before its route runs (an unknown path is a
+        NORMAL route there too: with an api key set it is a 401 before it is a 404)."""
+        if not engine_auth.allowed(request.method, request.path, request.headers, self.api_key, self.admin_api_key):
+            return _json(engine_auth.UNAUTHORIZED, 401)
         response: web.StreamResponse = await handler(request)
         return response
 
@@ -475,7 +475,8 @@ def _unflatten_sglang_bucket(bucket: Any) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
+    """The command line; `environ` (default: os.environ) gives the keys that no flag gave."""
     p = argparse.ArgumentParser(prog="python -m kora_trainer.reference_engine",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF checkpoint directory (config, safetensors, tokenizer)")
@@ -486,13 +487,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-loras-per-batch", type=int, default=8,
                    help="distinct adapters (the base model counts as one) per forward batch, like SGLang")
     p.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a larger rank")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--admin-api-key", default=None)
+    p.add_argument("--api-key", default=None,
+                   help=f"the key /generate and the other NORMAL routes need (default: ${engine_auth.API_KEY_ENV})")
+    p.add_argument("--admin-api-key", default=None,
+                   help="the key the weight, LoRA, flush, pause and /kora/* routes need "
+                        f"(default: ${engine_auth.ADMIN_API_KEY_ENV}; the environment keeps it out of `ps`)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--disable-fast-sync", action="store_true",
                    help="no /kora/fast_sync/* routes (404, as SGLang): the trainer keeps the HTTP path")
     p.add_argument("--log-level", default="warning")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    environ = os.environ if environ is None else environ
+    for attr, env in (("api_key", engine_auth.API_KEY_ENV), ("admin_api_key", engine_auth.ADMIN_API_KEY_ENV)):
+        if getattr(args, attr) is None and environ.get(env):  # a flag wins; an empty variable is unset
+            setattr(args, attr, environ[env])
+    return args
 
 
 async def _serve(args: argparse.Namespace) -> None:
@@ -513,6 +522,8 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    for env in engine_auth.KEY_ENVS:  # read: nothing this process starts needs to inherit them
+        os.environ.pop(env, None)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads:

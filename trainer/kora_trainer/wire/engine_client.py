@@ -1,7 +1,7 @@
 """The one HTTP client kora's trainer uses for every rollout engine: a real SGLang server
 (sglang 0.5.23) or kora's reference engine (`reference_engine`), which speak the same API.
 
-    client = EngineClient("http://127.0.0.1:30000", api_key=None)
+    client = EngineClient("http://127.0.0.1:30000", api_key=None, admin_api_key=job_admin_key)
     client.wait_healthy(timeout_s=120)
     outs = client.generate([[1, 4, 5, 13]], {"max_new_tokens": 8, "temperature": 1.0}, lora_path="kora-policy")
     outs[0].output_ids, outs[0].output_logprobs, outs[0].finish_reason, outs[0].weight_version
@@ -32,6 +32,7 @@ import requests
 import torch
 from requests.adapters import HTTPAdapter
 
+from kora_trainer.wire.engine_auth import key_for
 from kora_trainer.wire.protocol import FLAT, checksum, dtype_of
 
 DEFAULT_GROUP = "weight_update_group"
@@ -81,16 +82,19 @@ def error_message(body: Any, text: str) -> str:
 
 
 class EngineClient:
+    """`api_key` goes with /generate and the other NORMAL routes, `admin_api_key` with the admin ones
+    (weights, LoRA, flush, pause, /kora/*; without one they get `api_key`, as SGLang falls back):
+    wire/engine_auth.py says which route is which. Neither is sent on /health*."""
+
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0,
-                 connect_timeout: float = 10.0, pool_size: int = 16):
+                 connect_timeout: float = 10.0, pool_size: int = 16, admin_api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = (connect_timeout, timeout)
         self.session = requests.Session()
         adapter = HTTPAdapter(pool_connections=pool_size, pool_maxsize=pool_size)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
-        if api_key:
-            self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self._api_key, self._admin_api_key = api_key or None, admin_api_key or None
         self._pool_size = pool_size
         self._executor: ThreadPoolExecutor | None = None
 
@@ -116,8 +120,10 @@ class EngineClient:
     def request(self, method: str, route: str, body: Any = None, timeout: float | None = None,
                 params: dict[str, Any] | None = None) -> Any:
         """One call; returns the parsed JSON (or text); raises EngineError on any failure."""
+        key = key_for(route, self._api_key, self._admin_api_key)
+        headers = {"Authorization": f"Bearer {key}"} if key else None
         try:
-            resp = self.session.request(method, self.base_url + route, json=body, params=params,
+            resp = self.session.request(method, self.base_url + route, json=body, params=params, headers=headers,
                                         timeout=(self.timeout[0], timeout or self.timeout[1]))
         except requests.RequestException as e:
             raise EngineError(route, 0, f"{type(e).__name__}: {e}") from e
