@@ -33,6 +33,7 @@ from kora_trainer.config.placement import CPU_SHARES, STRATEGY, Placement, plan_
 from kora_trainer.config.ray_env import ray_home, single_node_env
 from kora_trainer.orchestration.actor_group import TrainGroup
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
+from kora_trainer.wire.engine_auth import new_admin_key
 
 
 @dataclass
@@ -101,6 +102,7 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
                            "several trainer ranks' GPUs is planned (kora plan) but not launched yet: set "
                            "rollout.gpusPerEngine to 1, or use deployment.mode Disaggregated"])
     plan = plan_placement(cfg, float(ray.cluster_resources().get("GPU", 0)))
+    admin_key = new_admin_key()  # this job's engines' admin routes: only its trainer ranks hold it
     pg = ray.util.placement_group(plan.bundles, strategy=STRATEGY)
     wait_placed(pg, plan)
 
@@ -110,7 +112,8 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
     engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"], num_gpus=plan.shares.engine)(EngineWorker)
     # actor handles as Any: ray types a handle's methods as the plain methods, without their .remote
     engines: list[Any] = [engine_cls.options(scheduling_strategy=bundle(plan.engine_bundle[i]))
-                          .remote(cfg, str(run_dir / "logs"), threads, i) for i in range(cfg.rollout.num_engines)]
+                          .remote(cfg, str(run_dir / "logs"), threads, i, admin_key)
+                          for i in range(cfg.rollout.num_engines)]
     world = len(plan.rank_bundle)
     rank_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=plan.shares.trainer)(TrainWorker)
     trainer = TrainGroup([rank_cls.options(scheduling_strategy=bundle(plan.rank_bundle[r]))
@@ -118,8 +121,8 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
     master = trainer.first("rendezvous")
     ranks = trainer.all("setup", *master)
     urls = ray.get([e.url.remote() for e in engines])
-    rollout = ray.remote(num_cpus=CPU_SHARES["rollout"])(RolloutWorker).remote(cfg, urls)
-    kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], kind, master[0])
+    rollout = ray.remote(num_cpus=CPU_SHARES["rollout"])(RolloutWorker).remote(cfg, urls)  # generate is no admin route
+    kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], kind, master[0], admin_key)
                      for r, a in enumerate(trainer.actors)])
     info = {**{k: ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": ranks, "engine_urls": urls,
             "gpus_per_trainer": plan.shares.trainer, "gpus_per_engine": plan.shares.engine}

@@ -66,18 +66,19 @@ class TrainWorker:
                 "node": context.get_node_id(), "address": ray.util.get_node_ip_address(),
                 "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
-    def connect(self, engine_urls: list[str], kind: str, host: str = "127.0.0.1") -> str:
+    def connect(self, engine_urls: list[str], kind: str, host: str = "127.0.0.1",
+                admin_api_key: str | None = None) -> str:
         """This rank's transport to the engines it feeds: Disaggregated, rank 0 makes the weight-update group on
         `host` (its node address when engines run on other nodes) with every engine; Colocate, each rank hands its
         own engines the policy in memory. A rank with no engine sends nothing (it still takes part in the
-        collective delta-skip decision)."""
+        collective delta-skip decision). `admin_api_key`: the job's engine admin key (every sync route is admin)."""
         import torch
 
         from kora_trainer.sync.fast_sender import with_fast_path
         from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
         from kora_trainer.wire.engine_client import EngineClient
 
-        clients = [EngineClient(u) for u in engine_urls]
+        clients = [EngineClient(u, admin_api_key=admin_api_key) for u in engine_urls]
         transport: DistributedTransport | ColocatedTransport | None = None
         if clients and kind == "distributed":
             backend = "nccl" if self.backend.device.type == "cuda" and torch.distributed.is_nccl_available() else "gloo"
@@ -125,8 +126,13 @@ class TrainWorker:
 
 
 class EngineWorker:
-    def __init__(self, cfg: TrainerConfig, log_dir: str, threads: int | None, index: int):
-        self.engine = EngineProcess.start(cfg, Path(log_dir), threads=threads, index=index)
+    def __init__(self, cfg: TrainerConfig, log_dir: str, threads: int | None, index: int,
+                 admin_api_key: str | None = None):
+        from kora_trainer.orchestration.addresses import node_address
+
+        # bound where the job's other nodes reach it (loopback on a one-node cluster); admin routes need the key
+        self.engine = EngineProcess.start(cfg, Path(log_dir), threads=threads, index=index, host=node_address(),
+                                          admin_api_key=admin_api_key)
 
     def url(self) -> str:
         return self.engine.url
