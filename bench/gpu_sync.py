@@ -63,7 +63,8 @@ for p in (ROOT / "trainer", ROOT / "tests", ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from _engine_proc import EngineProc, guarded, start_reference_engine  # noqa: E402
+from _engine_proc import EngineProc, Handler, guarded, serve_commands, start_reference_engine  # noqa: E402
+from _timing import event_ms, sync_dev, wall_ms  # noqa: E402
 
 QWEN3_4B = dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
@@ -120,42 +121,6 @@ def write_model_dir(path: Path, dims: dict[str, Any]) -> Path:
     return path
 
 
-def sync_dev(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def wall_ms(fn: Any, reps: int, device: torch.device, warmup: int = 2) -> tuple[float, list[float]]:
-    """Median host wall time (ms) of fn(), synchronised before and after each call."""
-    for _ in range(warmup):
-        fn()
-        sync_dev(device)
-    times = []
-    for _ in range(reps):
-        sync_dev(device)
-        t0 = time.perf_counter()
-        fn()
-        sync_dev(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times), times
-
-
-def event_ms(fn: Any, reps: int, warmup: int = 2) -> float:
-    """Median CUDA-event time (ms) of fn() on the current stream."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 # ---- the engine process ---------------------------------------------------------------------------------
 
 def engine_main(conn: Any, opts: dict[str, Any]) -> None:
@@ -165,70 +130,99 @@ def engine_main(conn: Any, opts: dict[str, Any]) -> None:
     guarded(_engine, conn, opts)
 
 
-def _engine(conn: Any, opts: dict[str, Any]) -> None:  # noqa: C901 (split by phase: STATUS.md)
-    from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-    from kora_trainer.wire import fast_receive
-    from kora_trainer.wire.group import init_weight_update_group
+def _engine(conn: Any, opts: dict[str, Any]) -> None:
+    serve_commands(conn, SyncEngine(conn, opts).handlers())
 
-    cuda = opts["device"] == "cuda"
-    if cuda:  # every thread of the engine (HTTP handlers, the sync executor) must see this GPU as its device 0
-        os.environ["CUDA_VISIBLE_DEVICES"] = str(opts["engine_gpu"])
-        torch.cuda.set_device(0)
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    engine, server, url, build_s = start_reference_engine(opts["model_dir"], device)
-    conn.send(("ready", {"url": url, "build_s": build_s}))
-    rank = opts["index"] + 1
-    groups = {k: init_weight_update_group("127.0.0.1", port, rank, k + 1, f"kora_fast{k}", opts["backend"])
-              for k, port in opts["fast_ports"]}  # in k order, as the trainer makes them
-    top = max(groups)
-    params = dict(engine.model.named_parameters())
-    receivers: dict[tuple[str, int], fast_receive.PipelinedReceiver] = {}
-    ring: fast_receive.AdapterRing | None = None
-    raw_bufs: list[torch.Tensor] = []
-    while True:
-        cmd, arg = conn.recv()
-        info: dict[str, Any] = {}
-        if cmd == "stop":
-            conn.send(("done", {}))
-            break
-        k = arg.get("k", top)
-        group = groups[k]
-        if cmd == "plan":
-            receivers[(arg["name"], k)] = fast_receive.PipelinedReceiver(arg["metadata"], params, group)
-        elif cmd == "merge":
-            r = receivers[(arg["name"], k)]
-            for _ in range(arg["reps"]):
-                r.receive()
-                fast_receive.ack(group)
-            sync_dev(device)
-        elif cmd == "raw":
-            if not raw_bufs or raw_bufs[0].numel() < max(arg["sizes"]):
-                raw_bufs = [torch.empty(max(arg["sizes"]), dtype=torch.uint8, device=device) for _ in range(2)]
-            for _ in range(arg["reps"]):
-                for i, n in enumerate(arg["sizes"]):
-                    group.broadcast(raw_bufs[i % 2][:n], src=0)
-                fast_receive.ack(group)
-            sync_dev(device)
-        elif cmd == "adapter_plan":
-            ring = fast_receive.AdapterRing(arg["metadata"], device, {"*": arg["scaling"]})
-        elif cmd == "adapter":
-            assert ring is not None
-            for i in range(arg["reps"]):
-                weights = ring.receive(group)
-                adapter = LoRAAdapter("kora-policy", "__distributed__", ring.rank, weights, arg["config"],
-                                      str(arg["version"] + i))
-                server.adapters._register(adapter, upsert=True)  # served from the next request on
-                fast_receive.ack(group)
-            sync_dev(device)
-            info["loaded"] = server.adapters.loaded()
-        elif cmd == "allreduce":
-            for _ in range(arg["reps"]):
-                t = torch.zeros(1, device=device)
-                group.allreduce_max(t)
-            sync_dev(device)
-        elif cmd == "get":
-            info["tensors"] = {n: params[n].detach().cpu() for n in arg["names"]}
-        conn.send(("done", info))
+
+class SyncEngine:
+    """The engine process's side: kora's reference engine, its weight-update groups by k (TP rank 0 + engines
+    0..k-1; a command's "k" picks one, default the largest) and what the trainer planned on it. One method per
+    command (`handlers`); "ready" goes to the bench before the groups are joined (the trainer makes them after)."""
+
+    def __init__(self, conn: Any, opts: dict[str, Any]):
+        from kora_trainer.wire.group import init_weight_update_group
+
+        cuda = opts["device"] == "cuda"
+        if cuda:  # every thread of the engine (HTTP handlers, the sync executor) must see this GPU as its device 0
+            os.environ["CUDA_VISIBLE_DEVICES"] = str(opts["engine_gpu"])
+            torch.cuda.set_device(0)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.engine, self.server, url, build_s = start_reference_engine(opts["model_dir"], self.device)
+        conn.send(("ready", {"url": url, "build_s": build_s}))
+        rank = opts["index"] + 1
+        self.groups = {k: init_weight_update_group("127.0.0.1", port, rank, k + 1, f"kora_fast{k}", opts["backend"])
+                       for k, port in opts["fast_ports"]}  # in k order, as the trainer makes them
+        self.top = max(self.groups)
+        self.params = dict(self.engine.model.named_parameters())
+        self.receivers: dict[tuple[str, int], Any] = {}  # fast_receive.PipelinedReceiver by (plan name, k)
+        self.ring: Any = None  # fast_receive.AdapterRing
+        self.raw_bufs: list[torch.Tensor] = []
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"plan": self.plan, "merge": self.merge, "raw": self.raw, "adapter_plan": self.adapter_plan,
+                "adapter": self.adapter, "allreduce": self.allreduce, "get": self.get}
+
+    def _k(self, arg: dict[str, Any]) -> int:
+        return int(arg.get("k", self.top))
+
+    def plan(self, arg: dict[str, Any]) -> None:
+        from kora_trainer.wire import fast_receive
+
+        k = self._k(arg)
+        self.receivers[(arg["name"], k)] = fast_receive.PipelinedReceiver(arg["metadata"], self.params, self.groups[k])
+
+    def merge(self, arg: dict[str, Any]) -> None:
+        from kora_trainer.wire import fast_receive
+
+        k = self._k(arg)
+        group, r = self.groups[k], self.receivers[(arg["name"], k)]
+        for _ in range(arg["reps"]):
+            r.receive()
+            fast_receive.ack(group)
+        sync_dev(self.device)
+
+    def raw(self, arg: dict[str, Any]) -> None:
+        from kora_trainer.wire import fast_receive
+
+        group, sizes = self.groups[self._k(arg)], arg["sizes"]
+        if not self.raw_bufs or self.raw_bufs[0].numel() < max(sizes):
+            self.raw_bufs = [torch.empty(max(sizes), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        bufs = self.raw_bufs
+        for _ in range(arg["reps"]):
+            for i, n in enumerate(sizes):
+                group.broadcast(bufs[i % 2][:n], src=0)
+            fast_receive.ack(group)
+        sync_dev(self.device)
+
+    def adapter_plan(self, arg: dict[str, Any]) -> None:
+        from kora_trainer.wire import fast_receive
+
+        self.ring = fast_receive.AdapterRing(arg["metadata"], self.device, {"*": arg["scaling"]})
+
+    def adapter(self, arg: dict[str, Any]) -> dict[str, Any]:
+        from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
+        from kora_trainer.wire import fast_receive
+
+        group, ring, adapters = self.groups[self._k(arg)], self.ring, self.server.adapters
+        assert ring is not None
+        for i in range(arg["reps"]):
+            weights = ring.receive(group)
+            adapter = LoRAAdapter("kora-policy", "__distributed__", ring.rank, weights, arg["config"],
+                                  str(arg["version"] + i))
+            adapters.upsert_built(adapter)  # served from the next request on
+            fast_receive.ack(group)
+        sync_dev(self.device)
+        return {"loaded": adapters.loaded()}
+
+    def allreduce(self, arg: dict[str, Any]) -> None:
+        group = self.groups[self._k(arg)]
+        for _ in range(arg["reps"]):
+            t = torch.zeros(1, device=self.device)
+            group.allreduce_max(t)
+        sync_dev(self.device)
+
+    def get(self, arg: dict[str, Any]) -> dict[str, Any]:
+        return {"tensors": {n: self.params[n].detach().cpu() for n in arg["names"]}}
 
 
 def send_all(engines: list[EngineProc], cmd: str, **arg: Any) -> None:

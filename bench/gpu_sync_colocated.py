@@ -50,16 +50,14 @@ for p in (ROOT / "trainer", ROOT / "tests", ROOT / "bench"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-import gpu_sync as gs  # noqa: E402  (bench/gpu_sync.py: model dims, Trainer, timing helpers)
-from _engine_proc import EngineProc, guarded, start_reference_engine  # noqa: E402
+import gpu_sync as gs  # noqa: E402  (bench/gpu_sync.py: model dims, Trainer)
+from _engine_proc import EngineProc, Handler, guarded, serve_commands, start_reference_engine  # noqa: E402
+from _timing import event_ms, wall_ms  # noqa: E402
+from _timing import sync_stream as sync_dev  # noqa: E402  (one GPU: the current stream is the trainer's)
+from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, build_adapter  # noqa: E402  (used per push)
 
 MIB = 1 << 20
 POLICY = "kora-policy"
-
-
-def sync_dev(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.current_stream(device).synchronize()
 
 
 # ---- the engine process (same GPU) ------------------------------------------------------------------------
@@ -69,74 +67,102 @@ def engine_main(conn: Any, opts: dict[str, Any]) -> None:
 
 
 def _engine(conn: Any, opts: dict[str, Any]) -> None:
-    from kora_trainer.reference_engine import server as engine_server
-    from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-    from kora_trainer.sync import colocated
-    from kora_trainer.wire import fast_receive
-    from kora_trainer.wire.serialize import deserialize_named_tensors, serialize_payload
+    serve_commands(conn, ColocatedEngine(conn, opts).handlers())
 
-    cuda = opts["device"] == "cuda"
-    if cuda:
-        torch.cuda.set_device(0)  # the trainer's GPU
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    engine, server, url, build_s = start_reference_engine(opts["model_dir"], device)
-    conn.send(("ready", {"url": url, "build_s": build_s}))
-    params = dict(engine.model.named_parameters())
-    real_checksum = engine_server.checksum
-    ring: fast_receive.AdapterRing | None = None
-    config: dict[str, Any] = {}
-    while True:
-        cmd, arg = conn.recv()
-        info: dict[str, Any] = {}
-        if cmd == "stop":
-            conn.send(("done", {}))
-            break
-        if cmd == "ping":
-            pass
-        elif cmd == "fuse":  # SGLang's fused qkv_proj layout for the reference engine's HF model
-            colocated.fuse_rows(params, arg["groups"])
-            sync_dev(device)
-        elif cmd == "export":  # every weight, mapped by the trainer once
-            info["payload"] = serialize_payload([(n, p.detach()) for n, p in params.items()])
-            info["bytes"] = sum(p.numel() * p.element_size() for p in params.values())
-        elif cmd == "ring":
-            ring = fast_receive.AdapterRing(arg["metadata"], device, {"*": arg["scaling"]}, slots=arg["slots"])
-            config = arg["config"]
-            # check the layout against the model once (modules exist, shapes match); the copy is dropped
-            named = [(f"base_model.model.{m}.lora_{w}.weight", t) for m, (a, b, _) in ring.weights[0].items()
-                     for w, t in (("A", a), ("B", b))]
-            server.adapters._build("__check__", "__tensor__", config, named)
-            info["payload"] = serialize_payload(ring.buffers)
-            info["rank"] = ring.rank
-        elif cmd == "adapter":  # the fast path's swap: an adapter object over ring slot k (views made once)
-            assert ring is not None
-            adapter = LoRAAdapter(POLICY, "__distributed__", ring.rank, ring.weights[arg["slot"]], config,
-                                  str(arg["version"]))
-            server.adapters._register(adapter, upsert=True)
-        elif cmd == "version":
-            engine.weight_version = str(arg["version"])
-        elif cmd == "checksum":  # on/off: the kora checksum every weight route computes (split verification out)
-            engine_server.checksum = real_checksum if arg["on"] else (lambda named: None)
-        elif cmd == "probe":  # what /load_lora_adapter_from_tensors spends, piece by piece
-            times = {}
-            t = time.perf_counter()
-            named = deserialize_named_tensors(arg["payload"])
-            sync_dev(device)
-            times["deserialize_ipc_open_ms"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            server.adapters._build("__probe__", "__tensor__", config, named)
-            sync_dev(device)
-            times["build_adapter_ms"] = (time.perf_counter() - t) * 1e3
-            t = time.perf_counter()
-            real_checksum(named)
-            times["checksum_ms"] = (time.perf_counter() - t) * 1e3
-            del named
-            info["times"] = times
-        elif cmd == "get":
-            # clone: pickling a CPU tensor over the pipe would move its storage into a new shared segment,
-            # detaching the parameter from the trainer's mapping (CPU smoke only; a CUDA .cpu() is a copy anyway)
-            info["tensors"] = {n: params[n].detach().cpu().clone() for n in arg["names"]}
-        conn.send(("done", info))
+
+class ColocatedEngine:
+    """The engine process's side: kora's reference engine on the trainer's GPU, the adapter ring the trainer
+    writes into, and the probes of the HTTP path. One method per command (`handlers`)."""
+
+    def __init__(self, conn: Any, opts: dict[str, Any]):
+        from kora_trainer.reference_engine import server as engine_server
+
+        cuda = opts["device"] == "cuda"
+        if cuda:
+            torch.cuda.set_device(0)  # the trainer's GPU
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        self.engine, self.server, url, build_s = start_reference_engine(opts["model_dir"], self.device)
+        conn.send(("ready", {"url": url, "build_s": build_s}))
+        self.params = dict(self.engine.model.named_parameters())
+        self.engine_server = engine_server
+        self.real_checksum = engine_server.checksum
+        self.ring: Any = None  # fast_receive.AdapterRing
+        self.config: dict[str, Any] = {}
+
+    def handlers(self) -> dict[str, Handler]:
+        return {"ping": lambda arg: None, "fuse": self.fuse, "export": self.export, "ring": self.make_ring,
+                "adapter": self.adapter, "version": self.version, "checksum": self.checksum, "probe": self.probe,
+                "get": self.get}
+
+    def build(self, name: str, named: Any) -> Any:
+        """An adapter object from PEFT tensors the way the engine's tensor route builds one (not registered)."""
+        e = self.engine
+        return build_adapter(name, "__tensor__", self.config, named, e.model, e.dtype, e.device, e.max_lora_rank)
+
+    def fuse(self, arg: dict[str, Any]) -> None:  # SGLang's fused qkv_proj layout for the reference engine's model
+        from kora_trainer.sync import colocated
+
+        colocated.fuse_rows(self.params, arg["groups"])
+        sync_dev(self.device)
+
+    def export(self, arg: dict[str, Any]) -> dict[str, Any]:  # every weight, mapped by the trainer once
+        from kora_trainer.wire.serialize import serialize_payload
+
+        params = self.params
+        return {"payload": serialize_payload([(n, p.detach()) for n, p in params.items()]),
+                "bytes": sum(p.numel() * p.element_size() for p in params.values())}
+
+    def make_ring(self, arg: dict[str, Any]) -> dict[str, Any]:
+        from kora_trainer.wire import fast_receive
+        from kora_trainer.wire.serialize import serialize_payload
+
+        ring = self.ring = fast_receive.AdapterRing(arg["metadata"], self.device, {"*": arg["scaling"]},
+                                                    slots=arg["slots"])
+        self.config = arg["config"]
+        # check the layout against the model once (modules exist, shapes match); the copy is dropped
+        named = [(f"base_model.model.{m}.lora_{w}.weight", t) for m, (a, b, _) in ring.weights[0].items()
+                 for w, t in (("A", a), ("B", b))]
+        self.build("__check__", named)
+        return {"payload": serialize_payload(ring.buffers), "rank": ring.rank}
+
+    def adapter(self, arg: dict[str, Any]) -> None:
+        """The fast path's swap (per push): an adapter object over ring slot k (its views made once)."""
+        ring = self.ring
+        assert ring is not None
+        adapter = LoRAAdapter(POLICY, "__distributed__", ring.rank, ring.weights[arg["slot"]], self.config,
+                              str(arg["version"]))
+        self.server.adapters.upsert_built(adapter)
+
+    def version(self, arg: dict[str, Any]) -> None:
+        self.engine.weight_version = str(arg["version"])
+
+    def checksum(self, arg: dict[str, Any]) -> None:
+        """On/off: the kora checksum every weight route computes (split verification out)."""
+        self.engine_server.checksum = self.real_checksum if arg["on"] else (lambda named: None)
+
+    def probe(self, arg: dict[str, Any]) -> dict[str, Any]:
+        """What /load_lora_adapter_from_tensors spends, piece by piece."""
+        from kora_trainer.wire.serialize import deserialize_named_tensors
+
+        times = {}
+        t = time.perf_counter()
+        named = deserialize_named_tensors(arg["payload"])
+        sync_dev(self.device)
+        times["deserialize_ipc_open_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        self.build("__probe__", named)
+        sync_dev(self.device)
+        times["build_adapter_ms"] = (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        self.real_checksum(named)
+        times["checksum_ms"] = (time.perf_counter() - t) * 1e3
+        del named
+        return {"times": times}
+
+    def get(self, arg: dict[str, Any]) -> dict[str, Any]:
+        # clone: pickling a CPU tensor over the pipe would move its storage into a new shared segment,
+        # detaching the parameter from the trainer's mapping (CPU smoke only; a CUDA .cpu() is a copy anyway)
+        return {"tensors": {n: self.params[n].detach().cpu().clone() for n in arg["names"]}}
 
 
 class Engine(EngineProc):
@@ -359,19 +385,19 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
             return
         b = {"src": torch.empty(an, dtype=torch.uint8, device=device).random_(0, 255)}
         b["dst"] = torch.empty_like(b["src"])
-        res["adapter_copy_ms"] = gs.event_ms(lambda: b["dst"].copy_(b["src"]), reps)
+        res["adapter_copy_ms"] = event_ms(lambda: b["dst"].copy_(b["src"]), reps)
         slot = st["slots"][0]
-        res["adapter_copy_into_engine_ms"] = gs.event_ms(lambda: slot[:an].copy_(b["src"]), reps)
+        res["adapter_copy_into_engine_ms"] = event_ms(lambda: slot[:an].copy_(b["src"]), reps)
 
         def copy_ack() -> None:
             slot[:an].copy_(b["src"])
             sync_dev(device)
             engine.fast_call("ping")
 
-        res["adapter_copy_ack_ms"], _ = gs.wall_ms(copy_ack, reps, device)
+        res["adapter_copy_ack_ms"], _ = wall_ms(copy_ack, reps, device)
         b["src"] = torch.empty(n, dtype=torch.uint8, device=device)
         b["dst"] = torch.empty(n, dtype=torch.uint8, device=device)
-        res["copy_ms"] = gs.event_ms(lambda: b["dst"].copy_(b["src"]), reps)
+        res["copy_ms"] = event_ms(lambda: b["dst"].copy_(b["src"]), reps)
         res["copy_tbps"] = 2 * n / (res["copy_ms"] / 1e3) / 1e12
         b.clear()
         torch.cuda.empty_cache()
@@ -379,8 +405,8 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
         emb = max(st["dst"].items(), key=lambda kv: kv[1].numel())
         local = torch.empty_like(emb[1])
         srcw = torch.empty_like(emb[1])
-        res["copy_largest_local_ms"] = gs.event_ms(lambda: local.copy_(srcw), reps)
-        res["copy_largest_into_engine_ms"] = gs.event_ms(lambda: emb[1].copy_(srcw), reps)
+        res["copy_largest_local_ms"] = event_ms(lambda: local.copy_(srcw), reps)
+        res["copy_largest_into_engine_ms"] = event_ms(lambda: emb[1].copy_(srcw), reps)
         res["copy_largest_tensor"] = [emb[0], emb[1].numel() * emb[1].element_size()]
 
     phase("anchors", anchors)
@@ -398,7 +424,7 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
             times.append((time.perf_counter() - t) * 1e3)
         res["base_sync_ms"] = med(times[1:])
         if cuda:
-            res["base_write_gpu_ms"] = gs.event_ms(lambda: bp.push(True), reps)
+            res["base_write_gpu_ms"] = event_ms(lambda: bp.push(True), reps)
         names = layer0_names(st["base"])
         got = engine.call("get", names=names)["tensors"]
         want = expected_hf(st["base"], names)
@@ -431,7 +457,7 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
         times = [push_fast_adapter(client) for _ in range(reps + 2)][2:]
         res["adapter_push_with_http_version_ms"] = med(times)  # + the /update_weight_version call
         if cuda:
-            res["adapter_pack_into_engine_gpu_ms"] = gs.event_ms(lambda: pack.pack_into(slots[0]), reps)
+            res["adapter_pack_into_engine_gpu_ms"] = event_ms(lambda: pack.pack_into(slots[0]), reps)
             res["adapter_push_vs_copy"] = res["adapter_push_ms"] / res["adapter_copy_ms"]
             res["adapter_push_vs_copy_ack"] = res["adapter_push_ms"] / res["adapter_copy_ack_ms"]
         push_fast_adapter()  # leave the engine on a slot the timing loop above did not re-write afterwards
@@ -552,10 +578,10 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
             res[key] = med(times[2:])
             res[key.replace("_ms", "_all_ms")] = times[2:]
         if cuda:
-            res["merge_write_gpu_ms"] = gs.event_ms(lambda: merge.push(True), reps)
-            res["merge_fold_gpu_ms"] = gs.event_ms(lambda: merge.push(False), reps)
-            res["merge_frozen_gpu_ms"] = gs.event_ms(lambda: (merge.frozen(), merge.copies()), reps)
-            res["merge_write_serial_gpu_ms"] = gs.event_ms(lambda: (merge.frozen(), merge.copies(), merge.fold()),
+            res["merge_write_gpu_ms"] = event_ms(lambda: merge.push(True), reps)
+            res["merge_fold_gpu_ms"] = event_ms(lambda: merge.push(False), reps)
+            res["merge_frozen_gpu_ms"] = event_ms(lambda: (merge.frozen(), merge.copies()), reps)
+            res["merge_write_serial_gpu_ms"] = event_ms(lambda: (merge.frozen(), merge.copies(), merge.fold()),
                                                            reps)  # the same work without the side stream
             res["merge_sync_vs_copy"] = res["merge_sync_ms"] / res["copy_ms"]
             res["merge_sync_incremental_vs_copy"] = res["merge_sync_incremental_ms"] / res["copy_ms"]
