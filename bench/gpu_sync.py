@@ -290,37 +290,46 @@ class Trainer:
         self.scaling = alpha / rank
 
     def merge_entries(self, merged: bool = True) -> list[Any]:
-        from kora_trainer.sync.fast import FoldEntry, PlainEntry
-
+        """The model under HF names as the fast path's entries (the product's `merge_entries`): enabled adapters
+        folded in when `merged`, the base alone otherwise."""
         if self.kind == "megatron":
             from kora_trainer.backends.megatron.sync import merge_entries
 
             return merge_entries(self.model, self.layout, merged)
-        from kora_trainer.lora import hf_name, lora_modules
+        from kora_trainer.sync.sources import merge_entries as hf_merge_entries
 
-        wrapped = {f"{n}.base_layer.weight": m for n, m in lora_modules(self.model).items()}
-        out: list[Any] = []
-        for name, p in self.model.named_parameters():
-            if ".lora_A." in name or ".lora_B." in name:
-                continue
-            m = wrapped.get(name)
-            if merged and m is not None and m.enabled:
-                out.append(FoldEntry([(hf_name(name), tuple(p.shape))], p.detach(), m.lora_A.weight.detach(),
-                                     m.lora_B.weight.detach(), m.scaling))
-            else:
-                out.append(PlainEntry(hf_name(name), p.detach()))
-        return out
+        if merged:
+            return hf_merge_entries(self.model)
+        with self.adapter_disabled():  # every adapted weight then goes out as its base
+            return hf_merge_entries(self.model)
 
     def adapter_specs(self) -> list[Any]:
-        from kora_trainer.sync.fast import GatherSpec
-
         if self.kind == "megatron":
             from kora_trainer.backends.megatron.sync import adapter_specs
 
             return adapter_specs(self.model, self.layout)
-        from kora_trainer.lora import adapter_pairs
+        from kora_trainer.sync.sources import adapter_specs as hf_adapter_specs
 
-        return [GatherSpec(n, t) for pair in adapter_pairs(self.model) for n, t in pair]
+        return hf_adapter_specs(self.model)
+
+    def lora_modules(self) -> dict[str, Any]:
+        if self.kind == "megatron":
+            from kora_trainer.backends.megatron.lora import lora_modules
+
+            return lora_modules(self.model)
+        from kora_trainer.lora import lora_modules as hf_lora_modules
+
+        return hf_lora_modules(self.model)
+
+    def adapter_disabled(self) -> contextlib.AbstractContextManager[None]:
+        """The base policy from the same weights, for the `with` block (the product's `adapter_disabled`)."""
+        if self.kind == "megatron":
+            from kora_trainer.backends.megatron.lora import adapter_disabled
+
+            return adapter_disabled(self.model)
+        from kora_trainer.lora import adapter_disabled as hf_adapter_disabled
+
+        return hf_adapter_disabled(self.model)
 
     def peft_config(self) -> dict[str, Any]:
         if self.kind == "megatron":
@@ -353,29 +362,9 @@ class Trainer:
     def reference_hf(self, names: list[str]) -> dict[str, torch.Tensor]:
         """fold_reference (torch, fp32 addmm) of the tensors named, under HF names: the check of (b). Under TP a
         collective (every TP rank calls it with the same names)."""
-        from kora_trainer.kernels.fold import fold_reference
-
         if self.tp is not None:
             return self._reference_hf_tp(names)
-        out: dict[str, torch.Tensor] = {}
-        for e in self.merge_entries(True):
-            outs = [n for n, _ in e.outs] if hasattr(e, "outs") else [e.name]
-            if not set(outs) & set(names):
-                continue
-            if hasattr(e, "outs"):
-                w = fold_reference(e.w, e.a, e.b, e.scale) if e.a is not None else e.w
-                rows = torch.empty_like(w)
-                if e.row_map is not None:
-                    rows[e.row_map.long()] = w
-                else:
-                    rows = w
-                start = 0
-                for n, shape in e.outs:
-                    out[n] = rows[start:start + shape[0]].cpu()
-                    start += shape[0]
-            else:
-                out[e.name] = e.src.cpu()
-        return {n: out[n] for n in names}
+        return expected_hf(self.merge_entries(True), names)
 
     def _reference_hf_tp(self, names: list[str]) -> dict[str, torch.Tensor]:
         """Each rank's shard folded by fold_reference (the shards of the full fold), all-gathered, unfused."""
@@ -399,6 +388,30 @@ class Trainer:
             for n, t in zip(pm.hf, from_megatron_shards(pm.kind, shards, self.layout), strict=True):
                 out[n] = t.cpu()
         return {n: out[n] for n in names}
+
+
+def expected_hf(entries: list[Any], names: list[str]) -> dict[str, torch.Tensor]:
+    """What an engine holds under `names` after a push of `entries` (CPU copies): a FoldEntry as
+    `kernels.fold.FoldItem.reference` writes it (torch's fp32 addmm fold, rows placed by the row map) cut into its
+    HF tensors, a PlainEntry as it is."""
+    from kora_trainer.kernels.fold import FoldItem
+    from kora_trainer.sync.fast import FoldEntry
+
+    want = set(names)
+    out: dict[str, torch.Tensor] = {}
+    for e in entries:
+        if isinstance(e, FoldEntry):
+            if not {n for n, _ in e.outs} & want:
+                continue
+            item = FoldItem(e.w, torch.empty_like(e.w), e.a, e.b, e.scale, e.row_map)
+            item.reference()
+            start = 0
+            for n, shape in e.outs:
+                out[n] = item.out[start:start + shape[0]].cpu()
+                start += shape[0]
+        elif e.name in want:
+            out[e.name] = e.src.cpu()
+    return {n: out[n] for n in names}
 
 
 def from_leader(obj: Any, tp_size: int) -> Any:
@@ -919,11 +932,7 @@ def _phases(args: argparse.Namespace, res: dict[str, Any], phase: Any, rank: int
         res["ft_batch"] = [b, length]
         measure(list(trainer.params), "lora")
         # full fine-tuning: every base weight trains, the adapter is switched off and frozen
-        if trainer.kind == "megatron":
-            from kora_trainer.backends.megatron.lora import lora_modules
-        else:
-            from kora_trainer.lora import lora_modules
-        for m in lora_modules(trainer.model).values():
+        for m in trainer.lora_modules().values():
             m.enabled = False
         for p in trainer.params:
             p.requires_grad_(False)

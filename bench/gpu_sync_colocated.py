@@ -114,13 +114,14 @@ class ColocatedEngine:
 
     def make_ring(self, arg: dict[str, Any]) -> dict[str, Any]:
         from kora_trainer.wire import fast_receive
+        from kora_trainer.wire.lora_names import PEFT_PREFIX
         from kora_trainer.wire.serialize import serialize_payload
 
         ring = self.ring = fast_receive.AdapterRing(arg["metadata"], self.device, {"*": arg["scaling"]},
                                                     slots=arg["slots"])
         self.config = arg["config"]
         # check the layout against the model once (modules exist, shapes match); the copy is dropped
-        named = [(f"base_model.model.{m}.lora_{w}.weight", t) for m, (a, b, _) in ring.weights[0].items()
+        named = [(f"{PEFT_PREFIX}{m}.lora_{w}.weight", t) for m, (a, b, _) in ring.weights[0].items()
                  for w, t in (("A", a), ("B", b))]
         self.build("__check__", named)
         return {"payload": serialize_payload(ring.buffers), "rank": ring.rank}
@@ -176,62 +177,15 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def expected_hf(entries: list[Any], names: list[str]) -> dict[str, torch.Tensor]:
-    """What the engine should hold under `names` after a push of `entries`: torch's fp32 addmm fold (or the
-    plain tensor), placed by the row map (CPU copies)."""
-    from kora_trainer.kernels.fold import fold_reference
-    from kora_trainer.sync.fast import FoldEntry
-
-    out: dict[str, torch.Tensor] = {}
-    want = set(names)
-    for e in entries:
-        if isinstance(e, FoldEntry):
-            if not {n for n, _ in e.outs} & want:
-                continue
-            w = fold_reference(e.w, e.a, e.b, e.scale) if e.a is not None else e.w
-            rows = w
-            if e.row_map is not None:
-                rows = torch.empty_like(w)
-                rows[e.row_map.long()] = w
-            start = 0
-            for n, shape in e.outs:
-                out[n] = rows[start:start + shape[0]].cpu()
-                start += shape[0]
-        elif e.name in want:
-            out[e.name] = e.src.cpu()
-    return {n: out[n] for n in names}
-
-
 def layer0_names(entries: list[Any]) -> list[str]:
     """Every HF tensor of layer 0, and the last tensor of the plan (the final norm)."""
     names = [n for e in entries for n in ([n for n, _ in e.outs] if hasattr(e, "outs") else [e.name])]
     return [n for n in names if ".layers.0." in n] + [names[-1]]
 
 
-@contextlib.contextmanager
-def adapter_off(trainer: Any):
-    if trainer.kind == "megatron":
-        from kora_trainer.backends.megatron.lora import adapter_disabled
-
-        with adapter_disabled(trainer.model):
-            yield
-        return
-    from kora_trainer.lora import lora_modules
-
-    mods = list(lora_modules(trainer.model).values())
-    before = [m.enabled for m in mods]
-    for m in mods:
-        m.enabled = False
-    try:
-        yield
-    finally:
-        for m, b in zip(mods, before, strict=True):
-            m.enabled = b
-
-
 def trainer_scores(trainer: Any, seqs: list[list[int]], device: torch.device, on: bool = True) -> list[list[float]]:
     out = []
-    with torch.no_grad(), (contextlib.nullcontext() if on else adapter_off(trainer)):
+    with torch.no_grad(), (contextlib.nullcontext() if on else trainer.adapter_disabled()):
         for s in seqs:
             lp = trainer.logprobs(torch.tensor([s], device=device))[0].float().cpu()
             out.append([float(x) for x in lp])
@@ -427,7 +381,7 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
             res["base_write_gpu_ms"] = event_ms(lambda: bp.push(True), reps)
         names = layer0_names(st["base"])
         got = engine.call("get", names=names)["tensors"]
-        want = expected_hf(st["base"], names)
+        want = gs.expected_hf(st["base"], names)
         res["base_engine_equal"] = all(torch.equal(got[n], want[n]) for n in names)
         res["base_checked"] = names
 
@@ -592,7 +546,7 @@ def _run(args: argparse.Namespace, res: dict[str, Any], save: Any, engine: Engin
         engine.fast_call("version", version="merged")
         names = layer0_names(st["merged"])
         got = engine.call("get", names=names)["tensors"]
-        want = expected_hf(st["merged"], names)
+        want = gs.expected_hf(st["merged"], names)
         st["merged_got"] = got
         res["merge_engine_equal_fraction"] = {n.split(".")[-2]: float((got[n] == want[n]).float().mean())
                                               for n in names}
