@@ -550,9 +550,10 @@ class Bench:
         self.fold_kw = dict(block_m=a.block_m, block_n=a.block_n, num_warps=a.num_warps, streams=a.fold_streams)
         self.only = set(a.only.split(",")) if a.only else None
 
-    def phase(self, name: str, fn: Any) -> None:
-        """Run phase `name` unless --only leaves it out; under TP a failure ends the run (`Aborted`)."""
-        if self.only is not None and name.split("@")[0] not in self.only:
+    def phase(self, name: str, fn: Any, when: bool = True) -> None:
+        """Run phase `name` when `when` and --only does not leave it out; under TP a failure ends the run
+        (`Aborted`)."""
+        if not when or (self.only is not None and name.split("@")[0] not in self.only):
             return
         run_phase(self.res, name, fn, where="" if self.leader else f" on TP rank {self.rank}", verbose=self.leader,
                   on_error=_abort if self.tp_size > 1 else None)
@@ -573,32 +574,24 @@ def _abort(name: str, e: Exception) -> None:
 
 def _phases(b: Bench) -> None:
     """The measurements (a)-(e), in order, on every TP rank (see `run`)."""
-    n = b.n_eng
+    n, res = b.n_eng, b.res
     _plan_merge(b)
-    if n:
-        b.phase("raw_broadcast", lambda: raw_broadcast(b, n, b.res))
-        b.phase("merge_sync", lambda: merge_sync(b, n, b.res))
-    else:
-        b.phase("pack_only", lambda: pack_only(b))
+    b.phase("raw_broadcast", lambda: raw_broadcast(b, n, res), when=n > 0)
+    b.phase("merge_sync", lambda: merge_sync(b, n, res), when=n > 0)
+    b.phase("pack_only", lambda: pack_only(b), when=n == 0)
     b.phase("fold", lambda: fold_bench(b))
-    if n:
-        b.phase("base_push", lambda: base_push(b))
+    b.phase("base_push", lambda: base_push(b), when=n > 0)
     _plan_adapter(b)
-    if n:
-        b.phase("adapter_push", lambda: adapter_push(b, n, b.res))
-    else:
-        b.phase("adapter_pack_only", lambda: adapter_pack_only(b))
+    b.phase("adapter_push", lambda: adapter_push(b, n, res), when=n > 0)
+    b.phase("adapter_pack_only", lambda: adapter_pack_only(b), when=n == 0)
     b.phase("delta_skip", lambda: delta_skip(b))
-    if n:
-        b.phase("serving_check", lambda: serving_check(b))
-    if n and not b.args.no_http:
-        b.phase("adapter_push_http", lambda: http_adapter(b, n, b.res))
+    b.phase("serving_check", lambda: serving_check(b), when=n > 0)
+    b.phase("adapter_push_http", lambda: http_adapter(b, n, res), when=n > 0 and not b.args.no_http)
     if n and (b.tp_size > 1 or n > 1):
         engines_scaling(b)
     for e in b.engines:
         e.stop()
-    if not b.args.no_ft:
-        b.phase("finetune", lambda: finetune(b))
+    b.phase("finetune", lambda: finetune(b), when=not b.args.no_ft)
 
 
 # ---- (b) merge sync vs raw broadcast -----------------------------------------------------------------------
@@ -1014,8 +1007,7 @@ def engines_scaling(b: Bench) -> None:
         b.phase(f"raw_broadcast@{k}", lambda k=k, out=out: raw_broadcast(b, k, out))
         b.phase(f"merge_sync@{k}", lambda k=k, out=out: merge_sync(b, k, out, check=False))
         b.phase(f"adapter_push@{k}", lambda k=k, out=out: adapter_push(b, k, out, first=False))
-        if not b.args.no_http:
-            b.phase(f"adapter_push_http@{k}", lambda k=k, out=out: http_adapter(b, k, out))
+        b.phase(f"adapter_push_http@{k}", lambda k=k, out=out: http_adapter(b, k, out), when=not b.args.no_http)
         scaling[str(k)] = {key: out[key] for key in SCALING_KEYS if key in out}
     scaling[str(n)] = {key: res[key] for key in SCALING_KEYS if key in res}
     res["engines_scaling"] = scaling
