@@ -2,9 +2,9 @@
 (`reference_engine.server`: EngineModel + the HTTP routes) over a random HF model built from a config directory in
 the engine process (no checkpoint is read), and the pipe the bench drives it through.
 
-Each bench keeps its own command loop (what the engine does per message); this module holds what they share:
-bringing the engine up (`start_reference_engine`), forwarding a failure to the bench (`guarded`), and the
-bench's handle on the process (`EngineProc`).
+Each bench keeps its own command handlers (what the engine does per message); this module holds what they share:
+bringing the engine up (`start_reference_engine`), the engine-side receive/dispatch loop (`serve_commands`),
+forwarding a failure to the bench (`guarded`), and the bench's handle on the process (`EngineProc`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import multiprocessing as mp
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -51,6 +51,22 @@ def start_reference_engine(model_dir: str, device: torch.device) -> tuple[Any, A
 
     threading.Thread(target=serve, daemon=True).start()
     return engine, server, f"http://127.0.0.1:{port}", build_s
+
+
+Handler = Callable[[dict[str, Any]], dict[str, Any] | None]
+
+
+def serve_commands(conn: Any, handlers: Mapping[str, Handler]) -> None:
+    """The engine's command loop: each (cmd, kwargs) from the bench runs handlers[cmd](kwargs) and is answered
+    ("done", what it returned, {} for None); "stop" is answered and ends the loop. An unknown command raises
+    (`guarded` sends it to the bench)."""
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "stop":
+            conn.send(("done", {}))
+            return
+        info = handlers[cmd](arg)
+        conn.send(("done", {} if info is None else info))
 
 
 def guarded(loop: Callable[[Any, dict[str, Any]], None], conn: Any, opts: dict[str, Any]) -> None:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
 import triton.language as tl
 
+from _timing import event_ms  # bench/_timing.py (this script's folder is on sys.path)
 from kora_trainer.kernels.fold import _fold_kernel, _rank_pad, fold_reference
 
 SHAPES = [(6144, 2560), (2560, 4096)]  # megatron linear_qkv, linear_proj of Qwen3-4B ([out, in])
@@ -68,21 +68,6 @@ def _tile_copy_kernel(w_ptr, o_ptr, M, N, stride_w, stride_o, BLOCK_M: tl.conste
     tl.store(o_ptr + rm[:, None] * stride_o + rn[None, :], w, mask=mask)
 
 
-def timed(fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, default=32)
@@ -104,17 +89,17 @@ def main() -> None:
     dst = torch.empty_like(src)
     res: dict = {"bench": "gpu_fold", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "triton": triton.__version__, "tensors": len(ws), "bytes": nbytes, "rank": args.rank}
-    copy = timed(lambda: dst.copy_(src), args.reps)
+    copy = event_ms(lambda: dst.copy_(src), args.reps)
     res["copy_one_large_ms"] = copy
     res["copy_tbps"] = 2 * nbytes / (copy / 1e3) / 1e12
-    res["copy_per_tensor_ms"] = timed(lambda: [o.copy_(w) for o, w in zip(outs, ws, strict=True)], args.reps)
+    res["copy_per_tensor_ms"] = event_ms(lambda: [o.copy_(w) for o, w in zip(outs, ws, strict=True)], args.reps)
     items = list(zip(ws, As, Bs, outs, strict=True))
     r_pad = _rank_pad(args.rank)
     variants: dict[str, float | str] = {}
 
     def run(name, fn):
         try:
-            ms = timed(fn, args.reps)
+            ms = event_ms(fn, args.reps)
             variants[name] = round(copy / ms, 3)
         except Exception as e:
             variants[name] = f"{type(e).__name__}: {str(e)[:160]}"
