@@ -59,7 +59,7 @@ def event_ms(fn: Callable[[], Any], reps: int, warmup: int = 2) -> float:
         e.record()
         torch.cuda.synchronize()
         times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    return float(statistics.median(times))
 
 
 def loop_ms(n: int, body: Callable[[int], Any], before: Callable[[int], Any] | None = None) -> list[float]:

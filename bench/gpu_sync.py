@@ -34,7 +34,8 @@ first k engines, k = 1..N (a group per k), so the growth from one engine to N is
     PYTHONPATH=trainer:tests NCCL_NVLS_ENABLE=0 python bench/gpu_sync.py [--out FILE]     # 2 GPUs: everything
     python bench/gpu_sync.py --tp 2 --engines 2      # 4 GPUs (2 GPUs: --tp 2 --engines 1 shares GPU 1)
     python bench/gpu_sync.py --no-engine      # 1 GPU: (c), the packing halves of (a)/(b), local (d), (e)
-    python bench/gpu_sync.py --cpu-smoke      # tiny model, gloo, CPU: the plumbing only (numbers meaningless)
+    python bench/gpu_sync.py --cpu-smoke --trainer hf   # tiny model, gloo, CPU: the plumbing only (numbers
+                                                        # meaningless; megatron-core needs CUDA)
 
 Results: bench/results/gpu_sync_*.json (with --tp / --engines: gpu_sync_tp{T}_engines{N}_<date>.json, the
 name printed as `result_file`); discussion in docs/megatron_backend.md.
@@ -545,7 +546,7 @@ class Bench:
         self.dims = TINY if a.cpu_smoke else QWEN3_4B
         self.backend = "nccl" if self.cuda else "gloo"
         self.tp = self.trainer.tp  # the TP group (None at TP = 1)
-        self.group = self.groups.get(self.n_eng)  # every engine's group (TP rank 0 only)
+        self.group: Any = self.groups.get(self.n_eng)  # every engine's group (TP rank 0 only)
         self.cap, self.reps = a.cap_mib * MIB, a.reps
         self.fold_kw = dict(block_m=a.block_m, block_n=a.block_n, num_warps=a.num_warps, streams=a.fold_streams)
         self.only = set(a.only.split(",")) if a.only else None
@@ -646,7 +647,7 @@ def merge_sync(b: Bench, k: int, out: dict[str, Any], check: bool = True) -> Non
     from kora_trainer.wire import fast_receive
 
     sender, leader, engines = merge_sender(b), b.leader, b.engines[:k]
-    g = b.groups[k] if leader else None
+    g: Any = b.groups[k] if leader else None
     if leader:
         sender.group = g
         call_all(engines, "plan", name="merged", metadata=b.plan.metadata, k=k)
@@ -820,7 +821,8 @@ def adapter_push(b: Bench, k: int, out: dict[str, Any], first: bool = True) -> N
     broadcast of the same bytes."""
     from kora_trainer.wire import fast_receive
 
-    g, pack, leader, device, engines = b.groups.get(k), b.pack, b.leader, b.device, b.engines[:k]
+    g: Any = b.groups.get(k)
+    pack, leader, device, engines = b.pack, b.leader, b.device, b.engines[:k]
     if leader:
         call_all(engines, "adapter_plan", metadata=pack.metadata, scaling=b.trainer.scaling, k=k)
     abytes = pack.pack()  # a TP collective
