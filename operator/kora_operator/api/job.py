@@ -93,12 +93,21 @@ _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
 class ResourcesSpec(CamelModel):
-    """Ray pods: how many workers, what each gets, and where they may run."""
+    """Ray pods: how many workers, what each gets, and where they may run.
+
+    For runtime KubeRay the job must fit the Ray cluster these make (checked at kubectl apply and by `kora
+    validate`): the trainer ranks (parallelism data x tensor x pipeline x context, one GPU each) and the engines
+    (rollout.numEngines x gpusPerEngine: beside the ranks when deployment.mode is Disaggregated, sharing their GPUs
+    when Colocate) need at most workers x gpusPerWorker GPUs, and a tensor-parallel group or one engine must fit
+    on one worker. gpusPerWorker 0 makes a CPU cluster: only the reference engine (rollout.engine hf,
+    gpusPerEngine 0) runs there. For runtime Ray these fields are not used: the existing cluster's GPUs cannot
+    be seen at apply time, and the trainer refuses to start when its Ray cluster has too few."""
 
     workers: Annotated[int, Field(ge=0, le=1024)] = 1
-    """Ray worker pods (the head runs the driver and the control-plane API)."""
+    """Ray worker pods, each with gpusPerWorker GPUs; the head runs the driver and the control-plane API and
+    has no GPU. 0: no workers, the head pod is the whole Ray cluster and takes the gpusPerWorker GPUs itself."""
     gpus_per_worker: Annotated[int, Field(ge=0, le=16)] = 8
-    """nvidia.com/gpu per worker pod."""
+    """nvidia.com/gpu per worker pod (and Ray's num-gpus on it)."""
     cpu: Annotated[str, Field(pattern=_QUANTITY)] = "16"
     """CPU request/limit per worker pod."""
     memory: Annotated[str, Field(pattern=_QUANTITY)] = "128Gi"
@@ -114,6 +123,16 @@ class ResourcesSpec(CamelModel):
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the worker pods tolerate (e.g. nvidia.com/gpu)."""
 
+    @property
+    def head_gpus(self) -> int:
+        """GPUs of the head pod: none, unless it is the only pod (workers 0)."""
+        return self.gpus_per_worker if self.workers == 0 else 0
+
+    def gpus_per_node(self) -> list[int]:
+        """The GPUs of each Ray node that holds GPUs (the workers, or the lone head), as layout.fit_problems
+        takes them."""
+        return [self.gpus_per_worker] * max(self.workers, 1)
+
 
 class RuntimeKind(StrEnum):
     KUBERAY = "KubeRay"
@@ -127,7 +146,9 @@ class RuntimeSpec(CamelModel):
     """KubeRay: a RayJob (its own Ray cluster) per LoRATrainingJob. Ray: submit to an existing
     Ray cluster through its Jobs API at address."""
     address: Annotated[str, Field(pattern=r"^https?://")] | None = None
-    """Ray dashboard / Jobs API address for kind Ray, e.g. http://127.0.0.1:8265."""
+    """Ray dashboard / Jobs API address for kind Ray, e.g. http://127.0.0.1:8265. Whether the job fits that
+    cluster's GPUs is not known at apply time: the trainer checks it when it starts and fails with the numbers
+    (resources does not apply to kind Ray)."""
     ray_usage_stats: bool = False
     """Let Ray send its anonymous usage statistics to the Ray project (RAY_USAGE_STATS_ENABLED=1). Off by
     default: kora's Ray pods and submissions run with RAY_USAGE_STATS_ENABLED=0 and no report URL, and the
