@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from kora_operator.api.status import LoRATrainingJobStatus
 from kora_trainer.config.base import CamelModel
@@ -89,6 +90,7 @@ class Toleration(CamelModel):
     """NoExecute only: how long to stay bound after the taint appears."""
 
 
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # a name a POSIX shell can export
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
@@ -155,6 +157,21 @@ class RuntimeSpec(CamelModel):
     trainer image's HOME holds a Ray cluster config, so Ray neither reports nor probes cloud metadata
     servers. For kind Ray this covers the job's own processes only; the existing cluster's head follows
     its own settings."""
+    env: Annotated[dict[str, str], Field(max_length=64)] = Field(default_factory=dict)
+    """Environment variables for every Ray process of the job (kind KubeRay: the head and worker pods; kind Ray:
+    the submission's runtime_env). They override kora's NCCL defaults (NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
+    eth0 in the pods, NCCL_NVLS_ENABLE 0, NCCL_DEBUG WARN), e.g. NCCL_NVLS_ENABLE=1 on an NVSwitch system whose
+    fabric manager provides NVLink SHARP, or NCCL_IB_HCA for an InfiniBand fabric. kora's own variables (KORA_*,
+    and RAY_USAGE_STATS_* from rayUsageStats) are set after these and win."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in env if not re.fullmatch(ENV_NAME, k))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: not an environment variable name (letters, digits and _, not "
+                             "starting with a digit): rename or remove it")
+        return env
 
 
 # Spec fields that may change on a created job. The lifecycle fields, which the operator passes on
