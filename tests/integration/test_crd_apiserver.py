@@ -27,8 +27,11 @@ RULES = {r.id: r for r in (*SPEC_RULES, *JOB_RULES)}
 @pytest.fixture(scope="module")
 def crds(cluster):
     cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
-    for name in ("loratrainingjobs.kora.dev", "loraadapters.kora.dev"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    # right after creation a CRD has no conditions yet and `kubectl wait` errors out (".status.conditions accessor
+    # error"): retry it, as operatorkit.install_crds does
+    names = [f"crd/{n}" for n in ("loratrainingjobs.kora.dev", "loraadapters.kora.dev")]
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", *names, "--timeout=30s",
+                                     check=False).returncode == 0, timeout=60, what="our CRDs established")
     # discovery can lag Established by a moment; wait until kubectl can resolve the kinds
     wait_for(lambda: cluster.kubectl("explain", "ltj", check=False).returncode == 0,
              timeout=30, interval=0.5, what="ltj in discovery")
