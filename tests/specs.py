@@ -43,7 +43,11 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     "custom-reward-path": {"data.rewardType": "custom"},
     "multi-lora-needs-adapter": {"multiLora.maxAdapters": 2},
     "ray-runtime-address": {"runtime.kind": "Ray"},
-    "not-enough-gpus": {"resources.gpusPerWorker": 2, "parallelism.data": 4},
+    "expert-parallel-divides": {"parallelism.expert": 2},
+    # valid_job runs on 1 worker x 8 GPUs
+    "kuberay-gpus": {"parallelism.data": 16},
+    "kuberay-gpus-per-node": {"resources.workers": 2, "resources.gpusPerWorker": 4, "parallelism.tensor": 8},
+    "kuberay-cpu-engines": {"resources.gpusPerWorker": 0},
 }
 
 

@@ -110,7 +110,7 @@ def kuberay_nodes(job: LoRATrainingJob) -> list[Node]:
     """The Ray nodes the job's RayJob makes: the head (the driver; no GPU unless it is the only pod) and
     resources.workers worker pods of resources.gpusPerWorker GPUs."""
     r = job.spec.resources
-    head = Node("head", _cpus(r.head_cpu), r.gpus_per_worker if r.workers == 0 else 0)
+    head = Node("head", _cpus(r.head_cpu), r.head_gpus)
     return [head] + [Node(f"worker-{i}", _cpus(r.cpu), r.gpus_per_worker) for i in range(r.workers)]
 
 

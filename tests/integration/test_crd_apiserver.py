@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ import pytest
 import yaml
 
 from kora_operator.api.rules import JOB_RULES
+from kora_operator.validation import validate_job
 from kora_trainer.config import SPEC_RULES
 from localcluster import wait_for
 from specs import set_path, valid_job, violating_job
@@ -24,8 +27,11 @@ RULES = {r.id: r for r in (*SPEC_RULES, *JOB_RULES)}
 @pytest.fixture(scope="module")
 def crds(cluster):
     cluster.kubectl("apply", "--server-side", "-f", str(CRDS))
-    for name in ("loratrainingjobs.kora.dev", "loraadapters.kora.dev"):
-        cluster.kubectl("wait", "--for=condition=Established", f"crd/{name}", "--timeout=60s")
+    # right after creation a CRD has no conditions yet and `kubectl wait` errors out (".status.conditions accessor
+    # error"): retry it, as operatorkit.install_crds does
+    names = [f"crd/{n}" for n in ("loratrainingjobs.kora.dev", "loraadapters.kora.dev")]
+    wait_for(lambda: cluster.kubectl("wait", "--for=condition=Established", *names, "--timeout=30s",
+                                     check=False).returncode == 0, timeout=60, what="our CRDs established")
     # discovery can lag Established by a moment; wait until kubectl can resolve the kinds
     wait_for(lambda: cluster.kubectl("explain", "ltj", check=False).returncode == 0,
              timeout=30, interval=0.5, what="ltj in discovery")
@@ -72,14 +78,66 @@ def kora_validate(doc, tmp_path: Path) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.parametrize("rule_id", sorted(RULES))
 def test_cel_rule_rejects_with_the_same_message_as_kora_validate(crds, namespace, tmp_path, rule_id):
-    rule = RULES[rule_id]
     doc = violating_job(rule_id, name=f"bad-{rule_id}")
+    # the words kora validate uses for this spec (with its numbers, for a rule that has a messageExpression)
+    (message,) = [p.message for p in validate_job(doc)[1] if p.rule == rule_id]
     res = apply(crds, doc, namespace)
     assert res.returncode != 0, f"the API server accepted a job breaking {rule_id}"
-    assert rule.message in res.stderr, res.stderr
+    assert message in res.stderr, res.stderr
     local = kora_validate(doc, tmp_path)
     assert local.returncode == 1
-    assert f"error: {rule.message}" in local.stderr
+    assert f"error: {message}" in local.stderr
+
+
+def _grid(n: int) -> list[dict]:
+    """n jobs spread over the shapes the fit rules and the expert rule look at (deterministic)."""
+    rnd = random.Random(15)
+    docs = []
+    for i in range(n):
+        doc = valid_job(f"grid-{i}", resources={"workers": rnd.choice([0, 1, 2, 3]),
+                                                "gpusPerWorker": rnd.choice([0, 2, 4, 8, 8, 16])},
+                        parallelism={"data": rnd.choice([1, 2, 4, 8]), "tensor": rnd.choice([1, 2, 4]),
+                                     "pipeline": rnd.choice([1, 1, 2]), "context": rnd.choice([1, 1, 2]),
+                                     "expert": rnd.choice([1, 2, 4, 8]), "expertTensor": rnd.choice([1, 1, 2])},
+                        rollout={"engine": rnd.choice(["sglang", "hf"]), "numEngines": rnd.choice([1, 2, 4]),
+                                 "gpusPerEngine": rnd.choice([0, 1, 2, 4]),
+                                 "distributedEngines": rnd.choice([0, 0, 1])},
+                        deployment={"mode": rnd.choice(["Colocate", "Disaggregated"])})
+        if rnd.random() < 0.1:
+            doc["spec"]["runtime"] = {"kind": "Ray", "address": "http://ray-head:8265"}
+        docs.append(doc)
+    return docs
+
+
+def _refusals(stderr: str) -> dict[str, str]:
+    """`kubectl create` of many documents: job name -> the API server's refusal of it (one line each:
+    `Error from server (Invalid): ... LoRATrainingJob.kora.dev "NAME" is invalid: CAUSES`)."""
+    return {m[1]: m[2] for m in re.finditer(r'LoRATrainingJob\.kora\.dev "([^"]+)" is invalid: (.*)', stderr)}
+
+
+def test_cel_and_kora_validate_agree_on_every_shape(crds, namespace):
+    """The fit and expert rules are layout.py's arithmetic in Python and a CEL copy of it in the CRD: over a
+    spread of shapes the API server refuses exactly the jobs kora validate refuses, with the same words."""
+    docs = _grid(160)
+    res = crds.kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", check=False,
+                       input=yaml.safe_dump_all(docs))
+    refused = _refusals(res.stderr)
+    kinds = set()
+    for doc in docs:
+        name = doc["metadata"]["name"]
+        messages = [p.message for p in validate_job(doc)[1] if p.severity == "error"]
+        kinds.update(p.rule for p in validate_job(doc)[1] if p.severity == "error")
+        if not messages:
+            assert name not in refused, f"{name} {doc['spec']}: the API server refused: {refused.get(name)}"
+            assert f"loratrainingjob.kora.dev/{name} created (server dry run)" in res.stdout
+            continue
+        assert name in refused, f"{name} {doc['spec']}: the API server accepted what kora validate refuses: {messages}"
+        for m in messages:
+            assert m in refused[name], f"{name}: {m!r} not in {refused[name]!r}"
+        assert refused[name].count("Invalid value") == len(messages), refused[name]
+    # the spread reached every rule it is about, and some jobs fit
+    assert {"kuberay-gpus", "kuberay-gpus-per-node", "kuberay-cpu-engines", "expert-parallel-divides"} <= kinds
+    assert "created (server dry run)" in res.stdout
 
 
 def test_immutable_sections_and_mutable_lifecycle(crds, namespace):

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from kora_operator.api.crd import loratrainingjob_crd
+from kora_operator.api.rules import JOB_RULES
+from kora_operator.builders.ncclenv import NCCL_ENV
+from kora_operator.validation import validate_job
 from localcluster import wait_for
 from operatorkit import Operator, apply, children, events, get, install_crds, job_status, patch_ray_status
 from specs import set_path, valid_job
@@ -147,6 +151,55 @@ def test_an_invalid_spec_fails_validation_and_gets_no_rayjob(cluster, ns, operat
     assert "lora.scope" in validated["message"]
     assert ("Warning", "ValidationFailed") in reasons(cluster, "vl-bad", ns)
     assert all(v == [] for v in children(cluster, "vl-bad", ns).values())
+
+
+def test_a_job_too_big_for_its_workers_is_refused_and_one_that_fits_gets_them(cluster, ns, operator):
+    too_big = valid_job("too-big", parallelism={"data": 16})  # 16 trainer ranks on 1 worker x 8 GPUs
+    (message,) = [p.message for p in validate_job(too_big)[1] if p.severity == "error"]
+    assert "needs 16 GPUs" in message and "the cluster has 8 (1 node)" in message
+    res = cluster.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(too_big), check=False)
+    assert res.returncode != 0 and message in res.stderr, res.stderr  # refused at apply, by the CRD's CEL
+    assert get(cluster, "ltj", "too-big", ns) is None
+    # the fix the message names: two workers
+    fits = set_path(too_big, "resources.workers", 2)
+    fits["metadata"]["name"] = "fits"
+    apply(cluster, fits, ns)
+    (rayjob,) = wait_children(cluster, "fits", ns)["RayJob"]
+    rc = rayjob["spec"]["rayClusterSpec"]  # as the API server stored it against KubeRay's schema
+    (group,) = rc["workerGroupSpecs"]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (2, 2, 2)
+    assert group["rayStartParams"]["num-gpus"] == "8"
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert rc["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    for tmpl in (rc["headGroupSpec"]["template"], group["template"]):
+        env = {e["name"]: e["value"] for e in tmpl["spec"]["containers"][0]["env"]}
+        assert {k: env[k] for k in NCCL_ENV} == NCCL_ENV
+    assert condition(wait_phase(cluster, "fits", ns, "Pending"), "Validated")["status"] == "True"
+
+
+def test_a_stored_job_that_does_not_fit_fails_validation_and_gets_no_rayjob(cluster, ns, operator):
+    """A job the API server took before the CRD had the fit rules (an older kora's CRD; ratcheting keeps it) is
+    the operator's to refuse: ValidationFailed, naming the field, the numbers and the fix; no RayJob."""
+    crd = loratrainingjob_crd()
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    fit = {r.message for r in JOB_RULES if r.id.startswith("kuberay-")}
+    spec["x-kubernetes-validations"] = [v for v in spec["x-kubernetes-validations"] if v["message"] not in fit]
+    doc = valid_job("stored-too-big", parallelism={"data": 16})
+    (problem,) = [p for p in validate_job(doc)[1] if p.severity == "error"]
+    try:
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=yaml.safe_dump(crd))
+        # the API server's handlers take the changed schema a moment after the apply: create until it is taken
+        wait_for(lambda: cluster.kubectl("create", "-n", ns, "-f", "-", input=yaml.safe_dump(doc),
+                                         check=False).returncode == 0, timeout=WAIT, interval=0.3,
+                 what="the CRD without its fit rules to take the job")
+    finally:
+        install_crds(cluster)  # the CRD as generated, with every rule
+    s = wait_phase(cluster, "stored-too-big", ns, "Failed")
+    validated = condition(s, "Validated")
+    assert (validated["status"], validated["reason"]) == ("False", "ValidationFailed")
+    assert validated["message"] == f"{problem.field}: {problem.message}"
+    assert ("Warning", "ValidationFailed") in reasons(cluster, "stored-too-big", ns)
+    assert all(v == [] for v in children(cluster, "stored-too-big", ns).values())
 
 
 def test_unset_sync_mode_warns_and_uses_merge(cluster, ns, operator):

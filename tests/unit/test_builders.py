@@ -10,6 +10,7 @@ import yaml
 from kora_operator.builders.children import build_children
 from kora_operator.builders.configmap import build_config_map
 from kora_operator.builders.names import MAX_RAYJOB_NAME, ray_job_name, secret_name
+from kora_operator.builders.ncclenv import NCCL_ENV
 from kora_operator.builders.rayjob import CONTROL_PORT, ENTRYPOINT, build_ray_job, mutable_spec
 from kora_operator.builders.secret import build_secret, new_token
 from kora_operator.reasons import CREATED, FAILED_TO_CREATE
@@ -137,6 +138,60 @@ def test_zero_workers_puts_the_gpus_on_the_head():
     rc = build_ray_job(job(doc))["spec"]["rayClusterSpec"]
     assert rc["workerGroupSpecs"] == []
     assert container(rc["headGroupSpec"]["template"])["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert rc["headGroupSpec"]["rayStartParams"]["num-gpus"] == "2"
+
+
+def pods(rj):
+    rc = rj["spec"]["rayClusterSpec"]
+    return [("ray-head", rc["headGroupSpec"]), *(("ray-worker", g) for g in rc["workerGroupSpecs"])]
+
+
+def pod_env(group):
+    return {e["name"]: e["value"] for e in container(group["template"])["env"]}
+
+
+def test_the_worker_group_is_sized_from_resources_and_ray_counts_its_gpus():
+    # the MoE recipe's shape: 8 trainer ranks + 2 engines x 4 GPUs, Disaggregated = 16 GPUs on 2 workers x 8
+    doc = valid_job("moe", resources={"workers": 2, "gpusPerWorker": 8},
+                    parallelism={"data": 4, "tensor": 2, "expert": 4},
+                    rollout={"numEngines": 2, "gpusPerEngine": 4}, deployment={"mode": "Disaggregated"})
+    (_, head), (_, group) = pods(build_ray_job(job(doc)))
+    assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == (
+        "gpu-workers", 2, 2, 2)
+    assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert group["rayStartParams"] == {"num-gpus": "8"}  # strings: KubeRay's rayStartParams is map[string]string
+    # the head runs the driver: no GPU in its pod, and Ray places no GPU actor on it
+    assert head["rayStartParams"]["num-gpus"] == "0"
+    assert "nvidia.com/gpu" not in container(head["template"])["resources"]["limits"]
+
+
+def test_every_ray_pod_gets_the_nccl_environment():
+    for _, group in pods(build_ray_job(job())):
+        env = pod_env(group)
+        assert {k: env[k] for k in NCCL_ENV} == NCCL_ENV
+        assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "eth0"  # the pod's interface
+        assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_DEBUG"] == "WARN"
+        # torch's default (3) tears a timed-out rank down without the abort that can hang
+        assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in env
+
+
+def test_runtime_env_overrides_the_nccl_defaults_but_not_koras_own():
+    doc = valid_job("ib", runtime={"env": {"NCCL_NVLS_ENABLE": "1", "NCCL_IB_HCA": "mlx5",
+                                           "RAY_USAGE_STATS_ENABLED": "1", "KORA_CONTROL_PORT": "1"}})
+    for component, group in pods(build_ray_job(job(doc))):
+        env = pod_env(group)
+        assert env["NCCL_NVLS_ENABLE"] == "1" and env["NCCL_IB_HCA"] == "mlx5" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+        assert env["RAY_USAGE_STATS_ENABLED"] == "0"  # spec.runtime.rayUsageStats decides that
+        if component == "ray-head":
+            assert env["KORA_CONTROL_PORT"] == str(CONTROL_PORT)
+        names = [e["name"] for e in container(group["template"])["env"]]
+        assert len(names) == len(set(names))
+
+
+def test_runtime_env_names_must_be_environment_variable_names():
+    _, problems = validate_job(valid_job("bad", runtime={"env": {"1X": "a", "A-B": "b", "OK_1": "c"}}))
+    (p,) = problems
+    assert p.field == "spec.runtime.env" and "1X, A-B" in p.message and "rename or remove" in p.message
 
 
 def test_builders_are_pure():

@@ -9,7 +9,8 @@ import pytest
 
 from kora_operator.api.rules import JOB_RULES
 from kora_operator.validation import validate_adapter, validate_job
-from kora_trainer.config import NO_SYNC_MODE_WARNING, SPEC_RULES, TrainerConfig, adapter_problems
+from kora_trainer.config import NO_SYNC_MODE_WARNING, SPEC_RULES, ParallelismSpec, TrainerConfig, adapter_problems
+from kora_trainer.config.layout import fix_data, parallel_problems
 from specs import VIOLATIONS, set_path, valid_job, violating_job
 
 
@@ -82,6 +83,7 @@ def _moe_job(mode: str, **extra):
     doc = set_path(valid_job(), "lora.syncMode", mode)
     doc = set_path(doc, "lora.targetModules", ["linear_qkv", "linear_fc1", "linear_fc2"])
     doc = set_path(doc, "parallelism.expertTensor", 2)
+    doc = set_path(doc, "parallelism.data", 2)  # expertTensor 2 must divide the ranks (expert-parallel-divides)
     for k, v in extra.items():
         doc = set_path(doc, k, v)
     return doc
@@ -105,7 +107,7 @@ def test_rule6_adapter_mode_only_with_a_reference_role():
 def test_rule6_dense_model_unaffected_and_expert_parallel_implies_moe():
     assert errors(_moe_job("Merge"), {"model_type": "qwen3"}) == []
     doc = set_path(_moe_job("Merge"), "parallelism.expert", 4)  # no config.json readable
-    doc = set_path(doc, "resources.gpusPerWorker", 8)
+    doc = set_path(doc, "parallelism.data", 8)  # expert 4 x expertTensor 2 must divide the 8 ranks
     assert [p.rule for p in errors(doc)] == ["moe-expert-tensor"]
 
 
@@ -165,3 +167,86 @@ def test_schema_errors_name_the_field():
     text = "\n".join(p.message for p in problems)
     assert "spec.lora.rank: Input should be greater than or equal to 1" in text
     assert "spec.lora.syncmode: unknown field" in text
+
+
+# -- the fit of a KubeRay job (api/rules.py over config/layout.py) -----------------------------------------------
+
+
+def only(doc):
+    found = errors(doc)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_too_few_gpus_names_the_numbers_and_the_fix():
+    p = only(set_path(valid_job(), "parallelism.data", 16))  # Colocate, 1 engine, on 1 worker x 8 GPUs
+    assert p.rule == "kuberay-gpus" and p.field == "resources.workers"
+    assert p.message.startswith("the job needs 16 GPUs (16 trainer ranks = parallelism data x tensor x pipeline x "
+                                "context, 1 engines x 1 GPUs; max(ranks, gpusPerEngine): Colocate, the engines share "
+                                "the ranks' GPUs) and the cluster has 8 (1 node): raise resources.workers or "
+                                "resources.gpusPerWorker")
+    # Disaggregated adds the engines to the ranks: 4 + 4 x 2 = 12 > 2 workers x 4
+    doc = valid_job(resources={"workers": 2, "gpusPerWorker": 4}, parallelism={"data": 4},
+                    rollout={"numEngines": 4, "gpusPerEngine": 2}, deployment={"mode": "Disaggregated"})
+    p = only(doc)
+    assert "needs 12 GPUs (4 trainer ranks" in p.message and "4 engines x 2 GPUs; ranks + engines" in p.message
+    assert "the cluster has 8 (2 nodes)" in p.message
+    assert errors(set_path(doc, "resources.workers", 3)) == []  # the fix it names works
+
+
+def test_a_tensor_group_or_an_engine_must_fit_on_one_worker():
+    p = only(valid_job(resources={"workers": 4, "gpusPerWorker": 2}, parallelism={"tensor": 4}))
+    assert p.rule == "kuberay-gpus-per-node" and p.field == "resources.gpusPerWorker"
+    assert p.message == ("parallelism.tensor 4 and rollout.gpusPerEngine 1 must each fit on one node, the largest has "
+                         "2 GPUs: raise resources.gpusPerWorker to 4, or lower them")
+    p = only(valid_job(resources={"workers": 4, "gpusPerWorker": 2}, rollout={"gpusPerEngine": 4}))
+    assert "rollout.gpusPerEngine 4" in p.message and "raise resources.gpusPerWorker to 4" in p.message
+
+
+def test_expert_parallelism_must_divide_a_pipeline_stage():
+    # the MoE recipe as it once was: tensor 2 x expert 4 with data 1
+    p = only(valid_job(parallelism={"data": 1, "tensor": 2, "expert": 4}))
+    assert p.rule == "expert-parallel-divides"
+    assert p.message.startswith("parallelism.expert 4 x expertTensor 1 must divide the ranks of one pipeline "
+                                "stage, data 1 x tensor 2 x context 1 = 2")
+    assert p.message.endswith("raise parallelism.data to a multiple of 2, or lower parallelism.expert")
+    assert errors(valid_job(parallelism={"data": 2, "tensor": 2, "expert": 4})) == []
+    # a trainer rule: runtime Ray too
+    ray = valid_job(parallelism={"tensor": 2, "expert": 4}, runtime={"kind": "Ray", "address": "http://r:8265"})
+    assert only(ray).rule == "expert-parallel-divides"
+
+
+def test_a_cpu_cluster_runs_the_reference_engine_only():
+    cpu = valid_job(resources={"workers": 0, "gpusPerWorker": 0}, rollout={"engine": "hf", "gpusPerEngine": 0},
+                    deployment={"mode": "Disaggregated"})
+    assert errors(cpu) == []  # the toy / demo shape on KubeRay (hack/e2e_kind.py)
+    for rollout in ({"engine": "sglang", "gpusPerEngine": 0}, {"engine": "hf", "gpusPerEngine": 1}):
+        p = only(set_path(cpu, "rollout", rollout))
+        assert p.rule == "kuberay-cpu-engines" and "rollout.engine hf and rollout.gpusPerEngine 0" in p.message
+
+
+def test_runtime_ray_leaves_the_fit_to_the_trainer():
+    doc = valid_job(parallelism={"data": 64}, resources={"workers": 1, "gpusPerWorker": 1},
+                    runtime={"kind": "Ray", "address": "http://ray-head:8265"})
+    assert errors(doc) == []
+
+
+def test_zero_workers_fit_the_head():
+    assert errors(valid_job(resources={"workers": 0, "gpusPerWorker": 8}, parallelism={"data": 8})) == []
+    p = only(valid_job(resources={"workers": 0, "gpusPerWorker": 8}, parallelism={"data": 16}))
+    assert "the cluster has 8 (1 node)" in p.message
+
+
+@pytest.mark.parametrize(("sizes", "data"), [
+    ({"tensor": 2, "expert": 4}, 2),
+    ({"tensor": 3, "expert": 4}, 4),
+    ({"tensor": 2, "context": 2, "expert": 8, "expertTensor": 2}, 4),
+    ({"expert": 384}, 384),  # past layout.FIX_DATA_SEARCH: expert x expertTensor itself, still a fix
+    ({"tensor": 3, "expert": 768}, 256),  # 768 / gcd(768, 3): found at the end of the search
+    ({"tensor": 2, "expert": 1024}, 1024),  # the smallest, 512, is past the search: 1024 itself then
+])
+def test_the_expert_fix_names_a_data_size_that_works(sizes, data):
+    p = ParallelismSpec.model_validate(sizes)
+    assert fix_data(p) == data
+    fixed = ParallelismSpec.model_validate({**sizes, "data": data})
+    assert parallel_problems(fixed) == []

@@ -13,6 +13,7 @@ import yaml
 
 from kora_operator.api.job import LoRATrainingJob
 from kora_operator.builders.configmap import trainer_config_yaml
+from kora_operator.builders.ncclenv import NCCL_ENV, POD_INTERFACE
 from kora_operator.runtimes import ray as rt
 from kora_operator.runtimes.rayjobs import JobInfo, ray_auth_token
 from kora_operator.settings import Settings, parse_port_range
@@ -207,3 +208,18 @@ def test_the_submission_turns_ray_usage_stats_off_unless_the_job_opts_in():
     opted = LoRATrainingJob.model_validate(doc)
     env = rt.build_submission(opted, sub="s", token="t", port=1, trainer_command=["x"])["runtime_env"]["env_vars"]
     assert env["RAY_USAGE_STATS_ENABLED"] == "1"
+
+
+def test_the_submission_carries_the_nccl_environment_less_the_pod_interface():
+    env = rt.build_submission(ray_job(), sub="s", token="t", port=1, trainer_command=["x"])["runtime_env"]["env_vars"]
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["NCCL_DEBUG"] == "WARN"
+    # eth0 is the pod network's name; an existing cluster's machines name their own interfaces (and a local head
+    # must stay on loopback), so the cluster's own settings stay in force
+    assert not POD_INTERFACE & set(env)
+    assert set(NCCL_ENV) - POD_INTERFACE <= set(env)
+    doc = valid_job("toy", runtime={"kind": "Ray", "address": ADDR,
+                                    "env": {"NCCL_SOCKET_IFNAME": "ens5", "NCCL_NVLS_ENABLE": "1"}})
+    doc["metadata"]["uid"] = UID
+    over = LoRATrainingJob.model_validate(doc)
+    env = rt.build_submission(over, sub="s", token="t", port=1, trainer_command=["x"])["runtime_env"]["env_vars"]
+    assert env["NCCL_SOCKET_IFNAME"] == "ens5" and env["NCCL_NVLS_ENABLE"] == "1"

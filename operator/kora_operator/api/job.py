@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from kora_operator.api.status import LoRATrainingJobStatus
 from kora_trainer.config.base import CamelModel
@@ -89,16 +90,26 @@ class Toleration(CamelModel):
     """NoExecute only: how long to stay bound after the taint appears."""
 
 
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"  # a name a POSIX shell can export
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 
 
 class ResourcesSpec(CamelModel):
-    """Ray pods: how many workers, what each gets, and where they may run."""
+    """Ray pods: how many workers, what each gets, and where they may run.
+
+    For runtime KubeRay the job must fit the Ray cluster these make (checked at kubectl apply and by `kora
+    validate`): the trainer ranks (parallelism data x tensor x pipeline x context, one GPU each) and the engines
+    (rollout.numEngines x gpusPerEngine: beside the ranks when deployment.mode is Disaggregated, sharing their GPUs
+    when Colocate) need at most workers x gpusPerWorker GPUs, and a tensor-parallel group or one engine must fit
+    on one worker. gpusPerWorker 0 makes a CPU cluster: only the reference engine (rollout.engine hf,
+    gpusPerEngine 0) runs there. For runtime Ray these fields are not used: the existing cluster's GPUs cannot
+    be seen at apply time, and the trainer refuses to start when its Ray cluster has too few."""
 
     workers: Annotated[int, Field(ge=0, le=1024)] = 1
-    """Ray worker pods (the head runs the driver and the control-plane API)."""
+    """Ray worker pods, each with gpusPerWorker GPUs; the head runs the driver and the control-plane API and
+    has no GPU. 0: no workers, the head pod is the whole Ray cluster and takes the gpusPerWorker GPUs itself."""
     gpus_per_worker: Annotated[int, Field(ge=0, le=16)] = 8
-    """nvidia.com/gpu per worker pod."""
+    """nvidia.com/gpu per worker pod (and Ray's num-gpus on it)."""
     cpu: Annotated[str, Field(pattern=_QUANTITY)] = "16"
     """CPU request/limit per worker pod."""
     memory: Annotated[str, Field(pattern=_QUANTITY)] = "128Gi"
@@ -114,6 +125,16 @@ class ResourcesSpec(CamelModel):
     tolerations: list[Toleration] = Field(default_factory=list)
     """Taints the worker pods tolerate (e.g. nvidia.com/gpu)."""
 
+    @property
+    def head_gpus(self) -> int:
+        """GPUs of the head pod: none, unless it is the only pod (workers 0)."""
+        return self.gpus_per_worker if self.workers == 0 else 0
+
+    def gpus_per_node(self) -> list[int]:
+        """The GPUs of each Ray node that holds GPUs (the workers, or the lone head), as layout.fit_problems
+        takes them."""
+        return [self.gpus_per_worker] * max(self.workers, 1)
+
 
 class RuntimeKind(StrEnum):
     KUBERAY = "KubeRay"
@@ -127,13 +148,30 @@ class RuntimeSpec(CamelModel):
     """KubeRay: a RayJob (its own Ray cluster) per LoRATrainingJob. Ray: submit to an existing
     Ray cluster through its Jobs API at address."""
     address: Annotated[str, Field(pattern=r"^https?://")] | None = None
-    """Ray dashboard / Jobs API address for kind Ray, e.g. http://127.0.0.1:8265."""
+    """Ray dashboard / Jobs API address for kind Ray, e.g. http://127.0.0.1:8265. Whether the job fits that
+    cluster's GPUs is not known at apply time: the trainer checks it when it starts and fails with the numbers
+    (resources does not apply to kind Ray)."""
     ray_usage_stats: bool = False
     """Let Ray send its anonymous usage statistics to the Ray project (RAY_USAGE_STATS_ENABLED=1). Off by
     default: kora's Ray pods and submissions run with RAY_USAGE_STATS_ENABLED=0 and no report URL, and the
     trainer image's HOME holds a Ray cluster config, so Ray neither reports nor probes cloud metadata
     servers. For kind Ray this covers the job's own processes only; the existing cluster's head follows
     its own settings."""
+    env: Annotated[dict[str, str], Field(max_length=64)] = Field(default_factory=dict)
+    """Environment variables for every Ray process of the job (kind KubeRay: the head and worker pods; kind Ray:
+    the submission's runtime_env). They override kora's NCCL defaults (NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME
+    eth0 in the pods, NCCL_NVLS_ENABLE 0, NCCL_DEBUG WARN), e.g. NCCL_NVLS_ENABLE=1 on an NVSwitch system whose
+    fabric manager provides NVLink SHARP, or NCCL_IB_HCA for an InfiniBand fabric. kora's own variables (KORA_*,
+    and RAY_USAGE_STATS_* from rayUsageStats) are set after these and win."""
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = sorted(k for k in env if not re.fullmatch(ENV_NAME, k))
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: not an environment variable name (letters, digits and _, not "
+                             "starting with a digit): rename or remove it")
+        return env
 
 
 # Spec fields that may change on a created job. The lifecycle fields, which the operator passes on

@@ -1,8 +1,12 @@
 """The ray.io/v1 RayJob that runs the trainer: a head (driver + control-plane API) and GPU workers.
 
-Field names follow KubeRay v1.5.0's CRD (apis/ray/v1/rayjob_types.go). Every pod mounts the
-trainer config, a memory-backed /dev/shm and the job's data volume; only the head mounts the
-control-plane token.
+Field names follow KubeRay v1.5.0's CRD (apis/ray/v1/rayjob_types.go). One worker group of
+resources.workers pods (a fixed size: min = max = replicas), each with resources.gpusPerWorker GPUs
+and Ray's num-gpus saying so; the head has num-gpus 0 (it runs the driver, and Ray places no trainer
+rank or engine on it), unless it is the only pod. The job was checked to fit those GPUs
+(api/rules.py). Every pod mounts the trainer config, a memory-backed /dev/shm and the job's data
+volume, and gets the NCCL environment multi-node needs (builders/ncclenv.py); only the head mounts
+the control-plane token.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from kora_operator.api.job import EmptyDirSource, LoRATrainingJob, VolumeSpec
 from kora_operator.builders.configmap import CONFIG_KEY, CONFIG_MOUNT_DIR
 from kora_operator.builders.meta import COMPONENT_LABEL, JOB_LABEL, QUEUE_LABEL, labels, object_meta
 from kora_operator.builders.names import config_map_name, ray_job_name, secret_name
+from kora_operator.builders.ncclenv import nccl_env
 from kora_operator.builders.secret import TOKEN_KEY
 from kora_trainer.config.control import CONTROL_PORT, ControlEnv
 from kora_trainer.config.ray_env import usage_stats_env
@@ -23,17 +28,11 @@ ENTRYPOINT = f"python -m kora_trainer.train --config {CONFIG_MOUNT_DIR}/{CONFIG_
 GPU = "nvidia.com/gpu"
 WORKER_GROUP = "gpu-workers"
 HEAD_PORTS = (("gcs-server", 6379), ("dashboard", 8265), ("client", 10001), ("kora-control", CONTROL_PORT))
-# NCCL over the pod network by default; users on InfiniBand/RoCE override these in their image.
-NCCL_ENV = {
-    "NCCL_DEBUG": "WARN",
-    "NCCL_SOCKET_IFNAME": "eth0",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-}
 
 
 def _env(job: LoRATrainingJob, head: bool) -> list[dict[str, Any]]:
     env = {
-        **NCCL_ENV,
+        **nccl_env(job, pod=True),  # kora's NCCL defaults under spec.runtime.env
         # Ray's usage report off unless the job opts in (runtime.rayUsageStats); the image's HOME holds the
         # cluster config that keeps Ray's dashboard from probing cloud metadata (config/ray_env.py)
         **usage_stats_env(job.spec.runtime.ray_usage_stats),
@@ -111,14 +110,16 @@ def _pod(job: LoRATrainingJob, component: str, container: dict[str, Any], head: 
 def _head(job: LoRATrainingJob) -> dict[str, Any]:
     res = job.spec.resources
     # with no worker pods the head is the whole cluster and takes the GPUs itself
-    gpus = res.gpus_per_worker if res.workers == 0 else 0
+    gpus = res.head_gpus
     container = {
         "name": "ray-head",
         "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in HEAD_PORTS],
         "resources": _resources(res.head_cpu, res.head_memory, gpus),
     }
     return {
-        "rayStartParams": {"dashboard-host": "0.0.0.0"},
+        # num-gpus said, not left to KubeRay's reading of the container limits: Ray's GPUs are what the fit
+        # rule counted (rayStartParams values are strings)
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(gpus)},
         "template": _pod(job, "ray-head", container, head=True),
     }
 
@@ -133,7 +134,7 @@ def _workers(job: LoRATrainingJob) -> list[dict[str, Any]]:
         "replicas": res.workers,
         "minReplicas": res.workers,
         "maxReplicas": res.workers,
-        "rayStartParams": {},
+        "rayStartParams": {"num-gpus": str(res.gpus_per_worker)},
         "template": _pod(job, "ray-worker", container, head=False),
     }]
 

@@ -14,8 +14,11 @@ then Succeeded / Failed.
 
 The submission carries the same trainer config as the KubeRay ConfigMap, in the environment
 variable KORA_JOB_YAML, piped to `python -m kora_trainer.train --config /dev/stdin`; the
-control-plane token and port also travel in the environment. This module is pure: `build_submission`
-and `decide` take values and return values; handlers/reconcile.py does the I/O.
+control-plane token and port also travel in the environment, and so does the NCCL environment of
+the KubeRay pods (builders/ncclenv.py) less its pod-interface names. Whether the job fits the
+cluster's GPUs cannot be seen from here: the trainer refuses to start when it does not. This
+module is pure: `build_submission` and `decide` take values and return values; handlers/reconcile.py
+does the I/O.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from urllib.parse import urlsplit
 from kora_operator.api.job import LoRATrainingJob
 from kora_operator.api.status import Phase
 from kora_operator.builders.configmap import trainer_config_yaml
+from kora_operator.builders.ncclenv import nccl_env
 from kora_operator.conditions import Cond
 from kora_operator.phase import Observation
 from kora_operator.reasons import ConditionType, Reason
@@ -87,6 +91,9 @@ def build_submission(job: LoRATrainingJob, *, sub: str, token: str, port: int,
     address = str(job.spec.runtime.address)
     name, namespace = str(meta["name"]), str(meta.get("namespace", "default"))
     env = {
+        # kora's NCCL defaults but the pod-interface pins (this cluster's machines name their own), under
+        # spec.runtime.env; the job's GPU fit is the trainer's to check here (it sees the cluster's GPUs)
+        **nccl_env(job, pod=False),
         "KORA_JOB_YAML": trainer_config_yaml(job),
         # every process of the job (driver and workers: the submission metadata reaches the driver only)
         # carries its job's name in its environment, so that it can be told apart on a shared Ray head

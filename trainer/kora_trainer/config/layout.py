@@ -40,23 +40,39 @@ def world_size(p: ParallelismSpec) -> int:
     return p.data * p.tensor * p.pipeline * p.context
 
 
+# The messages are %-templates, so that the CRD's CEL renders the same words with the same numbers
+# (operator/kora_operator/api/rules.py and config/rules.py pass them to CEL's format()).
+PARALLEL_MESSAGE = (
+    "parallelism.expert %d x expertTensor %d must divide the ranks of one pipeline stage, data %d x tensor %d x "
+    "context %d = %d (megatron-core carves expert parallelism out of them): raise parallelism.data to a multiple of "
+    "%d, or lower parallelism.expert")
+TOTAL_GPUS_MESSAGE = (
+    "the job needs %d GPUs (%d trainer ranks = parallelism data x tensor x pipeline x context, %d engines x %d GPUs; "
+    "%s) and the cluster has %d (%d %s): raise resources.workers or resources.gpusPerWorker, or lower parallelism / "
+    "rollout.numEngines")
+COLOCATE_TOTAL = "max(ranks, gpusPerEngine): Colocate, the engines share the ranks' GPUs"
+DISAGGREGATED_TOTAL = "ranks + engines x gpusPerEngine: Disaggregated"
+NODE_GPUS_MESSAGE = (
+    "parallelism.tensor %d and rollout.gpusPerEngine %d must each fit on one node, the largest has %d GPUs: raise "
+    "resources.gpusPerWorker to %d, or lower them")
+
+
 def parallel_problems(p: ParallelismSpec) -> list[str]:
     """What makes these sizes impossible for megatron-core's layout (empty: they fit)."""
     stage = world_size(p) // p.pipeline
     if stage % (p.expert * p.expert_tensor):
-        return [f"parallelism.expert {p.expert} x expertTensor {p.expert_tensor} must divide the ranks of one "
-                f"pipeline stage, data {p.data} x tensor {p.tensor} x context {p.context} = {stage} (megatron-core "
-                f"carves expert parallelism out of them): raise parallelism.data to a multiple of "
-                f"{_fix_data(p)}, or lower parallelism.expert"]
+        return [PARALLEL_MESSAGE % (p.expert, p.expert_tensor, p.data, p.tensor, p.context, stage, fix_data(p))]
     return []
 
 
-def _fix_data(p: ParallelismSpec) -> int:
+FIX_DATA_SEARCH = 256  # CEL has no loop: the CRD searches data 1..256 too (config/rules.py)
+
+
+def fix_data(p: ParallelismSpec) -> int:
+    """The smallest data size that makes expert x expertTensor divide data x tensor x context, looked for up to
+    FIX_DATA_SEARCH; past that, expert x expertTensor itself (always a fix, not always the smallest)."""
     need = p.expert * p.expert_tensor
-    d = 1
-    while (d * p.tensor * p.context) % need:
-        d += 1
-    return d
+    return next((d for d in range(1, FIX_DATA_SEARCH + 1) if (d * p.tensor * p.context) % need == 0), need)
 
 
 def coordinates(p: ParallelismSpec, rank: int) -> Coordinates:
@@ -101,23 +117,28 @@ def gpu_demand(cfg: TrainerConfig) -> GpuDemand:
     return GpuDemand(ranks, ranks, engines, total, max(cfg.parallelism.tensor, per_engine))
 
 
+def total_gpus_problem(cfg: TrainerConfig, gpus_per_node: list[int]) -> str | None:
+    """Do the nodes have as many GPUs as the job needs in all?"""
+    d = gpu_demand(cfg)
+    have = sum(gpus_per_node)
+    if d.total <= have:
+        return None
+    nodes = len(gpus_per_node)
+    return TOTAL_GPUS_MESSAGE % (d.total, d.ranks, cfg.rollout.num_engines, engine_gpus(cfg),
+                                 COLOCATE_TOTAL if colocated(cfg) else DISAGGREGATED_TOTAL, have, nodes,
+                                 "node" if nodes == 1 else "nodes")
+
+
+def node_gpus_problem(cfg: TrainerConfig, gpus_per_node: list[int]) -> str | None:
+    """Does the largest group that must sit on one node (a TP group, one engine) fit on the largest node?"""
+    d = gpu_demand(cfg)
+    biggest = max(gpus_per_node, default=0)
+    if d.largest_group <= biggest:
+        return None
+    return NODE_GPUS_MESSAGE % (cfg.parallelism.tensor, engine_gpus(cfg), biggest, d.largest_group)
+
+
 def fit_problems(cfg: TrainerConfig, gpus_per_node: list[int]) -> list[str]:
     """Does the job fit nodes with these GPU counts? (The CPU path, a cluster without GPUs, is not checked
     here: backends/select.gpu_shares refuses engines that ask for GPUs there.)"""
-    d = gpu_demand(cfg)
-    have, biggest = sum(gpus_per_node), max(gpus_per_node, default=0)
-    problems = []
-    if d.total > have:
-        how = ("max(ranks, gpusPerEngine): Colocate, the engines share the ranks' GPUs" if colocated(cfg)
-               else "ranks + engines x gpusPerEngine: Disaggregated")
-        problems.append(
-            f"the job needs {d.total} GPUs ({d.ranks} trainer ranks = parallelism data x tensor x pipeline x context, "
-            f"{cfg.rollout.num_engines} engines x {engine_gpus(cfg)} GPUs; {how}) and the cluster has {have} "
-            f"({len(gpus_per_node)} nodes): raise resources.workers or resources.gpusPerWorker, or lower "
-            "parallelism / rollout.numEngines")
-    if d.largest_group > biggest:
-        problems.append(
-            f"parallelism.tensor {cfg.parallelism.tensor} and rollout.gpusPerEngine {engine_gpus(cfg)} must each "
-            f"fit on one node, the largest has {biggest} GPUs: raise resources.gpusPerWorker to {d.largest_group}, "
-            "or lower them")
-    return problems
+    return [p for p in (total_gpus_problem(cfg, gpus_per_node), node_gpus_problem(cfg, gpus_per_node)) if p]

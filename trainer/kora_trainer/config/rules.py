@@ -8,11 +8,13 @@ config.json, or LoRAAdapter objects, are checked by `kora validate`, the operato
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kora_trainer.config.layout import FIX_DATA_SEARCH, PARALLEL_MESSAGE, parallel_problems
 from kora_trainer.config.sections import (
     CheckpointDType,
     DeploymentMode,
@@ -39,20 +41,52 @@ class Problem:
 
 @dataclass(frozen=True)
 class SpecRule:
-    """A rule over the spec alone; `cel` (when set) must hold, evaluated on the spec object."""
+    """A rule over the spec alone; `cel` (when set) must hold, evaluated on the spec object.
+
+    A rule whose message carries the job's own numbers also has `explain` (the message for a spec, in Python)
+    and `cel_message` (the same words as a CEL string expression: the CRD's messageExpression, built with
+    `cel_format` from the one %-template `explain` fills in). `message` is then the words without the numbers,
+    which the API server falls back to if the expression cannot be evaluated."""
 
     id: str
     field: str
     message: str
     violated: Callable[[Any], bool]  # takes a TrainerConfig (or the operator spec, a subclass)
     cel: str | None = None
+    explain: Callable[[Any], str] | None = None
+    cel_message: str | None = None
+
+    def text(self, spec: Any) -> str:
+        """The message for this spec (which breaks the rule)."""
+        return self.explain(spec) if self.explain is not None else self.message
+
+    def problem(self, spec: Any) -> Problem:
+        return Problem(self.id, self.field, self.text(spec))
 
     def cel_validation(self) -> dict[str, Any]:
         assert self.cel is not None
-        return {"rule": self.cel, "message": self.message, "fieldPath": "." + self.field}
+        out = {"rule": self.cel, "message": self.message, "fieldPath": "." + self.field}
+        if self.cel_message is not None:
+            out["messageExpression"] = self.cel_message
+        return out
+
+
+def cel_format(template: str, args: Sequence[str]) -> str:
+    """CEL that renders `template` (a Python %-template of %d and %s only) with the values of the CEL
+    expressions `args`: `template % values` in Python and this in the API server give the same string.
+    (CEL's strings.format, Kubernetes >= 1.30 for a new rule; concatenating string(int)s instead is refused by
+    the API server's cost estimate.)"""
+    return f"{json.dumps(template)}.format([{', '.join(args)}])"
 
 
 _ADAPTER = "(has(self.lora.syncMode) && self.lora.syncMode == 'Adapter')"
+# layout.parallel_problems in CEL (every parallelism field has a default in the CRD, so each is present)
+_P = "self.parallelism"
+_STAGE = f"{_P}.data * {_P}.tensor * {_P}.context"
+_EXPERTS = f"{_P}.expert * {_P}.expertTensor"
+# layout.fix_data: the first of 1..FIX_DATA_SEARCH that fits, else expert x expertTensor
+_FIX_DATA = (f"({list(range(1, FIX_DATA_SEARCH + 1))}.filter(d, (d * {_P}.tensor * {_P}.context) % ({_EXPERTS}) == 0)"
+             f" + [{_EXPERTS}])[0]")
 
 
 def _adapter(c: TrainerConfig) -> bool:
@@ -139,6 +173,17 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         lambda c: c.multi_lora.max_adapters > 0 and not _adapter(c),
         f"self.multiLora.maxAdapters == 0 || {_ADAPTER}",
     ),
+    # megatron-core's layout (config/layout.py): expert parallelism is carved out of one pipeline stage's ranks
+    SpecRule(
+        "expert-parallel-divides", "parallelism.expert",
+        "parallelism.expert x expertTensor must divide data x tensor x context, the ranks of one pipeline stage "
+        "(megatron-core carves expert parallelism out of them): raise parallelism.data, or lower parallelism.expert",
+        lambda c: bool(parallel_problems(c.parallelism)),
+        f"({_STAGE}) % ({_EXPERTS}) == 0",
+        explain=lambda c: parallel_problems(c.parallelism)[0],
+        cel_message=cel_format(PARALLEL_MESSAGE, [
+            f"{_P}.expert", f"{_P}.expertTensor", f"{_P}.data", f"{_P}.tensor", f"{_P}.context", _STAGE, _FIX_DATA]),
+    ),
 )
 
 # SPEC rule 2: not an error. Same words in the operator's Warning event and the trainer's log.
@@ -162,7 +207,7 @@ EXPERT_TENSOR_MESSAGE = (
 
 def spec_problems(cfg: TrainerConfig) -> list[Problem]:
     """Rules decidable from the spec alone (what the CRD's CEL also enforces), plus rule 2."""
-    problems = [Problem(r.id, r.field, r.message) for r in SPEC_RULES if r.violated(cfg)]
+    problems = [r.problem(cfg) for r in SPEC_RULES if r.violated(cfg)]
     if cfg.lora.sync_mode is None:
         problems.append(Problem("no-sync-mode", "lora.syncMode", NO_SYNC_MODE_WARNING, "warning"))
     return problems
