@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
-    """`--dry-run`: config/placement.py's plan, on --nodes or on this machine (what a local run would get)."""
+    """`--dry-run`: config/placement.py's plan, on --nodes or on this machine (what a local run would get), then
+    whether the ranks would refuse the layout at start (exit 2 with the reason and the fix)."""
     import json
     import os
 
@@ -92,15 +93,19 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
 
             nodes = [Node("local", float(os.cpu_count() or 1), torch.cuda.device_count())]
             megatron = bool(nodes[0].gpus) and megatron_available()
-        cuda = any(n.gpus for n in nodes)
-        # the refusals the ranks would raise at start, said now
-        check_actor_layout(cfg, resolve_backend(cfg, cuda=cuda, megatron=megatron,
-                                                model_bytes=weights_bytes(cfg.model.path)))
         job_plan = plan_job(cfg, nodes)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     print(json.dumps(job_plan.as_dict()) if args.json else "\n".join(job_plan.lines()))
+    size = weights_bytes(cfg.model.path)
+    try:
+        check_actor_layout(cfg, resolve_backend(cfg, cuda=any(n.gpus for n in nodes), megatron=megatron,
+                                                model_bytes=size))
+    except ConfigError as e:
+        unread = "" if size else f" (model.path {cfg.model.path} is not readable here: backend auto took torch)"
+        print(f"the trainer would refuse this job at start{unread}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -54,10 +54,21 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
     return out
 
 
+# What a LoRATrainingJob's spec holds beyond the trainer's sections: the pods', the runtime's and the lifecycle's
+# business, read by the operator (kora_operator.api.job.LoRATrainingJobSpec adds exactly these; a test keeps the
+# two in step). A whole manifest given to the trainer leaves them out; a bare trainer spec must not carry them.
+CLUSTER_FIELDS = frozenset({"image", "resources", "runtime", "suspend", "backoffLimit", "ttlSecondsAfterFinished",
+                            "queueName"})
+CLUSTER_MODEL_FIELDS = frozenset({"volume"})
+
+
 def spec_of(document: Mapping[str, Any]) -> dict[str, Any]:
-    """Accept either a bare trainer spec or a whole LoRATrainingJob manifest."""
+    """Accept either a bare trainer spec or a whole LoRATrainingJob manifest (its cluster fields left out)."""
     if document.get("kind") == "LoRATrainingJob":
-        return dict(document.get("spec") or {})
+        spec = {k: v for k, v in dict(document.get("spec") or {}).items() if k not in CLUSTER_FIELDS}
+        if isinstance(spec.get("model"), Mapping):
+            spec["model"] = {k: v for k, v in spec["model"].items() if k not in CLUSTER_MODEL_FIELDS}
+        return spec
     return dict(document)
 
 
