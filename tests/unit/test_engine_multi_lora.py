@@ -43,7 +43,8 @@ LONG = {"max_new_tokens": 230, "temperature": 0.0, "ignore_eos": True}  # ~all o
 SHORT = {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}
 BOUND_S = 30.0
 PUBLISH_EVERY_S = 0.1
-B_REQUESTS = 48
+B_REQUESTS = 16
+WINDOWS = 4
 
 
 @pytest.fixture(scope="module")
@@ -204,24 +205,28 @@ def test_publishing_one_adapter_never_holds_up_another(client, group, peft):
 
         # 2. throughput: B's wall time for the same work, quiet vs while A publishes at a trainer's cadence (one
         # version per PUBLISH_EVERY_S; back to back, the test process's broadcasts and the engine's adapter
-        # builds just share the CPU with B). Best of three interleaved rounds (a busy 2-core box jitters; a
-        # publication that held B up would lose every round)
+        # builds would just share the CPU with B). Quiet and busy windows alternate, WINDOWS pairs summed, so
+        # the load other processes put on a busy 2-core box falls on both alike; best of three attempts (a
+        # publication that held B up would lose every one)
         _b_round(client, 4)  # warm
         publisher = _Publisher(client, group, "hot", (a1, a2))
         ratios, cycles = [], []
         for _ in range(3):
-            quiet = _b_round(client, B_REQUESTS)
-            with publisher.running():
-                before = publisher.done
-                busy = _b_round(client, B_REQUESTS)
-                during = publisher.done - before
-            print(f"B round: {quiet:.2f}s quiet, {busy:.2f}s with {during} A publications")
+            quiet = busy = 0.0
+            during = 0
+            for _ in range(WINDOWS):
+                quiet += _b_round(client, B_REQUESTS)
+                with publisher.running():
+                    before = publisher.done
+                    busy += _b_round(client, B_REQUESTS)
+                    during += publisher.done - before
+            print(f"B: {quiet:.2f}s quiet, {busy:.2f}s with {during} A publications")
             ratios.append(quiet / busy)
             cycles.append(during)
-            if ratios[-1] >= 0.9 and during >= 3:
+            if ratios[-1] >= 0.9:
                 break
         print(f"B throughput during A's publications / before: {ratios} (A publications during B: {cycles})")
-        assert max(r for r, c in zip(ratios, cycles, strict=True) if c >= 3) >= 0.9, (ratios, cycles)
+        assert max(ratios) >= 0.9 and min(cycles) >= WINDOWS, (ratios, cycles)
         state = client.kora_state()
         assert state["adapters"]["hot"]["version"] == f"h{publisher.done + 1}" and state["in_flight"] == 0
     finally:
