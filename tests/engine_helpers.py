@@ -64,6 +64,18 @@ def stop_engine(engine: EngineProc) -> None:
         engine.proc.wait(timeout=10)
 
 
+@contextmanager
+def served_engine(model_dir: Path, log_dir: Path, *extra: str, key: str | None = None,
+                  timeout: float = 120.0) -> Iterator[tuple[EngineProc, EngineClient]]:
+    """`start_engine` and a client holding `key` (as api key: the one key it sends everywhere); stopped after."""
+    engine = start_engine(model_dir, log_dir, *extra)
+    try:
+        with EngineClient(engine.url, api_key=key, timeout=timeout) as client:
+            yield engine, client
+    finally:
+        stop_engine(engine)
+
+
 def wait_engine_state(client: EngineClient, what: str, timeout_s: float = 30.0, **expected: int) -> None:
     """Bounded wait until the engine's GET /kora/state shows `expected` (e.g. receiving=1)."""
     def reached() -> bool:

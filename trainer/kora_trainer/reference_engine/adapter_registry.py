@@ -10,6 +10,11 @@ sglang 0.5.23 (`sglang/srt/lora/lora_manager.py`, `lora_registry.py`, TM `_resol
   after its unload is an error here ⚠ (0.5.23 would try to load the path "__tensor__").
 - kora's `upsert` (the `/load_lora_adapter_from_distributed` extension) replaces the adapter
   under a name atomically, loaded or not; requests already admitted keep the old object.
+
+Several adapters are served at once, each its own immutable object: publishing a new version of one
+(upsert) is one dict assignment under `_lock` — no pause, no engine lock, so the other adapters' requests
+never wait for it; a request holds the object it resolved at admission (sglang-miles #38165's versioned
+publication); unloading one name leaves the others serving, and a retired name can be loaded again.
 """
 
 from __future__ import annotations
@@ -37,6 +42,12 @@ class AdapterRegistry:
     def loaded(self) -> dict[str, str]:
         with self._lock:
             return {name: a.source for name, a in self._adapters.items()}
+
+    def versions(self) -> dict[str, dict[str, str | None]]:
+        """Each loaded adapter's current object: source, weight_version, lora_id (GET /kora/state)."""
+        with self._lock:
+            return {name: {"source": a.source, "version": a.version, "lora_id": a.lora_id}
+                    for name, a in self._adapters.items()}
 
     def get(self, name: str) -> LoRAAdapter | None:
         return self._adapters.get(name)

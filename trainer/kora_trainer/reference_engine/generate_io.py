@@ -70,13 +70,16 @@ def parse_generate(body: dict[str, Any], tokenize: Callable[[str], list[int]],
         params = [SamplingParams.from_json(raw_sp)] * len(prompts)
     n = params[0].n if params else 1
 
-    lora_path = parse(GenerateReqInput, body).lora_path  # BadRequest (SGLang's 400) for a mistyped one
-    rid = body.get("rid")
+    fields = parse(GenerateReqInput, body)  # BadRequest (SGLang's 400) for a mistyped one
+    lora_path, rid = fields.lora_path, fields.rid
     requests: list[GenRequest] = []
     for i, prompt in enumerate(prompts):
         adapter = resolve_adapter(_per_item(lora_path, i, None))
-        base_rid = rid[i] if isinstance(rid, list) and i < len(rid) else (
-            f"{rid}_{i}" if isinstance(rid, str) and batched else rid)
+        base_rid: str | None = None  # SGLang: one string for a batch becomes f"{rid}_{i}"
+        if isinstance(rid, list):
+            base_rid = rid[i] if i < len(rid) else None
+        elif rid is not None:
+            base_rid = f"{rid}_{i}" if batched else rid
         for j in range(n):
             requests.append(GenRequest(
                 input_ids=prompt, params=params[i], adapter=adapter,

@@ -20,6 +20,7 @@ import json
 import math
 import re
 import threading
+import uuid
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,6 +82,8 @@ class LoRAAdapter:
     config: dict[str, Any] = field(default_factory=dict)
     version: str | None = None
     params: dict[str, tuple[ParamDelta, ...]] = field(default_factory=dict)
+    # minted per object, as SGLang mints a lora_id per load: a published version is a new object with a new id
+    lora_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     @property
     def target_modules(self) -> set[str]:

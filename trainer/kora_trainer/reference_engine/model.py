@@ -37,6 +37,12 @@ from kora_trainer.reference_engine.sampling import (
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's ServerArgs.weight_version default
 
 
+def aborted_by_request() -> dict[str, Any]:
+    """What SGLang reports for a request ended by /abort_request: the scheduler sets `FINISH_ABORT()` on it
+    (schedule_batch.py: message defaults to "Aborted", no status code) and the partial output is returned, 200."""
+    return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
 @dataclass
 class GenRequest:
     """One sequence to generate (a prompt expanded by `n` gives n of these)."""
@@ -49,6 +55,7 @@ class GenRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    aborted: bool = field(default=False, compare=False)  # set by /abort_request (inflight.py); read per step
 
 
 @dataclass
@@ -257,6 +264,12 @@ class EngineModel:
         while any(active):
             if self.control.abort_epoch != epoch:
                 self._abort(results, active)
+                break
+            for i in range(b):  # /abort_request: only the rows it named end; the others go on
+                if active[i] and reqs[i].aborted:
+                    active[i] = False
+                    results[i].finish_reason = aborted_by_request()
+            if not any(active):
                 break
             raw = torch.log_softmax(next_logits, dim=-1).cpu()  # [B, V] raw model log-probs (no temperature)
             rows = [i for i in range(b) if active[i]]

@@ -70,6 +70,7 @@ class GenerateReqInput(ReqInput):
     """The one field of `GenerateReqInput` that the contract gate (contract.py) leaves unchecked."""
 
     lora_path: list[str | None] | str | None = None
+    rid: list[str] | str | None = None  # a batch's string rid becomes f"{rid}_{i}"; absent: a uuid4 hex each
 
 
 class InitWeightsUpdateGroupReqInput(ReqInput):
@@ -161,6 +162,17 @@ class UpdateWeightVersionReqInput(ReqInput):
 
 class PauseGenerationReqInput(ReqInput):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class AbortReq(ReqInput):
+    """IO `AbortReq` (its BaseReq `rid`; `finished_reason` / `abort_message` are parsed but, as in SGLang's
+    HTTP handler, unused) + `prefix` (sglang-miles #30912: abort every rid starting with `rid`)."""
+
+    rid: str | None = None
+    abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+    prefix: bool = False
 
 
 class ContinueGenerationReqInput(ReqInput):

@@ -22,7 +22,8 @@ trainer can compare them with its own policy log-probs.
 Routes (SGLang's): /generate, /health, /health_generate, /model_info, /get_model_info,
 /init_weights_update_group, /destroy_weights_update_group, /update_weights_from_distributed,
 /update_weights_from_tensor, /load_lora_adapter, /load_lora_adapter_from_tensors,
-/unload_lora_adapter, /update_weight_version, /flush_cache, /pause_generation, /continue_generation.
+/unload_lora_adapter, /update_weight_version, /flush_cache, /pause_generation, /continue_generation,
+/abort_request (with sglang-miles' `prefix` flag, #30912: `{"rid": "<adapter>::", "prefix": true}`).
 
 kora extensions — SGLang 0.5.23 has no route or field for these:
 - `POST /load_lora_adapter_from_distributed` {lora_name, config_dict, names, dtypes, shapes,
@@ -43,8 +44,10 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
   for Merge and Adapter mode over the weight-update group — the bucket layout sent once, then per push one HTTP
   call while the buckets are broadcast, received straight into the parameters / a ring of adapter buffers.
   `--disable-fast-sync` turns them off (404, like SGLang).
-- `GET /kora/state` {held_requests, receiving}: the /generate calls a pause holds, and the weight-update
-  receives under way (waiting in their broadcasts).
+- `GET /kora/state` {held_requests, receiving, in_flight, in_flight_by_adapter, in_flight_by_adapter_version,
+  in_flight_by_rid_prefix, adapters}: the /generate calls a pause holds, the weight-update receives under way
+  (waiting in their broadcasts), the admitted requests not yet answered (per adapter name, per adapter
+  version, per `<adapter>::` rid prefix), and each loaded adapter's current source / version / lora_id.
 - Weight-update responses add `weight_version` and `checksum` (`sync.protocol.checksum` of the
   tensors the call applied, in order — `client.applied_checksum` computes the same on the sender;
   for the adapter route: of the whole adapter, on its last bucket). `/model_info` adds
@@ -54,7 +57,8 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
   gives that route no version: a trainer sets one with `/update_weight_version` afterwards).
 
 Differences from SGLang that a caller can see: no prefix cache (`/flush_cache` only checks for
-idle); no constrained decoding (json_schema/regex/ebnf → 400); `stream: true` sends one final
+idle; each batch builds its KV cache afresh with the adapter objects its requests hold, so no KV is ever
+reused across adapter versions); no constrained decoding (json_schema/regex/ebnf → 400); `stream: true` sends one final
 chunk per item; `/unload_lora_adapter` returns at once (requests already running keep the adapter
 object they were admitted with); /generate calls that queue while a batch runs are merged into
 the next batch (SGLang batches continuously).
@@ -82,6 +86,7 @@ from kora_trainer.reference_engine.adapter_registry import AdapterRegistry
 from kora_trainer.reference_engine.contract import generate_contract_error
 from kora_trainer.reference_engine.fast_routes import FastSyncRoutes
 from kora_trainer.reference_engine.generate_io import format_result, parse_generate
+from kora_trainer.reference_engine.inflight import InFlight
 from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
 from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenRequest
 from kora_trainer.reference_engine.sampling import SamplingParams
@@ -115,6 +120,7 @@ class HFEngineServer:
         self.fast_sync = FastSyncRoutes(self) if fast_sync else None
         self.adapters = AdapterRegistry(engine)
         self.batcher = CallBatcher(engine)
+        self.inflight = InFlight()  # admitted /generate requests, for /abort_request and /kora/state
         self.receiver = WeightReceiver()
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="engine")
@@ -148,6 +154,7 @@ class HFEngineServer:
             ("POST", "/update_weight_version", self.update_weight_version),
             ("*", "/flush_cache", self.flush_cache),
             ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/abort_request", self.abort_request),
             ("POST", "/continue_generation", self.continue_generation),
         ]
         if self.fast_sync is not None:
@@ -205,14 +212,19 @@ class HFEngineServer:
         if problem is not None:
             return _json({"error": problem}, 400)
         engine = self.engine
-        await self._admitted()
         try:
             parsed = parse_generate(body, lambda t: engine.tokenizer(t)["input_ids"], self.adapters.resolve)
             for r in parsed.requests:
                 if len(r.input_ids) >= engine.max_context:
                     raise ValueError(f"The input ({len(r.input_ids)} tokens) is longer than the model's context "
                                      f"length ({engine.max_context} tokens).")
-            results = await self._run(self.batcher.generate, parsed.requests)
+            # tracked from here, so /abort_request reaches a request a pause holds too (sglang-miles #30912)
+            with self.inflight.track(parsed.requests):
+                if await self._admitted():  # it waited out a pause: it gets the adapters served now
+                    for r in parsed.requests:
+                        if r.adapter is not None:
+                            r.adapter = self.adapters.resolve(r.adapter.name)
+                results = await self._run(self.batcher.generate, parsed.requests)
         except ValueError as e:
             return _json(rq.value_error_body(str(e)), 400)
         outs = [format_result(r, parsed.return_prompt_token_ids, engine.decode_token) for r in results]
@@ -227,15 +239,16 @@ class HFEngineServer:
             return resp
         return _json(outs[0] if parsed.single else outs)
 
-    async def _admitted(self) -> None:
-        """While paused, new requests wait here (SGLang queues them), counted as held."""
+    async def _admitted(self) -> bool:
+        """While paused, new requests wait here (SGLang queues them), counted as held; True if it waited."""
         if self._running.is_set():
-            return
+            return False
         self._held += 1
         try:
             await self._running.wait()
         finally:
             self._held -= 1
+        return True
 
     # ---- health, info -----------------------------------------------------------------------
 
@@ -270,7 +283,8 @@ class HFEngineServer:
 
     async def kora_state(self, request: web.Request) -> web.Response:
         """kora: what a caller cannot see otherwise (tests wait on it instead of sleeping)."""
-        return _json({"held_requests": self._held, "receiving": self.receiver.receiving})
+        return _json({"held_requests": self._held, "receiving": self.receiver.receiving, **self.inflight.state(),
+                      "adapters": self.adapters.versions()})
 
     async def get_model_info(self, request: web.Request) -> web.Response:
         log.warning("Endpoint '/get_model_info' is deprecated and will be removed in a future version. "
@@ -455,6 +469,13 @@ class HFEngineServer:
         if b.mode == "abort":  # abort repeats until nothing is in flight
             await self._run(self.engine.control.wait_idle, None)
         return _json({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        """SGLang's `/abort_request` (HS `abort_request`, IO `AbortReq`) with sglang-miles' `prefix` (#30912):
+        200 with an empty body whether or not anything matched (inflight.py)."""
+        b = await self._body(request, rq.AbortReq)
+        self.inflight.abort(b.rid, b.prefix, b.abort_all)
+        return web.Response(status=200)
 
     async def continue_generation(self, request: web.Request) -> web.Response:
         await self._body(request, rq.ContinueGenerationReqInput)

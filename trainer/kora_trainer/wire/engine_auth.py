@@ -3,7 +3,8 @@ shared by the trainer's client (`engine_client`, which key to send) and the refe
 
 - Always open: `/health*`, `/ready*`, `/metrics*` (matched by prefix, as SGLang does, so probes need no
   secret), and any OPTIONS request.
-- ADMIN routes (SGLang's `@auth_level(ADMIN_OPTIONAL)`: every weight, LoRA, flush and pause route; here also
+- ADMIN routes (SGLang's `@auth_level(ADMIN_OPTIONAL)`: every weight, LoRA, flush, pause and abort route
+  (`/abort_request` is ADMIN_OPTIONAL in http_server.py); here also
   kora's own `/load_lora_adapter_from_distributed` and `/kora/*`): the admin key when one is set, else the
   api key when one is set, else open. With both set, only the admin key opens them.
 - NORMAL routes (`/generate`, `/model_info`, and any route not listed): the api key when one is set, else
@@ -35,7 +36,7 @@ ADMIN_ROUTES = frozenset({
     "/init_weights_update_group", "/destroy_weights_update_group", "/update_weights_from_distributed",
     "/update_weights_from_tensor", "/update_weight_version", "/load_lora_adapter", "/load_lora_adapter_from_tensors",
     "/load_lora_adapter_from_distributed", "/unload_lora_adapter", "/flush_cache", "/pause_generation",
-    "/continue_generation",
+    "/continue_generation", "/abort_request",
 })  # the routes of SGLANG_API.md §3-5 the trainer calls (SGLang marks more, e.g. /update_weights_from_disk)
 KORA_PREFIX = "/kora/"  # kora's fast-sync and state routes: admin
 

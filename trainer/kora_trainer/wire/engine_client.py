@@ -162,11 +162,14 @@ class EngineClient:
 
     def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: dict[str, Any] | list[dict[str, Any]] | None
                  = None, lora_path: str | Sequence[str | None] | None = None, return_logprob: bool = True,
-                 **extra: Any) -> list[GenerateOutput]:
+                 rid: str | Sequence[str] | None = None, **extra: Any) -> list[GenerateOutput]:
         """A batch of token-id prompts; returns len(input_ids) × n outputs in order.
 
         `lora_path` is an adapter *name* (one for all, or one per prompt; None = base model).
-        `extra` passes other GenerateReqInput fields through (e.g. rid, logprob_start_len).
+        `rid` names the requests (SGLang's GenerateReqInput.rid: one per prompt, or one string that becomes
+        f"{rid}_{i}" per prompt; absent: the engine mints uuid4 hex ids) — the handle `abort_request` takes;
+        multi-LoRA rollouts use `<adapter>::<uuid>` so one adapter's requests abort by prefix.
+        `extra` passes other GenerateReqInput fields through (e.g. logprob_start_len).
         Prefer one call per rollout batch; concurrent calls also work (SGLang batches them; the hf
         engine merges the calls that queue while a batch runs).
         """
@@ -175,6 +178,8 @@ class EngineClient:
             body["sampling_params"] = sampling_params
         if lora_path is not None:
             body["lora_path"] = lora_path if isinstance(lora_path, str) else list(lora_path)
+        if rid is not None:
+            body["rid"] = rid if isinstance(rid, str) else list(rid)
         out = self.post("/generate", body)
         return [GenerateOutput.from_json(item) for item in (out if isinstance(out, list) else [out])]
 
@@ -248,6 +253,24 @@ class EngineClient:
         if body.get("byte_ranges") is None:
             body.pop("byte_ranges", None)
         return cast("dict[str, Any]", self.post("/load_lora_adapter_from_distributed", body))
+
+    def abort_request(self, rid: str, prefix: bool = False) -> None:
+        """POST /abort_request {"rid"[, "prefix": true]}: the request with that rid, or (prefix, sglang-miles
+        #30912 — a stock 0.5.23 ignores the flag and matches the rid exactly) every rid starting with it. The
+        aborted /generate calls answer with finish_reason {"type": "abort", ...} and their partial output."""
+        body: dict[str, Any] = {"rid": rid}
+        if prefix:
+            body["prefix"] = True
+        self.post("/abort_request", body)
+
+    def abort_all(self) -> None:
+        """POST /abort_request {"abort_all": true}: every request in flight."""
+        self.post("/abort_request", {"abort_all": True})
+
+    def kora_state(self) -> dict[str, Any]:
+        """kora's GET /kora/state (reference engine only; SGLang answers 404): held and in-flight requests per
+        adapter, version and rid prefix, and the loaded adapters' versions."""
+        return cast("dict[str, Any]", self.request("GET", "/kora/state"))
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict[str, Any]:
         """The version /generate reports from now on (SGLang's /update_weight_version)."""
