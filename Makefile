@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[operator,trainer]' --group dev
 	touch $(STAMP)
 
-setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools (and strace, for the loopback tests)
-	@bash hack/install_strace.sh
+setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests)
+	@bash hack/install_tools.sh
 
 testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries
 	bash hack/testbin.sh

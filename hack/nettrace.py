@@ -128,7 +128,7 @@ def parse(text: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network],
 def strace_path() -> str:
     found = shutil.which("strace")
     if found is None:
-        raise FileNotFoundError("strace is not installed: run `bash hack/install_strace.sh` (make setup does)")
+        raise FileNotFoundError("strace is not installed: run `bash hack/install_tools.sh` (make setup does)")
     return found
 
 
