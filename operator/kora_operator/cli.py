@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,19 @@ def _report(path: str, what: str, problems: list[Any]) -> bool:
     return True
 
 
+def _jobs(path: str) -> Iterator[tuple[str, LoRATrainingJob | None]]:
+    """(name, job) for each LoRATrainingJob of FILE; job None when it is invalid (its problems printed)."""
+    for doc in _documents(path):
+        if doc.get("kind") != "LoRATrainingJob":
+            continue
+        job, problems = validate_job(doc)
+        if job is None or any(p.severity == "error" for p in problems):
+            for p in problems:
+                print(f"{path}: {_name(doc)}: {p}", file=sys.stderr)
+            job = None
+        yield _name(doc), job
+
+
 def render(args: argparse.Namespace) -> int:
     """Print, as YAML, the objects the operator would create for each job in FILE.
 
@@ -72,14 +86,8 @@ def render(args: argparse.Namespace) -> int:
     credential; the operator generates the real token once, when it creates the Secret.
     """
     out: list[dict[str, Any]] = []
-    for doc in _documents(args.file):
-        if doc.get("kind") != "LoRATrainingJob":
-            continue
-        job, problems = validate_job(doc)
-        errors = [p for p in problems if p.severity == "error"]
-        if job is None or errors:
-            for p in problems:
-                print(f"{args.file}: {_name(doc)}: {p}", file=sys.stderr)
+    for _, job in _jobs(args.file):
+        if job is None:
             return 1
         job.metadata.setdefault("namespace", args.namespace)
         out.extend(build_children(job, new_token() if args.generate_token else TOKEN_PLACEHOLDER))
@@ -118,29 +126,24 @@ def plan(args: argparse.Namespace) -> int:
     """Print where each job of FILE would run: ranks, engines, the weight-update group
     (kora_trainer.config.placement)."""
     failed = False
-    for doc in _documents(args.file):
-        if doc.get("kind") != "LoRATrainingJob":
-            continue
-        job, problems = validate_job(doc)
-        errors = [p for p in problems if p.severity == "error"]
-        if job is None or errors:
-            _report(args.file, _name(doc), problems)
+    for name, job in _jobs(args.file):
+        if job is None:
             failed = True
             continue
         nodes = parse_nodes(args.nodes) if args.nodes else kuberay_nodes(job)
         try:
             job_plan = plan_job(job.spec, nodes)
         except ConfigError as e:
-            print(f"{args.file}: {_name(doc)}: {e}", file=sys.stderr)
+            print(f"{args.file}: {name}: {e}", file=sys.stderr)
             failed = True
             continue
         if args.json:
-            print(json.dumps({"job": _name(doc), **job_plan.as_dict()}))
+            print(json.dumps({"job": name, **job_plan.as_dict()}))
             continue
         where = "--nodes " + args.nodes if args.nodes else "resources.workers x gpusPerWorker"
         if job.spec.runtime.kind is RuntimeKind.RAY and not args.nodes:
             where += " (runtime Ray: the existing cluster's nodes are not known here; --nodes plans on another shape)"
-        print(f"{_name(doc)} on {len(nodes)} node(s) from {where}:")
+        print(f"{name} on {len(nodes)} node(s) from {where}:")
         print("\n".join(job_plan.lines()))
     return 1 if failed else 0
 

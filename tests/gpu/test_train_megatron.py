@@ -1,5 +1,5 @@
 """`python -m kora_trainer.train` with `backend: megatron`, as a user runs it on a GPU machine: real local Ray
-placing the trainer and the reference engine on GPUs (`backends/select.gpu_shares`), the megatron policy
+placing the trainer and the reference engine on GPUs (`config/placement.gpu_shares`), the megatron policy
 trained by GRPO and pushed to the engine in each sync mode — over NCCL with the engine on its own GPU
 (Disaggregated), or in memory on a shared GPU (Colocate).
 

@@ -131,8 +131,8 @@ class ResourcesSpec(CamelModel):
         return self.gpus_per_worker if self.workers == 0 else 0
 
     def gpus_per_node(self) -> list[int]:
-        """The GPUs of each Ray node that holds GPUs (the workers, or the lone head), as layout.fit_problems
-        takes them."""
+        """The GPUs of each Ray node that holds GPUs (the workers, or the lone head), as layout's
+        total_gpus_problem / node_gpus_problem take them."""
         return [self.gpus_per_worker] * max(self.workers, 1)
 
 

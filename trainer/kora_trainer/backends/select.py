@@ -1,24 +1,15 @@
-"""Which training backend a job gets, and how many GPUs each Ray actor asks for.
+"""Which training backend a job gets, and which actor layouts the trainer refuses at start.
 
 Both are pure functions of the config and a few facts about the machine, so the CPU tests check every
-branch; `orchestration/` calls them with the facts it reads (CUDA present, megatron-core importable, the
-Ray cluster's GPU count).
+branch; `orchestration/` calls them with the facts it reads (CUDA present, megatron-core importable).
+How many GPUs each Ray actor asks for is config/placement.py's (`gpu_shares`).
 
 Backend (`backend:` in the job):
-- torch: HF `from_pretrained` + kora's LoRA; CPU, or one GPU.
+- torch: HF `from_pretrained` + kora's LoRA; CPU, or one GPU per rank.
 - megatron: megatron-core GPTModel (`backends/megatron`); needs a CUDA GPU and megatron-core.
 - auto: megatron when a GPU and megatron-core are there and the base is large (its weights take at least
   LARGE_MODEL_BYTES on disk: about 1 B parameters in bf16), torch otherwise. Small models gain nothing from
   megatron's parallel layers, and the torch backend also runs on CPU.
-
-GPU placement (config/placement.gpu_shares: Ray `num_gpus` per actor; Ray then sets each actor's
-CUDA_VISIBLE_DEVICES, and an engine process inherits its actor's):
-- no GPU in the cluster: nothing asks for one (the CPU path);
-- Colocate with in-memory sync: each trainer rank and the engines beside it share one GPU (fractions that add
-  up to 1; engine e sits beside rank e % world);
-- otherwise (Disaggregated, or Colocate's distributedEngines fed over NCCL): each trainer rank takes a GPU and
-  each engine `rollout.gpusPerEngine` of its own, so the weight-update group never has two ranks on one GPU
-  (NCCL refuses that). config/layout.py counts what a job needs.
 """
 
 from __future__ import annotations

@@ -137,8 +137,3 @@ def node_gpus_problem(cfg: TrainerConfig, gpus_per_node: list[int]) -> str | Non
         return None
     return NODE_GPUS_MESSAGE % (cfg.parallelism.tensor, engine_gpus(cfg), biggest, d.largest_group)
 
-
-def fit_problems(cfg: TrainerConfig, gpus_per_node: list[int]) -> list[str]:
-    """Does the job fit nodes with these GPU counts? (The CPU path, a cluster without GPUs, is not checked
-    here: backends/select.gpu_shares refuses engines that ask for GPUs there.)"""
-    return [p for p in (total_gpus_problem(cfg, gpus_per_node), node_gpus_problem(cfg, gpus_per_node)) if p]

@@ -195,21 +195,21 @@ def plan_job(cfg: TrainerConfig, nodes: list[Node]) -> JobPlan:
         raise ConfigError(problems)
     placement = plan_placement(cfg, sum(n.gpus for n in nodes))
     where = assign(placement, nodes)
-    used = {node for node, _ in where}
-    engines = [EnginePlan(e, *where[b], address="127.0.0.1" if len(used) == 1 else f"<{where[b][0]} address>",
-                          fed_by=placement.engine_owner[e]) for e, b in enumerate(placement.engine_bundle)]
-    if placement.colocated:  # an engine beside its rank shares the GPUs of the ranks it spans
-        span, world = max(1, engine_gpus(cfg)), len(placement.rank_bundle)
+    one_node = len({node for node, _ in where}) == 1
+    world, span = len(placement.rank_bundle), max(1, engine_gpus(cfg))  # an engine's GPUs = its TP ranks
 
-        def spanned(first: int) -> list[int]:
-            return [g for r in range(first, first + span) for g in where[placement.rank_bundle[r % world]][1]]
+    def engine_plan(e: int, bundle: int) -> EnginePlan:
+        node, gpus = where[bundle]
+        owner = placement.engine_owner[e]
+        if placement.colocated:  # beside its rank, on the GPUs of the ranks it spans
+            gpus = [g for r in range(owner, owner + span) for g in where[placement.rank_bundle[r % world]][1]]
+        return EnginePlan(e, node, gpus, "127.0.0.1" if one_node else f"<{node} address>", owner)
 
-        engines = [EnginePlan(e.index, e.node, spanned(e.fed_by), e.address, e.fed_by) for e in engines]
+    engines = [engine_plan(e, b) for e, b in enumerate(placement.engine_bundle)]
     ranks = [RankPlan(coordinates(cfg.parallelism, r), *where[placement.rank_bundle[r]], placement.engines_of(r))
-             for r in range(len(placement.rank_bundle))]
-    per = max(1, engine_gpus(cfg)) if cfg.rollout.engine is Engine.SGLANG else 1  # an engine joins with its TP ranks
+             for r in range(world)]
     group = [] if placement.colocated else ["trainer rank 0"] + [
-        f"engine {e.index} rank {1 + e.index * per + t}" for e in engines for t in range(per)]
+        f"engine {e.index} rank {1 + e.index * span + t}" for e in engines for t in range(span)]
     return JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes)
 
 
