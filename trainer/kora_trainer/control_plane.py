@@ -39,7 +39,7 @@ import threading
 from collections.abc import Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -130,44 +130,90 @@ def resolve_linger() -> tuple[float, str | None]:
         return 0.0, f"{name}={raw!r} must be a finite number >= 0: not lingering"  # NaN, negative, infinite
 
 
+class Routes(Protocol):
+    """More routes under one path prefix (multi-adapter jobs: adapter_runs/api.py), behind the same token."""
+
+    prefix: str
+
+    def handle(self, method: str, path: str, body: bytes) -> tuple[int, Any]: ...
+
+
+MAX_BODY = 1 << 20  # a request body larger than this is refused (413)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    """One request to a ControlPlane (`plane`, set on the subclass each plane makes)."""
+
+    plane: ControlPlane
+
+    def log_message(self, *args: Any) -> None:  # the operator polls; keep the trainer's log clean
+        pass
+
+    def _send(self, code: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the poller gave up waiting
+            self.wfile.write(data)
+
+    def _authorized(self) -> bool:
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {self.plane.token}".encode()):
+            return True
+        self._send(401, {"error": "Unauthorized: send Authorization: Bearer <control-plane token>"})
+        return False
+
+    def _routed(self, method: str) -> bool:
+        """A request under the extra routes' prefix: answered by them (True), after the token check."""
+        routes = self.plane.routes
+        path = self.path.split("?")[0]
+        if routes is None or not (path == routes.prefix or path.startswith(routes.prefix + "/")):
+            return False
+        if not self._authorized():
+            return True
+        length = int(self.headers.get("Content-Length") or 0)
+        if length > MAX_BODY:
+            self._send(413, {"error": f"request body over {MAX_BODY} bytes"})
+            return True
+        body = self.rfile.read(length) if length > 0 else b""
+        self._send(*routes.handle(method, self.path, body))
+        return True
+
+    def do_POST(self) -> None:
+        if not self._routed("POST"):
+            self._send(404, {"error": f"no route POST {self.path}"})
+
+    def do_DELETE(self) -> None:
+        if not self._routed("DELETE"):
+            self._send(404, {"error": f"no route DELETE {self.path}"})
+
+    def do_GET(self) -> None:
+        if self.path == "/healthz":
+            self._send(200, "ok")
+            return
+        if self._routed("GET"):
+            return
+        if self.path.split("?")[0] != "/status":
+            self._send(404, {"error": f"no route {self.path}: GET /status or /healthz"})
+            return
+        if not self._authorized():
+            return
+        snapshot = self.plane.progress.snapshot()
+        self._send(200, snapshot)
+        if snapshot.get("phase") in FINAL_PHASES:
+            self.wfile.flush()
+            self.plane.final_read.set()  # the whole answer is written: linger() may stop the server now
+
+
 class ControlPlane:
-    def __init__(self, progress: Progress, token: str, port: int = CONTROL_PORT, host: str | None = None):
-        self.progress, self.token = progress, token
+    def __init__(self, progress: Progress, token: str, port: int = CONTROL_PORT, host: str | None = None,
+                 routes: Routes | None = None):
+        self.progress, self.token, self.routes = progress, token, routes
         self.final_read = threading.Event()  # set once an authorized GET /status returned a final phase
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:  # the operator polls; keep the trainer's log clean
-                pass
-
-            def _send(self, code: int, body: Any) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the poller gave up waiting
-                    self.wfile.write(data)
-
-            def do_GET(self) -> None:
-                if self.path == "/healthz":
-                    self._send(200, "ok")
-                    return
-                if self.path.split("?")[0] != "/status":
-                    self._send(404, {"error": f"no route {self.path}: GET /status or /healthz"})
-                    return
-                given = self.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {outer.token}".encode()):
-                    self._send(401, {"error": "Unauthorized: send Authorization: Bearer <control-plane token>"})
-                    return
-                snapshot = outer.progress.snapshot()
-                self._send(200, snapshot)
-                if snapshot.get("phase") in FINAL_PHASES:
-                    self.wfile.flush()
-                    outer.final_read.set()  # the whole answer is written: linger() may stop the server now
-
         host = host or ControlEnv.from_env(only=("host",)).host or "127.0.0.1"
-        self.server = ThreadingHTTPServer((host, port), Handler)
+        self.server = ThreadingHTTPServer((host, port), type("Handler", (_Handler,), {"plane": self}))
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="control-plane", daemon=True)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kora_trainer.config.base import CamelModel
 from kora_trainer.config.quantity import ByteQuantity
@@ -250,8 +250,70 @@ class CheckpointSpec(CamelModel):
     checkpoint, never mixed into it."""
 
 
+ADAPTER_NAME = r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"  # a DNS label (dots allowed): the LoRAAdapter's name
+
+
+class AdapterRunConfig(CamelModel):
+    """One adapter of a multi-adapter job: its shape, optimizer, data and length. Unset fields take the job's
+    (lora.alpha, algorithm.lr / rolloutBatchSize / nSamplesPerPrompt / seed); the rank must be set.
+    The body of `POST /adapter_runs` and the spec of a LoRAAdapter (which adds jobName)."""
+
+    model_config = CamelModel.model_config | {
+        "json_schema_extra": {"x-kubernetes-validations": [
+            {"rule": "!(has(self.numSteps) && has(self.numEpochs))",
+             "message": "numSteps and numEpochs are both set: keep one of them", "fieldPath": ".numEpochs"},
+            {"rule": "self.data.rewardType != 'custom' || has(self.data.customRewardPath)",
+             "message": "data.rewardType custom needs data.customRewardPath: set it to a dotted path "
+                        "such as mypkg.rewards.reward", "fieldPath": ".data.customRewardPath"},
+        ]}
+    }
+
+    rank: Annotated[int, Field(ge=1, le=4096)]
+    """LoRA rank; at most the job's lora.rank (the largest a slot holds)."""
+    alpha: Annotated[float, Field(gt=0)] | None = None
+    """LoRA alpha (scaling alpha/rank); default the job's lora.alpha."""
+    lr: Annotated[float, Field(gt=0, le=1.0)] | None = None
+    """Learning rate of this adapter's own optimizer; default the job's algorithm.lr."""
+    rollout_batch_size: Annotated[int, Field(ge=1)] | None = None
+    """Prompt groups per optimizer step of this adapter; default the job's."""
+    n_samples_per_prompt: Annotated[int, Field(ge=1)] | None = None
+    """Group size; default the job's. Must divide, or be a multiple of, the trainer's DP size."""
+    data: DataSpec
+    """This adapter's prompts and reward."""
+    num_steps: Annotated[int, Field(ge=1)] | None = None
+    """Stop after this many of its own optimizer steps."""
+    num_epochs: Annotated[int, Field(ge=1)] | None = None
+    """Or after this many passes over its data (default 1): numEpochs x rows // rolloutBatchSize steps."""
+    seed: int | None = None
+    """Seed of its LoRA init, data order and sampling; default the job's algorithm.seed."""
+
+    @model_validator(mode="after")
+    def _one_length(self) -> AdapterRunConfig:
+        if self.num_steps is not None and self.num_epochs is not None:
+            raise ValueError("numSteps and numEpochs are both set: keep one of them")
+        if self.data.reward_type == RewardType.CUSTOM and self.data.custom_reward_path is None:
+            raise ValueError("data.rewardType custom needs data.customRewardPath: set it to a dotted path such as "
+                             "mypkg.rewards.reward")
+        return self
+
+
+class NamedAdapterRun(AdapterRunConfig):
+    """An adapter registered when the job starts (multiLora.adapters): its name and its config."""
+
+    name: Annotated[str, Field(pattern=ADAPTER_NAME)]
+    """The adapter's name: its lora_path on the engines, its request-id prefix, its checkpoint directory."""
+
+    def config(self) -> AdapterRunConfig:
+        return AdapterRunConfig.model_validate(self.model_dump(exclude={"name"}))
+
+
 class MultiLoRASpec(CamelModel):
     """Multi-adapter service: many adapters, one base; LoRAAdapter objects register them."""
+
+    adapters: list[NamedAdapterRun] = Field(default_factory=list)
+    """Adapters trained from the start (each to its numSteps; the job succeeds when all are done). None: a
+    service that idles until adapters are registered (LoRAAdapter objects, POST /adapter_runs) and runs until
+    the job is deleted."""
 
     max_adapters: Annotated[int, Field(ge=0, le=256)] = 0
     """Adapter slots; 0 turns multi-LoRA off, > 0 makes the job a multi-adapter service."""

@@ -69,6 +69,8 @@ class Progress(CamelModel):
     """The last weight sync."""
     last_checkpoint: CheckpointProgress | None = None
     """The last checkpoint."""
+    active_adapters: Annotated[int, Field(ge=0)] | None = None
+    """Multi-adapter jobs: adapters holding a slot (registered and not yet finished)."""
 
 
 class TrainerPhase(StrEnum):
