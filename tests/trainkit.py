@@ -44,8 +44,8 @@ def poll_status(port: int, token: str) -> dict | None:
         return None
 
 
-def train_command(toy_dir: Path, port: int, run_dir: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "-m", "kora_trainer.train", "--config", str(TOY_YAML), "--control-port", str(port),
+def train_command(toy_dir: Path, port: int, run_dir: Path, *overrides: str, config: Path = TOY_YAML) -> list[str]:
+    return [sys.executable, "-m", "kora_trainer.train", "--config", str(config), "--control-port", str(port),
             "--run-dir", str(run_dir), f"model.path={toy_dir}", f"data.path={toy_dir}/train.parquet", *TINY,
             *overrides]
 
@@ -69,10 +69,11 @@ class TrainRun:
     """One `python -m kora_trainer.train` in its own session (so a kill reaches everything it started),
     its output in `log`, its control plane on `port` with bearer `token`."""
 
-    def __init__(self, toy_dir: Path, work: Path, *overrides: str, env: dict[str, str] | None = None):
+    def __init__(self, toy_dir: Path, work: Path, *overrides: str, env: dict[str, str] | None = None,
+                 config: Path = TOY_YAML):
         work.mkdir(parents=True, exist_ok=True)
         self.port, self.token, self.log, self.run_dir = free_port(), "test-token", work / "out.log", work / "run"
-        cmd = train_command(toy_dir, self.port, self.run_dir, *overrides)
+        cmd = train_command(toy_dir, self.port, self.run_dir, *overrides, config=config)
         # the Ray workers of a local cluster inherit the driver's environment, PYTHONPATH included
         full_env = {**os.environ, "KORA_CONTROL_TOKEN": self.token,
                     "PYTHONPATH": os.pathsep.join([str(E2E), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),

@@ -10,3 +10,8 @@ from kora_trainer.algorithm.rewards import Sample
 
 def odd_first_digit(sample: Sample) -> float:
     return 1.0 if sample.response[:1] in ("1", "3", "5", "7", "9") else 0.0
+
+
+def even_first_digit(sample: Sample) -> float:
+    """The multi-LoRA runs' second adapter: a different reward from the same prompts."""
+    return 1.0 if sample.response[:1] in ("0", "2", "4", "6", "8") else 0.0

@@ -219,6 +219,22 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
         rec.exported(job.trainer.first("export_hf", root, {"seed": cfg.algorithm.seed}))
 
 
+def adapter_registry(cfg: TrainerConfig, root: str | None) -> Any:
+    """A multi-adapter job's registry (adapter_runs/registry.py): the adapters a previous attempt held (from
+    `<checkpoint.path>/adapters/registry.json`), then those the job lists."""
+    from kora_trainer.adapter_runs.registry import AdapterRegistry
+    from kora_trainer.train_multi_lora import register_given
+
+    registry = AdapterRegistry(cfg, Path(root) / "adapters" / "registry.json" if root else None)
+    register_given(cfg, registry, registry.restore())
+    return registry
+
+
+def time_left(limit: float | None) -> Any:
+    """A check the multi-adapter loop makes each round: False once --time-limit (less the shutdown) is spent."""
+    return lambda: not limit or time.monotonic() - T_START + SHUTDOWN_S < limit
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load(args)
@@ -231,19 +247,31 @@ def main(argv: list[str] | None = None) -> int:
     from kora_trainer.recorder import StepRecorder
 
     run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    rec = StepRecorder(run_dir, total_steps(cfg), str(cfg.lora.effective_sync_mode), T_START)
+    multi = cfg.multi_lora.max_adapters > 0
+    rec = StepRecorder(run_dir, 0 if multi else total_steps(cfg), str(cfg.lora.effective_sync_mode), T_START)
     root = str(Path(cfg.checkpoint.path).resolve()) if cfg.checkpoint.path else None  # workers need not share cwd
     linger_s, linger_warning = resolve_linger()
     if linger_warning:
         rec.say(f"warning: {linger_warning}")
     token, token_from = resolve_token(run_dir)
-    control = ControlPlane(rec.progress, token, resolve_port(args.control_port)).start()
+    registry = adapter_registry(cfg, root) if multi else None
+    routes = None
+    if registry is not None:
+        from kora_trainer.adapter_runs.api import AdapterRunsAPI
+
+        routes = AdapterRunsAPI(registry)
+    control = ControlPlane(rec.progress, token, resolve_port(args.control_port), routes=routes).start()
     rec.say(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}")
-    started_ray, temp_dir, job, ok = False, None, None, False
+    started_ray, temp_dir, job, ok, loop = False, None, None, False, None
     try:
         started_ray, temp_dir = start_ray()  # imports Ray, after setting the environment Ray reads at import
         job = launch(cfg, run_dir, threads=args.threads)
-        train(job, cfg, rec, root, args.time_limit)
+        if registry is not None:
+            from kora_trainer.train_multi_lora import run
+
+            loop = run(job, cfg, registry, rec, root, time_left(args.time_limit))
+        else:
+            train(job, cfg, rec, root, args.time_limit)
         rec.progress.update(phase="Succeeded")
         ok = True
     except BaseException as e:
@@ -251,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         raise
     finally:
         shutdown(job, started_ray, temp_dir)
-        if ok:
+        if ok and loop is not None:
+            from kora_trainer.train_multi_lora import summary
+
+            summary(loop, rec)
+        elif ok:
             rec.summary(job.transport if job else None, job.info.get("backend") if job else None)
         rec.close()
         if linger_s > 0:

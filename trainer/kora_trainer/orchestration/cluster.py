@@ -32,6 +32,7 @@ from kora_trainer.config.layout import engine_gpus
 from kora_trainer.config.placement import CPU_SHARES, STRATEGY, Placement, plan_placement
 from kora_trainer.config.ray_env import ray_home, single_node_env
 from kora_trainer.orchestration.actor_group import TrainGroup
+from kora_trainer.orchestration.multi_lora_workers import AdapterRolloutWorker, MultiLoRAWorker
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
 from kora_trainer.wire.engine_auth import new_admin_key
 
@@ -115,13 +116,17 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
                           .remote(cfg, str(run_dir / "logs"), threads, i, admin_key)
                           for i in range(cfg.rollout.num_engines)]
     world = len(plan.rank_bundle)
-    rank_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=plan.shares.trainer)(TrainWorker)
+    multi = cfg.multi_lora.max_adapters > 0  # the multi-adapter workers (multi_lora_workers.py)
+    rank_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=plan.shares.trainer)(
+        MultiLoRAWorker if multi else TrainWorker)
     trainer = TrainGroup([rank_cls.options(scheduling_strategy=bundle(plan.rank_bundle[r]))
                           .remote(cfg, threads, r, world) for r in range(world)])
     master = trainer.first("rendezvous")
     ranks = trainer.all("setup", *master)
     urls = ray.get([e.url.remote() for e in engines])
-    rollout = ray.remote(num_cpus=CPU_SHARES["rollout"])(RolloutWorker).remote(cfg, urls)  # generate is no admin route
+    # generate is no admin route; a multi-adapter job's adapters generate at once (one call each)
+    rollout_cls: Any = ray.remote(num_cpus=CPU_SHARES["rollout"])(AdapterRolloutWorker if multi else RolloutWorker)
+    rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.max_adapters + 2 if multi else 1).remote(cfg, urls)
     kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], kind, master[0], admin_key)
                      for r, a in enumerate(trainer.actors)])
     info = {**{k: ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": ranks, "engine_urls": urls,

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import uuid
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -135,7 +136,7 @@ class Rollout:
         ids = [prompts[i] for i in range(len(rows)) for _ in range(g)]
         params = [{**base, "sampling_seed": sampling_seed(alg.seed, step, i, j)} if self.seeded else base
                   for i in range(len(rows)) for j in range(g)]
-        outs, out_engines = self._spread(step, ids, params, g)
+        outs, out_engines = self.spread(step, ids, params, g)
         gen_s = time.monotonic() - t0
         batch = RolloutBatch([], [], [], [], g)
         for k, out in enumerate(outs):
@@ -170,11 +171,15 @@ class Rollout:
         return {e: f"GET /health failed within {self.health_timeout_s:g}s" for e, f in enumerate(futs)
                 if not f.result()}
 
-    def _spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int
-                ) -> tuple[list[GenerateOutput], dict[str, str]]:
+    def spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int,
+               lora_path: str | None = None, rid_prefix: str | None = None
+               ) -> tuple[list[GenerateOutput], dict[str, str]]:
         """Every request answered, in order. Each call goes to the healthy engine holding the fewest requests
         that has room (`in_flight` calls); an engine that fails /health or a call is out for the step and its
-        calls go to the others; a refused request (4xx) or no engine left fails the step."""
+        calls go to the others; a refused request (4xx) or no engine left fails the step. `lora_path`: the
+        adapter (default: the job's, kora-policy in Adapter mode); `rid_prefix`: request ids
+        `<rid_prefix><uuid>` (multi-LoRA: `<adapter>::`, so one adapter's requests abort by prefix)."""
+        lora_path = lora_path or self.lora_path
         down = self._health()
         alive = [e for e in range(len(self.clients)) if e not in down]
         if not alive:
@@ -198,7 +203,8 @@ class Rollout:
                 calls[e] += 1
                 load.outstanding[e] += n
                 load.queued -= n
-                running[self._pool.submit(self._generate, self.clients[e], chunks[c].ids, chunks[c].params)] = (c, e)
+                running[self._pool.submit(self._generate, self.clients[e], chunks[c].ids, chunks[c].params,
+                                          lora_path, rid_prefix)] = (c, e)
             done, _ = wait(running, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
             if not done:
                 raise RolloutError(f"step {step}: {len(running)} /generate calls unanswered after "
@@ -229,15 +235,16 @@ class Rollout:
         why = "; ".join(f"{self.urls[e]}: {reason}" for e, reason in sorted(down.items()))
         return f"step {step}: no rollout engine left ({why})"
 
-    def _generate(self, client: EngineClient, prompts: list[list[int]],
-                  params: list[dict[str, Any]]) -> list[GenerateOutput]:
-        """One engine's share. A colocated Adapter-mode sync replaces `kora-policy` by unload + load (SGLang
+    def _generate(self, client: EngineClient, prompts: list[list[int]], params: list[dict[str, Any]],
+                  lora_path: str | None, rid_prefix: str | None) -> list[GenerateOutput]:
+        """One engine's share. A colocated Adapter-mode sync replaces the adapter by unload + load (SGLang
         has no replace); a request that lands in between is refused, so retry a few times (bounded)."""
+        rids = None if rid_prefix is None else [f"{rid_prefix}{uuid.uuid4().hex}" for _ in prompts]
         for attempt in range(ADAPTER_SWAP_RETRIES + 1):
             try:
-                return client.generate(prompts, params, lora_path=self.lora_path)
+                return client.generate(prompts, params, lora_path=lora_path, rid=rids)
             except EngineError as e:
-                swapping = self.lora_path is not None and self.lora_path in e.message and e.status == 400
+                swapping = lora_path is not None and lora_path in e.message and e.status == 400
                 if not swapping or attempt == ADAPTER_SWAP_RETRIES:
                     raise
                 time.sleep(0.05 * (attempt + 1))

@@ -166,7 +166,8 @@ class WeightSender:
         self.tracker = DeltaTracker()
         self.engine_version = 0  # the policy version the engines serve (0: the checkpoint they loaded)
         self._base_pushed = False
-        self._adapter_loaded = False
+        self._loaded: set[str] = set()  # adapter names this sender has loaded on the engines (colocated)
+        self.adapter_name = POLICY_ADAPTER  # multi-LoRA (sync/slot_sender.py) pushes each adapter under its own
         self.adapter_config = self.make_adapter_config()
 
     # ---- what the policy is made of (the torch backend's HF model; backends/megatron/sync.py overrides) ----
@@ -290,7 +291,7 @@ class WeightSender:
 
     def _push_adapter(self, src: Source, version: int, checksum: RunningChecksum) -> tuple[int, int]:
         wv = str(version)
-        config = self.adapter_config
+        config, name = self.adapter_config, self.adapter_name
         tensors = src.get(src.names)
         named = [(n, tensors[n]) for n in src.names]
         if isinstance(self.transport, DistributedTransport):
@@ -299,7 +300,7 @@ class WeightSender:
             nb = len(buckets)
             for i, bucket in enumerate(buckets):
                 def call(c: EngineClient, meta: dict[str, list], i: int = i) -> dict[str, Any]:  # type: ignore[type-arg]
-                    return c.load_lora_adapter_from_distributed(POLICY_ADAPTER, config, meta, bucket_index=i,
+                    return c.load_lora_adapter_from_distributed(name, config, meta, bucket_index=i,
                                                                 num_buckets=nb, load_format=FLAT, weight_version=wv)
 
                 results = self.transport.send(bucket, tensors, call)
@@ -308,24 +309,26 @@ class WeightSender:
         else:
             assert isinstance(self.transport, ColocatedTransport)
             # SGLang refuses to load a name that is loaded: replacing = unload, then load. Before our
-            # first push the engine may still hold kora-policy from an earlier trainer (a restart).
-            first = not self._adapter_loaded
+            # first push the engine may still hold the name from an earlier trainer (a restart).
+            first = name not in self._loaded
 
             def replace_adapter(c: EngineClient, payload: str) -> dict[str, Any]:
                 try:
-                    c.unload_lora_adapter(POLICY_ADAPTER)
+                    c.unload_lora_adapter(name)
                 except EngineError as e:
                     if not (first and "does not exist" in e.message):
                         raise
-                out = c.load_lora_adapter_from_tensors(POLICY_ADAPTER, config, payload)
+                out = c.load_lora_adapter_from_tensors(name, config, payload)
                 # SGLang's tensor route takes no version: label the new adapter's rollouts ourselves, after
-                # the load (a request in between shows the older version: a lag, never a false "current")
-                c.update_weight_version(wv)
+                # the load (a request in between shows the older version: a lag, never a false "current").
+                # The engine's one version serves one adapter only: multi-LoRA tags its rollouts itself.
+                if name == POLICY_ADAPTER:
+                    c.update_weight_version(wv)
                 return out
 
             results = self.transport.send(named, replace_adapter)
             self._check(results, checksum, lambda: protocol_checksum(named))
-            self._adapter_loaded = True
+            self._loaded.add(name)
             nbytes, nbuckets = sum(t.numel() * t.element_size() for _, t in named), 1
         for n, t in named:
             checksum.add(n, t)

@@ -1,0 +1,155 @@
+"""Multi-LoRA through the real trainer (`python -m kora_trainer.train`, Ray, the reference engine): several adapters
+on one toy base, each with its own reward, rank, batch, optimizer and steps (SPEC "Multi-LoRA").
+
+- Side by side: two adapters with different rewards train at once; each engine request is served by its own
+  adapter at its own version (the engine-vs-trainer log-prob gap of every step stays at fp32 rounding), each push
+  moves only the adapter that stepped (its own bytes: half for the rank-8 one), and each ends Succeeded at its
+  numSteps with a PEFT export of its own rank.
+- Independence: an adapter trained beside another ends equal to the same adapter trained alone (same seed,
+  seeded rollouts, async off): EXACT (the factors compared bit for bit).
+- Retire and reuse (service mode): DELETE /adapter_runs/a aborts its requests (0 in flight on the engine when it
+  is unloaded), writes its checkpoint and export and frees its slot, which the next registration takes.
+The learning curves (each adapter's reward rising by >= 0.4) are the full-size run: `make multi-lora-curves`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from trainkit import TrainRun, wait_all
+
+GAP_MAX = 1e-4  # fp32 engine vs trainer log-probs of the sampled tokens, as in the one-adapter tests
+
+
+def job_file(toy_dir: Path, work: Path, adapters: list[dict], max_adapters: int = 2, **over: object) -> Path:
+    data = str(toy_dir / "train.parquet")
+    job = {
+        "model": {"path": str(toy_dir)},
+        "lora": {"rank": 16, "alpha": 32, "targetModules": ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+                 "syncMode": "Adapter"},
+        "algorithm": {"lr": 0.002, "rolloutBatchSize": 8, "nSamplesPerPrompt": 4, "globalBatchSize": 32,
+                      "maxNewTokens": 4, "temperature": 1.0},
+        "data": {"path": data, "inputKey": "prompt", "labelKey": "label"},
+        "rollout": {"engine": "hf", "numEngines": 1, "gpusPerEngine": 0},
+        "deployment": {"mode": "Disaggregated", "async": False},
+        "sync": {"bufferSize": "256Ki"},
+        "checkpoint": {"path": str(work / "ckpt"), "interval": 100},
+        "multiLora": {"maxAdapters": max_adapters, "adapters": [
+            {"data": {"path": data, "rewardType": "custom", "customRewardPath": "toy_rewards.odd_first_digit"}, **a}
+            for a in adapters]},
+    }
+    for key, value in over.items():
+        job[key] = {**job[key], **value} if isinstance(value, dict) else value  # type: ignore[dict-item]
+    work.mkdir(parents=True, exist_ok=True)
+    path = work / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def factors(ckpt: Path, name: str) -> dict:
+    return load_file(str(ckpt / "adapters" / name / "lora_adapter" / "adapter_model.safetensors"))
+
+
+EVEN = {"path": None, "rewardType": "custom", "customRewardPath": "toy_rewards.even_first_digit"}
+
+
+@pytest.mark.slow
+def test_two_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same(toy_dir, tmp_path):
+    data = str(toy_dir / "train.parquet")
+    a = {"name": "odd", "rank": 16, "numSteps": 4}
+    b = {"name": "even", "rank": 8, "numSteps": 3, "seed": 7, "rolloutBatchSize": 16,
+         "data": {**EVEN, "path": data}}
+    both = TrainRun(toy_dir, tmp_path / "both", config=job_file(toy_dir, tmp_path / "both", [a, b]))
+    alone = TrainRun(toy_dir, tmp_path / "alone", config=job_file(toy_dir, tmp_path / "alone", [a], max_adapters=1))
+    wait_all([both, alone])
+    summary = both.summary()["adapters"]
+    assert summary["odd"]["phase"] == "Succeeded" and summary["odd"]["steps"] == 4
+    assert summary["even"]["phase"] == "Succeeded" and summary["even"]["steps"] == 3
+    steps = both.events("adapter_step")
+    for e in steps:  # every rollout came from this adapter at its current version, served as the trainer holds it
+        assert e["rollout_version_lag"] == 0 and e["rollout_logp_gap_max"] is not None
+        assert e["rollout_logp_gap_max"] <= GAP_MAX, e
+        assert e["sync"]["pushed"] and e["sync"]["adapter_version"] == e["step"], e
+    # selective sync: a push moves the adapter that stepped, nothing else (rank 8 = half the bytes of rank 16)
+    pushed = {name: {e["sync"]["bytes"] for e in steps if e["adapter"] == name} for name in ("odd", "even")}
+    assert len(pushed["odd"]) == 1 and len(pushed["even"]) == 1
+    assert pushed["even"].pop() * 2 == pushed["odd"].pop()
+    loaded = {e["adapter"]: e for e in both.events("adapter_loaded")}
+    assert loaded["even"]["rank"] == 8 and loaded["odd"]["sync"]["adapter_version"] == 0
+    config = json.loads((tmp_path / "both" / "ckpt" / "adapters" / "even" / "lora_adapter" /
+                         "adapter_config.json").read_text())
+    assert config["r"] == 8
+    # independence: exactly the adapter trained alone
+    beside, by_itself = factors(tmp_path / "both" / "ckpt", "odd"), factors(tmp_path / "alone" / "ckpt", "odd")
+    assert beside.keys() == by_itself.keys()
+    moved = [k for k in beside if k.endswith("lora_B.weight") and beside[k].abs().max() > 0]
+    assert moved, "the adapter never moved: the test would prove nothing"
+    assert all(bool((beside[k] == by_itself[k]).all()) for k in beside)
+    assert alone.summary()["adapters"]["odd"]["reward_curve"] == summary["odd"]["reward_curve"]
+
+
+def api(run: TrainRun, method: str, path: str, body: object | None = None) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{run.port}{path}", data=data, method=method,
+                                 headers={"Authorization": f"Bearer {run.token}"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+    except (urllib.error.URLError, OSError):
+        return 0, {}
+
+
+def wait_state(run: TrainRun, name: str, done, timeout_s: float = 180.0) -> dict:
+    """Bounded: GET /adapter_runs/{name} until `done(state)`."""
+    deadline = time.monotonic() + timeout_s
+    state: dict = {}
+    while time.monotonic() < deadline:
+        assert run.running(), run.output[-3000:]
+        code, state = api(run, "GET", f"/adapter_runs/{name}")
+        if code == 200 and done(state):
+            return state
+        time.sleep(0.2)
+    pytest.fail(f"adapter {name} never reached the state asked for; last {state}\n{run.output[-2000:]}")
+
+
+@pytest.mark.slow
+def test_service_mode_registers_retires_and_reuses_a_slot(toy_dir, tmp_path):
+    data = str(toy_dir / "train.parquet")
+    run = TrainRun(toy_dir, tmp_path, "--time-limit", "400",
+                   config=job_file(toy_dir, tmp_path, [], max_adapters=1))
+    try:
+        adapter = {"rank": 8, "numSteps": 1000,
+                   "data": {"path": data, "rewardType": "custom", "customRewardPath": "toy_rewards.odd_first_digit"}}
+        deadline = time.monotonic() + 120
+        while (state := api(run, "GET", "/adapter_runs/state"))[0] != 200 and time.monotonic() < deadline:
+            assert run.running(), run.output[-3000:]
+            time.sleep(0.2)
+        assert state[1]["active"] == 0  # a service starts idle
+        code, a = api(run, "POST", "/adapter_runs", {"name": "a", "config": adapter})
+        assert code == 201 and a["slot"] == 0, a
+        code, full = api(run, "POST", "/adapter_runs", {"name": "b", "config": adapter})
+        assert code == 409 and "no free slot" in full["error"]
+        wait_state(run, "a", lambda s: s["phase"] == "Training" and s["step"] >= 2)
+        code, retiring = api(run, "DELETE", "/adapter_runs/a")
+        assert code == 202 and retiring["phase"] in ("Retiring", "Retired")
+        done = wait_state(run, "a", lambda s: s["phase"] == "Retired")
+        assert done["slot"] is None and done["exportPath"]
+        assert (Path(done["exportPath"]) / "adapter_model.safetensors").is_file()
+        retired = [e for e in run.events("adapter_retired") if e["adapter"] == "a"]
+        assert retired and all(v == 0 for v in retired[0]["in_flight_left"].values()), retired
+        code, b = api(run, "POST", "/adapter_runs", {"name": "b", "config": adapter})
+        assert code == 201 and b["slot"] == 0  # a's slot
+        wait_state(run, "b", lambda s: s["phase"] == "Training" and s["step"] >= 1)
+        assert api(run, "GET", "/status")[1]["activeAdapters"] == 1
+    finally:
+        run.kill()

@@ -1,0 +1,171 @@
+"""Multi-LoRA training on the torch backend: adapter slots (lora/slots.py) on the backend's one frozen base, each
+with its own AdamW, step count, gradient clipping and version.
+
+A train call takes whole adapter batches (rolloutBatchSize prompt groups of nSamplesPerPrompt each, from one
+adapter): each is accumulated into its slot's gradients micro-batch by micro-batch — every sample with weight
+1 / the adapter's global batch (algorithm/grpo.py `num_samples`), a constant known in advance — and the slot's
+optimizer steps when its batch is full. The adapters in one call never touch each other's Parameters, RNG or
+optimizer, so an adapter trained beside others gets the update it would get alone (tests/e2e/test_multi_lora.py
+measures it). With data parallelism each rank takes its share of every adapter batch and the slot's gradients
+are summed over the ranks before its step (config rule 9 makes the shares even).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
+from kora_trainer.backends.batch import RolloutBatch, pad
+from kora_trainer.backends.torch_backend import TorchBackend, _clip_grad_norm
+from kora_trainer.config.adapter_runs import AdapterSettings
+from kora_trainer.lora.model import adapter_disabled, adapter_tensors, peft_config_dict
+from kora_trainer.lora.slots import AdapterSlots, Slot
+
+
+@dataclass(frozen=True)
+class AdapterStepMetrics:
+    """One optimizer step of one adapter."""
+
+    name: str
+    step: int  # its optimizer steps after this one (= its version)
+    reward_mean: float
+    samples: int
+    loss: float
+    clip_frac: float
+    kl: float
+    grad_norm: float
+    response_len: float
+    rollout_logp_gap_max: float | None  # engine vs trainer on the sampled tokens (None: rollouts of an older version)
+    rollout_version_lag: int
+    train_ms: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Adapter:
+    settings: AdapterSettings
+    slot: Slot
+    optimizer: torch.optim.Optimizer
+    step: int = 0
+
+
+class MultiLoRATrainer:
+    def __init__(self, backend: TorchBackend):
+        self.backend = backend
+        self.slots = AdapterSlots(backend.model)
+        self.adapters: dict[str, _Adapter] = {}
+
+    # ---- slots ----------------------------------------------------------------------------------------
+
+    def add(self, settings: AdapterSettings) -> None:
+        slot = self.slots.add(settings.name, settings.rank, settings.alpha, settings.seed)
+        opt = torch.optim.AdamW(slot.params, lr=settings.lr, weight_decay=0.0)
+        self.adapters[settings.name] = _Adapter(settings, slot, opt)
+
+    def remove(self, name: str) -> None:
+        """Its slot cleared: factors, optimizer state and any gradient it held are dropped."""
+        self.adapters.pop(name)
+        self.slots.remove(name)
+
+    def names(self) -> list[str]:
+        return list(self.adapters)
+
+    # ---- training --------------------------------------------------------------------------------------
+
+    def train(self, batches: dict[str, RolloutBatch]) -> list[AdapterStepMetrics]:
+        """One optimizer step for each adapter whose whole batch is given."""
+        return [self._train_one(self.adapters[name], batch) for name, batch in batches.items()]
+
+    def _train_one(self, a: _Adapter, batch: RolloutBatch) -> AdapterStepMetrics:
+        t0 = time.monotonic()
+        b, s = self.backend, a.settings
+        alg = b.cfg.algorithm
+        if len(batch) != s.global_batch_size:
+            raise ValueError(f"adapter {s.name}: a train batch of {len(batch)} samples, not its "
+                             f"rolloutBatchSize x nSamplesPerPrompt = {s.global_batch_size}")
+        p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, b.pad_id)
+        mask = p.response_mask.to(b.device)  # [B, R]
+        adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(b.device)  # [B]
+        temperature = alg.temperature if alg.temperature > 0 else 1.0
+        served = [int(v) for v in batch.weight_versions if v is not None and v.isdigit()]
+        on_policy = bool(served) and len(served) == len(batch) and all(v == a.step for v in served)
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
+        gap_max = 0.0
+        with self.slots.active(s.name) as slot:
+            with torch.no_grad():
+                old = p.rollout_logp.to(b.device) if temperature == 1.0 else b._token_logp(p, temperature)
+                ref = None
+                if alg.kl_coef > 0:
+                    with adapter_disabled(b.model):
+                        ref = b._token_logp(p, temperature)
+            b.model.train()  # LoRA dropout on (from the slot's own RNG stream)
+            a.optimizer.zero_grad(set_to_none=True)
+            for mb in b.dp.share(torch.arange(len(batch))).split(b.micro_batch_size):
+                mbd = mb.to(b.device)
+                logp = b._token_logp(p.select(mb), temperature)  # [b, R]
+                out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
+                                None if ref is None else ref[mbd], alg.kl_coef, num_samples=s.global_batch_size)
+                out.loss.backward()
+                share = len(mb) / s.global_batch_size
+                sums["loss"] += out.pg_loss
+                sums["kl"] += out.kl
+                sums["clip_frac"] += out.clip_frac * share
+                if on_policy:
+                    gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
+                    gap_max = max(gap_max, float(gap.max()))
+            b.model.eval()
+            b.dp.allreduce_grads(slot.params)
+            grad_norm = _clip_grad_norm(slot.params, b.max_grad_norm)
+            a.optimizer.step()
+            a.optimizer.zero_grad(set_to_none=True)
+        a.step += 1
+        loss, kl, clip_frac = b.dp.sum([sums["loss"], sums["kl"], sums["clip_frac"]])
+        return AdapterStepMetrics(
+            name=s.name, step=a.step, reward_mean=float(torch.tensor(batch.rewards).mean()), samples=len(batch),
+            loss=loss, clip_frac=clip_frac, kl=kl, grad_norm=grad_norm,
+            response_len=float(p.response_mask.sum() / len(batch)),
+            rollout_logp_gap_max=b.dp.max(gap_max) if on_policy else None,
+            rollout_version_lag=a.step - 1 - min(served) if served else 0,
+            train_ms=round((time.monotonic() - t0) * 1000, 1))
+
+    # ---- what leaves the trainer: the adapter's tensors and its PEFT config --------------------------------
+
+    def adapter_named(self, name: str) -> list[tuple[str, torch.Tensor]]:
+        """Its factors under HF-PEFT names (live storage), the optimizer's order."""
+        with self.slots.active(name):
+            return adapter_tensors(self.backend.model)
+
+    def peft_config(self, name: str) -> dict[str, Any]:
+        from pathlib import Path
+
+        s = self.adapters[name].settings
+        spec = self.backend.cfg.lora.model_copy(update={"rank": s.rank, "alpha": s.alpha})
+        with self.slots.active(name):
+            return peft_config_dict(self.backend.model, spec, str(Path(self.backend.cfg.model.path).resolve()))
+
+    @torch.no_grad()
+    def logprobs(self, name: str, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        """Raw (T=1) log-probs of each response token under adapter `name`, as an engine reports them."""
+        with self.slots.active(name):
+            return self.backend.logprobs(prompts, responses)
+
+    # ---- checkpoints: the slot's factors, AdamW state, step and RNG ----------------------------------------
+
+    def state(self, name: str) -> dict[str, Any]:
+        a = self.adapters[name]
+        return {"tensors": {n: t.detach().cpu().clone() for n, t in self.adapter_named(name)},
+                "optimizer": a.optimizer.state_dict(), "step": a.step, "rng": a.slot.rng.clone()}
+
+    def load_state(self, name: str, state: dict[str, Any]) -> None:
+        a = self.adapters[name]
+        with torch.no_grad():
+            for n, t in self.adapter_named(name):
+                t.copy_(state["tensors"][n])
+        a.optimizer.load_state_dict(state["optimizer"])
+        a.step, a.slot.rng = int(state["step"]), state["rng"]

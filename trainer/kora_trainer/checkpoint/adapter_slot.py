@@ -1,0 +1,68 @@
+"""One multi-LoRA adapter's resumable checkpoint: `<checkpoint.path>/adapters/<name>/checkpoint/`.
+
+LoRA-only, like the single-adapter checkpoint: its factors (adapter.safetensors, HF-PEFT names), its AdamW state,
+its step, its dropout RNG stream and its data position (state.pt), and a meta.json. Written into a temp dir and
+renamed over the previous one, so a torn write never replaces a good checkpoint; the base is reloaded from
+model.path on resume. Its HF-PEFT export goes beside it (`<name>/lora_adapter/`, checkpoint/peft_export.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+CHECKPOINT_DIR = "checkpoint"
+
+
+def adapter_root(root: str | Path, name: str) -> Path:
+    return Path(root) / "adapters" / name
+
+
+def save_slot(root: str | Path, name: str, state: dict[str, Any], data_position: int,
+              meta: dict[str, Any]) -> Path:
+    """Write `state` (MultiLoRATrainer.state: tensors, optimizer, step, rng) atomically; returns the directory."""
+    home = adapter_root(root, name)
+    home.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_DIR}.tmp-", dir=home))
+    try:
+        save_file({k: v.contiguous() for k, v in state["tensors"].items()}, str(tmp / "adapter.safetensors"))
+        torch.save({"optimizer": state["optimizer"], "step": state["step"], "rng": state["rng"],
+                    "data_position": data_position}, tmp / "state.pt")
+        (tmp / "meta.json").write_text(json.dumps({**meta, "name": name, "step": state["step"],
+                                                   "data_position": data_position}, indent=1) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        final = home / CHECKPOINT_DIR
+        old = home / f".{CHECKPOINT_DIR}.old"
+        if final.exists():  # the previous checkpoint stays whole until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def load_slot(root: str | Path, name: str) -> tuple[dict[str, Any], int] | None:
+    """(state for MultiLoRATrainer.load_state, data position) of its checkpoint, or None when it has none."""
+    home = adapter_root(root, name)
+    d = home / CHECKPOINT_DIR
+    if not (d / "state.pt").is_file():
+        old = home / f".{CHECKPOINT_DIR}.old"  # a crash between the two renames leaves only the old one
+        if not (old / "state.pt").is_file():
+            return None
+        d = old
+    extra = torch.load(d / "state.pt", weights_only=False)
+    state = {"tensors": load_file(str(d / "adapter.safetensors")), "optimizer": extra["optimizer"],
+             "step": extra["step"], "rng": extra["rng"]}
+    return state, int(extra["data_position"])

@@ -1,0 +1,119 @@
+"""The workers of a multi-adapter job (multiLora.maxAdapters > 0): the trainer ranks with adapter slots and the
+rollout manager with per-adapter data. `cluster.launch` picks these classes for such a job; the driver is
+train_multi_lora.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kora_trainer.backends.batch import RolloutBatch
+from kora_trainer.backends.multi_lora import AdapterStepMetrics, MultiLoRATrainer
+from kora_trainer.backends.torch_backend import TorchBackend
+from kora_trainer.config import ConfigError
+from kora_trainer.config.adapter_runs import AdapterSettings
+from kora_trainer.orchestration.adapter_rollout import AdapterRollouts
+from kora_trainer.orchestration.workers import RolloutWorker, TrainWorker
+from kora_trainer.sync.sender import SyncReport
+
+
+class MultiLoRAWorker(TrainWorker):
+    """One trainer rank holding every adapter's slot; every call is made on every rank (collectives)."""
+
+    multi: MultiLoRATrainer
+
+    def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
+        info = super().setup(master_address, master_port)
+        if not isinstance(self.backend, TorchBackend):
+            raise ConfigError([f"multiLora.maxAdapters {self.cfg.multi_lora.max_adapters}: multi-LoRA trains on the "
+                               f"torch backend so far, not {type(self.backend).__name__}: set backend: torch"])
+        self.multi = MultiLoRATrainer(self.backend)
+        return info
+
+    def connect(self, engine_urls: list[str], kind: str, host: str = "127.0.0.1",
+                admin_api_key: str | None = None) -> str:
+        from kora_trainer.sync.slot_sender import SlotSender
+
+        kind_made = super().connect(engine_urls, kind, host, admin_api_key)
+        transport = getattr(self.sender, "transport", None)
+        # the fast path plans one adapter; the slots go over the HTTP routes (selective, per adapter)
+        self.sender = SlotSender(self.multi.backend.model, self.cfg, transport, trainer_group=self.multi.backend.group)
+        return kind_made
+
+    def push_base(self) -> SyncReport:
+        report: SyncReport = self.sender.push_base()
+        return report
+
+    def add_adapter(self, settings: AdapterSettings, root: str | None) -> dict[str, Any]:
+        """Its slot (restored from its checkpoint under root when it has one): {"step", "data_position"}."""
+        from kora_trainer.checkpoint.adapter_slot import load_slot
+
+        self.multi.add(settings)
+        saved = load_slot(root, settings.name) if root else None
+        if saved is None:
+            return {"step": 0, "data_position": 0}
+        state, position = saved
+        self.multi.load_state(settings.name, state)
+        return {"step": int(state["step"]), "data_position": position}
+
+    def remove_adapter(self, name: str) -> None:
+        self.multi.remove(name)
+
+    def train_adapters(self, batches: dict[str, RolloutBatch]) -> list[AdapterStepMetrics]:
+        return self.multi.train(batches)
+
+    def publish(self, name: str) -> SyncReport:
+        """Push adapter `name` at its step (its version)."""
+        config = self.multi.peft_config(name)
+        step = self.multi.adapters[name].step
+        with self.multi.slots.active(name):
+            report: SyncReport = self.sender.publish(name, step, config)
+        return report
+
+    def retire_on_engines(self, name: str) -> dict[str, Any]:
+        out: dict[str, Any] = self.sender.retire(name)
+        return out
+
+    def adapter_logprobs(self, name: str, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
+        return self.multi.logprobs(name, prompts, responses)
+
+    def adapter_factors(self, name: str) -> dict[str, Any]:
+        """Its factors (CPU copies), for tests and tools comparing adapters."""
+        return {n: t.detach().cpu().clone() for n, t in self.multi.adapter_named(name)}
+
+    def save_adapter(self, name: str, root: str, data_position: int, meta: dict[str, Any]) -> str:
+        from kora_trainer.checkpoint.adapter_slot import save_slot
+
+        return str(save_slot(root, name, self.multi.state(name), data_position, meta))
+
+    def export_adapter(self, name: str, root: str, meta: dict[str, Any]) -> str:
+        from kora_trainer.checkpoint.adapter_slot import adapter_root
+        from kora_trainer.checkpoint.peft_export import export_peft
+
+        a = self.multi.adapters[name]
+        s = a.settings
+        info = {"format": "kora-multi-lora-adapter", "base_model": str(Path(self.cfg.model.path).resolve()),
+                "name": name, "step": a.step, "rank": s.rank, "alpha": s.alpha, "sync_mode": "Adapter", **meta}
+        return str(export_peft(adapter_root(root, name), dict(self.multi.adapter_named(name)),
+                               self.multi.peft_config(name), info))
+
+
+class AdapterRolloutWorker(RolloutWorker):
+    """The rollout manager with per-adapter data; its calls run concurrently (one Ray thread each), so the
+    adapters generate at once and a retirement's abort reaches requests that are in flight."""
+
+    def __init__(self, cfg: Any, engine_urls: list[str]):
+        super().__init__(cfg, engine_urls)
+        self.adapters = AdapterRollouts(self.rollout)
+
+    def add_adapter(self, settings: AdapterSettings, position: int, version: int) -> int:
+        return self.adapters.add(settings, position, version)
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.remove(name)
+
+    def published(self, name: str, version: int) -> None:
+        self.adapters.published(name, version)
+
+    def generate_adapter(self, name: str, step: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
+        return self.adapters.generate(name, step)

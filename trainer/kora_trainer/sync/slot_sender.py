@@ -1,0 +1,105 @@
+"""Selective sync for multi-LoRA: the base once, then each adapter that stepped under its own name.
+
+Multi-adapter jobs are Adapter mode (a merged model cannot hold several adapters). `push_base` sends the frozen
+base once; `publish(name, version, config)` — called while that adapter's slot is active (lora/slots.py), so
+the model's LoRA views read its factors — pushes only its tensors, bucketed as Adapter mode always is, over the
+weight-update group (`load_lora_adapter_from_distributed`: the engine publishes a new immutable version under the
+name, tagged `version`, while the other adapters keep generating) or in memory (unload + load of that name;
+the rollout manager tags those rollouts with the version it knows). Adapters that did not step are not pushed,
+so their versions stay where they were. Delta-skip is per adapter (its own tracker), decided over every rank.
+
+`retire(name)` aborts the adapter's requests on every engine by its request-id prefix `<name>::` (sglang-miles
+#30912's spelling), waits (bounded) until no engine holds one where the engine can say (the reference engine's
+GET /kora/state), and unloads it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from kora_trainer.lora import adapter_tensors
+from kora_trainer.sync.delta import DeltaTracker, should_push
+from kora_trainer.sync.sender import RunningChecksum, SyncReport, WeightSender
+from kora_trainer.wire.engine_client import EngineClient, EngineError
+
+RETIRE_WAIT_S = 30.0
+
+
+def rid_prefix(name: str) -> str:
+    """Every request of adapter `name` has the id `<name>::<uuid>`."""
+    return f"{name}::"
+
+
+class SlotSender(WeightSender):
+    trackers: dict[str, DeltaTracker]
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.trackers = {}
+
+    @property
+    def clients(self) -> list[EngineClient]:
+        return list(self.transport.clients) if self.transport is not None else []
+
+    def push_base(self) -> SyncReport:
+        """The frozen base, once (adapters are kept out of it: every slot is off outside `active`)."""
+        t0 = time.perf_counter()
+        checksum = RunningChecksum()
+        nbytes = nbuckets = 0
+        if self.transport is not None:
+            nbytes, nbuckets = self._push_weights(self.base_source(), 0, checksum, {})
+        ms = (time.perf_counter() - t0 - checksum.seconds) * 1000
+        return SyncReport(mode="Adapter", transport=self._transport_kind(), pushed=True, bytes=nbytes,
+                          ms=round(ms, 2), adapter_version=0, buckets=nbuckets, what="base",
+                          checksum=checksum.hexdigest() if self.transport is not None else None)
+
+    def publish(self, name: str, version: int, config: dict[str, Any]) -> SyncReport:
+        """Push adapter `name` at `version` (or skip it, collectively). Its slot must be active."""
+        t0 = time.perf_counter()
+        tracker = self.trackers.setdefault(name, DeltaTracker())
+        adapter = adapter_tensors(self.model)
+        first = not tracker.ever_pushed
+        push, delta = should_push(tracker, adapter, self.threshold, self.trainer_group)
+        if not push:
+            return SyncReport.skip("Adapter", self._transport_kind(), version, delta)
+        checksum = RunningChecksum()
+        nbytes = nbuckets = 0
+        if self.transport is not None:
+            self.adapter_name, self.adapter_config = name, config
+            nbytes, nbuckets = self._push_adapter(self.adapter_source(), version, checksum)
+        tracker.mark_pushed(adapter)
+        ms = (time.perf_counter() - t0 - checksum.seconds) * 1000
+        return SyncReport(mode="Adapter", transport=self._transport_kind(), pushed=True, bytes=nbytes,
+                          ms=round(ms, 2), adapter_version=version, buckets=nbuckets, what="adapter",
+                          max_delta=None if first else delta,
+                          checksum=checksum.hexdigest() if self.transport is not None else None)
+
+    def retire(self, name: str, wait_s: float = RETIRE_WAIT_S) -> dict[str, Any]:
+        """Abort its requests everywhere, wait for none in flight (bounded, where the engine reports it), unload."""
+        t0 = time.monotonic()
+        for c in self.clients:
+            c.abort_request(rid_prefix(name), prefix=True)
+        left = {c.base_url: self._wait_drained(c, name, t0 + wait_s) for c in self.clients}
+        for c in self.clients:
+            try:
+                c.unload_lora_adapter(name)
+            except EngineError as e:
+                if "does not exist" not in e.message and "not loaded" not in e.message:
+                    raise
+        self.trackers.pop(name, None)
+        self._loaded.discard(name)
+        return {"in_flight_left": left, "ms": round((time.monotonic() - t0) * 1000, 1)}
+
+    @staticmethod
+    def _wait_drained(c: EngineClient, name: str, deadline: float) -> int | None:
+        """Its requests still in flight on `c` when the wait ended (None: the engine cannot say, SGLang)."""
+        prefix = rid_prefix(name)
+        while True:
+            try:
+                held = int(c.kora_state().get("in_flight_by_rid_prefix", {}).get(prefix, 0))
+            except EngineError:
+                return None
+            if held == 0 or time.monotonic() > deadline:
+                return held
+            time.sleep(0.02)  # polling an engine's counter, bounded by the deadline above
