@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: demo nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: demo multi-lora-curves bench-multi-lora nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -28,6 +28,12 @@ test: setup testbin  ## unit + integration tests against a real local control pl
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+multi-lora-curves: setup  ## two adapters on the toy at once for 8 minutes: both reward curves (bench/multi_lora.py --curves)
+	$(PY) bench/multi_lora.py --curves --out bench/results/multi_lora_curves_cpu_$$(date +%F).json
+
+bench-multi-lora: setup  ## multi-LoRA sync bytes/ms and generation throughput at 1, 2 and 4 adapters, as ratios to 1
+	$(PY) bench/multi_lora.py --out bench/results/multi_lora_scaling_cpu_$$(date +%F).json
 
 nettrace: setup testbin  ## `make demo` under strace: every network destination its processes reached (hack/nettrace.py)
 	$(PY) hack/nettrace.py -- $(PY) hack/demo.py --steps 40

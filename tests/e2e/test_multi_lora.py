@@ -153,3 +153,31 @@ def test_service_mode_registers_retires_and_reuses_a_slot(toy_dir, tmp_path):
         assert api(run, "GET", "/status")[1]["activeAdapters"] == 1
     finally:
         run.kill()
+
+
+@pytest.mark.slow
+def test_a_restarted_job_resumes_every_adapter_where_its_checkpoint_left_it(toy_dir, tmp_path):
+    """Killed after an adapter's first checkpoint, the job started again brings back both adapters (slots, AdamW
+    state, step, data position, RNG) and ends exactly where the uninterrupted job ends."""
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 12},
+                {"name": "even", "rank": 8, "numSteps": 12, "seed": 7, "data": {**EVEN, "path": data}}]
+    over = {"checkpoint": {"interval": 3}}
+    straight = TrainRun(toy_dir, tmp_path / "straight", config=job_file(toy_dir, tmp_path / "straight", adapters,
+                                                                       **over))
+    first = TrainRun(toy_dir, tmp_path / "crash", config=job_file(toy_dir, tmp_path / "crash", adapters, **over))
+    deadline = time.monotonic() + 300
+    while not {e["adapter"] for e in first.events("adapter_checkpoint")} >= {"odd", "even"}:
+        assert first.running() and time.monotonic() < deadline, first.output[-3000:]
+        time.sleep(0.1)
+    first.kill()  # a crash: no goodbye, the registry file and the checkpoints are what is left
+    saved = {e["adapter"]: e["step"] for e in first.events("adapter_checkpoint")}
+    again = TrainRun(toy_dir, tmp_path / "crash-2", config=tmp_path / "crash" / "job.yaml")
+    wait_all([straight, again])
+    resumed = {e["adapter"]: e["step"] for e in again.events("adapter_loaded")}
+    assert resumed and all(resumed[n] >= 3 and resumed[n] <= saved[n] + 3 for n in resumed), (resumed, saved)
+    summary = again.summary()["adapters"]
+    assert {n: a["step"] for n, a in summary.items()} == {"odd": 12, "even": 12}
+    for name in ("odd", "even"):
+        mine, ref = factors(tmp_path / "crash" / "ckpt", name), factors(tmp_path / "straight" / "ckpt", name)
+        assert all(bool((mine[k] == ref[k]).all()) for k in ref), name

@@ -159,3 +159,10 @@ def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1,
     info["rows"] = write_dataset(out / dataset)
     (out / "toy.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
+
+
+def units_digit_reward(sample: Any) -> float:
+    """A second toy task for multi-LoRA demos (data.rewardType custom, customRewardPath
+    kora_trainer.toy.units_digit_reward): 1 when the answer's units digit is right, whatever the others are."""
+    answer = sample.response[:ANSWER_LEN]
+    return 1.0 if len(answer) == ANSWER_LEN and answer[-1] == sample.label[-1] else 0.0

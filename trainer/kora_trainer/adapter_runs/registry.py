@@ -33,7 +33,7 @@ from kora_trainer.config.adapter_runs import (
     AdapterSettings,
     resolve,
 )
-from kora_trainer.config.sections import AdapterRunConfig
+from kora_trainer.config.sections import POLICY_ADAPTER, AdapterRunConfig
 from kora_trainer.config.status import CheckpointProgress, SyncProgress, rfc3339
 
 
@@ -77,8 +77,6 @@ class AdapterRegistry:
         problems = adapter_problems(self.cfg, name=name, rank=config.rank,
                                     rollout_batch_size=config.rollout_batch_size or alg.rollout_batch_size,
                                     n_samples_per_prompt=config.n_samples_per_prompt or alg.n_samples_per_prompt)
-        from kora_trainer.sync.sender import POLICY_ADAPTER  # torch: imported when an adapter registers
-
         if name in (POLICY_ADAPTER, "state"):  # the single-adapter jobs' engine adapter; a route of the API
             raise RegistryError(400, f"name {name} is reserved: pick another name")
         if problems:

@@ -251,6 +251,7 @@ class CheckpointSpec(CamelModel):
 
 
 ADAPTER_NAME = r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"  # a DNS label (dots allowed): the LoRAAdapter's name
+POLICY_ADAPTER = "kora-policy"  # SPEC's fixed name of the one adapter a single-adapter Adapter-mode job serves
 
 
 class AdapterRunConfig(CamelModel):

@@ -58,7 +58,6 @@ from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 
 SGLANG_VERSION = "0.5.23"
 SGLANG_REQUIREMENT = f"sglang=={SGLANG_VERSION}"
-POLICY_ADAPTER = "kora-policy"
 COLOCATE_MEM_FRACTION = 0.5
 
 

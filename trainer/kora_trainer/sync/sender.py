@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from kora_trainer.config import SyncMode, TrainerConfig
+from kora_trainer.config.sections import POLICY_ADAPTER
 from kora_trainer.lora import adapter_parameters, adapter_tensors, peft_config_dict
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.fast import Entry, GatherSpec
@@ -41,8 +42,8 @@ from kora_trainer.wire.group import WeightUpdateGroup
 from kora_trainer.wire.protocol import FLAT, Bucket, plan_buckets, tensor_digest
 from kora_trainer.wire.protocol import checksum as protocol_checksum
 
-POLICY_ADAPTER = "kora-policy"
 Named = tuple[str, torch.Tensor]
+__all__ = ["POLICY_ADAPTER", "SyncReport", "WeightSender"]
 
 
 @dataclass
