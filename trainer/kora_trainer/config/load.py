@@ -38,10 +38,12 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> list[str]
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """`lora.syncMode=Adapter algorithm.numSteps=20` -> nested keys; values parsed as YAML."""
+    """`lora.syncMode=Adapter algorithm.numSteps=20` -> nested keys; values parsed as YAML. `key+=[...]` appends
+    the list's items to the list at key (multiLora.adapters+=[{name: a, ...}])."""
     out: dict[str, Any] = json.loads(json.dumps(data))  # deep copy; inputs are plain YAML data
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key, append = key.removesuffix("+"), key.endswith("+")
         if not sep or not key:
             raise ConfigError([f"override {item!r}: write it as dotted.key=value, e.g. lora.syncMode=Adapter"])
         node = out
@@ -50,7 +52,14 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError([f"override {item!r}: {part} is not a section"])
-        node[parts[-1]] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
+        if append:
+            have = node.get(parts[-1]) or []
+            if not isinstance(have, list) or not isinstance(value, list):
+                raise ConfigError([f"override {item!r}: += appends a list to a list: write {key}+=[item, ...], or "
+                                   f"{key}=value to replace"])
+            value = [*have, *value]
+        node[parts[-1]] = value
     return out
 
 
