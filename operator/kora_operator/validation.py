@@ -15,7 +15,13 @@ from kora_operator.api.adapter import LoRAAdapter
 from kora_operator.api.job import LoRATrainingJob
 from kora_operator.api.rules import job_problems
 from kora_trainer.config.load import format_validation_error, read_hf_config
-from kora_trainer.config.rules import Problem, adapter_problems, model_problems, spec_problems
+from kora_trainer.config.rules import (
+    Problem,
+    adapter_problems,
+    model_problems,
+    spec_problems,
+    start_adapter_problems,
+)
 
 
 def _schema_problems(err: ValidationError) -> list[Problem]:
@@ -25,8 +31,8 @@ def _schema_problems(err: ValidationError) -> list[Problem]:
 def validate_job(
     doc: Mapping[str, Any], hf_config: Mapping[str, Any] | None = None
 ) -> tuple[LoRATrainingJob | None, list[Problem]]:
-    """Parse and check one LoRATrainingJob. config.json rules run when model.path is readable here
-    (or `hf_config` is given)."""
+    """Parse and check one LoRATrainingJob, its multiLora.adapters too. config.json rules run when model.path is
+    readable here (or `hf_config` is given)."""
     try:
         job = LoRATrainingJob.model_validate(doc)
     except ValidationError as e:
@@ -34,7 +40,8 @@ def validate_job(
     spec = job.spec
     if hf_config is None:
         hf_config = read_hf_config(spec.model.path)
-    return job, spec_problems(spec) + job_problems(spec) + model_problems(spec, hf_config)
+    problems = spec_problems(spec) + job_problems(spec) + start_adapter_problems(spec)
+    return job, problems + model_problems(spec, hf_config)
 
 
 def validate_adapter(

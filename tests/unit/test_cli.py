@@ -47,6 +47,17 @@ def test_validate_reports_each_problem_and_exits_1(tmp_path: Path):
     assert "LoRATrainingJob/b: error: lora.targetModules contains router" in result.stderr
 
 
+def test_validate_checks_the_adapters_a_job_lists(tmp_path: Path):
+    adapters = [{"name": "a", "rank": 64, "data": {"path": "/d.parquet"}},
+                {"name": "a", "rank": 4, "data": {"path": "/d.parquet"}}]
+    doc = valid_job(lora={"rank": 8, "syncMode": "Adapter"}, multiLora={"maxAdapters": 1, "adapters": adapters})
+    result = kora("validate", write(tmp_path, doc))
+    assert result.returncode == 1
+    assert "error: multiLora.adapters lists 2 adapters and multiLora.maxAdapters is 1" in result.stderr
+    assert "error: multiLora.adapters names a 2 times" in result.stderr
+    assert "error: multiLora.adapters[0] (a): rank 64 exceeds the job's lora.rank 8" in result.stderr
+
+
 def test_validate_warns_without_failing_when_no_mode(tmp_path: Path):
     doc = valid_job()
     del doc["spec"]["lora"]["syncMode"]

@@ -160,6 +160,63 @@ def test_adapter_on_a_single_adapter_job_is_rejected():
     assert "adapter-needs-multi-lora" in [p.rule for p in problems]
 
 
+def _start_job(adapters, max_adapters=2, **extra):
+    """A multi-LoRA job (dp 2, rank 32, 8 groups x 4) that lists `adapters` in multiLora.adapters."""
+    doc = valid_job(multiLora={"maxAdapters": max_adapters, "adapters": adapters})
+    for k, v in {"lora.syncMode": "Adapter", "lora.rank": 32, "parallelism.data": 2,
+                 "algorithm.rolloutBatchSize": 8, "algorithm.nSamplesPerPrompt": 4, **extra}.items():
+        doc = set_path(doc, k, v)
+    return doc
+
+
+def start_adapter(name, **spec):
+    return {"name": name, "rank": 16, "data": {"path": "/d.parquet"}, **spec}
+
+
+def test_adapters_at_start_that_fit_pass():
+    assert errors(_start_job([start_adapter("a"), start_adapter("b", rolloutBatchSize=4)])) == []
+
+
+def test_adapters_at_start_pass_rule9_naming_their_entry():
+    found = errors(_start_job([start_adapter("a"), start_adapter("b", rank=64, nSamplesPerPrompt=3)]))
+    assert [(p.rule, p.field) for p in found] == [("adapter-rank", "multiLora.adapters[1].rank"),
+                                                  ("adapter-samples-dp", "multiLora.adapters[1].nSamplesPerPrompt")]
+    assert found[0].message.startswith("multiLora.adapters[1] (b): rank 64 exceeds the job's lora.rank 32")
+    assert "lower the adapter's rank or raise the job's lora.rank" in found[0].message
+
+
+def test_adapters_at_start_need_a_slot_each():
+    found = errors(_start_job([start_adapter("a"), start_adapter("b"), start_adapter("c")]))
+    assert [p.rule for p in found] == ["start-adapters-fit"]
+    assert found[0].message.startswith("multiLora.adapters lists 3 adapters and multiLora.maxAdapters is 2")
+    assert "raise multiLora.maxAdapters to 3" in found[0].message
+    assert errors(_start_job([start_adapter("a"), start_adapter("b"), start_adapter("c")], 3)) == []
+
+
+def test_adapters_at_start_need_multi_lora_on():
+    found = errors(_start_job([start_adapter("a")], 0))
+    assert [p.rule for p in found] == ["start-adapters-need-slots"]
+    assert found[0].message == ("multiLora.adapters lists 1 adapter and multiLora.maxAdapters is 0 (multi-LoRA off, "
+                                "no slots): set multiLora.maxAdapters to 1 or more, or remove multiLora.adapters")
+
+
+def test_adapters_at_start_have_unique_names():
+    found = errors(_start_job([start_adapter("a"), start_adapter("a", rank=8)]))
+    assert [(p.rule, p.field) for p in found] == [("start-adapter-names", "multiLora.adapters")]
+    assert found[0].message.startswith("multiLora.adapters names a 2 times (multiLora.adapters[0] (a), "
+                                       "multiLora.adapters[1] (a)):")
+    assert "rename or remove the repeats" in found[0].message
+
+
+def test_kora_trainer_checks_adapters_at_start_too():
+    from kora_trainer.config import ConfigError, load_config
+    from kora_trainer.config.load import spec_of
+
+    spec = spec_of(_start_job([start_adapter("a", rank=64)]))
+    with pytest.raises(ConfigError, match=r"multiLora\.adapters\[0\] \(a\): rank 64 exceeds"):
+        load_config(None, base=spec)
+
+
 def test_schema_errors_name_the_field():
     doc = set_path(valid_job(), "lora.rank", 0)
     doc = set_path(doc, "lora.syncmode", "Adapter")  # misspelt

@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(prog="python -m kora_trainer.train", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="job YAML: a trainer spec or a whole LoRATrainingJob")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. lora.syncMode=Adapter")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. lora.syncMode=Adapter "
+                   "(key+=[...] appends to a list)")
     p.add_argument("--run-dir", default=None, help="logs and the control-plane token (default .kora/runs/<time>)")
     p.add_argument("--control-port", type=int, default=None, help="control-plane port (default $KORA_CONTROL_PORT "
                    "or 8068; 0 picks a free one)")
@@ -172,10 +173,11 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
     """The job's config with its overrides and seed flags (None: refused, the reason printed); with --make-toy
     the toy is made at model.path first when nothing is there."""
     from kora_trainer.config import ConfigError, load_config
-    from kora_trainer.config.flags import as_overrides, seed_flag_values
+    from kora_trainer.config.flags import as_overrides, origins, seed_flag_values
 
     try:
-        cfg, warnings = load_config(args.config, [*args.overrides, *as_overrides(seed_flag_values(args))])
+        flags = seed_flag_values(args)
+        cfg, warnings = load_config(args.config, [*args.overrides, *as_overrides(flags)], origins=origins(flags))
     except ConfigError as e:
         print(e, file=sys.stderr)
         return None

@@ -4,10 +4,12 @@ from kora_trainer.config.load import ConfigError, check, load_config, read_hf_co
 from kora_trainer.config.rules import (
     NO_SYNC_MODE_WARNING,
     SPEC_RULES,
+    AdapterOrigin,
     Problem,
     adapter_problems,
     model_problems,
     spec_problems,
+    start_adapter_problems,
 )
 from kora_trainer.config.sections import (
     MEGATRON_TO_HF,
@@ -31,8 +33,9 @@ from kora_trainer.config.trainer import Backend, TrainerConfig
 
 __all__ = [
     "MEGATRON_TO_HF", "MEGATRON_TO_SGLANG", "NO_SYNC_MODE_WARNING", "SPEC_RULES",
-    "AlgorithmSpec", "Backend", "CheckpointSpec", "ConfigError", "DataSpec", "DeploymentMode",
+    "AdapterOrigin", "AlgorithmSpec", "Backend", "CheckpointSpec", "ConfigError", "DataSpec", "DeploymentMode",
     "DeploymentSpec", "LoRASpec", "ModelSpec", "MultiLoRASpec", "ParallelismSpec", "Problem",
     "RolloutSpec", "Scope", "SyncMode", "SyncSpec", "TargetModule", "TrainerConfig",
     "adapter_problems", "check", "load_config", "model_problems", "read_hf_config", "spec_problems",
+    "start_adapter_problems",
 ]

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 from pydantic import ValidationError
 
-from kora_trainer.config.rules import Problem, model_problems, spec_problems
+from kora_trainer.config.rules import AdapterOrigin, Problem, model_problems, spec_problems, start_adapter_problems
 from kora_trainer.config.trainer import TrainerConfig
 
 
@@ -38,10 +38,12 @@ def format_validation_error(err: ValidationError, prefix: str = "") -> list[str]
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """`lora.syncMode=Adapter algorithm.numSteps=20` -> nested keys; values parsed as YAML."""
+    """`lora.syncMode=Adapter algorithm.numSteps=20` -> nested keys; values parsed as YAML. `key+=[...]` appends
+    the list's items to the list at key (multiLora.adapters+=[{name: a, ...}])."""
     out: dict[str, Any] = json.loads(json.dumps(data))  # deep copy; inputs are plain YAML data
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key, append = key.removesuffix("+"), key.endswith("+")
         if not sep or not key:
             raise ConfigError([f"override {item!r}: write it as dotted.key=value, e.g. lora.syncMode=Adapter"])
         node = out
@@ -50,7 +52,14 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError([f"override {item!r}: {part} is not a section"])
-        node[parts[-1]] = yaml.safe_load(raw)
+        value = yaml.safe_load(raw)
+        if append:
+            have = node.get(parts[-1]) or []
+            if not isinstance(have, list) or not isinstance(value, list):
+                raise ConfigError([f"override {item!r}: += appends a list to a list: write {key}+=[item, ...], or "
+                                   f"{key}=value to replace"])
+            value = [*have, *value]
+        node[parts[-1]] = value
     return out
 
 
@@ -82,16 +91,19 @@ def read_hf_config(model_path: str) -> dict[str, Any] | None:
     return loaded if isinstance(loaded, dict) else None
 
 
-def check(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None = None) -> list[Problem]:
-    """Every rule: spec-only ones, and config.json ones when the model is readable."""
+def check(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None = None,
+          origins: Sequence[AdapterOrigin] = ()) -> list[Problem]:
+    """Every rule: spec-only ones, the adapters given at start (`origins`: see start_adapter_problems), and
+    config.json ones when the model is readable."""
     if hf_config is None:
         hf_config = read_hf_config(cfg.model.path)
-    return spec_problems(cfg) + model_problems(cfg, hf_config)
+    return spec_problems(cfg) + start_adapter_problems(cfg, origins) + model_problems(cfg, hf_config)
 
 
-def load_config(path: str | Path | None, overrides: Iterable[str] = (),
-                base: Mapping[str, Any] | None = None) -> tuple[TrainerConfig, list[Problem]]:
-    """Parse, apply overrides, validate. Raises ConfigError on any error; returns warnings."""
+def load_config(path: str | Path | None, overrides: Iterable[str] = (), base: Mapping[str, Any] | None = None,
+                origins: Sequence[AdapterOrigin] = ()) -> tuple[TrainerConfig, list[Problem]]:
+    """Parse, apply overrides, validate. Raises ConfigError on any error; returns warnings. `origins` say where
+    the last multiLora.adapters entries were written (the trainer's --multi-lora-adapter flags)."""
     data: dict[str, Any] = dict(base or {})
     if path is not None:
         try:
@@ -106,7 +118,7 @@ def load_config(path: str | Path | None, overrides: Iterable[str] = (),
         cfg = TrainerConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from e
-    problems = check(cfg)
+    problems = check(cfg, origins=origins)
     errors = [p.message for p in problems if p.severity == "error"]
     if errors:
         raise ConfigError(errors)

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Literal
 
 from kora_trainer.config.layout import FIX_DATA_SEARCH, PARALLEL_MESSAGE, parallel_problems
@@ -266,6 +268,21 @@ def min_groups_per_dp_split(n_samples_per_prompt: int, dp_size: int) -> int:
     return dp_size // math.gcd(dp_size, n_samples_per_prompt)
 
 
+@dataclass(frozen=True)
+class AdapterOrigin:
+    """Where an adapter's config was written, so that a rule-9 message points there. `label` names the place
+    (default: the LoRAAdapter); `keys` respells the config's camelCase keys as that place spells them (the seed's
+    adapter.yaml is snake_case); `save` is the checkpoint directory a seed's adapter.yaml asks for, which must be
+    where kora writes the adapter (`<checkpoint.path>/adapters/<name>/`)."""
+
+    label: str
+    keys: Mapping[str, str] = field(default_factory=dict)
+    save: str | None = None
+
+    def key(self, camel: str) -> str:
+        return self.keys.get(camel, camel)
+
+
 def adapter_problems(
     cfg: TrainerConfig,
     *,
@@ -273,30 +290,94 @@ def adapter_problems(
     rank: int,
     rollout_batch_size: int,
     n_samples_per_prompt: int,
+    origin: AdapterOrigin | None = None,
 ) -> list[Problem]:
     """SPEC rule 9: may this adapter join this multi-LoRA job?"""
     problems: list[Problem] = []
     dp = cfg.parallelism.data
+    at = origin or AdapterOrigin(f"LoRAAdapter {name}")
+    label, key = at.label, at.key
     if rank > cfg.lora.rank:
         problems.append(Problem("adapter-rank", "rank",
-            f"LoRAAdapter {name}: rank {rank} exceeds the job's lora.rank {cfg.lora.rank} (the "
+            f"{label}: {key('rank')} {rank} exceeds the job's lora.rank {cfg.lora.rank} (the "
             f"largest rank a slot holds): lower the adapter's rank or raise the job's lora.rank"))
     if n_samples_per_prompt % dp and dp % n_samples_per_prompt:
         problems.append(Problem("adapter-samples-dp", "nSamplesPerPrompt",
-            f"LoRAAdapter {name}: nSamplesPerPrompt {n_samples_per_prompt} must divide, or be a "
+            f"{label}: {key('nSamplesPerPrompt')} {n_samples_per_prompt} must divide, or be a "
             f"multiple of, the trainer's data-parallel size {dp}: pick e.g. {dp} or "
             f"{max(1, math.gcd(dp, n_samples_per_prompt))}"))
     groups = min_groups_per_dp_split(n_samples_per_prompt, dp)
     if rollout_batch_size % groups:
         problems.append(Problem("adapter-batch-groups", "rolloutBatchSize",
-            f"LoRAAdapter {name}: rolloutBatchSize {rollout_batch_size} must be a multiple of "
+            f"{label}: {key('rolloutBatchSize')} {rollout_batch_size} must be a multiple of "
             f"{groups} (the fewest prompt groups whose samples split evenly across {dp} "
             f"data-parallel ranks): use e.g. {groups * max(1, rollout_batch_size // groups)}"))
     cap = cfg.multi_lora.max_adapter_global_batch_size or 4 * cfg.algorithm.effective_global_batch_size
     gbs = rollout_batch_size * n_samples_per_prompt
     if gbs > cap:
         problems.append(Problem("adapter-batch-cap", "rolloutBatchSize",
-            f"LoRAAdapter {name}: rolloutBatchSize x nSamplesPerPrompt = {gbs} exceeds the "
+            f"{label}: {key('rolloutBatchSize')} x {key('nSamplesPerPrompt')} = {gbs} exceeds the "
             f"job's cap {cap} (multiLora.maxAdapterGlobalBatchSize, default 4 x "
             f"algorithm.globalBatchSize): lower the adapter's batch or raise the cap"))
     return problems
+
+
+def start_adapter_problems(cfg: TrainerConfig, origins: Sequence[AdapterOrigin] = ()) -> list[Problem]:
+    """multiLora.adapters, the adapters a job trains from its start: slots for all of them, unique names, and
+    SPEC rule 9 for each (what registering them at start would refuse, said before anything starts). `origins`
+    describe the last len(origins) entries (the trainer's --multi-lora-adapter flags, appended after the job's
+    own); the others are named by their place in multiLora.adapters."""
+    adapters, slots = cfg.multi_lora.adapters, cfg.multi_lora.max_adapters
+    if not adapters:
+        return []
+    problems: list[Problem] = []
+    n = len(adapters)
+    if slots == 0:
+        problems.append(Problem("start-adapters-need-slots", "multiLora.maxAdapters",
+            f"multiLora.adapters lists {n} adapter{'s' if n > 1 else ''} and multiLora.maxAdapters is 0 "
+            f"(multi-LoRA off, no slots): set multiLora.maxAdapters to {n} or more, or remove multiLora.adapters"))
+    elif n > slots:
+        problems.append(Problem("start-adapters-fit", "multiLora.maxAdapters",
+            f"multiLora.adapters lists {n} adapters and multiLora.maxAdapters is {slots} (each adapter holds a slot "
+            f"while it trains): raise multiLora.maxAdapters to {n}, or list fewer adapters and register the rest "
+            f"once a slot frees (a LoRAAdapter, or POST /adapter_runs)"))
+    first = n - len(origins)
+    at = [AdapterOrigin(f"multiLora.adapters[{i}] ({a.name})") for i, a in enumerate(adapters[:first])]
+    at += list(origins)
+    for name in sorted({a.name for a in adapters}):
+        places = [at[i].label for i, a in enumerate(adapters) if a.name == name]
+        if len(places) > 1:
+            problems.append(Problem("start-adapter-names", "multiLora.adapters",
+                f"multiLora.adapters names {name} {len(places)} times ({', '.join(places)}): an adapter's name is "
+                f"its lora_path on the engines, its request-id prefix and its checkpoint directory, so each must be "
+                f"unique: rename or remove the repeats"))
+    alg = cfg.algorithm
+    for i, (a, origin) in enumerate(zip(adapters, at, strict=True)):
+        found = adapter_problems(cfg, name=a.name, rank=a.rank, origin=origin,
+                                 rollout_batch_size=a.rollout_batch_size or alg.rollout_batch_size,
+                                 n_samples_per_prompt=a.n_samples_per_prompt or alg.n_samples_per_prompt)
+        problems += [replace(p, field=f"multiLora.adapters[{i}].{p.field}") for p in found]
+        if origin.save is not None:
+            problems += _save_problems(cfg, i, a.name, origin)
+    return problems
+
+
+def _save_problems(cfg: TrainerConfig, index: int, name: str, origin: AdapterOrigin) -> list[Problem]:
+    """A seed adapter.yaml's `save`: kora writes adapter `name` under <checkpoint.path>/adapters/<name>/ and
+    nowhere else, so a save elsewhere is refused rather than ignored."""
+    assert origin.save is not None
+    save = os.path.normpath(os.path.abspath(origin.save))
+    written = os.path.join(os.path.abspath(cfg.checkpoint.path), "adapters", name) if cfg.checkpoint.path else None
+    if written is not None and os.path.normpath(written) == save:
+        return []
+    where = f"for this job {os.path.normpath(written)}/" if written is not None else "checkpoint.path is not set"
+    parts = Path(save).parts
+    if parts[-2:] == ("adapters", name):
+        fix = f"set checkpoint.path to {Path(save).parent.parent} (the --save flag)"
+    else:
+        fix = f"set checkpoint.path (the --save flag) to the directory that should hold adapters/{name}/"
+    key = origin.key("save")
+    return [Problem("adapter-save-dir", f"multiLora.adapters[{index}].{key}",
+        f"{origin.label}: {key} {save} is not where kora writes this adapter: kora writes each adapter's "
+        f"checkpoints under <checkpoint.path>/adapters/<name>/ ({where}) and has no per-adapter save directory: "
+        f"{fix} and remove {key} from the file")]
