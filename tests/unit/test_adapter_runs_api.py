@@ -141,3 +141,16 @@ def test_unknown_methods_and_paths(job):
     assert call(f"{url}/adapter_runs/state", "DELETE")[0] == 405
     assert call(f"{url}/adapter_runs/a/b")[0] == 404
     assert call(f"{url}/other", "POST", {})[0] == 404
+
+
+def test_the_trainer_refuses_a_given_adapter_the_registry_would_refuse(tmp_path, capsys):
+    from kora_trainer.train import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({
+        "model": {"path": str(tmp_path)}, "lora": {"rank": 16, "syncMode": "Adapter"},
+        "data": {"path": str(tmp_path / "x.jsonl")},
+        "multiLora": {"maxAdapters": 2, "adapters": [{"name": "a", "rank": 8, "data": {"path": "/nowhere.jsonl"}}]}}))
+    assert main(["--config", str(job), "--run-dir", str(tmp_path / "run"), "--control-port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "multiLora.adapters: data.path /nowhere.jsonl is not a file" in err

@@ -256,11 +256,17 @@ def main(argv: list[str] | None = None) -> int:
     if linger_warning:
         rec.say(f"warning: {linger_warning}")
     token, token_from = resolve_token(run_dir)
-    registry = adapter_registry(cfg, root) if multi else None
-    routes = None
-    if registry is not None:
+    routes = registry = None
+    if multi:
         from kora_trainer.adapter_runs.api import AdapterRunsAPI
+        from kora_trainer.adapter_runs.registry import RegistryError
 
+        try:
+            registry = adapter_registry(cfg, root)
+        except RegistryError as e:  # an adapter of multiLora.adapters the registry refuses (e.g. its data file)
+            print(f"multiLora.adapters: {e.message}", file=sys.stderr)
+            rec.close()
+            return 2
         routes = AdapterRunsAPI(registry)
     control = ControlPlane(rec.progress, token, resolve_port(args.control_port), routes=routes).start()
     rec.say(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}")
