@@ -103,3 +103,14 @@ def test_make_backend_builds_the_torch_backend_on_cpu(tmp_path):
     assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
     tensors, config, modules = backend.peft_export()
     assert set(tensors) == set(names) and config["r"] == 2 and modules
+
+
+def test_multi_lora_on_megatron_is_refused_at_start_with_the_fix():
+    from kora_trainer.backends.select import check_actor_layout
+    from kora_trainer.config import Backend, ConfigError, TrainerConfig
+
+    cfg = TrainerConfig.model_validate({"model": {"path": "/m"}, "lora": {"rank": 8, "syncMode": "Adapter"},
+                                        "data": {"path": "/d.jsonl"}, "multiLora": {"maxAdapters": 2}})
+    with pytest.raises(ConfigError, match="multi-LoRA trains on the torch backend so far.*set backend: torch"):
+        check_actor_layout(cfg, Backend.MEGATRON)
+    check_actor_layout(cfg, Backend.TORCH)

@@ -87,6 +87,9 @@ def check_actor_layout(cfg: TrainerConfig, backend: Backend) -> None:
         problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())}: the trainer runs data "
                         "parallelism only so far (bench/gpu_sync.py --tp runs the tensor-parallel actor): set "
                         "them to 1 and use parallelism.data for the GPUs")
+    if cfg.multi_lora.max_adapters > 0 and backend is Backend.MEGATRON:
+        problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters}: multi-LoRA trains on the torch backend "
+                        "so far (adapter slots on an HF model), not megatron: set backend: torch")
     if problems:
         raise ConfigError(problems)
 
