@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: demo multi-lora-curves bench-multi-lora nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -28,6 +28,9 @@ test: setup testbin  ## unit + integration tests against a real local control pl
 
 test-unit: setup
 	$(PY) -m pytest tests/unit
+
+demo-multi: setup testbin  ## a multi-adapter service: LoRAAdapters applied, added and deleted with kubectl; kubectl get lad
+	$(PY) hack/demo_multi.py
 
 multi-lora-curves: setup  ## two adapters on the toy at once for 8 minutes: both reward curves (bench/multi_lora.py --curves)
 	$(PY) bench/multi_lora.py --curves --out bench/results/multi_lora_curves_cpu_$$(date +%F).json

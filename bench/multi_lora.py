@@ -10,8 +10,8 @@ after the other; the anchor is the 1-adapter run of the same invocation. Per run
 adapter's generation throughput (samples per second of its batch's generation) and the job's (samples trained
 per second of wall time, all adapters together); ratios to 1 adapter. The first two rounds are warm-up.
 
---curves: the example's two adapters (`add`: the whole sum, math reward; `units`: the units digit, a custom
-reward) trained at once for --time-limit seconds of the whole command; both reward curves and each one's mean over
+--curves: the example's two adapters (`add`: all 10,000 sums; `small`: the 400 sums of numbers below 20; both the
+math reward) trained at once for --time-limit seconds of the whole command; both reward curves and each one's mean over
 its first and last 10 steps. Results: bench/results/multi_lora_*.json.
 """
 
@@ -54,8 +54,8 @@ def example(model: str, work: Path) -> dict:
     job["model"]["path"] = model
     job["data"]["path"] = f"{model}/train.parquet"
     job["checkpoint"]["path"] = str(work / "ckpt")
-    for a in job["multiLora"]["adapters"]:
-        a["data"]["path"] = f"{model}/train.parquet"
+    for a in job["multiLora"]["adapters"]:  # each its own file of the toy
+        a["data"]["path"] = f"{model}/{Path(a['data']['path']).name}"
     return job
 
 

@@ -4,6 +4,7 @@
   DIR/config.json, model.safetensors   Qwen3ForCausalLM, 2 layers, hidden 128, 4 heads (2 KV), MLP 512
   DIR/tokenizer.json, ...              PreTrainedTokenizerFast over a WordLevel vocab (one token per character)
   DIR/train.parquet                    columns prompt ("07+45=") and label ("052"): all 10,000 sums
+  DIR/small.parquet                    the 400 sums of two numbers below 20 (a second task, for multi-LoRA)
   DIR/toy.json                         how it was made and the accuracy it starts with
 
 The model is pretrained briefly with next-token loss on the answers, stopped early so it starts with
@@ -28,6 +29,7 @@ PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 VOCAB = [PAD, BOS, EOS, *"0123456789", "+", "="]
 VOCAB_SIZE = 16
 PROMPT_LEN = 7  # <bos> a a + b b =
+SMALL_DATASET = "small.parquet"  # make_toy's second dataset: the sums of two numbers below 20
 ANSWER_LEN = 3  # d d d (then <eos>)
 
 # Pretraining stops at the first check where sampled (T=1) accuracy reaches `target`: the curve is a
@@ -119,9 +121,10 @@ def sampled_accuracy(model: Any, n: int = 1000, temperature: float = 1.0, seed: 
     return float((seq[:, PROMPT_LEN:] == ids[:, PROMPT_LEN:PROMPT_LEN + ANSWER_LEN]).all(1).float().mean())
 
 
-def write_dataset(path: Path) -> int:
-    """All 10,000 sums as parquet, or as JSON lines when `path` ends in .jsonl (no pyarrow needed)."""
-    rows = [(f"{a:02d}+{b:02d}=", f"{a + b:03d}") for a in range(100) for b in range(100)]
+def write_dataset(path: Path, below: int = 100) -> int:
+    """All sums of two numbers below `below` (10,000 by default) as parquet, or as JSON lines when `path` ends in
+    .jsonl (no pyarrow needed)."""
+    rows = [(f"{a:02d}+{b:02d}=", f"{a + b:03d}") for a in range(below) for b in range(below)]
     if path.suffix == ".jsonl":
         path.write_text("".join(json.dumps({"prompt": p, "label": label}) + "\n" for p, label in rows))
         return len(rows)
@@ -157,12 +160,7 @@ def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1,
     model.save_pretrained(out)
     make_tokenizer().save_pretrained(out)
     info["rows"] = write_dataset(out / dataset)
+    # a second task for multi-LoRA runs (trainer/examples/multi_lora.yaml): the 400 sums of numbers below 20
+    info["small_rows"] = write_dataset(out / SMALL_DATASET.replace(".parquet", Path(dataset).suffix), below=20)
     (out / "toy.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
-
-
-def units_digit_reward(sample: Any) -> float:
-    """A second toy task for multi-LoRA demos (data.rewardType custom, customRewardPath
-    kora_trainer.toy.units_digit_reward): 1 when the answer's units digit is right, whatever the others are."""
-    answer = sample.response[:ANSWER_LEN]
-    return 1.0 if len(answer) == ANSWER_LEN and answer[-1] == sample.label[-1] else 0.0
