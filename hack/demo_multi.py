@@ -115,7 +115,8 @@ def run_demo(cluster: LocalCluster, ray: LocalRay, namespace: str, timeout: floa
     print(cluster.kubectl("get", "lad", "-n", namespace).stdout, flush=True)
     log("kubectl delete ltj toy-multi  (its adapters go with it)")
     cluster.kubectl("delete", "ltj", "toy-multi", "-n", namespace, "--wait=true", "--timeout=120s")
-    wait_for(lambda: not adapters(cluster, namespace), timeout=120, interval=1, what="the adapters deleted with the job")
+    wait_for(lambda: not adapters(cluster, namespace), timeout=120, interval=1,
+             what="the adapters deleted with the job")
     log("no LoRAAdapter left")
     return 0 if all(done[n].get("phase") == "Succeeded" for n in ("add", "late")) else 1
 

@@ -111,6 +111,6 @@ def test_multi_lora_on_megatron_is_refused_at_start_with_the_fix():
 
     cfg = TrainerConfig.model_validate({"model": {"path": "/m"}, "lora": {"rank": 8, "syncMode": "Adapter"},
                                         "data": {"path": "/d.jsonl"}, "multiLora": {"maxAdapters": 2}})
-    with pytest.raises(ConfigError, match="multi-LoRA trains on the torch backend so far.*set backend: torch"):
+    with pytest.raises(ConfigError, match=r"multi-LoRA trains on the torch backend so far.*set backend: torch"):
         check_actor_layout(cfg, Backend.MEGATRON)
     check_actor_layout(cfg, Backend.TORCH)
