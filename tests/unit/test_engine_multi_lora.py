@@ -156,9 +156,12 @@ class _Publisher:
         self.done = 0
         self._stop = threading.Event()
 
+    def once(self) -> None:
+        publish(self.client, self.group, self.name, self.models[self.done % 2], f"h{self.done + 2}")
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            publish(self.client, self.group, self.name, self.models[self.done % 2], f"h{self.done + 2}")
+            self.once()
             self.done += 1
             self._stop.wait(PUBLISH_EVERY_S)  # pacing, not a wait for a result
 
@@ -326,3 +329,48 @@ def serialize_adapter(peft_model) -> str:
     from kora_trainer.wire.serialize import serialize_named_tensors
 
     return serialize_named_tensors(peft_tensors(peft_model))
+
+
+class _Retirer(_Publisher):
+    """A's trainer retiring A and a new adapter taking its slot, once per PUBLISH_EVERY_S: what
+    sync/slot_sender.SlotSender.retire sends (abort by its rid prefix, the in-flight count, unload), then the
+    next adapter's load under the freed name."""
+
+    def once(self) -> None:
+        c = self.client
+        c.abort_request(f"{self.name}::", prefix=True)
+        assert c.kora_state()["in_flight_by_rid_prefix"].get(f"{self.name}::", 0) == 0
+        c.unload_lora_adapter(self.name)
+        model = self.models[self.done % 2]
+        c.load_lora_adapter_from_tensors(self.name, peft_config_dict(model), serialize_adapter(model))
+
+
+def test_retiring_one_adapter_never_holds_up_another(client, peft):
+    """B's throughput quiet vs while A is retired and its slot reused at a trainer's cadence (as the publication
+    test measures it: alternating windows, best of three)."""
+    (_, a1), (_, a2), (dir_b, _) = peft[31], peft[32], peft[33]
+    client.load_lora_adapter("steady", str(dir_b))
+    client.load_lora_adapter_from_tensors("cold", peft_config_dict(a1), serialize_adapter(a1))
+    try:
+        _b_round(client, 4)  # warm
+        retirer = _Retirer(client, None, "cold", (a2, a1))
+        ratios, cycles = [], []
+        for _ in range(3):
+            quiet = busy = 0.0
+            during = 0
+            for _ in range(WINDOWS):
+                quiet += _b_round(client, B_REQUESTS)
+                with retirer.running():
+                    before = retirer.done
+                    busy += _b_round(client, B_REQUESTS)
+                    during += retirer.done - before
+            ratios.append(quiet / busy)
+            cycles.append(during)
+            if ratios[-1] >= 0.9:
+                break
+        print(f"B throughput during A's retirements / before: {ratios} (A retirements during B: {cycles})")
+        assert max(ratios) >= 0.9 and min(cycles) >= WINDOWS, (ratios, cycles)
+        assert client.kora_state()["in_flight"] == 0
+    finally:
+        client.unload_lora_adapter("steady")
+        client.unload_lora_adapter("cold")
