@@ -97,11 +97,14 @@ NEEDED = [
     ("patch", "loratrainingjobs.kora.dev/status", "own"), ("create", "rayjobs.ray.io", "own"),
     ("patch", "rayjobs.ray.io", "own"), ("watch", "rayjobs.ray.io", "own"), ("create", "configmaps", "own"),
     ("get", "configmaps", "own"), ("create", "secrets", "own"), ("create", "events", "own"),
+    ("watch", "loraadapters.kora.dev", "own"), ("patch", "loraadapters.kora.dev", "own"),
+    ("patch", "loraadapters.kora.dev/status", "own"), ("update", "loratrainingjobs.kora.dev/finalizers", "own"),
 ]
 FORBIDDEN = [
     ("delete", "nodes", None), ("get", "secrets", "own"), ("list", "secrets", "own"), ("get", "secrets", "other"),
     ("delete", "rayjobs.ray.io", "own"), ("delete", "loratrainingjobs.kora.dev", "own"),
     ("update", "loratrainingjobs.kora.dev", "own"), ("create", "pods", "own"), ("create", "clusterroles", None),
+    ("create", "loraadapters.kora.dev", "own"), ("delete", "loraadapters.kora.dev", "own"),
     ("escalate", "roles", "own"), ("impersonate", "serviceaccounts", "own"),
 ]
 CLUSTER_ONLY = [("create", "rayjobs.ray.io", "other"), ("list", "loratrainingjobs.kora.dev", None),
