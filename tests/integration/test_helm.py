@@ -86,8 +86,12 @@ def install(cluster, helm, release: str, ns: str, *sets: str) -> list[dict]:
 
 
 def can_i(cluster, sa: str, verb: str, resource: str, ns: str | None) -> bool:
+    """`resource` may name a subresource, `loratrainingjobs.kora.dev/status` (kubectl would read the part after
+    the slash as an object's name)."""
     where = ["-n", ns] if ns else ["--all-namespaces"]
-    res = cluster.kubectl("auth", "can-i", verb, resource, *where, f"--as={sa}", check=False)
+    resource, _, sub = resource.partition("/")
+    subresource = [f"--subresource={sub}"] if sub else []
+    res = cluster.kubectl("auth", "can-i", verb, resource, *subresource, *where, f"--as={sa}", check=False)
     return res.stdout.strip() == "yes"
 
 
