@@ -164,9 +164,9 @@ def job_status(cluster: LocalCluster, name: str, ns: str) -> dict[str, Any]:
     return (got or {}).get("status") or {}
 
 
-def events(cluster: LocalCluster, name: str, ns: str) -> list[dict[str, Any]]:
+def events(cluster: LocalCluster, name: str, ns: str, kind: str = "LoRATrainingJob") -> list[dict[str, Any]]:
     out = cluster.kubectl("get", "events", "-n", ns, "--field-selector",
-                          f"involvedObject.name={name},involvedObject.kind=LoRATrainingJob", "-o", "json")
+                          f"involvedObject.name={name},involvedObject.kind={kind}", "-o", "json")
     return list(json.loads(out.stdout)["items"])
 
 

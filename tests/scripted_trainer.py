@@ -8,6 +8,10 @@ depending on the trainer's speed or state.
     {"mode": "serve", "steps": 3}            the REAL control plane (kora_trainer.control_plane) with the
                                              token and port from the environment, as the trainer
                                              would; one step per 0.5 s; stays up `linger` s at the end
+    {"mode": "multi", "num_steps": 4}        a multi-adapter service (multiLora.maxAdapters from the config): the
+                                             REAL control plane with the REAL adapter registry and /adapter_runs
+                                             routes (kora_trainer.adapter_runs), and a scripted stand-in for the
+                                             trainer's multi-adapter driver (see `multi`); runs until stopped
     "fail_attempts": N                       the first N runs exit 1 (a crash), later ones do `mode`
 Every run appends its pid to `<model.path>/pids`, and writes the config it read and the KORA_*
 environment it got to `<model.path>/attempt-<n>.json`. With checkpoint.path set, "serve" resumes
@@ -52,6 +56,8 @@ def main() -> int:
         return int(script.get("code", 1))
     if mode == "serve":
         return serve(cfg, script, home)
+    if mode == "multi":
+        return multi(cfg, script)
     while True:
         time.sleep(1)
 
@@ -86,6 +92,47 @@ def serve(cfg: dict, script: dict, home: Path) -> int:
     finally:
         control.stop()
     return 0
+
+
+def multi(cfg: dict, script: dict) -> int:
+    """A stand-in for the trainer's multi-adapter driver (which trains each adapter on the GPUs): every
+    `step_seconds` (default 0.5), at its step boundary, it does what the driver does with the registry, without
+    any training: retires what `registry.to_retire()` names (DELETE, or numSteps reached: `finished`, with an
+    export path), loads what `registry.to_load()` names (its numSteps, or `num_steps` when it gives none), and
+    steps every active adapter once (`stepped` with reward step / numSteps, `synced` at that version). The
+    registry, the routes, the control plane and its token are the trainer's own."""
+    from kora_trainer.adapter_runs.api import AdapterRunsAPI
+    from kora_trainer.adapter_runs.registry import AdapterRegistry
+    from kora_trainer.config import TrainerConfig
+    from kora_trainer.control_plane import ControlPlane, Progress, resolve_port, resolve_token
+    from kora_trainer.sync import sender  # noqa: F401  (the registry imports it, with torch, at the first POST)
+
+    registry = AdapterRegistry(TrainerConfig.model_validate(cfg))
+    progress = Progress(0, "Adapter")
+    token, _ = resolve_token(Path("."))
+    control = ControlPlane(progress, token, resolve_port(None), routes=AdapterRunsAPI(registry)).start()
+    default_steps = int(script.get("num_steps", 4))
+    steps = 0
+    try:
+        progress.update(phase="Running")
+        while True:
+            time.sleep(float(script.get("step_seconds", 0.5)))
+            for name, phase in registry.to_retire():
+                registry.finished(name, phase, f"{phase.lower()} at step {registry.get(name).step}",
+                                  export_path=f"/exports/{name}")
+            for adapter in registry.to_load():
+                registry.loaded(adapter.name, adapter.num_steps or default_steps)
+            active = registry.active_names()
+            for name in active:
+                run = registry.get(name)
+                step = run.step + 1
+                registry.stepped(name, step, step / (run.num_steps or default_steps))
+                registry.synced(name, step, {"mode": "Adapter", "bytes": 100 * step, "ms": 1.0,
+                                             "checksum": f"{name}-{step}"})
+            steps += bool(active)
+            progress.update(step=steps)
+    finally:
+        control.stop()
 
 
 if __name__ == "__main__":

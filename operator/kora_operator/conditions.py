@@ -77,8 +77,9 @@ def set_conditions(
 # Warning event. A stale policy on the engines is one.
 _BAD_WHEN_TRUE = {ConditionType.FAILED}
 _BAD_WHEN_FALSE = {ConditionType.VALIDATED, ConditionType.WEIGHTS_SYNCED}
-# and these reasons are bad news whatever the condition (a Ray cluster the operator cannot use)
-_BAD_REASONS = {Reason.RAY_UNREACHABLE, Reason.RAY_UNAUTHORIZED, Reason.SUBMISSION_FAILED}
+# and these reasons are bad news whatever the condition (a Ray cluster the operator cannot use, an adapter
+# its job has no room for)
+_BAD_REASONS = {Reason.RAY_UNREACHABLE, Reason.RAY_UNAUTHORIZED, Reason.SUBMISSION_FAILED, Reason.NO_FREE_SLOT}
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from kora_operator.conditions import truncate
 from kora_trainer.config.status import rfc3339
 
 JOB_PLURAL = "loratrainingjobs"
+ADAPTER_PLURAL = "loraadapters"
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayjobs"
 COMPONENT = "kora-operator"
 
@@ -59,6 +60,14 @@ class Kube:
     def get_job(self, ns: str, name: str) -> Obj | None:
         return self._absent_is_none(lambda: self.custom.get_namespaced_custom_object(
             GROUP, VERSION, ns, JOB_PLURAL, name))
+
+    def get_adapter(self, ns: str, name: str) -> Obj | None:
+        return self._absent_is_none(lambda: self.custom.get_namespaced_custom_object(
+            GROUP, VERSION, ns, ADAPTER_PLURAL, name))
+
+    def list_adapters(self, ns: str) -> list[Obj]:
+        got = self.custom.list_namespaced_custom_object(GROUP, VERSION, ns, ADAPTER_PLURAL)
+        return list(got.get("items") or [])
 
     def get_ray_job(self, ns: str, name: str) -> Obj | None:
         return self._absent_is_none(lambda: self.custom.get_namespaced_custom_object(
@@ -132,8 +141,17 @@ class Kube:
         """A merge patch of the /status subresource (the main resource ignores status)."""
         self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, JOB_PLURAL, name, {"status": status})
 
+    def patch_adapter(self, ns: str, name: str, patch: Mapping[str, Any]) -> Obj:
+        """A merge patch of a LoRAAdapter (its metadata: ownerReferences, finalizers). Give
+        metadata.resourceVersion in it to make it fail (409) if the object changed since it was read."""
+        return cast(Obj, self.custom.patch_namespaced_custom_object(GROUP, VERSION, ns, ADAPTER_PLURAL, name, patch))
+
+    def patch_adapter_status(self, ns: str, name: str, status: Mapping[str, Any]) -> None:
+        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, ADAPTER_PLURAL, name,
+                                                          {"status": status})
+
     def event(self, job: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-        """A core/v1 Event on the job (what `kubectl describe` lists)."""
+        """A core/v1 Event on the job or adapter `job` (what `kubectl describe` lists)."""
         meta = job["metadata"]
         now = dt.datetime.now(dt.UTC)
         body = {

@@ -3,7 +3,8 @@
 `GET <trainer>:<port>/status` with `Authorization: Bearer <the job's token>` answers the trainer's
 `TrainerStatus` (kora_trainer.config.status, the model the trainer serializes it with): the `Progress`
 keys (camelCase: step, totalSteps, rewardMean, lastSync, lastCheckpoint) plus how the run stands (phase,
-syncedStep, ...). `fetch` does the one HTTP call; `read_status`, `progress_of` and `progress_conditions`
+syncedStep, ...). `fetch` does that HTTP call (through `call`, the one request helper for the control plane,
+which the /adapter_runs client in adapter_runs.py uses too); `read_status`, `progress_of` and `progress_conditions`
 are pure: the snapshot (and the spec) in, the parsed answer, `status.progress` and the WeightsSynced /
 Checkpointed conditions out.
 
@@ -43,21 +44,43 @@ class ProgressUnavailable(Exception):
         self.unauthorized = unauthorized
 
 
-def fetch(base_url: str, token: str, timeout: float) -> dict[str, Any]:
-    """One GET /status; raises ProgressUnavailable with a message naming the address."""
-    url = base_url.rstrip("/") + "/status"
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}", "Accept": "application/json"})
+def call(base_url: str, path: str, token: str, timeout: float, method: str = "GET",
+         body: Any = None) -> tuple[int, Any]:
+    """One request to the trainer's control plane with the job's token: (HTTP status, the JSON answer), 4xx
+    answers included (the /adapter_runs routes say what is wrong in them). Raises ProgressUnavailable, with a
+    message naming the address, when the trainer cannot be reached, refuses the token, or answers 5xx or no
+    JSON."""
+    url = base_url.rstrip("/") + path
+    headers = {"Authorization": f"Bearer {token}", "Accept": "application/json"}
+    data = None
+    if body is not None:
+        data = json.dumps(body).encode()
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            data = json.loads(resp.read())
+            return int(resp.status), json.loads(resp.read())
     except urllib.error.HTTPError as e:
         if e.code in (401, 403):
             raise ProgressUnavailable(
                 f"the trainer at {url} refused the job's control-plane token ({e.code}): the trainer was started "
                 "with another token (an older operator key?)", unauthorized=True) from None
-        raise ProgressUnavailable(f"the trainer at {url} answered {e.code}") from None
+        if e.code >= 500:
+            raise ProgressUnavailable(f"the trainer at {url} answered {e.code}") from None
+        try:
+            return e.code, json.loads(e.read())
+        except (OSError, ValueError):
+            raise ProgressUnavailable(f"the trainer at {url} answered {e.code}") from None
     except (urllib.error.URLError, OSError, ValueError) as e:
         raise ProgressUnavailable(f"cannot read {url}: {getattr(e, 'reason', e)}") from None
+
+
+def fetch(base_url: str, token: str, timeout: float) -> dict[str, Any]:
+    """One GET /status; raises ProgressUnavailable with a message naming the address."""
+    code, data = call(base_url, "/status", token, timeout)
+    url = base_url.rstrip("/") + "/status"
+    if code != 200:
+        raise ProgressUnavailable(f"the trainer at {url} answered {code}")
     if not isinstance(data, dict):
         raise ProgressUnavailable(f"{url} answered {type(data).__name__}, not an object")
     return data

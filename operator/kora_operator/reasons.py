@@ -17,6 +17,7 @@ class ConditionType(StrEnum):
     CHECKPOINTED = "Checkpointed"
     COMPLETE = "Complete"
     FAILED = "Failed"
+    REGISTERED = "Registered"  # a LoRAAdapter's: its job's trainer holds it
 
 
 class EventType(StrEnum):
@@ -70,6 +71,20 @@ class Reason(StrEnum):
     NO_CHECKPOINT_YET = "NoCheckpointYet"
     CHECKPOINTS_DISABLED = "CheckpointsDisabled"
     PROGRESS_UNAVAILABLE = "ProgressUnavailable"
+    # LoRAAdapters: their registration on the job's trainer (POST/DELETE /adapter_runs) and their state there
+    JOB_NOT_FOUND = "JobNotFound"
+    JOB_NOT_RUNNING = "JobNotRunning"
+    JOB_ENDED = "JobEnded"
+    TRAINER_UNREACHABLE = "TrainerUnreachable"
+    NO_FREE_SLOT = "NoFreeSlot"
+    REGISTERED = "Registered"
+    WAITING_TO_LOAD = "WaitingToLoad"
+    ADAPTER_TRAINING = "AdapterTraining"
+    RETIRING = "Retiring"
+    RETIRED = "Retired"
+    ADAPTER_FAILED = "AdapterFailed"
+    DEREGISTERED = "Deregistered"
+    DEREGISTRATION_ABANDONED = "DeregistrationAbandoned"
 
 
 # child kind -> the Event reasons of its creation (handlers/reconcile.py creates every child alike)

@@ -60,8 +60,13 @@ def validate_adapter(
         problems.append(Problem("adapter-needs-multi-lora", "spec.jobName",
             f"LoRAAdapter {adapter.metadata.get('name')}: LoRATrainingJob {a.job_name} has "
             f"multiLora.maxAdapters 0 and serves no adapters: set its multiLora.maxAdapters > 0"))
+    name = str(adapter.metadata.get("name"))
+    if name in {started.name for started in job.spec.multi_lora.adapters}:
+        problems.append(Problem("adapter-name-taken", "metadata.name",
+            f"LoRAAdapter {name}: LoRATrainingJob {a.job_name} trains an adapter of that name from the start "
+            f"(multiLora.adapters): give the LoRAAdapter another name"))
     problems += adapter_problems(
-        job.spec, name=str(adapter.metadata.get("name")), rank=a.rank,
+        job.spec, name=name, rank=a.rank,
         rollout_batch_size=a.rollout_batch_size or algo.rollout_batch_size,
         n_samples_per_prompt=a.n_samples_per_prompt or algo.n_samples_per_prompt,
     )

@@ -86,8 +86,12 @@ def install(cluster, helm, release: str, ns: str, *sets: str) -> list[dict]:
 
 
 def can_i(cluster, sa: str, verb: str, resource: str, ns: str | None) -> bool:
+    """`resource` may name a subresource, `loratrainingjobs.kora.dev/status` (kubectl would read the part after
+    the slash as an object's name)."""
     where = ["-n", ns] if ns else ["--all-namespaces"]
-    res = cluster.kubectl("auth", "can-i", verb, resource, *where, f"--as={sa}", check=False)
+    resource, _, sub = resource.partition("/")
+    subresource = [f"--subresource={sub}"] if sub else []
+    res = cluster.kubectl("auth", "can-i", verb, resource, *subresource, *where, f"--as={sa}", check=False)
     return res.stdout.strip() == "yes"
 
 
@@ -97,11 +101,14 @@ NEEDED = [
     ("patch", "loratrainingjobs.kora.dev/status", "own"), ("create", "rayjobs.ray.io", "own"),
     ("patch", "rayjobs.ray.io", "own"), ("watch", "rayjobs.ray.io", "own"), ("create", "configmaps", "own"),
     ("get", "configmaps", "own"), ("create", "secrets", "own"), ("create", "events", "own"),
+    ("watch", "loraadapters.kora.dev", "own"), ("patch", "loraadapters.kora.dev", "own"),
+    ("patch", "loraadapters.kora.dev/status", "own"), ("update", "loratrainingjobs.kora.dev/finalizers", "own"),
 ]
 FORBIDDEN = [
     ("delete", "nodes", None), ("get", "secrets", "own"), ("list", "secrets", "own"), ("get", "secrets", "other"),
     ("delete", "rayjobs.ray.io", "own"), ("delete", "loratrainingjobs.kora.dev", "own"),
     ("update", "loratrainingjobs.kora.dev", "own"), ("create", "pods", "own"), ("create", "clusterroles", None),
+    ("create", "loraadapters.kora.dev", "own"), ("delete", "loraadapters.kora.dev", "own"),
     ("escalate", "roles", "own"), ("impersonate", "serviceaccounts", "own"),
 ]
 CLUSTER_ONLY = [("create", "rayjobs.ray.io", "other"), ("list", "loratrainingjobs.kora.dev", None),

@@ -1,5 +1,6 @@
 """The multi-adapter API on the control plane (`/adapter_runs`): a real HTTP server on 127.0.0.1 over the real
-registry; what the operator's LoRAAdapter handler and a user with curl see."""
+registry; what the operator's LoRAAdapter handler (through its client, kora_operator.adapter_runs) and a user with
+curl see."""
 
 from __future__ import annotations
 
@@ -9,11 +10,15 @@ import urllib.request
 
 import pytest
 
+from kora_operator.adapter_runs import AdapterRuns, Refused
+from kora_operator.progress import ProgressUnavailable
 from kora_trainer.adapter_runs.api import AdapterRunsAPI
 from kora_trainer.adapter_runs.registry import AdapterRegistry
 from kora_trainer.config import TrainerConfig
-from kora_trainer.config.adapter_runs import AdapterPhase
+from kora_trainer.config.adapter_runs import AdapterPhase, AdapterRunState
+from kora_trainer.config.sections import AdapterRunConfig
 from kora_trainer.control_plane import ControlPlane, Progress
+from localcluster import free_ports
 
 TOKEN = "s3cret"
 
@@ -154,3 +159,35 @@ def test_the_trainer_refuses_a_given_adapter_the_registry_would_refuse(tmp_path,
     assert main(["--config", str(job), "--run-dir", str(tmp_path / "run"), "--control-port", "0"]) == 2
     err = capsys.readouterr().err
     assert "multiLora.adapters: data.path /nowhere.jsonl is not a file" in err
+
+
+# -- the operator's side: its client of these routes (kora_operator.adapter_runs) ----------------------------------
+
+
+def test_the_operators_client_registers_reads_and_deregisters(job):
+    url, registry, data = job
+    client = AdapterRuns(url, TOKEN, timeout=5)
+    got = client.register("a", AdapterRunConfig.model_validate(adapter(data)))
+    assert isinstance(got, AdapterRunState) and got.phase is AdapterPhase.PENDING and got.slot == 0
+    assert not isinstance(client.register("b", AdapterRunConfig.model_validate(adapter(data))), Refused)
+    full = client.register("c", AdapterRunConfig.model_validate(adapter(data)))
+    assert isinstance(full, Refused) and full.no_free_slot and "multiLora.maxAdapters" in full.message
+    taken = client.register("a", AdapterRunConfig.model_validate(adapter(data)))
+    assert isinstance(taken, Refused) and taken.code == 409 and not taken.no_free_slot
+    bad = client.register("d", AdapterRunConfig.model_validate(adapter(data, rank=32)))
+    assert isinstance(bad, Refused) and bad.code == 400 and "exceeds the job's lora.rank 16" in bad.message
+    state = client.state()
+    assert (state.max_adapters, state.active, [a.name for a in state.adapters]) == (2, 2, ["a", "b"])
+    registry.loaded("a", num_steps=3)
+    assert client.delete("a") == 202 and client.get("a").phase is AdapterPhase.RETIRING
+    registry.finished("a", AdapterPhase.RETIRED, "deleted")
+    assert client.delete("a") == 200 and client.get("a") is None and client.delete("a") == 404
+
+
+def test_the_operators_client_says_why_it_cannot_ask(job):
+    url, _, _ = job
+    with pytest.raises(ProgressUnavailable, match="refused the job's control-plane token") as e:
+        AdapterRuns(url, "not-the-token", timeout=5).state()
+    assert e.value.unauthorized
+    with pytest.raises(ProgressUnavailable, match="cannot read"):
+        AdapterRuns(f"http://127.0.0.1:{free_ports(1)[0]}", TOKEN, timeout=5).state()

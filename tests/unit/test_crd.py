@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from pydantic import Field
 
-from kora_operator.api.crd import OUTPUT_DIRS, generated_files, loratrainingjob_crd, main
+from kora_operator.api.crd import OUTPUT_DIRS, generated_files, loraadapter_crd, loratrainingjob_crd, main
 from kora_operator.api.job import IMMUTABLE_SECTIONS, LoRATrainingJob, LoRATrainingJobSpec, immutable_sections
 from kora_operator.builders.rayjob import mutable_spec
 from specs import valid_job
@@ -102,6 +102,20 @@ def test_printer_columns_and_names():
     assert version["subresources"] == {"status": {}}
     visible = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert visible == ["Mode", "Phase", "Step", "Reward", "Age"]
+
+
+def test_adapter_printer_columns_and_its_spec_is_immutable():
+    crd = loraadapter_crd()
+    assert crd["spec"]["names"]["shortNames"] == ["lad"]
+    (version,) = crd["spec"]["versions"]
+    assert version["subresources"] == {"status": {}}
+    columns = {c["name"]: (c["jsonPath"], c.get("priority", 0)) for c in version["additionalPrinterColumns"]}
+    assert [n for n, (_, priority) in columns.items() if not priority] == [
+        "Job", "Phase", "Step", "Reward", "Version", "Age"]
+    assert columns["Version"][0] == ".status.version" and columns["Total"] == (".status.numSteps", 1)
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    (rule,) = [r for r in spec["x-kubernetes-validations"] if r["rule"] == "self == oldSelf"]
+    assert "delete the LoRAAdapter and create it again" in rule["message"]
 
 
 def test_crd_yaml_is_plain_yaml():

@@ -217,6 +217,15 @@ def test_kora_trainer_checks_adapters_at_start_too():
         load_config(None, base=spec)
 
 
+def test_adapter_named_like_one_the_job_trains_from_the_start_is_rejected():
+    doc = valid_job(multiLora={"maxAdapters": 2, "adapters": [{"name": "a", "rank": 8, "data": {"path": "/d.jsonl"}}]})
+    doc = set_path(set_path(doc, "lora.syncMode", "Adapter"), "lora.rank", 32)
+    job, _ = validate_job(doc)
+    _, problems = validate_adapter(adapter_doc(), job)
+    (taken,) = [p for p in problems if p.rule == "adapter-name-taken"]
+    assert taken.field == "metadata.name" and "multiLora.adapters" in taken.message
+
+
 def test_schema_errors_name_the_field():
     doc = set_path(valid_job(), "lora.rank", 0)
     doc = set_path(doc, "lora.syncmode", "Adapter")  # misspelt

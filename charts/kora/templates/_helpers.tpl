@@ -47,6 +47,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: ["kora.dev"]
   resources: ["loratrainingjobs/status"]
   verbs: ["get", "patch"]
+# the children's and adapters' ownerReferences block their job's deletion (blockOwnerDeletion): where the
+# OwnerReferencesPermissionEnforcement admission plugin runs, setting that needs update on the job's finalizers
+- apiGroups: ["kora.dev"]
+  resources: ["loratrainingjobs/finalizers"]
+  verbs: ["update"]
+# the adapters: watched; metadata patched (kopf's annotations, the owner reference to their job, our finalizer
+# while their job's trainer holds them); status written through /status; never created or deleted
+- apiGroups: ["kora.dev"]
+  resources: ["loraadapters"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["kora.dev"]
+  resources: ["loraadapters/status"]
+  verbs: ["get", "patch"]
 # children: created, read back, lifecycle fields patched; the garbage collector deletes them
 - apiGroups: ["ray.io"]
   resources: ["rayjobs"]

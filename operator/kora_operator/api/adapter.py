@@ -10,6 +10,7 @@ from kora_operator.api.status import Condition
 from kora_trainer.config.adapter_runs import AdapterPhase
 from kora_trainer.config.base import CamelModel
 from kora_trainer.config.sections import AdapterRunConfig
+from kora_trainer.config.status import CheckpointProgress, SyncProgress
 
 
 class LoRAAdapterSpec(AdapterRunConfig):
@@ -27,16 +28,29 @@ class LoRAAdapterSpec(AdapterRunConfig):
 
 
 class LoRAAdapterStatus(CamelModel):
-    """Observed state of one adapter, from the trainer's /adapter_runs/state."""
+    """Observed state of one adapter, from its job's trainer (`GET /adapter_runs/state`)."""
 
     phase: AdapterPhase | None = None
-    """Pending, Training, Succeeded or Failed."""
+    """Pending (waiting for its job, a free slot, or the trainer to load it), Training, Retiring, Succeeded,
+    Retired (deleted before its numSteps) or Failed."""
+    observed_generation: Annotated[int, Field(ge=0)] | None = None
+    """The .metadata.generation the operator last acted on."""
+    slot: Annotated[int, Field(ge=0)] | None = None
+    """The trainer's adapter slot it holds (unset before registration and once it has freed it)."""
     step: Annotated[int, Field(ge=0)] | None = None
     """This adapter's optimizer steps."""
+    num_steps: Annotated[int, Field(ge=0)] | None = None
+    """The step it retires at (unset until the trainer has read its data, when numEpochs decides it)."""
     version: Annotated[int, Field(ge=0)] | None = None
-    """Adapter version the engines serve."""
+    """Adapter version the engines serve (its step at its last push)."""
     reward_mean: float | None = None
     """Mean reward of its last step."""
+    last_sync: SyncProgress | None = None
+    """Its last push to the engines."""
+    last_checkpoint: CheckpointProgress | None = None
+    """Its last checkpoint (`<checkpoint.path>/adapters/<name>/`)."""
+    export_path: str | None = None
+    """Its HF-PEFT export, written when it retires."""
     conditions: list[Condition] = Field(
         default_factory=list,
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},

@@ -163,15 +163,30 @@ def loratrainingjob_crd() -> Schema:
     ])
 
 
+def adapter_spec_schema() -> Schema:
+    spec = openapi_schema(LoRAAdapterSpec)
+    # the trainer has no route that changes a registered adapter (config/adapter_runs.py): a change would
+    # silently not apply, so there is none
+    _add_validations(spec, [{
+        "rule": "self == oldSelf",
+        "message": "the spec of a LoRAAdapter is immutable: its job's trainer cannot change a registered adapter; "
+                   "delete the LoRAAdapter and create it again (or one under another name) to change it",
+    }])
+    return spec
+
+
 def loraadapter_crd() -> Schema:
-    root = _root(openapi_schema(LoRAAdapterSpec), openapi_schema(LoRAAdapterStatus),
+    root = _root(adapter_spec_schema(), openapi_schema(LoRAAdapterStatus),
                  "One adapter of a multi-adapter LoRATrainingJob (multiLora.maxAdapters > 0).")
     return _crd("LoRAAdapter", "loraadapters", "lad", root, [
         _column("Job", "string", ".spec.jobName", "The LoRATrainingJob serving this adapter"),
-        _column("Phase", "string", ".status.phase", "Pending, Training, Succeeded, Failed"),
+        _column("Phase", "string", ".status.phase", "Pending, Training, Retiring, Succeeded, Retired, Failed"),
         _column("Step", "integer", ".status.step", "This adapter's optimizer steps"),
         _column("Reward", "number", ".status.rewardMean", "Mean reward of its last step"),
+        _column("Version", "integer", ".status.version", "Adapter version the engines serve"),
         _column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
+        _column("Total", "integer", ".status.numSteps", "The step it retires at", 1),
+        _column("Slot", "integer", ".status.slot", "The trainer's adapter slot it holds", 1),
     ])
 
 

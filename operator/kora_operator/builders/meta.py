@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kora_operator.api.job import API_VERSION, LoRATrainingJob
@@ -23,16 +24,22 @@ def labels(job: LoRATrainingJob, component: str) -> dict[str, str]:
 def owner_reference(job: LoRATrainingJob) -> dict[str, Any] | None:
     """The controller reference the garbage collector follows; None before the API server gave a uid
     (e.g. `kora render` of a file)."""
-    uid = job.metadata.get("uid")
+    return job_owner_reference(job.metadata)
+
+
+def job_owner_reference(job_metadata: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The same, from a job's metadata (the operator owns a LoRAAdapter to the job it names so)."""
+    uid = job_metadata.get("uid")
     if not uid:
         return None
     return {
         "apiVersion": API_VERSION,
         "kind": "LoRATrainingJob",
-        "name": str(job.metadata["name"]),
+        "name": str(job_metadata["name"]),
         "uid": str(uid),
         "controller": True,
-        # the RayJob must not outlive its job while KubeRay still tears the Ray cluster down
+        # the RayJob must not outlive its job while KubeRay still tears the Ray cluster down; nor, with a
+        # foreground delete, an adapter its trainer has not retired yet
         "blockOwnerDeletion": True,
     }
 

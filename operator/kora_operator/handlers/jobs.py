@@ -1,7 +1,8 @@
 """kopf handlers: LoRATrainingJob create/resume/update/delete, and changes of the RayJobs we own.
 
-Every handler calls the same level-based reconcile (handlers/reconcile.py); none sleeps. The poll
-loop (handlers/poller.py) calls it too, for jobs whose state lives outside Kubernetes.
+Every handler calls the same level-based reconcile (handlers/reconcile.py), then its LoRAAdapters'
+(handlers/adapter_sync.py); none sleeps. The poll loop (handlers/poller.py) calls it too, for jobs whose
+state lives outside Kubernetes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import kopf
 
 from kora_operator.api.job import GROUP, VERSION, RuntimeKind
 from kora_operator.builders.meta import JOB_LABEL, MANAGED_BY
+from kora_operator.handlers.adapter_sync import poll_deletion, reconcile_job
 from kora_operator.handlers.poller import Poller
-from kora_operator.handlers.reconcile import Context, forget, reconcile, stop_ray_job
+from kora_operator.handlers.reconcile import Context, forget, stop_ray_job
 from kora_operator.kube import Kube
 from kora_operator.phase import TERMINAL
 from kora_operator.runtimes.rayjobs import RayError
@@ -47,26 +49,28 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     tokens = load_tokens(ours, kube)
     log.info("control-plane tokens are derived from the operator key in %s", tokens.source)
     ctx = Context(kube=kube, tokens=tokens, settings=ours)
-    ctx.poller = Poller(ours.poll_interval, lambda ns, name: reconcile(ctx, ns, name, trigger="poll")).start()
+    ctx.poller = Poller(ours.poll_interval, lambda ns, name: reconcile_job(ctx, ns, name, trigger="poll")).start()
+    ctx.deletions = Poller(ours.poll_interval, lambda ns, name: poll_deletion(ctx, ns, name)).start()
     memo.ctx = ctx
 
 
 @kopf.on.cleanup()
 def shutdown(memo: kopf.Memo, **_: Any) -> None:
     ctx: Context | None = getattr(memo, "ctx", None)
-    if ctx is not None and ctx.poller is not None:
-        ctx.poller.stop()
+    for poller in (ctx.poller, ctx.deletions) if ctx is not None else ():
+        if poller is not None:
+            poller.stop()
 
 
 @kopf.on.resume(*JOBS)
 @kopf.on.create(*JOBS)
 def job_created(namespace: str | None, name: str, memo: Any, reason: str, **_: Any) -> None:
-    reconcile(memo.ctx, str(namespace), name, trigger=reason)
+    reconcile_job(memo.ctx, str(namespace), name, trigger=reason)
 
 
 @kopf.on.update(*JOBS, field="spec")
 def job_updated(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-    reconcile(memo.ctx, str(namespace), name, trigger="update")
+    reconcile_job(memo.ctx, str(namespace), name, trigger="update")
 
 
 # optional: no finalizer. Children carry ownerReferences, so the garbage collector removes them
@@ -113,4 +117,4 @@ def ray_job_changed(body: kopf.Body, namespace: str | None, memo: Any, **_: Any)
     owners = [o for o in body.metadata.get("ownerReferences", []) if o.get("kind") == "LoRATrainingJob"]
     job = owners[0]["name"] if owners else body.metadata.labels.get(JOB_LABEL)
     if job:
-        reconcile(memo.ctx, str(namespace), str(job), trigger="rayjob")
+        reconcile_job(memo.ctx, str(namespace), str(job), trigger="rayjob")

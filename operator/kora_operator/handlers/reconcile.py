@@ -19,6 +19,7 @@ from typing import Any
 
 import kopf
 
+from kora_operator.adapter_runs import AdapterRuns
 from kora_operator.api.job import LoRATrainingJob, RuntimeKind
 from kora_operator.api.status import Phase
 from kora_operator.builders.children import build_children
@@ -44,6 +45,7 @@ from kora_operator.runtimes.rayjobs import (
 from kora_operator.settings import Settings
 from kora_operator.tokens import Tokens
 from kora_operator.validation import validate_job
+from kora_trainer.config.adapter_runs import AdapterRunsState
 from kora_trainer.config.status import TrainerPhase
 
 log = logging.getLogger("kora.reconcile")
@@ -63,18 +65,39 @@ def _lock(ns: str, name: str) -> threading.Lock:
 @dataclass
 class Context:
     """What a reconcile needs besides the job: the API, the token source, the operator's settings,
-    and the poll loop (None: nothing polls, e.g. in a one-shot reconcile)."""
+    and the poll loops (None: nothing polls, e.g. in a one-shot reconcile): the jobs', and the one that
+    deregisters deleted LoRAAdapters (handlers/adapter_sync.py)."""
 
     kube: Kube
     tokens: Tokens
     settings: Settings = field(default_factory=Settings)
     poller: Poller | None = None
+    deletions: Poller | None = None
     ray_token: Callable[[], str | None] = ray_auth_token
     # the last progress trouble per job, so that it is logged (and a refused token posted) once
     progress_errors: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def ray_client(self, address: str) -> RayJobsClient:
         return RayJobsClient(address, self.ray_token(), self.settings.http_timeout)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A job as its LoRAAdapters see it: the object (with the status just derived), its trainer's control-plane
+    URL when the trainer was read (None otherwise: the job does not run, or the operator does not reach it), and
+    for a multi-adapter job the trainer's adapter state (None when unread: `error` says why)."""
+
+    body: dict[str, Any]
+    url: str | None = None
+    runs: AdapterRunsState | None = None
+    error: str | None = None
+
+    @property
+    def status(self) -> dict[str, Any]:
+        return dict(self.body.get("status") or {})
+
+    def with_status(self, status: dict[str, Any], **trainer: Any) -> JobView:
+        return JobView({**self.body, "status": status}, **trainer)
 
 
 def forget(ctx: Context | None, ns: str, name: str) -> None:
@@ -86,19 +109,52 @@ def forget(ctx: Context | None, ns: str, name: str) -> None:
             ctx.poller.unwatch(ns, name)
 
 
-def reconcile(ctx: Context, ns: str, name: str, trigger: str) -> None:
+def reconcile(ctx: Context, ns: str, name: str, trigger: str) -> JobView | None:
+    """Reconcile one job; return how it stands now (None: gone or being deleted)."""
     with observe_reconcile(trigger), _lock(ns, name):
         body = ctx.kube.get_job(ns, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             if ctx.poller is not None:
                 ctx.poller.unwatch(ns, name)
-            return  # gone or going: the garbage collector takes the children (a finalizer stops a Ray job)
-        new = _reconcile(ctx, body, poll=trigger == "poll")
+            return None  # gone or going: the garbage collector takes the children (a finalizer stops a Ray job)
+        view = _reconcile(ctx, body, poll=trigger == "poll")
         if ctx.poller is not None:
-            if _needs_polling(body, new, ctx.settings.kuberay_progress):
+            if _needs_polling(body, view.status, ctx.settings.kuberay_progress):
                 ctx.poller.watch(ns, name)
             else:
                 ctx.poller.unwatch(ns, name)
+        return view
+
+
+def job_view(ctx: Context, ns: str, name: str) -> JobView | None:
+    """A job as its adapters see it, read afresh without reconciling it (None: no such job): its trainer's URL
+    and adapter state while it runs."""
+    body = ctx.kube.get_job(ns, name)
+    if body is None:
+        return None
+    url = trainer_url(ctx, body)
+    if url is None:
+        return JobView(body)
+    return JobView(body, url, *_adapter_state(ctx, body, url))
+
+
+def trainer_url(ctx: Context, body: Mapping[str, Any]) -> str | None:
+    """The control-plane URL of a Running job's trainer, found as its poll finds it; None when the job does
+    not run, or runs on KubeRay and the operator does not reach KubeRay trainers (Settings.kuberay_progress)."""
+    status = body.get("status") or {}
+    if status.get("phase") != Phase.RUNNING:
+        return None
+    runtime = (body.get("spec") or {}).get("runtime") or {}
+    if runtime.get("kind") != RuntimeKind.RAY:
+        return kuberay.control_url(status, body["metadata"]["namespace"]) if ctx.settings.kuberay_progress else None
+    sub, address = status.get("rayJobName"), runtime.get("address")
+    if not sub or not address:
+        return None
+    try:
+        info = ctx.ray_client(str(address)).get(str(sub))
+    except RayError:
+        info = None  # the port the submission would have been given; the trainer is likely unreachable too
+    return rayrt.control_url(str(address), rayrt.recorded_port(info, str(sub), ctx.settings.ray_control_ports))
 
 
 def stop_ray_job(ctx: Context, ns: str, name: str) -> tuple[str | None, JobInfo | None]:
@@ -136,20 +192,22 @@ def _doc(body: Mapping[str, Any]) -> dict[str, Any]:
             "spec": body.get("spec") or {}}
 
 
-def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> dict[str, Any]:
-    """Reconcile one job; return the status it holds now. A `poll` looks at the outside (the RayJob or
+def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> JobView:
+    """Reconcile one job; return it with the status it holds now. A `poll` looks at the outside (the RayJob or
     Ray job, the trainer) and leaves the children alone: events bring those back if they go."""
     kube = ctx.kube
     meta, current = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
+    view = JobView(body)
     if current.get("phase") in TERMINAL:
-        return dict(current)  # finished jobs are history; KubeRay's TTL cleans the cluster up
+        return view  # finished jobs are history; KubeRay's TTL cleans the cluster up
     now = now_rfc3339()
     job, problems = validate_job(_doc(body))
     errors = [p for p in problems if p.severity == "error"]
     if job is None or errors:
         message = "; ".join(f"{p.field}: {p.message}" for p in errors) or "invalid spec"
-        return _fail(kube, body, Cond(ConditionType.VALIDATED, "False", Reason.VALIDATION_FAILED, message), now)
+        return view.with_status(
+            _fail(kube, body, Cond(ConditionType.VALIDATED, "False", Reason.VALIDATION_FAILED, message), now))
     status: dict[str, Any] = dict(current)
     first_time = get_condition(current.get("conditions") or [], ConditionType.VALIDATED) is None
     if first_time and job.spec.lora.sync_mode is None:
@@ -174,11 +232,13 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> dict[s
         url = kuberay.control_url(new, meta["namespace"]) if ctx.settings.kuberay_progress else None
     # progress while the trainer runs, and one last look when it has just ended (a trainer that
     # keeps its control plane up a moment after its last step then shows the final numbers)
+    trainer: dict[str, Any] = {}  # what its adapters learn of the trainer: it was read only now
     if url and (new.get("phase") == Phase.RUNNING or (current.get("phase") == Phase.RUNNING
                                                       and new.get("phase") in TERMINAL)):
-        new = _with_progress(ctx, body, job, new, url, now)
+        new, runs, error = _with_progress(ctx, body, job, new, url, now)
+        trainer = {"url": url, "runs": runs, "error": error}
     _write(kube, body, current, new)
-    return new
+    return view.with_status(new, **trainer)
 
 
 def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob) -> dict[str, Any] | None:
@@ -336,7 +396,9 @@ def _submit(ctx: Context, client: RayJobsClient, body: dict[str, Any], job: LoRA
 
 
 def _with_progress(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, status: dict[str, Any], url: str,
-                   now: str) -> dict[str, Any]:
+                   now: str) -> tuple[dict[str, Any], AdapterRunsState | None, str | None]:
+    """The status with the trainer's progress; and for a multi-adapter job the trainer's adapter state (or why
+    it is unread), from which progress.activeAdapters is counted."""
     meta = body["metadata"]
     key = (meta["namespace"], meta["name"])
     try:
@@ -347,16 +409,30 @@ def _with_progress(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, sta
             log.info("%s/%s: no progress: %s", *key, e)
             if e.unauthorized:
                 ctx.kube.event(body, EventType.WARNING, Reason.PROGRESS_UNAVAILABLE, str(e))
-        return status
+        return status, None, str(e)
     ctx.progress_errors.pop(key, None)
+    runs, error = _adapter_state(ctx, body, url)
     progress = status_progress(trainer)
+    if runs is not None:
+        progress["activeAdapters"] = runs.active
     shown = (status.get("progress") or {}).get("step")
     if trainer.phase is TrainerPhase.STARTING and isinstance(shown, int) and int(progress.get("step") or 0) < shown:
         # a resubmitted trainer that has not restored its checkpoint yet says step 0: keep what the
         # status shows (the last attempt's progress) until it runs, so the Step column never drops to 0
-        return status
+        return status, runs, error
     new = dict(status)
     new["progress"] = progress
     conds = progress_conditions(progress, job.spec, synced_step=trainer.synced_step)
     new["conditions"] = set_conditions(status.get("conditions") or [], conds, meta.get("generation"), now)
-    return new
+    return new, runs, error
+
+
+def _adapter_state(ctx: Context, body: Mapping[str, Any], url: str) -> tuple[AdapterRunsState | None, str | None]:
+    """GET /adapter_runs/state of a multi-adapter job's trainer: (the state, None) or (None, why not)."""
+    if not int(((body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0):
+        return None, "the job is not a multi-adapter one (multiLora.maxAdapters is 0)"
+    client = AdapterRuns(url, ctx.tokens.for_job(str(body["metadata"]["uid"])), ctx.settings.http_timeout)
+    try:
+        return client.state(), None
+    except ProgressUnavailable as e:
+        return None, str(e)
