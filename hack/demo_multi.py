@@ -2,9 +2,9 @@
 """`make demo-multi`: a multi-adapter service on this machine, driven with kubectl, then clean up.
 
 1. the control plane, a local Ray head and the kora operator, as `make demo` starts them (hack/demo.py);
-2. `kubectl apply` of manifests/samples/toy-multi-lora.yaml's LoRATrainingJob: a service (no adapters of its
-   own) that idles until adapters name it;
-3. `kubectl apply` of two LoRAAdapters with different data (`add`: all sums; `small`: the sums of numbers below
+2. `kubectl apply` of manifests/samples/toy-multi-lora.yaml: a service (no adapters of its own) that idles until
+   adapters name it;
+3. `kubectl apply` of two LoRAAdapters of manifests/samples/adapters/toy-multi.yaml with different data (`add`: all sums; `small`: the sums of numbers below
    20, at a smaller rank); a third (`late`) once the others train; `small` deleted mid-run (its requests aborted,
    its checkpoint and export written, its slot freed);
 4. `kubectl get lad` streamed meanwhile (each adapter's phase, step, reward and served version), until `add` and
@@ -32,6 +32,7 @@ from localcluster import LocalCluster, wait_for  # noqa: E402
 from localray import LocalRay  # noqa: E402
 
 SAMPLE = ROOT / "manifests" / "samples" / "toy-multi-lora.yaml"
+ADAPTERS = ROOT / "manifests" / "samples" / "adapters" / "toy-multi.yaml"
 CHECKPOINTS = STATE / "checkpoints-multi"
 COLUMNS = ("phase", "slot", "step", "numSteps", "rewardMean", "version")
 
@@ -39,7 +40,7 @@ COLUMNS = ("phase", "slot", "step", "numSteps", "rewardMean", "version")
 def docs(address: str) -> dict[str, str]:
     """The sample's objects as YAML by name: the job (its Ray address and a fresh checkpoint path) and adapters."""
     out = {}
-    for doc in yaml.safe_load_all(SAMPLE.read_text()):
+    for doc in [*yaml.safe_load_all(SAMPLE.read_text()), *yaml.safe_load_all(ADAPTERS.read_text())]:
         if doc["kind"] == "LoRATrainingJob":
             doc["spec"]["runtime"]["address"] = address
             doc["spec"]["checkpoint"]["path"] = str(CHECKPOINTS)
