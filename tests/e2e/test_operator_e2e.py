@@ -16,6 +16,7 @@ its `step i/N` progress lines.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -259,3 +260,54 @@ def test_deleting_a_running_job_stops_the_trainer_and_leaves_nothing(cluster, ns
              what=f"no process of the job left (now {[lines.get(p, p) for p in job_processes(head, 'doomed')]})")
     wait_for(lambda: all(v == [] for v in children(cluster, "doomed", ns).values()), timeout=60, interval=0.5,
              what="the garbage collector to remove the ConfigMap and Secret")
+
+
+def test_lora_adapters_train_in_a_service_job_and_go_with_it(cluster, ns, operator, head, toy_dir, tmp_path):
+    """Multi-LoRA through the operator and the REAL trainer: a service job (no adapters of its own), two
+    LoRAAdapters applied -> registered -> their step and reward in `kubectl get lad`; one runs to its numSteps
+    (Succeeded, its export written), the other is deleted mid-run (deregistered: Retired on the trainer, then
+    forgotten); an adapter rule 9 keeps out fails with the fix; deleting the job deletes its adapters."""
+    ckpt = tmp_path / "ckpt"
+    doc = toy_job("toy-multi", head, toy_dir, ckpt, steps=1, interval=100)
+    spec = doc["spec"]
+    spec["algorithm"].pop("numSteps")
+    spec["lora"]["syncMode"] = "Adapter"
+    spec["multiLora"] = {"maxAdapters": 2, "maxCoalesceWaitSeconds": 0.5}
+    spec["checkpoint"]["exportHF"] = False
+    apply(cluster, doc, ns)
+    wait_for(lambda: job_status(cluster, "toy-multi", ns).get("phase") == "Running", timeout=RUN_S, interval=1,
+             what=f"ltj toy-multi Running (now {job_status(cluster, 'toy-multi', ns)})")
+
+    def lad(name: str, **s: Any) -> dict[str, Any]:
+        return {"apiVersion": "kora.dev/v1alpha1", "kind": "LoRAAdapter", "metadata": {"name": name},
+                "spec": {"jobName": "toy-multi", "rank": 8, "data": {"path": str(toy_dir / "train.parquet"),
+                         "rewardType": "custom", "customRewardPath": "toy_rewards.odd_first_digit"}, **s}}
+
+    def status(name: str) -> dict[str, Any]:
+        return (get(cluster, "lad", name, ns) or {}).get("status") or {}
+
+    apply(cluster, lad("short", numSteps=3), ns)
+    apply(cluster, lad("long", numSteps=100000, seed=5), ns)
+    apply(cluster, lad("too-big", rank=32), ns)  # the job's lora.rank is 16: rule 9, not CEL-decidable
+    wait_for(lambda: status("short").get("phase") == "Succeeded", timeout=RUN_S, interval=1,
+             what=f"lad short Succeeded (now {status('short')})")
+    wait_for(lambda: status("long").get("phase") == "Training" and (status("long").get("step") or 0) >= 2,
+             timeout=RUN_S, interval=1, what=f"lad long training (now {status('long')})")
+    table = cluster.kubectl("get", "lad", "-n", ns).stdout
+    LOGS.mkdir(exist_ok=True)
+    (LOGS / "get-lad-e2e.txt").write_text(table)
+    rows = {line.split()[0]: line.split() for line in table.splitlines()[1:]}
+    assert rows["short"][1:4] == ["toy-multi", "Succeeded", "3"], table  # Job, Phase, Step (printer columns)
+    assert rows["long"][1:3] == ["toy-multi", "Training"] and int(rows["long"][3]) >= 2, table
+    assert float(rows["long"][4]) >= 0.0, table  # Reward
+    short = status("short")
+    assert short["exportPath"] and (Path(short["exportPath"]) / "adapter_model.safetensors").is_file(), short
+    bad = status("too-big")
+    assert bad.get("phase") == "Failed" and "exceeds the job's lora.rank 16" in json.dumps(bad), bad
+    assert (job_status(cluster, "toy-multi", ns).get("progress") or {}).get("activeAdapters") == 1
+    cluster.kubectl("delete", "lad", "long", "-n", ns, "--wait=true", "--timeout=120s")
+    assert (ckpt / "adapters" / "long" / "lora_adapter" / "adapter_model.safetensors").is_file()  # retired: exported
+    assert get(cluster, "lad", "long", ns) is None
+    delete_job(cluster, "toy-multi", ns)
+    wait_for(lambda: get(cluster, "lad", "short", ns) is None and get(cluster, "lad", "too-big", ns) is None,
+             timeout=60, interval=0.5, what="the garbage collector to delete the job's adapters")
