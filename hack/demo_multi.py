@@ -4,9 +4,9 @@
 1. the control plane, a local Ray head and the kora operator, as `make demo` starts them (hack/demo.py);
 2. `kubectl apply` of manifests/samples/toy-multi-lora.yaml: a service (no adapters of its own) that idles until
    adapters name it;
-3. `kubectl apply` of two LoRAAdapters of manifests/samples/adapters/toy-multi.yaml with different data (`add`: all sums; `small`: the sums of numbers below
-   20, at a smaller rank); a third (`late`) once the others train; `small` deleted mid-run (its requests aborted,
-   its checkpoint and export written, its slot freed);
+3. `kubectl apply` of two LoRAAdapters of manifests/samples/adapters/toy-multi.yaml with different data (`add`:
+   all sums; `small`: the sums of numbers below 20, at a smaller rank); a third (`late`) once the others train;
+   `small` deleted mid-run (its requests aborted, its checkpoint and export written, its slot freed);
 4. `kubectl get lad` streamed meanwhile (each adapter's phase, step, reward and served version), until `add` and
    `late` have Succeeded; then the job is deleted, which deletes its adapters;
 and every process it started is stopped by pid at the end, whatever happened.
