@@ -96,6 +96,24 @@ def test_two_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same(toy_
     assert alone.summary()["adapters"]["odd"]["reward_curve"] == summary["odd"]["reward_curve"]
 
 
+@pytest.mark.slow
+def test_colocated_adapters_are_served_as_trained(toy_dir, tmp_path):
+    """Colocate: each adapter reaches the engine in memory (unload + load of its name, no version on that route):
+    every step's rollouts are tagged with the adapter's own current version and served as the trainer holds it."""
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 3},
+                {"name": "even", "rank": 8, "numSteps": 3, "seed": 7, "data": {**EVEN, "path": data}}]
+    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters,
+                                                      deployment={"mode": "Colocate", "async": False}))
+    wait_all([run])
+    assert {n: a["steps"] for n, a in run.summary()["adapters"].items()} == {"odd": 3, "even": 3}
+    steps = run.events("adapter_step")
+    assert len(steps) == 6 and {e["sync"]["what"] for e in steps} == {"adapter"}
+    for e in steps:
+        assert e["rollout_version_lag"] == 0 and e["rollout_logp_gap_max"] is not None, e
+        assert e["rollout_logp_gap_max"] <= GAP_MAX, e
+
+
 def api(run: TrainRun, method: str, path: str, body: object | None = None) -> tuple[int, dict]:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{run.port}{path}", data=data, method=method,

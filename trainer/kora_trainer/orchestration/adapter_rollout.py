@@ -8,8 +8,8 @@ of (its adapter's seed, its adapter step, prompt, sample) only: what an adapter 
 which adapters run beside it.
 
 Versions: a rollout is tagged with the adapter version the engine served when the engine says (the weight-update
-group route publishes each version with its tag); otherwise (the in-memory route has no version) with the
-version the driver last published before the request was sent — a request racing a publish is tagged with the
+group route publishes each version with its tag); with the in-memory route (Colocate), which has no version, with
+the version the driver last published before the request was sent — a request racing a publish is tagged with the
 older one, a lag, never a false "current".
 
 A batch any of whose requests was aborted (its adapter is retiring) comes back as None: its tail is dropped.
@@ -27,6 +27,7 @@ from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.orchestration.data import Row, batches, load_rows
 from kora_trainer.orchestration.rollout_manager import Rollout, sampling_seed
+from kora_trainer.orchestration.workers import transport_kind
 from kora_trainer.sync.slot_sender import rid_prefix
 
 
@@ -44,6 +45,9 @@ class AdapterRollouts:
     def __init__(self, rollout: Rollout):
         self.rollout = rollout
         self.adapters: dict[str, _Adapter] = {}
+        # Only the weight-update group's route versions each adapter on the engine; after an in-memory load the
+        # engine reports its one server-wide version (the base push's), which says nothing of the adapter
+        self.engine_tags = transport_kind(rollout.cfg) == "distributed"
 
     def add(self, settings: AdapterSettings, position: int = 0, version: int = 0) -> int:
         """Its data loaded and fast-forwarded to `position` batches (a checkpoint's); returns its row count."""
@@ -91,8 +95,8 @@ class AdapterRollouts:
             batch.prompt_ids.append(prompts[k // g])
             batch.response_ids.append(out.output_ids)
             batch.rollout_logprobs.append(out.output_logprobs)
-            tag = out.weight_version if out.weight_version is not None and out.weight_version.isdigit() else None
-            batch.weight_versions.append(tag or str(version))
+            engine = out.weight_version if self.engine_tags else None
+            batch.weight_versions.append(engine if engine is not None and engine.isdigit() else str(version))
             text = out.text if out.text is not None else cast(str, r.tokenizer.decode(out.output_ids,
                                                                                        skip_special_tokens=True))
             batch.rewards.append(float(a.reward(Sample(row.prompt, text, row.label, row.index))))
