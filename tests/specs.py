@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 
@@ -56,3 +57,18 @@ def violating_job(rule_id: str, name: str = "job") -> dict[str, Any]:
     for path, value in VIOLATIONS[rule_id].items():
         doc = set_path(doc, path, value)
     return doc
+
+
+def multi_adapter_registry(tmp_path: Path) -> tuple[Any, Path]:
+    """(an AdapterRegistry of a 2-slot multi-adapter job of max rank 16 on 2 DP ranks, its 8-row dataset): what the
+    control plane's /adapter_runs routes stand on in the tests that serve them."""
+    from kora_trainer.adapter_runs.registry import AdapterRegistry
+    from kora_trainer.config import TrainerConfig
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n' * 8)
+    cfg = TrainerConfig.model_validate({
+        "model": {"path": str(tmp_path)}, "lora": {"rank": 16, "syncMode": "Adapter"},
+        "algorithm": {"rolloutBatchSize": 4, "nSamplesPerPrompt": 4, "globalBatchSize": 16},
+        "data": {"path": str(data)}, "multiLora": {"maxAdapters": 2}, "parallelism": {"data": 2}})
+    return AdapterRegistry(cfg, tmp_path / "ckpt" / "adapters" / "registry.json"), data

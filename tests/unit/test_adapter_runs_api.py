@@ -14,11 +14,11 @@ from kora_operator.adapter_runs import AdapterRuns, Refused
 from kora_operator.progress import ProgressUnavailable
 from kora_trainer.adapter_runs.api import AdapterRunsAPI
 from kora_trainer.adapter_runs.registry import AdapterRegistry
-from kora_trainer.config import TrainerConfig
 from kora_trainer.config.adapter_runs import AdapterPhase, AdapterRunState
 from kora_trainer.config.sections import AdapterRunConfig
 from kora_trainer.control_plane import ControlPlane, Progress
 from localcluster import free_ports
+from specs import multi_adapter_registry
 
 TOKEN = "s3cret"
 
@@ -36,13 +36,7 @@ def call(url: str, method: str = "GET", body: object | None = None, token: str |
 
 @pytest.fixture
 def job(tmp_path):
-    data = tmp_path / "train.jsonl"
-    data.write_text('{"prompt": "1+1=", "label": "2"}\n' * 8)
-    cfg = TrainerConfig.model_validate({
-        "model": {"path": str(tmp_path)}, "lora": {"rank": 16, "syncMode": "Adapter"},
-        "algorithm": {"rolloutBatchSize": 4, "nSamplesPerPrompt": 4, "globalBatchSize": 16},
-        "data": {"path": str(data)}, "multiLora": {"maxAdapters": 2}, "parallelism": {"data": 2}})
-    registry = AdapterRegistry(cfg, tmp_path / "ckpt" / "adapters" / "registry.json")
+    registry, data = multi_adapter_registry(tmp_path)
     cp = ControlPlane(Progress(0, "Adapter"), TOKEN, port=0, host="127.0.0.1", routes=AdapterRunsAPI(registry)).start()
     yield cp.url, registry, str(data)
     cp.stop()

@@ -24,6 +24,14 @@ before anyone read it. `ControlPlane.linger(seconds)` keeps serving until one au
 returned a final phase (Succeeded / Failed) or `seconds` passed, whichever comes first; the trainer calls
 it at the end with env KORA_CONTROL_LINGER_S (default 0: stop at once).
 
+Hostile input gets a 4xx with a JSON `{"error": message}`, never a 5xx, a reset or a hang: every method is
+answered (405 on a known path, 404 on another; never http.server's 501), a body over MAX_BODY (1 MiB) is a
+413, a Content-Length that is not a number a 400, a chunked body a 411, a body short of its Content-Length a
+400 (the client closed) or a 408 (it stalled past `read_timeout_s`), and http.server's own refusals (a bad
+request line, a header too long) come as JSON too. What was not read of a refused body is drained, bounded
+(DRAIN_LIMIT bytes, DRAIN_S seconds), before the connection closes, so the client reads the answer rather
+than a reset. tests/unit/test_hostile_input.py sends the barrage.
+
 The KORA_CONTROL_* variables are the fields of `kora_trainer.config.control.ControlEnv`, which the operator
 writes them with.
 """
@@ -35,11 +43,15 @@ import hmac
 import json
 import os
 import secrets
+import socket
 import threading
+import time
 from collections.abc import Mapping
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from pydantic import ValidationError
 
@@ -138,82 +150,163 @@ class Routes(Protocol):
     def handle(self, method: str, path: str, body: bytes) -> tuple[int, Any]: ...
 
 
-MAX_BODY = 1 << 20  # a request body larger than this is refused (413)
+MAX_BODY = 1 << 20  # a request body larger than this is refused (413), for every route
+DRAIN_LIMIT = 64 << 20  # after a refusal, at most this much of an unread body is read and dropped ...
+DRAIN_S = 5.0  # ... for at most this long, so that the client reads the answer instead of a reset
+READ_TIMEOUT_S = 30.0  # a request line, header or body that does not come within this is dropped / a 408
+ROUTES = "GET /status, GET /healthz"
+
+
+class _Refused(Exception):
+    """A request answered with an error before its route ran (`status`, `message`; `linger`: drain what is left
+    of it before closing)."""
+
+    def __init__(self, status: int, message: str, linger: bool = True):
+        super().__init__(message)
+        self.status, self.message, self.linger = status, message, linger
 
 
 class _Handler(BaseHTTPRequestHandler):
-    """One request to a ControlPlane (`plane`, set on the subclass each plane makes)."""
+    """One request to a ControlPlane (`plane`, set on the subclass each plane makes; `timeout`, the socket's
+    read timeout, too). Every answer is JSON, errors `{"error": message}` with a 4xx: an unknown method is a 405
+    (a 404 on an unknown path), a body over MAX_BODY a 413, a body that is short of its Content-Length a 400
+    (the client closed) or a 408 (it stalled). Whatever of a body was not read is drained, bounded, before the
+    connection closes, so the client gets the answer and not a reset."""
 
     plane: ControlPlane
 
     def log_message(self, *args: Any) -> None:  # the operator polls; keep the trainer's log clean
         pass
 
-    def _send(self, code: int, body: Any) -> None:
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (bad request line, header too long, ...) as JSON, like every other answer.
+        Its 501 for a method without a do_<METHOD> (a server fault, it says) goes to the routes instead: they
+        answer 405 on a known path, 404 on another; its 505 for an HTTP/2+ request line is a 400."""
+        if code == HTTPStatus.NOT_IMPLEMENTED and self.command:
+            self._dispatch()
+            return
+        if code == HTTPStatus.HTTP_VERSION_NOT_SUPPORTED:  # the client's choice of version: a 4xx, not a 5xx
+            code, message = HTTPStatus.BAD_REQUEST, f"{message}: send HTTP/1.1 or HTTP/1.0"
+        if self.request_version == "HTTP/0.9":  # a request line it could not read: still a status line back
+            self.request_version = "HTTP/1.0"
+        short = self.responses.get(code, ("", ""))[0]
+        self.close_connection = True
+        self._send(code, {"error": f"{short}: {message}" if message and message != short else short or str(code)})
+        self._linger()  # the rest of a request line or header it stopped reading may still be on the socket
+
+    def parse_request(self) -> bool:
+        if not super().parse_request():
+            return False
+        if self.request_version == "HTTP/0.9":  # no status line, no headers: nothing of this API fits in it
+            self.send_error(HTTPStatus.BAD_REQUEST, "HTTP/0.9 is not served: send HTTP/1.1 or HTTP/1.0")
+            return False
+        return True
+
+    def _send(self, code: int, body: Any, headers: Mapping[str, str] | None = None) -> None:
         data = json.dumps(body).encode()
         self.send_response(code)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the poller gave up waiting
-            self.wfile.write(data)
+        with contextlib.suppress(OSError):  # the poller gave up waiting
+            if self.command != "HEAD":
+                self.wfile.write(data)
+            self.wfile.flush()
 
     def _authorized(self) -> bool:
         given = self.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {self.plane.token}".encode()):
+        if hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {self.plane.token}".encode()):
             return True
         self._send(401, {"error": "Unauthorized: send Authorization: Bearer <control-plane token>"})
         return False
 
-    def _routed(self, method: str) -> bool:
-        """A request under the extra routes' prefix: answered by them (True), after the token check."""
-        routes = self.plane.routes
-        path = self.path.split("?")[0]
-        if routes is None or not (path == routes.prefix or path.startswith(routes.prefix + "/")):
-            return False
-        if not self._authorized():
-            return True
-        length = int(self.headers.get("Content-Length") or 0)
+    def _body(self) -> bytes:
+        """The request body (b"" without one), or _Refused."""
+        if self.headers.get("Transfer-Encoding"):
+            raise _Refused(411, "chunked bodies are not read here: send the body with a Content-Length")
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return b""
+        if not raw.strip().isdigit():
+            raise _Refused(400, f"Content-Length {raw!r} is not a number of bytes")
+        length = int(raw)
         if length > MAX_BODY:
-            self._send(413, {"error": f"request body over {MAX_BODY} bytes"})
-            return True
-        body = self.rfile.read(length) if length > 0 else b""
-        self._send(*routes.handle(method, self.path, body))
-        return True
+            raise _Refused(413, f"request body of {length} bytes is over the limit of {MAX_BODY} bytes")
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            raise _Refused(408, f"the request body did not arrive within {self.timeout} s: send as many bytes as "
+                                "Content-Length says", linger=False) from None  # a stalled client: no waiting on it
+        if len(body) < length:
+            raise _Refused(400, f"the request body ended after {len(body)} of its {length} bytes (Content-Length)")
+        return body
 
-    def do_POST(self) -> None:
-        if not self._routed("POST"):
-            self._send(404, {"error": f"no route POST {self.path}"})
+    def _dispatch(self) -> None:
+        try:
+            body = self._body()
+            self._route(self.command, urlsplit(self.path).path, body)
+        except _Refused as e:
+            self.close_connection = True
+            self._send(e.status, {"error": e.message})
+            if e.linger:
+                self._linger()
+        except Exception as e:  # a bug, not the client's fault: still an answer, never a dropped connection
+            self.close_connection = True
+            self._send(500, {"error": f"internal error: {type(e).__name__}: {e}"})
 
-    def do_DELETE(self) -> None:
-        if not self._routed("DELETE"):
-            self._send(404, {"error": f"no route DELETE {self.path}"})
+    do_GET = do_HEAD = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = do_TRACE = _dispatch
 
-    def do_GET(self) -> None:
-        if self.path == "/healthz":
+    def _linger(self) -> None:
+        """After an answer to a request not read to its end: close our side (the client sees the answer end),
+        then read and drop what it still sends until it closes, at most DRAIN_LIMIT bytes for DRAIN_S seconds.
+        Closing a socket with unread bytes sends a reset, which can destroy the answer before the client reads
+        it (the 10 MB POST that used to be dropped)."""
+        left, deadline = DRAIN_LIMIT, time.monotonic() + DRAIN_S
+        with contextlib.suppress(OSError):
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_WR)
+            while left > 0 and (remaining := deadline - time.monotonic()) > 0:
+                self.connection.settimeout(remaining)
+                chunk = self.rfile.read1(min(left, 1 << 16))
+                if not chunk:
+                    break
+                left -= len(chunk)
+
+    def _route(self, method: str, path: str, body: bytes) -> None:
+        routes = self.plane.routes
+        if routes is not None and (path == routes.prefix or path.startswith(routes.prefix + "/")):
+            if self._authorized():
+                self._send(*routes.handle(method, self.path, body))
+            return
+        if path not in ("/status", "/healthz"):
+            extra = f", {routes.prefix} routes" if routes is not None else ""
+            self._send(404, {"error": f"no route {method} {path}: {ROUTES}{extra}"})
+        elif method not in ("GET", "HEAD"):
+            self._send(405, {"error": f"method {method} not allowed on {path}: {ROUTES}"}, {"Allow": "GET, HEAD"})
+        elif path == "/healthz":
             self._send(200, "ok")
-            return
-        if self._routed("GET"):
-            return
-        if self.path.split("?")[0] != "/status":
-            self._send(404, {"error": f"no route {self.path}: GET /status or /healthz"})
-            return
-        if not self._authorized():
-            return
+        elif self._authorized():
+            self._status()
+
+    def _status(self) -> None:
         snapshot = self.plane.progress.snapshot()
         self._send(200, snapshot)
-        if snapshot.get("phase") in FINAL_PHASES:
-            self.wfile.flush()
+        if snapshot.get("phase") in FINAL_PHASES and self.command == "GET":
             self.plane.final_read.set()  # the whole answer is written: linger() may stop the server now
 
 
 class ControlPlane:
     def __init__(self, progress: Progress, token: str, port: int = CONTROL_PORT, host: str | None = None,
-                 routes: Routes | None = None):
+                 routes: Routes | None = None, read_timeout_s: float = READ_TIMEOUT_S):
         self.progress, self.token, self.routes = progress, token, routes
         self.final_read = threading.Event()  # set once an authorized GET /status returned a final phase
         host = host or ControlEnv.from_env(only=("host",)).host or "127.0.0.1"
-        self.server = ThreadingHTTPServer((host, port), type("Handler", (_Handler,), {"plane": self}))
+        handler = type("Handler", (_Handler,), {"plane": self, "timeout": read_timeout_s})
+        self.server = ThreadingHTTPServer((host, port), handler)
         self.server.daemon_threads = True
         self.thread = threading.Thread(target=self.server.serve_forever, name="control-plane", daemon=True)
 

@@ -3,15 +3,16 @@ plane calls for any request under /adapter_runs, after it has checked the bearer
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from pydantic import ValidationError
 
 from kora_trainer.adapter_runs.registry import AdapterRegistry, RegistryError, validation_message
 from kora_trainer.config.adapter_runs import AdapterRunRequest
+from kora_trainer.wire.strict_json import BodyError, loads_body
 
 PREFIX = "/adapter_runs"
+SHAPE = '{"name": ..., "config": {...}}'
 
 
 class AdapterRunsAPI:
@@ -43,10 +44,9 @@ class AdapterRunsAPI:
     @staticmethod
     def _request(body: bytes) -> tuple[str, Any]:
         try:
-            raw = json.loads(body or b"null")
-        except json.JSONDecodeError as e:
-            raise RegistryError(400, f"the body is not JSON ({e.msg}): send "
-                                     '{"name": ..., "config": {...}}') from e
+            raw = loads_body(body or b"null")
+        except BodyError as e:
+            raise RegistryError(400, f"the body is not JSON: {e}; the body is {SHAPE}") from None
         try:
             req = AdapterRunRequest.model_validate(raw)
         except ValidationError as e:

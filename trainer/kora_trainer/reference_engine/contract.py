@@ -9,6 +9,9 @@ unknown key inside `sampling_params`, or a value of the wrong JSON type, is refu
 module copies the decoder's checks and its error texts (`_unexpected`, `_invalid_type`,
 `_unknown_field`), not its code.
 
+An integer outside its field's type (i32 token ids, i64 counts) is refused in serde's words for it, e.g.
+"invalid value: integer `4294967296`, expected i32" (serde's wording ⚠: not checked against the decoder's own).
+
 The allowed sampling keys are `_FIELDS_SamplingParams` in that order; 0.5.23 adds `watermark`
 (SGLANG_API.md §1) and lists `choice` ⚠ (its position in the list is not pinned down).
 """
@@ -71,9 +74,15 @@ def _number(v: Any) -> None:
         raise _invalid(v, "f64")
 
 
+_INT_RANGES = {"i32": (-(1 << 31), (1 << 31) - 1), "i64": (-(1 << 63), (1 << 63) - 1)}
+
+
 def _integer(v: Any, expected: str = "i64") -> None:
     if not _is_int(v):
         raise _invalid(v, expected)
+    low, high = _INT_RANGES[expected]
+    if not low <= v <= high:  # serde's `invalid_value` for an integer its target type cannot hold
+        raise ContractError(f"invalid value: integer `{v}`, expected {expected}")
 
 
 def _boolean(v: Any) -> None:

@@ -98,10 +98,12 @@ class FastSyncRoutes:
 
     async def _call(self, request: web.Request, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> web.Response:
         try:
-            body = await request.json()
+            body = await self.server._json_body(request)  # a body over --max-body-bytes raises aiohttp's 413
             if not isinstance(body, dict):
                 raise ValueError("the body must be a JSON object")
             out = await self.server._run(fn, body, sync=True)
+        except web.HTTPException:
+            raise
         except Exception as e:  # the trainer reads the message (and falls back to the HTTP path on a refused plan)
             log.warning("%s failed: %s", request.path, e)
             return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)

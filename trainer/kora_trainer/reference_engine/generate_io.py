@@ -33,15 +33,60 @@ class ParsedGenerate:
     stream: bool
 
 
+@dataclass(frozen=True)
+class GenerateLimits:
+    """What one `/generate` call may ask of this engine; past them it is a 400 naming the field.
+
+    `vocab_size` and `context_len` are the model's (SGLang: `model_config.vocab_size`, `context_len` =
+    max_position_embeddings); `max_sequences` (kora's own, `--max-sequences-per-call`) bounds prompts x n, so one
+    body cannot make the engine build a billion requests (SGLang has no such bound)."""
+
+    vocab_size: int
+    context_len: int
+    max_sequences: int
+
+
 def _per_item(value: Any, i: int, default: Any) -> Any:
     if isinstance(value, list):
         return value[i] if i < len(value) and value[i] is not None else default
     return default if value is None else value
 
 
-def parse_generate(body: dict[str, Any], tokenize: Callable[[str], list[int]],
-                   resolve_adapter: Callable[[str | None], LoRAAdapter | None]) -> ParsedGenerate:
-    """Raises ValueError with SGLang's messages; the contract gate has already checked JSON types."""
+def _shown(ids: list[int]) -> str:
+    """ids as SGLang prints them in its message, cut short past 32 (the body may hold thousands)."""
+    return str(ids) if len(ids) <= 32 else f"[{', '.join(map(str, ids[:32]))}, ...] ({len(ids)} ids)"
+
+
+def _check_prompt(ids: list[int], max_new_tokens: Any, limits: GenerateLimits) -> None:
+    """SGLang's checks of one prompt (TokenizerManager `_validate_input_ids_in_vocab`, `_validate_one_request`):
+    every id in the vocabulary, the prompt shorter than the context, prompt + an explicit max_new_tokens within it."""
+    if not ids:
+        raise ValueError("input_ids cannot be empty.")
+    vocab = limits.vocab_size
+    if any(i >= vocab for i in ids):
+        raise ValueError(f"The input_ids {_shown(ids)} contains values greater than the vocab size ({vocab}).")
+    if any(i < 0 for i in ids):  # SGLang 0.5.23 checks only the upper end; a negative id indexes nothing
+        raise ValueError(f"The input_ids {_shown(ids)} contains negative values: token ids are in [0, {vocab}).")
+    n, context = len(ids), limits.context_len
+    if n >= context:
+        raise ValueError(f"The input ({n} tokens) is longer than the model's context length ({context} tokens).")
+    if max_new_tokens is not None and max_new_tokens + n > context:
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {context} tokens. You requested a "
+            f"total of {max_new_tokens + n} tokens: {n} tokens from the input messages and {max_new_tokens} tokens "
+            "for the completion. Please reduce the number of tokens in the input messages or the completion to fit "
+            "within the limit.")
+
+
+def _count_check(count: int, what: str, limits: GenerateLimits) -> None:
+    if count > limits.max_sequences:
+        raise ValueError(f"{what} make {count} sequences in one call; this engine takes at most "
+                         f"{limits.max_sequences} (--max-sequences-per-call): split the batch")
+
+
+def _prompts(body: dict[str, Any], tokenize: Callable[[str], list[int]],
+             limits: GenerateLimits) -> tuple[list[list[int]], bool]:
+    """(the prompts' token ids, batched), counted against the limit before anything is tokenized."""
     text, input_ids = body.get("text"), body.get("input_ids")
     if body.get("input_embeds") is not None:
         raise ValueError("input_embeds is not supported by kora's hf engine")
@@ -49,26 +94,50 @@ def parse_generate(body: dict[str, Any], tokenize: Callable[[str], list[int]],
         raise ValueError("Either text, input_ids or input_embeds should be provided.")
     if text is not None:  # text wins when both are sent
         batched = isinstance(text, list)
-        prompts = [tokenize(t) for t in (text if batched else [text])]
-    else:
-        assert input_ids is not None
-        if input_ids == []:
-            raise ValueError("input_ids cannot be empty.")
-        batched = isinstance(input_ids[0], list)
-        prompts = [list(p) for p in (input_ids if batched else [input_ids])]
-        if any(len(p) == 0 for p in prompts):
-            raise ValueError("input_ids cannot be empty.")
+        texts = text if batched else [text]
+        _count_check(len(texts), f"{len(texts)} prompts", limits)
+        if not text:  # SGLang's `_tokenize_texts`; a prompt that tokenizes to nothing is refused by _check_prompt
+            raise ValueError("texts cannot be empty and tokenizer must be initialized")
+        try:
+            return [list(tokenize(t)) for t in texts], batched
+        except Exception as e:  # e.g. a lone surrogate (\ud800): valid JSON, no valid text
+            raise ValueError(f"text could not be tokenized ({type(e).__name__}: {e}): send valid Unicode text") \
+                from None
+    assert input_ids is not None
+    if input_ids == []:
+        raise ValueError("input_ids cannot be empty.")
+    batched = isinstance(input_ids[0], list)
+    prompts = [list(p) for p in (input_ids if batched else [input_ids])]
+    _count_check(len(prompts), f"{len(prompts)} prompts", limits)
+    return prompts, batched
 
+
+def _sampling(body: dict[str, Any], n_prompts: int, limits: GenerateLimits) -> tuple[list[SamplingParams], list[Any]]:
+    """(one SamplingParams per prompt, the max_new_tokens each prompt's dict names explicitly or None)."""
     raw_sp = body.get("sampling_params")
     if isinstance(raw_sp, list):
-        if len(raw_sp) != len(prompts):
-            raise ValueError(f"sampling_params has {len(raw_sp)} entries for a batch of {len(prompts)} prompts.")
-        params = [SamplingParams.from_json(sp) for sp in raw_sp]
+        if len(raw_sp) != n_prompts:
+            raise ValueError(f"sampling_params has {len(raw_sp)} entries for a batch of {n_prompts} prompts.")
+        params = [SamplingParams.from_json(sp, limits.vocab_size) for sp in raw_sp]
         if len({p.n for p in params}) > 1:
             raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
+        explicit = [(sp or {}).get("max_new_tokens") for sp in raw_sp]
     else:
-        params = [SamplingParams.from_json(raw_sp)] * len(prompts)
+        params = [SamplingParams.from_json(raw_sp, limits.vocab_size)] * n_prompts
+        explicit = [(raw_sp or {}).get("max_new_tokens")] * n_prompts
+    return params, explicit
+
+
+def parse_generate(body: dict[str, Any], tokenize: Callable[[str], list[int]],
+                   resolve_adapter: Callable[[str | None], LoRAAdapter | None],
+                   limits: GenerateLimits) -> ParsedGenerate:
+    """Raises ValueError with SGLang's messages; the contract gate has already checked JSON types."""
+    prompts, batched = _prompts(body, tokenize, limits)
+    params, explicit = _sampling(body, len(prompts), limits)
     n = params[0].n if params else 1
+    _count_check(len(prompts) * n, f"{len(prompts)} prompts x n={n}", limits)
+    for prompt, max_new in zip(prompts, explicit, strict=True):
+        _check_prompt(prompt, max_new, limits)
 
     fields = parse(GenerateReqInput, body)  # BadRequest (SGLang's 400) for a mistyped one
     lora_path, rid = fields.lora_path, fields.rid

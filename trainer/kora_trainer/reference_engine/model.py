@@ -141,6 +141,8 @@ class EngineModel:
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.config = self.model.config
         self.max_context = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        # the ids the embedding can look up (SGLang checks model_config.vocab_size, the same number for HF models)
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.max_loras_per_batch = max_loras_per_batch
         self.max_lora_rank = max_lora_rank
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0

@@ -15,6 +15,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from kora_trainer.wire.strict_json import BodyError, loads_body
+
 
 class BadRequest(Exception):
     """A body that does not parse into the route's struct (server.py answers it with `bad_request_body`)."""
@@ -38,6 +40,15 @@ def validation_message(err: ValidationError) -> str:
         shown = "" if e["type"] == "missing" else f", input_value={e['input']!r}"
         lines.append(f"{where}\n  {e['msg']} [type={e['type']}{shown}]")
     return "\n".join(lines)
+
+
+def json_body(raw: bytes) -> Any:
+    """A request body as strict JSON (wire/strict_json.py), or BadRequest: FastAPI's "JSON decode error" 400
+    for what is not JSON, also for bytes that are not UTF-8 and for NaN / Infinity / an overflowing number."""
+    try:
+        return loads_body(raw)
+    except BodyError as e:
+        raise BadRequest(f"JSON decode error: {e}") from None
 
 
 def parse(model: type[Body], body: Any) -> Body:
@@ -80,6 +91,18 @@ class InitWeightsUpdateGroupReqInput(ReqInput):
     world_size: int
     group_name: str = GROUP
     backend: str = "nccl"
+
+
+def group_problem(b: InitWeightsUpdateGroupReqInput) -> str | None:
+    """What makes a join impossible, found before joining (kora's check; SGLang would try, and wait): the trainer is
+    rank 0, so this engine's rank `rank_offset` must be in [1, world_size)."""
+    if not 1 <= b.master_port <= 65535:
+        return f"master_port must be in [1, 65535], got {b.master_port}"
+    if b.world_size < 2:
+        return f"world_size must be at least 2 (the trainer and this engine), got {b.world_size}"
+    if not 1 <= b.rank_offset < b.world_size:
+        return f"rank_offset must be in [1, world_size={b.world_size}) (rank 0 is the trainer), got {b.rank_offset}"
+    return None
 
 
 class DestroyWeightsUpdateGroupReqInput(ReqInput):

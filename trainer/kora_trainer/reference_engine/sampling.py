@@ -23,6 +23,7 @@ import torch
 
 TOP_K_ALL = 1 << 30
 _EPS = 1e-6
+LOGIT_CAP = 1e30  # processed logits are kept in [-LOGIT_CAP, LOGIT_CAP] (apply_penalties)
 # constrained decoding needs grammar backends SGLang ships and the reference engine does not
 _UNSUPPORTED = ("json_schema", "regex", "ebnf", "structural_tag")
 
@@ -49,8 +50,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
 
     @classmethod
-    def from_json(cls, raw: dict[str, Any] | None) -> SamplingParams:
-        """Build from a dict the contract gate already accepted; raises ValueError like SGLang's `verify`."""
+    def from_json(cls, raw: dict[str, Any] | None, vocab_size: int | None = None) -> SamplingParams:
+        """Build from a dict the contract gate already accepted; raises ValueError like SGLang's `verify`
+        (`vocab_size`: the logit_bias keys are checked against it, as SGLang's `verify(vocab_size)` does)."""
         raw = {k: v for k, v in (raw or {}).items() if v is not None}
         for key in _UNSUPPORTED:
             if key in raw:
@@ -71,13 +73,13 @@ class SamplingParams:
         if "stop_token_ids" in raw:
             p.stop_token_ids = [int(t) for t in raw["stop_token_ids"]]
         if "logit_bias" in raw:
-            p.logit_bias = {int(k): float(v) for k, v in raw["logit_bias"].items()}
+            p.logit_bias = {_token_key(k): float(v) for k, v in raw["logit_bias"].items()}
         if p.top_k == -1:
             p.top_k = TOP_K_ALL
-        p.verify()
+        p.verify(vocab_size)
         return p
 
-    def verify(self) -> None:
+    def verify(self, vocab_size: int | None = None) -> None:
         """SGLang's checks and messages (sampling_params.py `verify`)."""
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
@@ -91,8 +93,8 @@ class SamplingParams:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not 0.0 <= self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in [0, 2], got {self.repetition_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:  # 0 would divide the seen tokens' logits by zero
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
         if self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens], got {self.min_new_tokens}.")
         if self.max_new_tokens is not None:
@@ -103,10 +105,31 @@ class SamplingParams:
                                  f"got {self.min_new_tokens}.")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
+        self._verify_bias_and_patterns(vocab_size)
+
+    def _verify_bias_and_patterns(self, vocab_size: int | None) -> None:
+        if vocab_size is not None:
+            for token_id in self.logit_bias:
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {token_id}.")
+        for pattern in self.stop_regex:  # here, not mid-batch where a bad one would fail every request in it
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}.") from None
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _EPS or self.top_k == 1
+
+
+def _token_key(key: Any) -> int:
+    """A logit_bias key: a token id written as a JSON object key (a string of digits)."""
+    try:
+        return int(key)
+    except ValueError:
+        raise ValueError(f"logit_bias keys must be token ids (integers as strings, e.g. \"13\"), got {key!r}.") \
+            from None
 
 
 def _seeded_generator(seed: int, position: int) -> torch.Generator:
@@ -135,7 +158,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_ids: li
         for tok in stop_ids:
             if 0 <= tok < logits.numel():
                 logits[tok] = float("-inf")
-    return logits
+    # a huge bias (any finite JSON number is one) must not overflow to inf, whose softmax is NaN: at +-LOGIT_CAP a
+    # token is already certain / impossible, and divided by a temperature >= _EPS it stays finite in float32
+    return logits.clamp(-LOGIT_CAP, LOGIT_CAP)
 
 
 def needs_processing(params: SamplingParams, generated: int) -> bool:

@@ -3,6 +3,7 @@
     python -m kora_trainer.reference_engine --model-path DIR [--host 127.0.0.1] [--port N]
         [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--max-loras-per-batch N]
         [--max-lora-rank R] [--api-key K] [--admin-api-key K] [--num-threads T] [--disable-fast-sync]
+        [--max-body-bytes N] [--max-sequences-per-call N] [--body-timeout-s S]
 
 The keys may come from the environment instead (KORA_ENGINE_API_KEY, KORA_ENGINE_ADMIN_API_KEY), which
 is how kora's launcher passes them: argv is visible to every user through `ps`. Who may call what is
@@ -62,6 +63,17 @@ reused across adapter versions); no constrained decoding (json_schema/regex/ebnf
 chunk per item; `/unload_lora_adapter` returns at once (requests already running keep the adapter
 object they were admitted with); /generate calls that queue while a batch runs are merged into
 the next batch (SGLang batches continuously).
+
+Hostile input gets a 4xx with a message, never a 5xx, a reset or a hang (tests/unit/test_hostile_input.py sends
+~700 such requests). Where SGLang has an answer it is SGLang's: a body that is not JSON, or not UTF-8, is
+FastAPI's 400 "JSON decode error"; `input_ids` at or past the vocab size, a prompt as long as the context and a
+prompt + explicit max_new_tokens past it are the tokenizer manager's 400s with its messages; an unknown path or
+method is FastAPI's 404 / 405 `{"detail": ...}` (HEAD is served wherever GET is, as Starlette does). kora's own
+additions, each a 4xx naming the field: negative ids (SGLang 0.5.23 checks only the upper end), NaN /
+Infinity / numbers past a double (Python's json reads them), integers past their serde type (i32 ids, i64
+counts), a stop_regex that does not compile, prompts x n over `--max-sequences-per-call` (65536), a body over
+`--max-body-bytes` (64 MiB; SGLang sets no limit) as a 413, and a body that has not all arrived within
+`--body-timeout-s` (60 s) as a 408. A request line or header aiohttp's parser cannot read is its 400 in text/plain.
 """
 
 from __future__ import annotations
@@ -73,6 +85,7 @@ import json
 import logging
 import os
 import sys
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -85,7 +98,7 @@ from kora_trainer.reference_engine import request_bodies as rq
 from kora_trainer.reference_engine.adapter_registry import AdapterRegistry
 from kora_trainer.reference_engine.contract import generate_contract_error
 from kora_trainer.reference_engine.fast_routes import FastSyncRoutes
-from kora_trainer.reference_engine.generate_io import format_result, parse_generate
+from kora_trainer.reference_engine.generate_io import GenerateLimits, format_result, parse_generate
 from kora_trainer.reference_engine.inflight import InFlight
 from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
 from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenRequest
@@ -98,10 +111,13 @@ from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_p
 log = logging.getLogger("kora.hf_engine")
 
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+MAX_BODY_BYTES = 64 << 20  # kora's body limit (--max-body-bytes): a larger body is a 413; SGLang sets none
+MAX_SEQUENCES_PER_CALL = 1 << 16  # prompts x n of one /generate call (--max-sequences-per-call)
+BODY_TIMEOUT_S = 60.0  # a body must have arrived whole within this (--body-timeout-s), else 408
 
 
-def _json(body: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
+def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
 @dataclass
@@ -115,8 +131,11 @@ class _AdapterStaging:
 
 class HFEngineServer:
     def __init__(self, engine: EngineModel, api_key: str | None = None, admin_api_key: str | None = None,
-                 workers: int = 32, fast_sync: bool = True):
+                 workers: int = 32, fast_sync: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_sequences: int = MAX_SEQUENCES_PER_CALL, body_timeout_s: float = BODY_TIMEOUT_S):
         self.engine = engine
+        self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
+        self.limits = GenerateLimits(engine.vocab_size, engine.max_context, max_sequences)
         self.fast_sync = FastSyncRoutes(self) if fast_sync else None
         self.adapters = AdapterRegistry(engine)
         self.batcher = CallBatcher(engine)
@@ -134,7 +153,7 @@ class HFEngineServer:
     # ---- app, auth --------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._bad_requests], client_max_size=1 << 30)
+        app = web.Application(middlewares=[self._auth, self._bad_requests], client_max_size=self.max_body_bytes)
         # who may call each route is wire/engine_auth.py's (SGLang's) rule, by path: one middleware checks it
         routes: list[tuple[str, str, Any]] = [
             ("*", "/generate", self.generate),
@@ -160,11 +179,10 @@ class HFEngineServer:
         if self.fast_sync is not None:
             routes += self.fast_sync.routes()
         for method, path, handler in routes:
-            if method == "*":  # SGLang serves these on GET|POST (flush_cache) or POST|PUT (generate)
-                for m in (("GET", "POST") if path == "/flush_cache" else ("POST", "PUT")):
-                    app.router.add_route(m, path, handler)
-            else:
-                app.router.add_route(method, path, handler)
+            # SGLang serves these on GET|POST (flush_cache) or POST|PUT (generate); Starlette adds HEAD to every GET
+            methods = (("GET", "POST") if path == "/flush_cache" else ("POST", "PUT")) if method == "*" else (method,)
+            for m in methods + (("HEAD",) if "GET" in methods else ()):
+                app.router.add_route(m, path, handler)
         app.on_shutdown.append(self._shutdown)
         return app
 
@@ -183,26 +201,42 @@ class HFEngineServer:
 
     @web.middleware
     async def _bad_requests(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """SGLang's `validation_exception_handler`, app-wide as there: a body that does not parse is a 400."""
+        """SGLang's `validation_exception_handler`, app-wide as there: a body that does not parse is a 400.
+        aiohttp's own refusals (404 unknown path, 405 method, 413 body over the limit) get FastAPI's JSON
+        `{"detail": ...}` instead of aiohttp's text, as a FastAPI server answers them."""
         try:
             response: web.StreamResponse = await handler(request)
         except rq.BadRequest as e:
             return _json(rq.bad_request_body(str(e)), 400)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _json({"detail": self._detail(e)}, e.status, {k: v for k, v in e.headers.items()
+                                                                   if k.lower() == "allow"})
         return response
+
+    def _detail(self, e: web.HTTPException) -> str:
+        if isinstance(e, web.HTTPRequestEntityTooLarge):
+            return (f"Request body over this engine's limit of {self.max_body_bytes} bytes (--max-body-bytes): "
+                    "send a smaller body")
+        return str(e.reason)
 
     async def _run(self, fn: Any, *args: Any, sync: bool = False) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.sync_pool if sync else self.pool, fn, *args)
 
-    @staticmethod
-    async def _json_body(request: web.Request) -> Any:
+    async def _json_body(self, request: web.Request) -> Any:
+        """The body as JSON (a 400 for anything else); over --max-body-bytes aiohttp raises its 413, and a body
+        that has not all come within --body-timeout-s (a Content-Length larger than what is sent) is a 408."""
         try:
-            return await request.json()
-        except json.JSONDecodeError as e:
-            raise rq.BadRequest(f"JSON decode error: {e}") from None
+            raw = await asyncio.wait_for(request.read(), self.body_timeout_s)
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(reason=f"The request body did not arrive within {self.body_timeout_s:g} s "
+                                                "(--body-timeout-s): send as many bytes as Content-Length says"
+                                         ) from None
+        return rq.json_body(raw)
 
-    @classmethod
-    async def _body(cls, request: web.Request, model: type[rq.Body]) -> rq.Body:
-        return rq.parse(model, await cls._json_body(request))
+    async def _body(self, request: web.Request, model: type[rq.Body]) -> rq.Body:
+        return rq.parse(model, await self._json_body(request))
 
     # ---- generate ---------------------------------------------------------------------------
 
@@ -213,11 +247,8 @@ class HFEngineServer:
             return _json({"error": problem}, 400)
         engine = self.engine
         try:
-            parsed = parse_generate(body, lambda t: engine.tokenizer(t)["input_ids"], self.adapters.resolve)
-            for r in parsed.requests:
-                if len(r.input_ids) >= engine.max_context:
-                    raise ValueError(f"The input ({len(r.input_ids)} tokens) is longer than the model's context "
-                                     f"length ({engine.max_context} tokens).")
+            parsed = parse_generate(body, lambda t: engine.tokenizer(t)["input_ids"], self.adapters.resolve,
+                                    self.limits)
             # tracked from here, so /abort_request reaches a request a pause holds too (sglang-miles #30912)
             with self.inflight.track(parsed.requests):
                 if await self._admitted():  # it waited out a pause: it gets the adapters served now
@@ -295,6 +326,9 @@ class HFEngineServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         b = await self._body(request, rq.InitWeightsUpdateGroupReqInput)
+        problem = rq.group_problem(b)
+        if problem is not None:  # refused before joining: a join waits (up to its timeout) for the other ranks
+            return _json({"success": False, "message": f"Failed to initialize custom process group: {problem}."}, 400)
         ok, message = await self._run(self.receiver.init_group, b.master_address, b.master_port, b.rank_offset,
                                       b.world_size, b.group_name, b.backend, self.engine.device, sync=True)
         return _json({"success": ok, "message": message}, 200 if ok else 400)
@@ -455,6 +489,9 @@ class HFEngineServer:
             timeout = float(request.query.get("timeout", "0"))
         except ValueError:
             raise rq.BadRequest("timeout must be a number") from None
+        if not timeout <= threading.TIMEOUT_MAX:  # NaN too; past TIMEOUT_MAX a wait raises OverflowError
+            raise rq.BadRequest(f"timeout must be a number of seconds up to {threading.TIMEOUT_MAX:.0f}, "
+                                f"got {request.query['timeout']!r}")
         idle = await self._run(self.engine.control.wait_idle, max(timeout, 0.0))
         if idle:
             return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
@@ -516,6 +553,12 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--disable-fast-sync", action="store_true",
                    help="no /kora/fast_sync/* routes (404, as SGLang): the trainer keeps the HTTP path")
+    p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
+                   help="a request body larger than this is refused with 413 (default: 64 MiB)")
+    p.add_argument("--max-sequences-per-call", type=int, default=MAX_SEQUENCES_PER_CALL,
+                   help="prompts x n one /generate call may ask for; more is a 400 (default: 65536)")
+    p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
+                   help="a request body not arrived whole within this many seconds is a 408 (default: 60)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     environ = os.environ if environ is None else environ
@@ -527,7 +570,9 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
 
 async def _serve(args: argparse.Namespace) -> None:
     engine = EngineModel(args.model_path, args.device, args.dtype, args.max_loras_per_batch, args.max_lora_rank)
-    server = HFEngineServer(engine, args.api_key, args.admin_api_key, fast_sync=not args.disable_fast_sync)
+    server = HFEngineServer(engine, args.api_key, args.admin_api_key, fast_sync=not args.disable_fast_sync,
+                            max_body_bytes=args.max_body_bytes, max_sequences=args.max_sequences_per_call,
+                            body_timeout_s=args.body_timeout_s)
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
