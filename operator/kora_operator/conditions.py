@@ -73,10 +73,10 @@ def set_conditions(
     return out
 
 
-# A condition turning True (False for Validated, WeightsSynced) in these types is bad news: a
+# A condition turning True (False for Validated, WeightsSynced, PolicyServed) in these types is bad news: a
 # Warning event. A stale policy on the engines is one.
 _BAD_WHEN_TRUE = {ConditionType.FAILED}
-_BAD_WHEN_FALSE = {ConditionType.VALIDATED, ConditionType.WEIGHTS_SYNCED}
+_BAD_WHEN_FALSE = {ConditionType.VALIDATED, ConditionType.WEIGHTS_SYNCED, ConditionType.POLICY_SERVED}
 # and these reasons are bad news whatever the condition (a Ray cluster the operator cannot use, an adapter
 # its job has no room for)
 _BAD_REASONS = {Reason.RAY_UNREACHABLE, Reason.RAY_UNAUTHORIZED, Reason.SUBMISSION_FAILED, Reason.NO_FREE_SLOT}

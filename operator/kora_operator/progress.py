@@ -6,7 +6,7 @@ keys (camelCase: step, totalSteps, rewardMean, lastSync, lastCheckpoint) plus ho
 syncedStep, ...). `fetch` does that HTTP call (through `call`, the one request helper for the control plane,
 which the /adapter_runs client in adapter_runs.py uses too); `read_status`, `progress_of` and `progress_conditions`
 are pure: the snapshot (and the spec) in, the parsed answer, `status.progress` and the WeightsSynced /
-Checkpointed conditions out.
+Checkpointed / PolicyServed conditions out.
 
 WeightsSynced is False when the engines serve a policy more than spec.deployment.maxStaleness steps
 older than the trainer's (lastSync.adapterVersion < step - maxStaleness): a stale policy shows, with
@@ -106,6 +106,25 @@ def progress_of(snapshot: Mapping[str, Any]) -> dict[str, Any]:
     return status_progress(read_status(snapshot))
 
 
+def policy_served(check: Mapping[str, Any] | None, spec: LoRATrainingJobSpec) -> Cond | None:
+    """PolicyServed from status.progress.servingCheck: False (a Warning event) when the last on-policy step's
+    engine-vs-trainer log-prob gap exceeds the threshold (the trainer's, else spec.sync.servedLogpGapMax);
+    None before any step measured one."""
+    if not check or check.get("logpGapMax") is None:
+        return None
+    gap, threshold = float(check["logpGapMax"]), float(check.get("threshold") or spec.sync.served_logp_gap_max)
+    where = f"policy version {check.get('version', '?')} (trainer step {check.get('step', '?')})"
+    if gap > threshold:
+        bad = check.get("badSteps")
+        return Cond(ConditionType.POLICY_SERVED, F, Reason.POLICY_NOT_SERVED,
+                    f"the engines' log-probs of the sampled tokens are {gap:.3g} from the trainer's for {where}, "
+                    f"above sync.servedLogpGapMax {threshold:g}" + (f" ({bad} step(s) in a row; the run stops at "
+                    f"sync.servedBadStepsToFail {spec.sync.served_bad_steps_to_fail})" if bad else "")
+                    + ": the engines do not serve the trained policy (adapter dropped or not loaded?)")
+    return Cond(ConditionType.POLICY_SERVED, T, Reason.POLICY_SERVED,
+                f"the engines serve the trained policy: log-prob gap {gap:.2g} <= {threshold:g} at {where}")
+
+
 def progress_conditions(progress: Mapping[str, Any], spec: LoRATrainingJobSpec,
                         synced_step: int | None = None) -> list[Cond]:
     """WeightsSynced and Checkpointed from status.progress (and the snapshot's `syncedStep`, if any)."""
@@ -130,6 +149,9 @@ def progress_conditions(progress: Mapping[str, Any], spec: LoRATrainingJobSpec,
             conds.append(Cond(ConditionType.WEIGHTS_SYNCED, T, Reason.WEIGHTS_SYNCED,
                               f"the engines serve policy version {version}{same} (trainer step {step}, "
                               f"{sync.get('mode') or spec.lora.effective_sync_mode} mode){how}"))
+    served = policy_served(progress.get("servingCheck"), spec)
+    if served is not None:
+        conds.append(served)
     ckpt = progress.get("lastCheckpoint")
     if ckpt and ckpt.get("path"):
         conds.append(Cond(ConditionType.CHECKPOINTED, T, Reason.CHECKPOINTED,

@@ -14,6 +14,7 @@ class ConditionType(StrEnum):
     CLUSTER_READY = "ClusterReady"
     TRAINING = "Training"
     WEIGHTS_SYNCED = "WeightsSynced"
+    POLICY_SERVED = "PolicyServed"
     CHECKPOINTED = "Checkpointed"
     COMPLETE = "Complete"
     FAILED = "Failed"
@@ -67,6 +68,8 @@ class Reason(StrEnum):
     # progress, from the trainer's control-plane API
     WEIGHTS_SYNCED = "WeightsSynced"
     ENGINES_BEHIND = "EnginesBehind"
+    POLICY_SERVED = "PolicyServed"
+    POLICY_NOT_SERVED = "PolicyNotServed"  # engine vs trainer log-probs apart by more than sync.servedLogpGapMax
     CHECKPOINTED = "Checkpointed"
     NO_CHECKPOINT_YET = "NoCheckpointYet"
     CHECKPOINTS_DISABLED = "CheckpointsDisabled"

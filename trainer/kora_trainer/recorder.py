@@ -24,6 +24,7 @@ from typing import Any
 
 from kora_trainer.backends.grpo_step import StepMetrics
 from kora_trainer.control_plane import Progress
+from kora_trainer.serving_check import ServingCheck
 from kora_trainer.sync.sender import SyncReport
 
 EVENT_FILE = "events.jsonl"
@@ -63,8 +64,9 @@ class Run:
 class StepRecorder:
     """Everything the driver records, to stdout, the control plane and the event file at once."""
 
-    def __init__(self, run_dir: Path, steps: int, mode: str, t_start: float):
+    def __init__(self, run_dir: Path, steps: int, mode: str, t_start: float, serving: ServingCheck | None = None):
         self.steps, self.mode, self.t_start = steps, mode, t_start
+        self.serving = serving
         self.run = Run()
         self.progress = Progress(steps, mode)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +124,12 @@ class StepRecorder:
                 "rollout_logp_gap_max")
         self.event("step", step=step, total=self.steps, gen_ms=rstats["gen_ms"], sync=report.as_dict(),
                    **{k: getattr(metrics, k) for k in keys})
+        if self.serving is not None:  # last: a PolicyNotServed leaves the step recorded
+            check = self.serving.observe(step, metrics.version - 1, metrics.rollout_logp_gap_max,
+                                         metrics.rollout_logp_gap_mean)
+            if check is not None:
+                self.progress.update(servingCheck=check)
+            self.serving.verdict(check)
 
     def _progress_line(self, step: int, metrics: StepMetrics, rstats: dict[str, Any],
                        report: SyncReport) -> str:

@@ -247,10 +247,13 @@ def main(argv: list[str] | None = None) -> int:
     from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
     from kora_trainer.orchestration.cluster import launch, shutdown, start_ray
     from kora_trainer.recorder import StepRecorder
+    from kora_trainer.serving_check import ServingCheck
 
     run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
     multi = cfg.multi_lora.max_adapters > 0
-    rec = StepRecorder(run_dir, 0 if multi else total_steps(cfg), str(cfg.lora.effective_sync_mode), T_START)
+    serving = ServingCheck(cfg.sync.served_logp_gap_max, cfg.sync.served_bad_steps_to_fail)
+    rec = StepRecorder(run_dir, 0 if multi else total_steps(cfg), str(cfg.lora.effective_sync_mode), T_START,
+                       serving=None if multi else serving)
     root = str(Path(cfg.checkpoint.path).resolve()) if cfg.checkpoint.path else None  # workers need not share cwd
     linger_s, linger_warning = resolve_linger()
     if linger_warning:

@@ -220,6 +220,19 @@ class SyncSpec(CamelModel):
     per-bucket calls or serialisation. Elsewhere (sglang engines, EngineMerge, the in-memory Colocate
     transport, MoE experts), or when an engine refuses the plan (the trainer prints why), the HTTP path stays.
     false: always the HTTP path."""
+    served_logp_gap_max: Annotated[float, Field(gt=0.0)] = 0.25
+    """The serving check: each on-policy step compares the engines' log-probs of the sampled tokens with the
+    trainer's own for the policy the engines claim to serve; a step whose largest gap exceeds this is bad
+    (status.progress.servingCheck, the PolicyServed condition False with a Warning event). Default 0.25: above
+    every healthy gap measured in the repo (fp32 toy on CPU and GPU 4.8e-7 to 7.4e-6; a 4B model in bf16,
+    engine vs trainer on the same weights, 0.031 to 0.074, bench/results/gpu_sync_colocated_*.json) by > 3x,
+    and below a dropped adapter's effect (adapter vs base on that model 0.78 to 5.3, bench/results/gpu_sync_*;
+    on the toy after one step 0.39 to 0.59, tests/e2e/test_policy_served.py). A small or young adapter moves
+    log-probs less than that: set it lower (fp32 toy tests use 1e-4)."""
+    served_bad_steps_to_fail: Annotated[int, Field(ge=1)] = 3
+    """Stop the run (Failed, the message naming the gap, the threshold and the version) after this many
+    consecutive bad steps of the serving check; steps without a gap (async: rollouts of an older policy)
+    neither count nor reset."""
 
 
 class CheckpointDType(StrEnum):

@@ -47,6 +47,24 @@ class SyncProgress(CamelModel):
     """When the sync finished."""
 
 
+class ServingCheckProgress(CamelModel):
+    """The serving check of the last on-policy step: the engines' log-probs of the sampled tokens against the
+    trainer's own for the policy version the engines claim to serve (0 up to kernel noise when they serve it)."""
+
+    logp_gap_max: Annotated[float, Field(ge=0)] | None = None
+    """Largest |trainer - engine| log-prob over the step's sampled tokens."""
+    logp_gap_mean: Annotated[float, Field(ge=0)] | None = None
+    """Mean |trainer - engine| log-prob over the step's sampled tokens."""
+    version: Annotated[int, Field(ge=0)] | None = None
+    """The policy version (trainer step) the engines claimed to serve for those rollouts."""
+    step: Annotated[int, Field(ge=0)] | None = None
+    """The trainer step that measured it."""
+    threshold: Annotated[float, Field(gt=0)] | None = None
+    """sync.servedLogpGapMax: a larger logpGapMax is a bad step."""
+    bad_steps: Annotated[int, Field(ge=0)] | None = None
+    """Consecutive bad steps so far (the run stops at sync.servedBadStepsToFail)."""
+
+
 class CheckpointProgress(CamelModel):
     """The last checkpoint written."""
 
@@ -69,6 +87,8 @@ class Progress(CamelModel):
     """The last weight sync."""
     last_checkpoint: CheckpointProgress | None = None
     """The last checkpoint."""
+    serving_check: ServingCheckProgress | None = None
+    """The serving check of the last on-policy step (PolicyServed False above its threshold)."""
     active_adapters: Annotated[int, Field(ge=0)] | None = None
     """Multi-adapter jobs: adapters holding a slot (registered and not yet finished)."""
 

@@ -19,6 +19,8 @@ publication); unloading one name leaves the others serving, and a retired name c
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -30,6 +32,14 @@ from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, build_adapt
 from kora_trainer.reference_engine.model import EngineModel
 
 WIRE_SOURCES = ("__tensor__", "__distributed__")
+
+
+# Fault injection for the serving check's test (tests/e2e/test_policy_served.py), off unless set: the adapter
+# of this name loses its weights at load (every load path), while the load is acknowledged (checksum, version
+# tag) as usual, so its requests are served by the base model under the adapter's version: the silent drop of
+# sglang#30499 (LoRA weights on some layers dropped at load), made whole. No real route can make the reference
+# engine keep serving the base: the trainer's every push reloads the adapter.
+DROP_ADAPTER_ENV = "KORA_ENGINE_FAULT_DROP_ADAPTER"
 
 
 class AdapterRegistry:
@@ -61,6 +71,8 @@ class AdapterRegistry:
         with self._lock:
             if not upsert and adapter.name in self._adapters:
                 raise ValueError(f"Failed to load LoRA adapter {adapter.name} because it is already loaded")
+            if adapter.name == os.environ.get(DROP_ADAPTER_ENV):  # the fault: its weights dropped at load
+                adapter = dataclasses.replace(adapter, weights={}, params={})
             self._adapters[adapter.name] = adapter
             self._ref_cache[adapter.name] = adapter.source
 
