@@ -180,6 +180,27 @@ class _Publisher:
                 fut.result(timeout=60)
 
 
+def _b_quiet_vs_busy(client: EngineClient, a: _Publisher) -> tuple[list[float], list[int]]:
+    """B's throughput ratio quiet / while `a` runs, WINDOWS alternating pairs summed per attempt, best of three
+    (stops at the first >= 0.9); and how many of A's actions fell inside each attempt's busy windows."""
+    ratios, cycles = [], []
+    for _ in range(3):
+        quiet = busy = 0.0
+        during = 0
+        for _ in range(WINDOWS):
+            quiet += _b_round(client, B_REQUESTS)
+            with a.running():
+                before = a.done
+                busy += _b_round(client, B_REQUESTS)
+                during += a.done - before
+        print(f"B: {quiet:.2f}s quiet, {busy:.2f}s with {during} of A's actions")
+        ratios.append(quiet / busy)
+        cycles.append(during)
+        if ratios[-1] >= 0.9:
+            break
+    return ratios, cycles
+
+
 def _b_round(client: EngineClient, n: int, workers: int = 2) -> float:
     """Wall seconds for n short B requests from `workers` closed-loop senders."""
     start = time.monotonic()
@@ -213,21 +234,7 @@ def test_publishing_one_adapter_never_holds_up_another(client, group, peft):
         # publication that held B up would lose every one)
         _b_round(client, 4)  # warm
         publisher = _Publisher(client, group, "hot", (a1, a2))
-        ratios, cycles = [], []
-        for _ in range(3):
-            quiet = busy = 0.0
-            during = 0
-            for _ in range(WINDOWS):
-                quiet += _b_round(client, B_REQUESTS)
-                with publisher.running():
-                    before = publisher.done
-                    busy += _b_round(client, B_REQUESTS)
-                    during += publisher.done - before
-            print(f"B: {quiet:.2f}s quiet, {busy:.2f}s with {during} A publications")
-            ratios.append(quiet / busy)
-            cycles.append(during)
-            if ratios[-1] >= 0.9:
-                break
+        ratios, cycles = _b_quiet_vs_busy(client, publisher)
         print(f"B throughput during A's publications / before: {ratios} (A publications during B: {cycles})")
         assert max(ratios) >= 0.9 and min(cycles) >= WINDOWS, (ratios, cycles)
         state = client.kora_state()
@@ -354,20 +361,7 @@ def test_retiring_one_adapter_never_holds_up_another(client, peft):
     try:
         _b_round(client, 4)  # warm
         retirer = _Retirer(client, None, "cold", (a2, a1))
-        ratios, cycles = [], []
-        for _ in range(3):
-            quiet = busy = 0.0
-            during = 0
-            for _ in range(WINDOWS):
-                quiet += _b_round(client, B_REQUESTS)
-                with retirer.running():
-                    before = retirer.done
-                    busy += _b_round(client, B_REQUESTS)
-                    during += retirer.done - before
-            ratios.append(quiet / busy)
-            cycles.append(during)
-            if ratios[-1] >= 0.9:
-                break
+        ratios, cycles = _b_quiet_vs_busy(client, retirer)
         print(f"B throughput during A's retirements / before: {ratios} (A retirements during B: {cycles})")
         assert max(ratios) >= 0.9 and min(cycles) >= WINDOWS, (ratios, cycles)
         assert client.kora_state()["in_flight"] == 0

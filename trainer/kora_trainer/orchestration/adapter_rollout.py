@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
-from kora_trainer.algorithm.rewards import RewardFn, Sample, reward_fn
+from kora_trainer.algorithm.rewards import RewardFn, reward_fn
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.orchestration.data import Row, batches, load_rows
-from kora_trainer.orchestration.rollout_manager import Rollout, sampling_seed
+from kora_trainer.orchestration.rollout_manager import Rollout
 from kora_trainer.orchestration.workers import transport_kind
 from kora_trainer.sync.slot_sender import rid_prefix
 
@@ -80,24 +80,13 @@ class AdapterRollouts:
         version = a.version  # before the requests go out (see the module docstring)
         prompts = [r.tokenizer(row.prompt)["input_ids"] for row in rows]
         g = s.n_samples_per_prompt
-        base = {"max_new_tokens": r.cfg.algorithm.max_new_tokens, "temperature": r.cfg.algorithm.temperature}
-        ids = [prompts[i] for i in range(len(rows)) for _ in range(g)]
-        params = [{**base, "sampling_seed": sampling_seed(s.seed, step, i, j)} if r.seeded else base
-                  for i in range(len(rows)) for j in range(g)]
+        ids, params = r.requests(prompts, g, s.seed, step)
         outs, out_engines = r.spread(step, ids, params, g, lora_path=name, rid_prefix=rid_prefix(name))
         stats = {"adapter": name, "gen_ms": round((time.monotonic() - t0) * 1000, 1), "data_position": a.position,
                  "engines_out": out_engines}
         if any((o.finish_reason or {}).get("type") == "abort" for o in outs):
             return None, {**stats, "aborted": True}
-        batch = RolloutBatch([], [], [], [], g)
-        for k, out in enumerate(outs):
-            row = rows[k // g]
-            batch.prompt_ids.append(prompts[k // g])
-            batch.response_ids.append(out.output_ids)
-            batch.rollout_logprobs.append(out.output_logprobs)
-            engine = out.weight_version if self.engine_tags else None
-            batch.weight_versions.append(engine if engine is not None and engine.isdigit() else str(version))
-            text = out.text if out.text is not None else cast(str, r.tokenizer.decode(out.output_ids,
-                                                                                       skip_special_tokens=True))
-            batch.rewards.append(float(a.reward(Sample(row.prompt, text, row.label, row.index))))
+        engine = [o.weight_version if self.engine_tags else None for o in outs]
+        tags: list[str | None] = [v if v is not None and v.isdigit() else str(version) for v in engine]
+        batch = r.scored(rows, prompts, outs, g, a.reward, tags)
         return batch, stats

@@ -43,10 +43,10 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, cast
 
-from kora_trainer.algorithm.rewards import Sample, reward_fn
+from kora_trainer.algorithm.rewards import RewardFn, Sample, reward_fn
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config import SyncMode, TrainerConfig
-from kora_trainer.orchestration.data import batches, load_rows
+from kora_trainer.orchestration.data import Row, batches, load_rows
 from kora_trainer.orchestration.sglang_launcher import reproducible_rollouts
 from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput
@@ -130,31 +130,42 @@ class Rollout:
         self.position += 1
         prompts = [self.tokenizer(r.prompt)["input_ids"] for r in rows]  # [N] token ids (bos added)
         g = alg.n_samples_per_prompt
-        base = {"max_new_tokens": alg.max_new_tokens, "temperature": alg.temperature}
-        # one request per sample, a prompt's g samples adjacent; a seed (when seeded) names the sample, not
-        # the engine or the chunk that carries it
-        ids = [prompts[i] for i in range(len(rows)) for _ in range(g)]
-        params = [{**base, "sampling_seed": sampling_seed(alg.seed, step, i, j)} if self.seeded else base
-                  for i in range(len(rows)) for j in range(g)]
+        ids, params = self.requests(prompts, g, alg.seed, step)
         outs, out_engines = self.spread(step, ids, params, g)
         gen_s = time.monotonic() - t0
-        batch = RolloutBatch([], [], [], [], g)
-        for k, out in enumerate(outs):
-            row = rows[k // g]
-            batch.prompt_ids.append(prompts[k // g])
-            batch.response_ids.append(out.output_ids)
-            batch.rollout_logprobs.append(out.output_logprobs)
-            batch.weight_versions.append(out.weight_version)
-            # decode of one sequence is a str (transformers types it str | list[str])
-            response = out.text if out.text is not None else cast(str, self.tokenizer.decode(
-                out.output_ids, skip_special_tokens=True))
-            batch.rewards.append(float(self.reward(Sample(row.prompt, response, row.label, row.index))))
+        batch = self.scored(rows, prompts, outs, g, self.reward, [o.weight_version for o in outs])
         stats = {"gen_ms": round(gen_s * 1000, 1), "rollout_ms": round((time.monotonic() - t0) * 1000, 1),
                  "weight_versions": sorted({v or "" for v in batch.weight_versions}),
                  "data_position": self.position,  # batches taken up to and including this step's
                  "engine_requests": list(self.load.served),  # requests each engine answered, in engine_urls order
                  "engines_out": out_engines}  # url -> why it was taken out for this step
         return batch, stats
+
+    def requests(self, prompts: list[list[int]], g: int, seed: int, step: int
+                 ) -> tuple[list[list[int]], list[dict[str, Any]]]:
+        """One request per sample, a prompt's g samples adjacent; a seed (when seeded) names the sample, not the
+        engine or the chunk that carries it."""
+        base = {"max_new_tokens": self.cfg.algorithm.max_new_tokens, "temperature": self.cfg.algorithm.temperature}
+        ids = [prompts[i] for i in range(len(prompts)) for _ in range(g)]
+        params = [{**base, "sampling_seed": sampling_seed(seed, step, i, j)} if self.seeded else base
+                  for i in range(len(prompts)) for j in range(g)]
+        return ids, params
+
+    def scored(self, rows: list[Row], prompts: list[list[int]], outs: list[GenerateOutput], g: int,
+               reward: RewardFn, versions: list[str | None]) -> RolloutBatch:
+        """The step's samples as a batch, each scored by `reward` and tagged with its version."""
+        batch = RolloutBatch([], [], [], [], g)
+        for k, out in enumerate(outs):
+            row = rows[k // g]
+            batch.prompt_ids.append(prompts[k // g])
+            batch.response_ids.append(out.output_ids)
+            batch.rollout_logprobs.append(out.output_logprobs)
+            batch.weight_versions.append(versions[k])
+            # decode of one sequence is a str (transformers types it str | list[str])
+            response = out.text if out.text is not None else cast(str, self.tokenizer.decode(
+                out.output_ids, skip_special_tokens=True))
+            batch.rewards.append(float(reward(Sample(row.prompt, response, row.label, row.index))))
+        return batch
 
     # ---- spreading a step over the engines ---------------------------------------------------------------
 
