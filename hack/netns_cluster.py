@@ -163,7 +163,7 @@ class NetTrace:
     unreachable: list[tuple[int, str, str]] = field(default_factory=list)  # (pid, process, "addr:port")
 
     def unexpected_unreachable(self) -> list[tuple[int, str, str]]:
-        return [u for u in self.unreachable if u[2].removesuffix(" (DNS)") not in RAY_ADDRESS_PROBES]
+        return [u for u in self.unreachable if u[2].split(" (DNS", 1)[0] not in RAY_ADDRESS_PROBES]
 
     def report(self) -> str:
         lines = [self.sent.report(), f"refused as unreachable (nothing sent): {len(self.unreachable)}"]

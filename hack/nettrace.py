@@ -10,9 +10,13 @@ test made). It prints one line per foreign destination with the process that rea
 1 when there was any, otherwise the command's own exit status. Tests import `run_traced`.
 
 One kind of DNS traffic is counted apart, as `loopback-ptr`, and not as foreign: a socket to port 53
-whose every query is the reverse lookup of a 127.x address. torch's c10d TCPStore client makes one per
-connection (it names its peer with getnameinfo without NI_NUMERICHOST, and the peer it connected to is
-the IPv4-mapped ::ffff:127.0.0.1, which /etc/hosts does not list); torch offers no switch for it.
+whose every query is the reverse lookup of a 127.x address. A socket is followed by its inode (strace -y),
+not by its fd number: a process reuses the number of a closed resolver socket for its next socket, whose
+sends are not DNS questions. Every foreign DNS socket is reported with the names it asked for.
+
+torch's c10d TCPStore client makes one loopback reverse lookup per connection (it names its peer with
+getnameinfo without NI_NUMERICHOST, and the peer it connected to is the IPv4-mapped ::ffff:127.0.0.1,
+which /etc/hosts does not list); torch offers no switch for it.
 """
 
 from __future__ import annotations
@@ -35,9 +39,10 @@ _CHILD = re.compile(r"^(?:clone3?|v?fork)\(.*\)\s+=\s+(\d+)")
 _FAMILY = re.compile(r"sa_family=(AF_\w+)")
 _INET = re.compile(r'sin_port=htons\((\d+)\), sin_addr=inet_addr\("([^"]+)"\)')
 _INET6 = re.compile(r'sin6_port=htons\((\d+)\).*?inet_pton\(AF_INET6, "([^"]+)"')
-_FD = re.compile(r"^\w+\((\d+),")
-# a DNS question for <a>.<b>.<c>.127.in-addr.arpa, as strace prints the labels (\003127\7in-addr\4arpa)
-_LOOPBACK_PTR = "\\003127\\7in-addr\\4arpa"
+# the socket argument: its number and, with strace -y, what it is (socket:[inode])
+_FD = re.compile(r"^\w+\((\d+)(?:<([^>]*)>)?,")
+_PAYLOAD = re.compile(r'"((?:[^"\\]|\\.)*)"')
+_ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, '"': 34, "\\": 92}
 
 
 @dataclass
@@ -80,11 +85,47 @@ def _classify(addr: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Netwo
     return "allowed" if any(ip in net for net in allow) else "foreign"
 
 
+def _unescape(text: str) -> bytes:
+    """The bytes of a string as strace prints it (C escapes: \\NNN octal, \\n, \\", ...)."""
+    out, i = bytearray(), 0
+    while i < len(text):
+        ch = text[i]
+        if ch != "\\":
+            out += ch.encode("latin-1", "replace")
+            i += 1
+            continue
+        octal = re.match(r"[0-7]{1,3}", text[i + 1:])
+        if octal:
+            out.append(int(octal.group(), 8) & 0xFF)
+            i += 1 + len(octal.group())
+        else:
+            out.append(_ESCAPES.get(text[i + 1:i + 2], ord("?")))
+            i += 2
+    return bytes(out)
+
+
+def dns_questions(call: str) -> list[str]:
+    """The names asked in the DNS queries one send line carries (sendmmsg may carry two: A and AAAA)."""
+    names = []
+    for raw in _PAYLOAD.findall(call):
+        msg, labels, i = _unescape(raw), [], 12  # the question follows the 12-byte header
+        while i < len(msg) and msg[i] != 0:
+            labels.append(msg[i + 1:i + 1 + msg[i]].decode("ascii", "replace"))
+            i += 1 + msg[i]
+        if len(msg) > 12:
+            names.append(".".join(labels) + ".")
+    return names
+
+
+def _is_loopback_ptr(name: str) -> bool:
+    return name.endswith(".127.in-addr.arpa.") and name.count(".") == 6
+
+
 def parse(text: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network], returncode: int = 0) -> Trace:
     trace = Trace(returncode)
     names: dict[int, str] = {}
-    # (pid, fd) -> (process, resolver, whether every query so far was a loopback PTR; None before the first)
-    dns: dict[tuple[int, int], tuple[str, str, bool | None]] = {}
+    # resolver socket -> (pid, process, resolver address, the names it asked); judged once the trace is read
+    dns: dict[object, tuple[int, str, str, list[str]]] = {}
     for raw in text.splitlines():
         m = _PID.match(raw)
         if m is None:
@@ -99,10 +140,11 @@ def parse(text: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network],
         if not call.startswith(("connect(", "sendto(", "sendmsg(", "sendmmsg(")):
             continue
         fd = _FD.match(call)
-        key = (pid, int(fd.group(1)) if fd else -1)
+        # the inode when strace -y names the socket (unique while the trace runs), else (thread, number)
+        key: object = fd.group(2) if fd and (fd.group(2) or "").startswith("socket:") else \
+            (pid, int(fd.group(1)) if fd else -1)
         if key in dns and not call.startswith("connect("):
-            proc, addr, ptr_only = dns[key]
-            dns[key] = (proc, addr, ptr_only is not False and _LOOPBACK_PTR in call)
+            dns[key][3].extend(dns_questions(call) or ["(not a DNS query)"])
             continue
         dest = _destination(call)
         if dest is None:
@@ -111,17 +153,17 @@ def parse(text: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network],
         if kind == "inet":
             kind = _classify(addr, allow)
             if kind == "foreign" and addr.endswith(":53") and call.startswith("connect("):
-                dns[key] = (f"{comm}: {names.get(pid, '?')}", addr, None)  # judged by what it asks
+                dns.setdefault(key, (pid, f"{comm}: {names.get(pid, '?')}", addr, []))  # judged by what it asks
                 continue
         trace.counts[kind] += 1
         if kind == "foreign":
             trace.foreign.append((pid, f"{comm}: {names.get(pid, '?')}", addr))
-    for (pid, _fd), (proc, addr, ptr_only) in dns.items():
-        if ptr_only is True:
+    for pid, proc, addr, asked in dns.values():
+        if asked and all(_is_loopback_ptr(n) for n in asked):
             trace.counts["loopback-ptr"] += 1
         else:
             trace.counts["foreign"] += 1
-            trace.foreign.append((pid, proc, f"{addr} (DNS)"))
+            trace.foreign.append((pid, proc, f"{addr} (DNS: {', '.join(asked) or 'no query seen'})"))
     return trace
 
 
@@ -137,7 +179,7 @@ def run_traced(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | 
     """Run cmd under strace; returns (trace, the command's stdout+stderr)."""
     with tempfile.TemporaryDirectory(prefix="kora-nettrace-") as tmp:
         out = keep or Path(tmp) / "trace.txt"
-        argv = [strace_path(), "-f", "-qq", "-Y", "-s", "256", "-e", f"trace={SYSCALLS}", "-o", str(out), *cmd]
+        argv = [strace_path(), "-f", "-qq", "-Y", "-y", "-s", "256", "-e", f"trace={SYSCALLS}", "-o", str(out), *cmd]
         proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False)
         nets = [ipaddress.ip_network(a, strict=False) for a in allow]
         return parse(out.read_text(errors="replace"), nets, proc.returncode), proc.stdout + proc.stderr

@@ -48,7 +48,7 @@ def test_dns_is_foreign_unless_every_query_is_a_loopback_reverse_lookup():
     local = parse("\n".join([inet(200, "10.255.255.53", 53, fd=9), ptr]), [])
     assert local.foreign == [] and local.counts == {"loopback-ptr": 1}
     remote = parse("\n".join([inet(201, "10.255.255.53", 53, fd=9), query]), [])
-    assert [dest for _, _, dest in remote.foreign] == ["10.255.255.53:53 (DNS)"]
+    assert [dest for _, _, dest in remote.foreign] == ["10.255.255.53:53 (DNS: metadata.google.internal.)"]
     silent = parse(inet(202, "10.255.255.53", 53, fd=9), [])  # a resolver socket with no query seen
     assert len(silent.foreign) == 1
 
@@ -56,3 +56,25 @@ def test_dns_is_foreign_unless_every_query_is_a_loopback_reverse_lookup():
 def test_an_unknown_family_is_not_assumed_local():
     trace = parse('100<python> connect(3, {sa_family=AF_PACKET, sll_protocol=htons(ETH_P_ALL)}, 20) = 0', [])
     assert len(trace.foreign) == 1
+
+
+def test_a_resolver_sockets_number_reused_by_the_next_socket_is_not_dns():
+    """The number of a closed resolver socket comes back for the process's next socket; its sends are not
+    questions. strace -y names each socket by inode, and the parser follows the inode."""
+    ptr = ('300<python> sendto(55<socket:[901]>, "\\337x\\1\\0\\0\\1\\0\\0\\0\\0\\0\\0\\0011\\0010\\0010\\003127'
+           '\\7in-addr\\4arpa\\0\\0\\f\\0\\1", 40, MSG_NOSIGNAL, NULL, 0) = 40')
+    lines = ['300<python> connect(55<socket:[901]>, {sa_family=AF_INET, sin_port=htons(53), '
+             'sin_addr=inet_addr("10.255.255.53")}, 16) = 0', ptr,
+             '300<python> connect(55<socket:[902]>, {sa_family=AF_INET, sin_port=htons(41000), '
+             'sin_addr=inet_addr("127.0.0.1")}, 16) = 0',
+             '300<python> sendto(55<socket:[902]>, "\\0\\316\\367\\205<", 5, MSG_NOSIGNAL, NULL, 0) = 5']
+    trace = parse("\n".join(lines), [])
+    assert trace.foreign == [] and trace.counts == {"loopback": 1, "loopback-ptr": 1}
+
+
+def test_a_foreign_dns_socket_is_reported_with_the_names_it_asked():
+    query = ('201<python> sendto(9<socket:[77]>, "\\221+\\1\\0\\0\\1\\0\\0\\0\\0\\0\\0\\10metadata\\6google'
+             '\\10internal\\0\\0\\1\\0\\1", 46, MSG_NOSIGNAL, NULL, 0) = 46')
+    trace = parse("\n".join([inet(201, "10.255.255.53", 53, fd=9).replace("(9,", "(9<socket:[77]>,"), query]), [])
+    assert [dest for _, _, dest in trace.foreign] == ["10.255.255.53:53 (DNS: metadata.google.internal.)"]
+    assert trace.foreign[0][0] == 201
