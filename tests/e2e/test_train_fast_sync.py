@@ -1,5 +1,6 @@
-"""`python -m kora_trainer.train` with weight sync on the fast path (sync/fast_sender.py), as a user runs it: the
-toy, Disaggregated (a real gloo weight-update group to a real reference-engine process), on-policy steps.
+"""`python -m kora_trainer.train` with weight sync on the fast path, as a user runs it: the toy, on-policy steps;
+Disaggregated (sync/fast_sender.py: a real gloo weight-update group to a real reference-engine process) and
+Colocate (sync/colocated_sender.py: the engine's memory mapped once, shared memory on CPU, written in place).
 
 The first sync (before step 1) goes through the HTTP path and plans the fast one; every step's push is a fast push
 (summary `sync_paths`: the steps' pushes per path). What says the
@@ -14,17 +15,19 @@ import pytest
 
 from trainkit import TrainRun, wait_all
 
-ON_POLICY = ["deployment.mode=Disaggregated", "deployment.async=false", "algorithm.numSteps=4"]
+ON_POLICY = ["deployment.async=false", "algorithm.numSteps=4"]
+TRANSPORT = {"Disaggregated": "distributed", "Colocate": "colocated"}
 GAP_BOUND = 1e-3
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("deployment", ["Disaggregated", "Colocate"])
 @pytest.mark.parametrize("mode", ["Merge", "Adapter"])
-def test_fast_path_pushes_every_step_and_the_engine_serves_the_policy(toy_dir, tmp_path, mode):
-    run = TrainRun(toy_dir, tmp_path, f"lora.syncMode={mode}", *ON_POLICY)
+def test_fast_path_pushes_every_step_and_the_engine_serves_the_policy(toy_dir, tmp_path, mode, deployment):
+    run = TrainRun(toy_dir, tmp_path, f"lora.syncMode={mode}", f"deployment.mode={deployment}", *ON_POLICY)
     wait_all([run], poll=False)
     summary = run.summary()
-    assert summary["steps"] == 4 and summary["sync_mode"] == mode and summary["transport"] == "distributed"
+    assert summary["steps"] == 4 and summary["sync_mode"] == mode and summary["transport"] == TRANSPORT[deployment]
     assert any(n.startswith("fast path on") for n in run.notes()), run.output[-3000:]
     paths = summary["sync_paths"]
     assert set(paths) == {"fast"} and paths["fast"]["pushes"] == 4, paths  # the steps' pushes (the first plans it)
@@ -36,7 +39,8 @@ def test_fast_path_pushes_every_step_and_the_engine_serves_the_policy(toy_dir, t
 
 @pytest.mark.slow
 def test_fast_path_off_keeps_the_http_path(toy_dir, tmp_path):
-    run = TrainRun(toy_dir, tmp_path, "lora.syncMode=Adapter", "sync.fastPath=false", *ON_POLICY)
+    run = TrainRun(toy_dir, tmp_path, "lora.syncMode=Adapter", "sync.fastPath=false", "deployment.mode=Disaggregated",
+                   *ON_POLICY)
     wait_all([run], poll=False)
     summary = run.summary()
     assert set(summary["sync_paths"]) == {"http"} and summary["sync_paths"]["http"]["pushes"] == 4

@@ -78,12 +78,14 @@ def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy, tmp_
     assert summary["steps"] == 4 and summary["sync_mode"] == mode
     assert summary["transport"] == ("colocated" if deployment == "Colocate" else "distributed")
     assert summary["sync_bytes_per_step"] > 0 and summary["syncs_skipped"] == 0
+    if deployment == "Colocate" and mode != "EngineMerge":  # sync/colocated_sender.py: CUDA IPC, planned once
+        assert set(summary["sync_paths"]) == {"fast"}, (summary["sync_paths"], run.notes())
     gap = summary["rollout_logp_gap_max"]
     assert gap is not None and gap < GAP_BOUND, f"engine vs megatron policy log-probs differ by {gap}"
     assert len(set(summary["loss_curve"])) > 1  # it trained: the loss moved
     report(test="train_megatron", mode=mode, deployment=deployment, steps=summary["steps"], logp_gap_max=gap,
            sync_ms_p50=summary["sync_ms_p50"], bytes_per_step=summary["sync_bytes_per_step"],
-           wall_s=summary["wall_s"])
+           wall_s=summary["wall_s"], sync_paths=summary["sync_paths"])
 
 
 @pytest.mark.parametrize(("mode", "targets"), [

@@ -62,6 +62,40 @@ def layout(metadata: Metadata) -> list[tuple[str, torch.dtype, list[int]]]:
             for n, d, s in zip(m["names"], m["dtypes"], m["shapes"], strict=True)]
 
 
+def ring_scaling(engine: Any, tensors: Sequence[tuple[str, torch.dtype, list[int]]], lora_name: str,
+                 config: dict[str, Any]) -> dict[str, float]:
+    """The checks of an adapter load, once, on zeros (names and shapes against the model, rank, config) for an
+    adapter served from `AdapterRing` slots; refuses what a ring cannot serve (another dtype than the engine's,
+    pairs on bare parameters such as MoE experts). Returns each module's scaling."""
+    other = sorted({dtype_name(d) for _, d, _ in tensors if d != engine.dtype})
+    if other:
+        raise ValueError(f"the adapter comes as {other}, the engine runs {dtype_name(engine.dtype)} (the HTTP "
+                         "path converts it)")
+    probe = build_adapter(lora_name, "__distributed__", config, [(n, torch.zeros(s, dtype=d)) for n, d, s in tensors],
+                          engine.model, engine.dtype, torch.device("cpu"), engine.max_lora_rank)
+    if probe.params:
+        raise ValueError(f"pairs on bare parameters ({', '.join(sorted(probe.params)[:2])}, ...) are served "
+                         "through the HTTP path")
+    return {m: w[2] for m, w in probe.weights.items()}
+
+
+async def json_call(server: Any, request: web.Request, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> web.Response:
+    """A kora sync route: the JSON object body to `fn` on the server's weight-sync thread (in order with every
+    other operation on the weights); a refusal is a 400 with the message (the trainer reads it and keeps the
+    HTTP path), never a 500."""
+    try:
+        body = await server._json_body(request)  # a body over --max-body-bytes raises aiohttp's 413
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        out = await server._run(fn, body, sync=True)
+    except web.HTTPException:
+        raise
+    except Exception as e:
+        log.warning("%s failed: %s", request.path, e)
+        return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
+    return web.json_response({"success": True, **out})
+
+
 @dataclass
 class _Plan:
     mode: str
@@ -91,23 +125,10 @@ class FastSyncRoutes:
         return [("POST", PLAN_ROUTE, self.plan), ("POST", PUSH_ROUTE, self.push)]
 
     async def plan(self, request: web.Request) -> web.Response:
-        return await self._call(request, self._plan)
+        return await json_call(self.server, request, self._plan)
 
     async def push(self, request: web.Request) -> web.Response:
-        return await self._call(request, self._push)
-
-    async def _call(self, request: web.Request, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> web.Response:
-        try:
-            body = await self.server._json_body(request)  # a body over --max-body-bytes raises aiohttp's 413
-            if not isinstance(body, dict):
-                raise ValueError("the body must be a JSON object")
-            out = await self.server._run(fn, body, sync=True)
-        except web.HTTPException:
-            raise
-        except Exception as e:  # the trainer reads the message (and falls back to the HTTP path on a refused plan)
-            log.warning("%s failed: %s", request.path, e)
-            return web.json_response({"success": False, "message": f"{type(e).__name__}: {e}"}, status=400)
-        return web.json_response({"success": True, **out})
+        return await json_call(self.server, request, self._push)
 
     def _plan(self, b: dict[str, Any]) -> dict[str, Any]:
         name = str(b.get("group_name") or DEFAULT_GROUP_NAME)
@@ -131,20 +152,8 @@ class FastSyncRoutes:
 
     def _adapter_plan(self, group: WeightUpdateGroup, metadata: Metadata, lora_name: str, config: dict[str, Any],
                       slots: int) -> _Plan:
-        engine = self.server.engine
         tensors = layout(metadata)
-        other = sorted({dtype_name(d) for _, d, _ in tensors if d != engine.dtype})
-        if other:
-            raise ValueError(f"the adapter comes as {other}, the engine runs {dtype_name(engine.dtype)} (the HTTP "
-                             "path converts it)")
-        # the checks of an adapter load (names and shapes against the model, rank, config), once, on zeros
-        probe = build_adapter(lora_name, "__distributed__", config, [(n, torch.zeros(s, dtype=d)) for n, d, s in
-                                                                    tensors], engine.model, engine.dtype,
-                              torch.device("cpu"), engine.max_lora_rank)
-        if probe.params:
-            raise ValueError(f"pairs on bare parameters ({', '.join(sorted(probe.params)[:2])}, ...) are served "
-                             "through the HTTP path")
-        ring = AdapterRing(metadata, group.device, {m: w[2] for m, w in probe.weights.items()}, slots)
+        ring = AdapterRing(metadata, group.device, ring_scaling(self.server.engine, tensors, lora_name, config), slots)
         return _Plan("Adapter", group, ring=ring, packed=PackedChecksum(tensors, group.device), lora_name=lora_name,
                      config=config)
 

@@ -45,6 +45,9 @@ kora extensions — SGLang 0.5.23 has no route or field for these:
   for Merge and Adapter mode over the weight-update group — the bucket layout sent once, then per push one HTTP
   call while the buckets are broadcast, received straight into the parameters / a ring of adapter buffers.
   `--disable-fast-sync` turns them off (404, like SGLang).
+- `POST /kora/colocated/{plan,begin,push,abort}` (colocated_routes.py): the same for a trainer on this engine's
+  device: the engine's weights / a ring of adapter buffers mapped once (CUDA IPC, shared memory on CPU), each
+  push written straight into them by the trainer; off with `--disable-fast-sync` too.
 - `GET /kora/state` {held_requests, receiving, in_flight, in_flight_by_adapter, in_flight_by_adapter_version,
   in_flight_by_rid_prefix, adapters}: the /generate calls a pause holds, the weight-update receives under way
   (waiting in their broadcasts), the admitted requests not yet answered (per adapter name, per adapter
@@ -96,6 +99,7 @@ from aiohttp import web
 
 from kora_trainer.reference_engine import request_bodies as rq
 from kora_trainer.reference_engine.adapter_registry import AdapterRegistry
+from kora_trainer.reference_engine.colocated_routes import ColocatedRoutes
 from kora_trainer.reference_engine.contract import generate_contract_error
 from kora_trainer.reference_engine.fast_routes import FastSyncRoutes
 from kora_trainer.reference_engine.generate_io import GenerateLimits, format_result, parse_generate
@@ -137,6 +141,7 @@ class HFEngineServer:
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.limits = GenerateLimits(engine.vocab_size, engine.max_context, max_sequences)
         self.fast_sync = FastSyncRoutes(self) if fast_sync else None
+        self.colocated = ColocatedRoutes(self) if fast_sync else None
         self.adapters = AdapterRegistry(engine)
         self.batcher = CallBatcher(engine)
         self.inflight = InFlight()  # admitted /generate requests, for /abort_request and /kora/state
@@ -178,6 +183,8 @@ class HFEngineServer:
         ]
         if self.fast_sync is not None:
             routes += self.fast_sync.routes()
+        if self.colocated is not None:
+            routes += self.colocated.routes()
         for method, path, handler in routes:
             # SGLang serves these on GET|POST (flush_cache) or POST|PUT (generate); Starlette adds HEAD to every GET
             methods = (("GET", "POST") if path == "/flush_cache" else ("POST", "PUT")) if method == "*" else (method,)
@@ -552,7 +559,8 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
                         f"(default: ${engine_auth.ADMIN_API_KEY_ENV}; the environment keeps it out of `ps`)")
     p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--disable-fast-sync", action="store_true",
-                   help="no /kora/fast_sync/* routes (404, as SGLang): the trainer keeps the HTTP path")
+                   help="no /kora/fast_sync/* or /kora/colocated/* routes (404, as SGLang): the trainer keeps "
+                        "the HTTP path")
     p.add_argument("--max-body-bytes", type=int, default=MAX_BODY_BYTES,
                    help="a request body larger than this is refused with 413 (default: 64 MiB)")
     p.add_argument("--max-sequences-per-call", type=int, default=MAX_SEQUENCES_PER_CALL,

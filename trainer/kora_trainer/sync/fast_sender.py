@@ -3,7 +3,8 @@
 `with_fast_path(sender, cfg)` (TrainWorker.connect) wraps the backend's HTTP sender (`WeightSender`,
 `MegatronWeightSender`) in a `FastWeightSender` where the fast path may apply — sync.fastPath (true), the
 weight-update group (Disaggregated, or Colocate's distributedEngines), Merge or Adapter mode, kora's hf engine —
-and returns it unchanged otherwise (SGLang engines, EngineMerge, the colocated in-memory transport). Then:
+(colocated engines: `colocated_sender.ColocatedFastSender`, the same steps in memory) and returns it unchanged
+otherwise (SGLang engines, EngineMerge, a TP follower). Then:
 
 1. The first sync is the HTTP path's (Adapter: the base + the adapter; Merge: the merged model), checked end to
    end by the engines' checksums; the engines now hold the policy.
@@ -45,7 +46,7 @@ from kora_trainer.config.sections import Engine
 from kora_trainer.sync.fast import MergePlan, PipelinedSender
 from kora_trainer.sync.fast_adapter import AdapterPack, FlatDelta, flatten_parameters
 from kora_trainer.sync.sender import POLICY_ADAPTER, RunningChecksum, SyncReport, WeightSender
-from kora_trainer.sync.transport import GROUP_NAME, DistributedTransport, SyncError, wait_all
+from kora_trainer.sync.transport import GROUP_NAME, ColocatedTransport, DistributedTransport, SyncError, wait_all
 from kora_trainer.wire.engine_client import EngineError
 from kora_trainer.wire.protocol import Assembler, PackedChecksum
 
@@ -60,7 +61,10 @@ def fast_path_off(sender: WeightSender, cfg: TrainerConfig) -> str | None:
         return "sync.fastPath is false"
     if sender.mode not in (SyncMode.MERGE, SyncMode.ADAPTER):
         return f"{sender.mode} mode"
-    if type(sender.transport) is not DistributedTransport:  # colocated, a TP follower, none
+    kind = type(sender.transport)
+    if kind is ColocatedTransport and cfg.parallelism.tensor > 1:
+        return "tensor parallelism over colocated engines"  # ColocatedMerge and pack_into are TP 1
+    if kind not in (DistributedTransport, ColocatedTransport):  # a TP follower, none
         return f"the {getattr(sender.transport, 'kind', 'missing')} transport"
     if cfg.rollout.engine != Engine.HF:
         return f"{cfg.rollout.engine} engines"
@@ -68,12 +72,17 @@ def fast_path_off(sender: WeightSender, cfg: TrainerConfig) -> str | None:
 
 
 def with_fast_path(sender: WeightSender, cfg: TrainerConfig) -> Any:
-    """`sender`, wrapped in a `FastWeightSender` where the fast path may apply."""
+    """`sender`, wrapped in a `FastWeightSender` (over the weight-update group) or a `ColocatedFastSender` (in
+    memory, sync/colocated_sender.py) where the fast path may apply."""
     if fast_path_off(sender, cfg) is not None:
         return sender
     # Adapter mode: a request keeps the adapter object it was admitted with; its ring slot must outlive the
     # pushes made while it runs (async: up to maxStaleness steps ahead)
     ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
+    if type(sender.transport) is ColocatedTransport:
+        from kora_trainer.sync.colocated_sender import ColocatedFastSender
+
+        return ColocatedFastSender(sender, adapter_slots=3 + ahead)
     return FastWeightSender(sender, adapter_slots=3 + ahead)
 
 
@@ -81,10 +90,13 @@ class FastWeightSender:
     """`WeightSender.sync`'s contract (collective, a `SyncReport` per call) over the fast path after the HTTP
     path's first push; see the module docstring."""
 
+    transport_type: type = DistributedTransport
+
     def __init__(self, http: WeightSender, adapter_slots: int = 3, verify_every: int = VERIFY_EVERY):
-        if type(http.transport) is not DistributedTransport:
-            raise ValueError("the fast path runs over the weight-update group (a DistributedTransport)")
-        self.http, self.transport = http, http.transport
+        if type(http.transport) is not self.transport_type:
+            raise ValueError(f"{type(self).__name__} runs over a {self.transport_type.__name__}")
+        self.http = http
+        self.transport: Any = http.transport  # a transport_type (checked above): its clients, group, timeout_s
         self.mode = http.mode
         self.adapter_slots, self.verify_every = adapter_slots, verify_every
         self.planned = self.active = False

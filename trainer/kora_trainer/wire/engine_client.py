@@ -293,6 +293,10 @@ class EngineClient:
         return cast("dict[str, Any]", self.post("/kora/fast_sync/push", {
             "weight_version": weight_version, "group_name": group_name, "verify": verify}))
 
+    def colocated(self, step: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        """kora's colocated fast path (reference_engine/colocated_routes.py): step is plan, begin, push or abort."""
+        return cast("dict[str, Any]", self.post(f"/kora/colocated/{step}", body, timeout))
+
     # ---- control ----------------------------------------------------------------------------
 
     def flush_cache(self, timeout: float = 0.0) -> str:

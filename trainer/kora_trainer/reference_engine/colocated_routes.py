@@ -1,0 +1,197 @@
+"""kora's colocated fast-sync routes on the reference engine: the trainer on the same device writes the policy
+straight into the engine's memory, which it mapped once. The trainer's side is `sync/colocated_sender.py`.
+
+SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP path (`/update_weights_from_tensor`,
+`/load_lora_adapter_from_tensors`).
+
+- `POST /kora/colocated/plan` {mode: "Merge" | "Adapter", metadata, slots, lora_name, config_dict}: once per
+  trainer, after its first (HTTP) push. Answers {payload, bytes}: `payload` is `serialize.serialize_payload` of
+  the memory the trainer writes — CUDA IPC handles on GPU, shared-memory segments on CPU (the engine's tensors
+  move into shared memory in place; every view of them stays valid). Merge: every named parameter (HF names, the
+  engine's own tensors). Adapter: the buffers of an `AdapterRing` of `slots` slots laid out as `metadata` says
+  (`AdapterPack.metadata`), checked like an adapter load (`fast_routes.ring_scaling`).
+- Adapter, per push: the trainer packs the adapter into slot k (k cycling in order), synchronises, then
+  `POST /kora/colocated/push` {slot, weight_version, verify}: the slot's views become the adapter `lora_name`
+  at that version, served from the next request on. A request already admitted keeps its adapter object,
+  whose slot is rewritten only `slots` pushes later. No lock: nothing the engine reads is written.
+- Merge, per push: `POST /kora/colocated/begin` {lease_s} takes the engine's weight lock (it waits for the
+  generation in flight, as the HTTP route's weight write does) and answers; the trainer writes the merged
+  weights in place and synchronises; `POST /kora/colocated/push` {weight_version, verify, names} marks
+  `names` replaced (the new pristine base), sets the version and gives the lock back. A trainer that does not
+  come back within `lease_s` loses the lock: the engine takes the weights as torn (`weight_version` says so,
+  and the late push is refused) instead of stalling generation forever. `POST /kora/colocated/abort` gives the
+  lock back at once (the trainer failed between begin and push).
+- `verify`: the answer carries `protocol.checksum` of what the engine now serves (Merge: `names` in order;
+  Adapter: the slot's tensors), which the trainer compares with its own reading of the memory it wrote.
+
+All run on the server's weight-sync thread, in order with every other operation on the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from kora_trainer.reference_engine.fast_routes import json_call, layout, ring_scaling
+from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
+from kora_trainer.wire.fast_receive import AdapterRing
+from kora_trainer.wire.protocol import PackedChecksum, checksum
+from kora_trainer.wire.serialize import serialize_payload
+
+log = logging.getLogger("kora.hf_engine")
+
+PREFIX = "/kora/colocated"
+PLAN_ROUTE, BEGIN_ROUTE, PUSH_ROUTE, ABORT_ROUTE = (f"{PREFIX}/{r}" for r in ("plan", "begin", "push", "abort"))
+DEFAULT_LEASE_S = 60.0
+TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer never came back
+
+
+@dataclass
+class _Lease:
+    """The engine's weight lock, held between a Merge begin and its push."""
+
+    timer: threading.Timer
+    expired: bool = False
+
+
+@dataclass
+class _Plan:
+    mode: str
+    params: dict[str, torch.Tensor] = field(default_factory=dict)  # Merge
+    ring: AdapterRing | None = None  # Adapter
+    packed: PackedChecksum | None = None
+    lora_name: str = ""
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+class ColocatedRoutes:
+    """The colocated routes of one `HFEngineServer` (`server.engine`, `.adapters`, `._run`)."""
+
+    def __init__(self, server: Any):
+        self.server = server
+        self.plan: _Plan | None = None
+        self.lease: _Lease | None = None
+        self._guard = threading.Lock()  # the lease against its timer
+
+    def routes(self) -> list[tuple[str, str, Any]]:
+        return [("POST", route, self._route(fn)) for route, fn in
+                ((PLAN_ROUTE, self._plan), (BEGIN_ROUTE, self._begin), (PUSH_ROUTE, self._push),
+                 (ABORT_ROUTE, self._abort))]
+
+    def _route(self, fn: Any) -> Any:
+        async def handler(request: web.Request) -> web.Response:
+            return await json_call(self.server, request, fn)
+        return handler
+
+    # ---- plan -------------------------------------------------------------------------------------------
+
+    def _plan(self, b: dict[str, Any]) -> dict[str, Any]:
+        engine = self.server.engine
+        if self.lease is not None:
+            raise ValueError("a Merge push holds the weights: finish it before planning again")
+        if b.get("mode") == "Merge":
+            params = dict(engine.model.named_parameters(remove_duplicate=False))
+            plan = _Plan("Merge", params={n: p.detach() for n, p in params.items()})
+            exported = list(plan.params.items())
+        elif b.get("mode") == "Adapter":
+            metadata, name, config = b["metadata"], str(b["lora_name"]), dict(b["config_dict"])
+            tensors = layout(metadata)
+            ring = AdapterRing(metadata, engine.device, ring_scaling(engine, tensors, name, config),
+                               slots=int(b.get("slots") or 3))
+            plan = _Plan("Adapter", ring=ring, packed=PackedChecksum(tensors, engine.device), lora_name=name,
+                         config=config)
+            exported = [(f"slot{i}", buf) for i, buf in enumerate(ring.buffers)]
+        else:
+            raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge or Adapter")
+        payload = serialize_payload(exported)  # CPU: the tensors move into shared memory, in place
+        self.plan = plan
+        return {"payload": payload, "bytes": sum(t.numel() * t.element_size() for _, t in exported)}
+
+    def _planned(self, mode: str) -> _Plan:
+        if self.plan is None or self.plan.mode != mode:
+            raise ValueError(f"no colocated {mode} plan: POST {PLAN_ROUTE} first")
+        return self.plan
+
+    # ---- Merge: begin, push, abort ----------------------------------------------------------------------
+
+    def _begin(self, b: dict[str, Any]) -> dict[str, Any]:
+        self._planned("Merge")
+        if self.lease is not None:
+            raise ValueError(f"a Merge push already holds the weights: POST {PUSH_ROUTE} or {ABORT_ROUTE}")
+        lease_s = float(b.get("lease_s") or DEFAULT_LEASE_S)
+        if not 0 < lease_s <= 3600:
+            raise ValueError(f"lease_s {lease_s}: give 0 < lease_s <= 3600 seconds")
+        self.server.engine.lock.acquire()  # waits for the generation in flight
+        lease = _Lease(threading.Timer(lease_s, self._expire))
+        lease.timer.daemon = True
+        with self._guard:
+            self.lease = lease
+        lease.timer.start()
+        return {}
+
+    def _release(self) -> _Lease | None:
+        with self._guard:
+            lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.timer.cancel()
+            if not lease.expired:
+                self.server.engine.lock.release()
+        return lease
+
+    def _expire(self) -> None:
+        with self._guard:
+            lease = self.lease
+            if lease is None:
+                return
+            lease.expired = True
+        log.error("the colocated Merge writer did not push within its lease: the weights may be torn")
+        self.server.engine.weight_version = TORN_VERSION
+        self.server.engine.lock.release()
+
+    def _push(self, b: dict[str, Any]) -> dict[str, Any]:
+        if self.plan is not None and self.plan.mode == "Adapter":
+            return self._adapter_push(b)
+        plan = self._planned("Merge")
+        engine = self.server.engine
+        version = None if b.get("weight_version") is None else str(b["weight_version"])
+        names = [str(n) for n in b.get("names") or []]
+        unknown = [n for n in names if n not in plan.params]
+        lease = self.lease
+        if lease is None:
+            raise ValueError(f"no Merge push in progress: POST {BEGIN_ROUTE} first")
+        try:
+            if lease.expired:
+                raise ValueError("the push came after its lease ran out: the weights were taken as torn")
+            if unknown:
+                raise ValueError(f"names the engine does not have: {unknown[:3]}")
+            engine.weights_replaced(names)  # the trainer synchronised its writes before this call
+            if version is not None:
+                engine.weight_version = version
+            sums = checksum((n, plan.params[n]) for n in names) if b.get("verify") else None
+        finally:
+            self._release()
+        return {"weight_version": engine.weight_version, "checksum": sums}
+
+    def _abort(self, b: dict[str, Any]) -> dict[str, Any]:
+        lease = self._release()
+        return {"released": lease is not None}
+
+    # ---- Adapter ----------------------------------------------------------------------------------------
+
+    def _adapter_push(self, b: dict[str, Any]) -> dict[str, Any]:
+        plan = self._planned("Adapter")
+        ring, packed = plan.ring, plan.packed
+        assert ring is not None and packed is not None
+        slot = int(b["slot"])
+        if not 0 <= slot < len(ring.buffers):
+            raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
+        version = None if b.get("weight_version") is None else str(b["weight_version"])
+        ring.last = slot
+        self.server.adapters.upsert_built(LoRAAdapter(plan.lora_name, "__colocated__", ring.rank, ring.weights[slot],
+                                                      dict(plan.config), version))
+        return {"weight_version": version, "checksum": packed(ring.buffers[slot]) if b.get("verify") else None}

@@ -1,0 +1,208 @@
+"""The fast path of weight sync for colocated engines: the trainer writes each push straight into the memory of
+the engines beside it, mapped once (CUDA IPC on GPU, shared memory on CPU). The engine's side is
+reference_engine/colocated_routes.py; `fast_sender.with_fast_path` picks this sender for a `ColocatedTransport`.
+
+The steps are `FastWeightSender`'s: the first sync is the HTTP path's (checked by the engines' checksums), then
+one plan, then every later push on the fast path (delta-skip by `FlatDelta`, collective over the trainer's
+group), with the HTTP path kept — and the reason printed — wherever the plan cannot cover the policy or an
+engine has no route (404: SGLang).
+
+- Adapter: the engine makes a ring of `adapter_slots` flat buffers laid out as `AdapterPack.metadata` says and
+  hands them over; a push is one gather (`AdapterPack.pack_into`) into slot k (cycling in order), a synchronise,
+  and one call that makes the slot's views the served adapter at this version. Nothing the engine reads is
+  written: a request keeps the slot it was admitted with, rewritten only `adapter_slots` pushes later.
+- Merge: the engine hands over its parameters; `colocated.ColocatedMerge` folds W + s·B·A straight into them
+  (the frozen tensors too on the first fast push; later pushes rewrite the adapted weights only). The write
+  happens between `begin` (the engine's weight lock taken: it waits for the generation in flight, as the HTTP
+  path's weight write does) and `push` (version set, lock given back); a failure in between aborts (lock back).
+
+Checksums: Adapter, every push, `protocol.PackedChecksum` of the slot's bytes; Merge, on verified pushes (the
+first and every `VERIFY_EVERY`-th) `protocol.checksum` of every tensor written, in order. The engine computes
+the same over what it serves on verified pushes and a difference fails the sync: both read one memory, so
+this proves the engine serves the memory the trainer wrote (a stale mapping shows on the first push).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from kora_trainer.config import SyncMode
+from kora_trainer.sync.colocated import ColocatedMerge
+from kora_trainer.sync.fast import FoldEntry, PlainEntry
+from kora_trainer.sync.fast_adapter import AdapterPack, FlatDelta, flatten_parameters
+from kora_trainer.sync.fast_sender import FastWeightSender
+from kora_trainer.sync.sender import POLICY_ADAPTER, SyncReport
+from kora_trainer.sync.transport import ColocatedTransport, SyncError, wait_all
+from kora_trainer.wire.engine_client import EngineClient, EngineError
+from kora_trainer.wire.protocol import PackedChecksum, checksum
+from kora_trainer.wire.serialize import deserialize_payload
+
+
+def written_names(merge_entries: list[Any], full: bool) -> list[str]:
+    """The engine tensors a Merge push writes, in order: every adapted weight; with `full` the frozen ones too."""
+    names = []
+    for e in merge_entries:
+        if isinstance(e, FoldEntry) and (full or e.a is not None):
+            names += [n for n, _ in e.outs]
+        elif isinstance(e, PlainEntry) and full:
+            names.append(e.name)
+    return names
+
+
+class ColocatedFastSender(FastWeightSender):
+    """`WeightSender.sync`'s contract over the colocated fast path after the HTTP path's first push."""
+
+    transport_type = ColocatedTransport
+
+    def __init__(self, http: Any, adapter_slots: int = 3, **kw: Any):
+        super().__init__(http, adapter_slots=adapter_slots, **kw)
+        self.merges: list[ColocatedMerge] = []  # Merge: one per engine
+        self.slots: list[list[torch.Tensor]] = []  # Adapter: each engine's ring buffers, mapped
+        self.names: dict[bool, list[str]] = {}  # Merge: full -> what a push writes
+        self.targets: list[dict[str, torch.Tensor]] = []  # Merge: each engine's parameters, mapped
+
+    # ---- the plan, once -----------------------------------------------------------------------------------
+
+    def _make_plan(self) -> Any:
+        """What a push writes (raises for what the colocated path does not cover). No buckets: sync.bufferSize
+        does not bound a fold written in place."""
+        if self.mode is SyncMode.MERGE:
+            return self.http.fast_merge_entries()
+        return AdapterPack(self.http.fast_adapter_params(), self.http.fast_adapter_specs(), self.http.cap)
+
+    def _plan(self) -> str:
+        device = self.http.fast_adapter_params()[0].device
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        try:
+            self._make_plan()  # what the plan cannot cover raises here, before the parameters are touched
+            flat = flatten_parameters(self.http.fast_adapter_params())
+            plan = self._make_plan()  # over the flat parameters
+            if self.mode is SyncMode.MERGE:
+                entries = plan
+                body: dict[str, Any] = {"mode": "Merge"}
+                self.names = {full: written_names(entries, full) for full in (True, False)}
+            else:
+                pack = plan
+                body = {"mode": "Adapter", "metadata": pack.metadata, "slots": self.adapter_slots,
+                        "lora_name": POLICY_ADAPTER, "config_dict": self.http.adapter_config}
+        except (NotImplementedError, ValueError, KeyError) as e:
+            return self._off(f"the policy: {e}")
+        mapped, refused = self._ask_plan(body)
+        if refused:
+            return self._off("; ".join(refused))
+        try:
+            if self.mode is SyncMode.MERGE:
+                self.targets = [self._on(dict(m), device) for m in mapped]
+                self.merges = [ColocatedMerge(entries, dst) for dst in self.targets]
+                for merge in self.merges:
+                    merge.prepare()
+                self.nbytes, self.nbuckets = self.merges[0].nbytes, 1
+            else:
+                self.pack = pack
+                need = pack.out.numel() * pack.out.element_size()
+                self.slots = [list(self._on(dict(m), device).values()) for m in mapped]
+                if any(len(s) != self.adapter_slots or s[0].numel() < need for s in self.slots):
+                    raise ValueError(f"an engine's ring is not {self.adapter_slots} slots of {need} B")
+                self.packed = PackedChecksum([(n, pack.dtype, s) for n, s in zip(pack.names, pack.shapes,
+                                                                                 strict=True)], device)
+                self.nbytes, self.nbuckets = need, 1
+        except (NotImplementedError, ValueError, KeyError) as e:
+            self.merges, self.slots, self.targets, self.pack = [], [], [], None
+            return self._off(f"the engine's memory: {e}")
+        self.flat, self.delta = flat, FlatDelta(flat)
+        self.delta.mark_pushed(flat)  # what the HTTP push just sent
+        self.active = True
+        return f"fast path on (colocated, in memory): {self.nbytes} B per push into {len(mapped)} engine(s)"
+
+    def _ask_plan(self, body: dict[str, Any]) -> tuple[list[list[tuple[str, torch.Tensor]]], list[str]]:
+        clients: list[EngineClient] = self.transport.clients
+        futs = [c.submit(c.colocated, "plan", body) for c in clients]
+        mapped, refused = [], []
+        for c, f in zip(clients, futs, strict=True):
+            try:
+                mapped.append(deserialize_payload(f.result(timeout=self.transport.timeout_s)["payload"]))
+            except EngineError as e:
+                refused.append(f"{c.base_url} has no colocated route (HTTP 404: not kora's hf engine)"
+                               if e.status == 404 else f"{c.base_url} refused the plan: {e.message}")
+            except TimeoutError:
+                refused.append(f"{c.base_url} did not answer the plan in {self.transport.timeout_s:.0f} s")
+        return mapped, refused
+
+    @staticmethod
+    def _on(named: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+        wrong = {str(t.device) for t in named.values() if t.device != device}
+        if wrong:
+            raise ValueError(f"the engine's tensors are on {sorted(wrong)}, the trainer's on {device}")
+        return named
+
+    # ---- a push -------------------------------------------------------------------------------------------
+
+    def _push(self, version: int) -> SyncReport:
+        assert self.flat is not None and self.delta is not None
+        t0 = time.perf_counter()
+        mode = str(self.mode)
+        push, delta = self.delta.should_push(self.flat, self.http.threshold, self.http.trainer_group)
+        if not push:
+            return SyncReport.skip(mode, self.transport.kind, self.engine_version, delta, path="fast")
+        verify = self.http.verify and self.pushes % self.verify_every == 0
+        full = self.pushes == 0
+        results = self._merge(version, verify, full) if self.merges else self._adapter(version, verify)
+        ms = (time.perf_counter() - t0) * 1000
+        self.delta.mark_pushed(self.flat)
+        self.pushes += 1
+        self.engine_version = version
+        digest = self._digest(verify, full)
+        if verify:
+            bad = [f"{c.base_url}: {r.get('checksum')}" for c, r in zip(self.transport.clients, results, strict=True)
+                   if r.get("checksum") != digest]
+            if bad:
+                raise SyncError(f"an engine serves other bytes than were written ({bad[0]} != {digest})")
+        return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=self.nbytes, ms=round(ms, 2),
+                          adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
+                          what="adapter" if self.slots else ("full" if full else "adapted"), path="fast")
+
+    def _sync_device(self) -> None:
+        assert self.flat is not None
+        if self.flat.is_cuda:
+            torch.cuda.synchronize(self.flat.device)
+
+    def _all(self, step: str, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        clients = self.transport.clients
+        return wait_all([c.submit(c.colocated, step, b) for c, b in zip(clients, bodies, strict=True)],
+                        self.transport.timeout_s)
+
+    def _merge(self, version: int, verify: bool, full: bool) -> list[dict[str, Any]]:
+        n = len(self.merges)
+        self._all("begin", [{"lease_s": self.transport.timeout_s}] * n)
+        try:
+            for merge in self.merges:
+                merge.push(full=full)
+            self._sync_device()
+        except BaseException:
+            for c in self.transport.clients:  # give every engine its lock back before failing the sync
+                c.submit(c.colocated, "abort", {})
+            raise
+        body = {"weight_version": str(version), "verify": verify, "names": self.names[full]}
+        return self._all("push", [body] * n)
+
+    def _adapter(self, version: int, verify: bool) -> list[dict[str, Any]]:
+        assert self.pack is not None
+        k = self.pushes % self.adapter_slots
+        for ring in self.slots:
+            self.pack.pack_into(ring[k])
+        self._sync_device()
+        return self._all("push", [{"slot": k, "weight_version": str(version), "verify": verify}] * len(self.slots))
+
+    def _digest(self, verify: bool, full: bool) -> str | None:
+        """What the engines were given (read back from engine 0's memory: see the module docstring)."""
+        if self.slots:
+            assert self.packed is not None
+            return self.packed(self.slots[0][(self.pushes - 1) % self.adapter_slots])
+        if not verify:
+            return None
+        dst = self.targets[0]
+        return checksum((name, dst[name]) for name in self.names[full])
