@@ -6,8 +6,9 @@ with `event` and `wall_s` (seconds since the command started):
 - `start`: backend, device, engines, sync mode, transport, the first push (`sync`) — the engines serve the
   initial (or restored) policy;
 - `resume`: the step and checkpoint resumed from, and every newer checkpoint refused (`refused`, reasons);
-- `step`: step, total, reward_mean, loss, clip_frac, train_ms, gen_ms, rollout_version_lag,
-  rollout_logp_gap_max, and the step's `sync` report (pushed, bytes, ms, adapter_version, path, note);
+- `step`: step, total, reward_mean, loss, clip_frac, train_ms (of it: logprob_ms, dp_allreduce_ms), gen_ms,
+  tokens (prompt + response), samples, response_len, rollout_version_lag, rollout_logp_gap_max, and the step's
+  `sync` report (pushed, bytes, ms, adapter_version, path, note);
 - `checkpoint`: step, path, ms;  `export`: step, path;  `stopped`: why the loop ended early;
 - `summary`: the same object printed as the last line of stdout.
 Tests read these events, not the log text.
@@ -74,7 +75,7 @@ class StepRecorder:
         self._events = open(self.path, "a", buffering=1)  # noqa: SIM115 (closed in close(); line-buffered)
 
     def wall_s(self) -> float:
-        return round(time.monotonic() - self.t_start, 1)
+        return round(time.monotonic() - self.t_start, 3)  # ms: the benches time steps by it
 
     def say(self, line: str) -> None:
         print(line, flush=True)
@@ -120,8 +121,8 @@ class StepRecorder:
         self.say(self._progress_line(step, metrics, rstats, report))
         if report.note:
             self.say(f"sync: {report.note}")
-        keys = ("reward_mean", "loss", "clip_frac", "train_ms", "dp_allreduce_ms", "rollout_version_lag",
-                "rollout_logp_gap_max")
+        keys = ("reward_mean", "loss", "clip_frac", "train_ms", "dp_allreduce_ms", "logprob_ms", "tokens",
+                "samples", "response_len", "rollout_version_lag", "rollout_logp_gap_max")
         self.event("step", step=step, total=self.steps, gen_ms=rstats["gen_ms"], sync=report.as_dict(),
                    **{k: getattr(metrics, k) for k in keys})
         if self.serving is not None:  # last: a PolicyNotServed leaves the step recorded

@@ -48,6 +48,8 @@ class StepMetrics:
     rollout_version_lag: int  # policy versions the rollouts lagged the trainer
     train_ms: float
     dp_allreduce_ms: float = 0.0  # of train_ms: summing the adapter gradients over the data-parallel ranks
+    logprob_ms: float = 0.0  # of train_ms: the no-grad log-prob forwards (temperature != 1, the KL reference)
+    tokens: int = 0  # prompt + response tokens of the batch (one pass; innerEpochs passes train on them)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +102,9 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
         if alg.kl_coef > 0:
             with adapter_off():
                 ref = token_logp(p, temperature)  # [B, R] the base policy: the KL reference
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # the forwards above ran asynchronously: time them whole
+    logprob_s = time.monotonic() - t0
     # the engines tag what they served; with async rollouts that is an older version than ours
     served = [int(v) for v in batch.weight_versions if v is not None and v.isdigit()]
     lag = owner.version - min(served) if served else 0
@@ -160,4 +165,6 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
         rollout_version_lag=lag,
         train_ms=round((time.monotonic() - t0) * 1000, 1),
         dp_allreduce_ms=round(reduce_s * 1000, 2),
+        logprob_ms=round(logprob_s * 1000, 1),
+        tokens=sum(len(x) for x in batch.prompt_ids) + sum(len(x) for x in batch.response_ids),
     )

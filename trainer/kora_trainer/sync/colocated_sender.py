@@ -161,7 +161,8 @@ class ColocatedFastSender(FastWeightSender):
                    if r.get("checksum") != digest]
             if bad:
                 raise SyncError(f"an engine serves other bytes than were written ({bad[0]} != {digest})")
-        return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=self.nbytes, ms=round(ms, 2),
+        nbytes = self.merges[0].adapted_bytes if self.merges and not full else self.nbytes  # what was written
+        return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=nbytes, ms=round(ms, 2),
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what="adapter" if self.slots else ("full" if full else "adapted"), path="fast")
 

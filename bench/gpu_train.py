@@ -1,0 +1,273 @@
+"""Where a GPU step's time goes: N GRPO steps of the real trainer (`python -m kora_trainer.train`, the command a
+user runs) on one GPU, backend megatron, Colocate (trainer and reference engine share the GPU), once per sync
+mode, on a random-init checkpoint of a chosen shape written to local disk.
+
+Per step, from the run's own event file (`events.jsonl`; recorder.py says what each field is): generate
+(`gen_ms`), log-probs (`logprob_ms`, the no-grad forwards inside the update), train (`train_ms` less log-probs),
+sync (the step's push, `sync.ms`), checkpoint (`checkpoint.interval` 1: every step), and the step's wall time
+(between consecutive step events). Also sync's share of the step, tokens/s generated (samples x mean response
+length / gen) and trained (prompt + response tokens / train), the run's `sync_paths`, and the peak GPU memory of
+the trainer and engine processes (nvidia-smi, sampled every 0.5 s). Rewards: tests/e2e/toy_rewards.py's
+odd-first-digit, which varies from the first step on an untrained model, so every step moves the adapter.
+
+Anchors, measured in the same run on the same GPU by this process: one device copy of the model's bytes (a Merge
+full push writes all of them) and of the adapted weights' bytes (a later Merge push rewrites only those), and of
+the adapter's bytes (an Adapter push writes those once).
+
+    PYTHONPATH=$PWD/trainer:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py [--model qwen3-4b]
+        [--modes Merge,Adapter,EngineMerge] [--steps 4] [--out bench/results/gpu_train_DATE.json]
+    python bench/gpu_train.py --model toy --backend torch --device cpu --steps 2   # CPU: plumbing only
+
+Shapes: `qwen3-4b` is Qwen3-4B's layers (hidden 2560, 36 layers, 32 heads / 8 KV heads of 128, MLP 9728) with
+the toy's 16-token vocabulary, so the rollouts decode with the toy's tokenizer and its rewards score them (the
+embedding and head are tiny; the step's cost is the layers'). LoRA rank 32 on q, k, v, o (linear_qkv,
+linear_proj), as the sync benches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+for p in (ROOT / "trainer", ROOT / "tests"):
+    if str(p) not in sys.path:
+        sys.path.insert(0, str(p))
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-4b": {"hidden_size": 2560, "intermediate_size": 9728, "num_hidden_layers": 36, "num_attention_heads": 32,
+                 "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 4096, "rope_theta": 1e6,
+                 "tie_word_embeddings": True},
+    "toy": {},  # the toy as make_toy writes it (CPU plumbing check)
+}
+MIB = 1 << 20
+
+
+def make_model(out: Path, shape: str, device: str) -> Path:
+    """The toy's tokenizer and dataset (JSON lines: the GPU image has no pyarrow) with a random-init model of
+    `shape` in bf16 (`toy`: the toy's own model)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from kora_trainer.toy import make_toy, model_config
+
+    if (out / "config.json").exists() and (out / "bench_shape.json").exists():
+        if json.loads((out / "bench_shape.json").read_text()) == {"shape": shape}:
+            return out
+    shutil.rmtree(out, ignore_errors=True)
+    make_toy(out, target=0.0, dataset="train.jsonl")
+    if SHAPES[shape]:
+        toy = {k: v for k, v in model_config().to_dict().items() if k != "layer_types"}  # derived from the depth
+        cfg = Qwen3Config(**{**toy, **SHAPES[shape], "dtype": "bfloat16"})
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
+        for f in out.glob("model*.safetensors"):
+            f.unlink()
+        model.save_pretrained(out)
+        del model
+    (out / "bench_shape.json").write_text(json.dumps({"shape": shape}))
+    return out
+
+
+class GpuMemory:
+    """Peak used GPU memory per process (MiB), sampled with nvidia-smi every `every` seconds."""
+
+    def __init__(self, every: float = 0.5):
+        self.every, self.peak = every, {}  # type: ignore[var-annotated]
+        self.names: dict[int, str] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.available = shutil.which("nvidia-smi") is not None
+
+    def __enter__(self) -> GpuMemory:
+        if self.available:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self.available:
+            self._thread.join(10)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, check=False).stdout
+            for line in out.splitlines():
+                try:
+                    pid, mib = (int(x) for x in line.split(","))
+                except ValueError:
+                    continue
+                self.peak[pid] = max(self.peak.get(pid, 0), mib)
+                if pid not in self.names:
+                    try:
+                        self.names[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200]
+                    except OSError:
+                        self.names[pid] = "?"
+
+    def by_role(self) -> dict[str, int]:
+        roles: dict[str, int] = {}
+        for pid, mib in self.peak.items():
+            name = self.names.get(pid, "")
+            role = "engine" if "reference_engine" in name else "trainer" if "TrainWorker" in name or "ray::" in name \
+                else "other"
+            roles[role] = roles.get(role, 0) + mib
+        return roles
+
+
+def copy_ms(nbytes: int, device: torch.device, reps: int = 20) -> float | None:
+    """Median CUDA-event time of one device copy of nbytes (None on CPU)."""
+    if device.type != "cuda" or nbytes <= 0:
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del src, dst
+    torch.cuda.empty_cache()
+    return statistics.median(times[2:])
+
+
+def model_bytes(model_dir: Path) -> dict[str, int]:
+    """Bytes of every weight, and of the weights LoRA adapts (q, k, v, o) and of the rank-32 adapter on them."""
+    from safetensors import safe_open
+
+    total = adapted = adapter = 0
+    for f in model_dir.glob("model*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                t = st.get_slice(name)
+                shape, n = t.get_shape(), 2
+                for d in shape:
+                    n *= d
+                total += n
+                if any(k in name for k in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                    adapted += n
+                    adapter += 2 * 32 * (shape[0] + shape[1])  # A [32, in] + B [out, 32], bf16
+    return {"model": total, "adapted": adapted, "adapter": adapter}
+
+
+def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    run_dir = work / f"run-{mode}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    gpu = args.device == "cuda"
+    cmd = [sys.executable, "-m", "kora_trainer.train", "--config", str(ROOT / "trainer" / "examples" / "toy.yaml"),
+           "--run-dir", str(run_dir), "--control-port", "0", f"model.path={model_dir}",
+           f"data.path={model_dir}/train.jsonl", f"backend={args.backend}", "deployment.mode=Colocate",
+           "deployment.async=false", f"lora.syncMode={mode}", "lora.rank=32", "lora.alpha=64",
+           "lora.targetModules=[linear_qkv,linear_proj]", f"algorithm.numSteps={args.steps}",
+           f"algorithm.rolloutBatchSize={args.prompts}", f"algorithm.nSamplesPerPrompt={args.samples}",
+           f"algorithm.globalBatchSize={args.prompts * args.samples}", f"algorithm.maxNewTokens={args.max_new_tokens}",
+           "sync.deltaSkipThreshold=0", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit",
+           f"checkpoint.path={run_dir / 'ckpt'}", "checkpoint.interval=1",
+           f"rollout.gpusPerEngine={1 if gpu else 0}"]
+    # the e2e tests' reward (tests/e2e/toy_rewards.py): it varies from the first step on an untrained model, so
+    # every step has advantages, the adapter moves and every sync pushes
+    path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "KORA_CONTROL_TOKEN": "bench", "PYTHONPATH": path}
+    t0 = time.monotonic()
+    with GpuMemory() as mem:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False, timeout=args.timeout)
+    wall = time.monotonic() - t0
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()] \
+        if (run_dir / "events.jsonl").exists() else []
+    if proc.returncode != 0 or not events:
+        return {"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}
+    steps = [e for e in events if e["event"] == "step"]
+    ckpt = {e["step"]: e["ms"] for e in events if e["event"] == "checkpoint"}
+    summary = next(e for e in events if e["event"] == "summary")
+    start = next(e for e in events if e["event"] == "start")
+    rows, prev = [], start["wall_s"]
+    for e in steps:
+        row = {"step": e["step"], "generate_ms": e["gen_ms"], "logprob_ms": e.get("logprob_ms", 0.0),
+               "train_ms": round(e["train_ms"] - e.get("logprob_ms", 0.0), 1), "sync_ms": e["sync"]["ms"],
+               "sync_what": e["sync"]["what"], "sync_path": e["sync"]["path"], "checkpoint_ms": ckpt.get(e["step"]),
+               "step_ms": round((e["wall_s"] - prev) * 1000, 1), "tokens": e.get("tokens"),
+               "generated_tokens": round(e.get("samples", 0) * e.get("response_len", 0.0))}
+        prev = e["wall_s"]
+        rows.append(row)
+    later = rows[1:] or rows  # step 1 carries the first fast push (Merge: full) and warm-up
+    med = {k: statistics.median(r[k] or 0.0 for r in later) for k in
+           ("generate_ms", "logprob_ms", "train_ms", "sync_ms", "checkpoint_ms", "step_ms")}
+    return {
+        "command": " ".join(cmd[1:]), "wall_s": round(wall, 1), "steps": rows, "median_after_step1": med,
+        "sync_share_of_step": round(med["sync_ms"] / med["step_ms"], 5) if med["step_ms"] else None,
+        "tokens_per_s_generated": round(statistics.median(r["generated_tokens"] / r["generate_ms"] * 1000
+                                                          for r in later), 1),
+        "tokens_per_s_trained": round(statistics.median((r["tokens"] or 0) / max(r["train_ms"] + r["logprob_ms"], 1e-9)
+                                                        * 1000 for r in later), 1),
+        "sync_paths": summary.get("sync_paths"), "notes": [e["sync"].get("note") for e in steps if e["sync"].get("note")]
+        + ([start["sync"]["note"]] if start["sync"].get("note") else []),
+        "rollout_logp_gap_max": summary.get("rollout_logp_gap_max"),
+        "peak_gpu_mib": mem.by_role() if mem.available else "nvidia-smi not found",
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=sorted(SHAPES), default="qwen3-4b")
+    ap.add_argument("--modes", default="Merge,Adapter,EngineMerge")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--backend", default="megatron")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--workdir", default="/tmp/kora-gpu-train")
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    t0 = time.monotonic()
+    model_dir = make_model(work / f"model-{args.model}", args.model, args.device)
+    sizes = model_bytes(model_dir)
+    res: dict[str, Any] = {
+        "bench": "gpu_train", "command": "python bench/gpu_train.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "model": args.model,
+        "model_write_s": round(time.monotonic() - t0, 1), "bytes": sizes,
+        "anchors_ms": {f"copy_{k}": copy_ms(v, device) for k, v in sizes.items()}, "modes": {}}
+    for mode in args.modes.split(","):
+        res["modes"][mode] = run_mode(model_dir, mode, args, work)
+        print(json.dumps({mode: {k: v for k, v in res["modes"][mode].items() if k != "steps"}}, indent=1), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(res, indent=2) + "\n")
+    ratios = {}
+    for mode, r in res["modes"].items():
+        if "steps" not in r:
+            continue
+        first, later = r["steps"][0], r["steps"][1:]
+        anchors = res["anchors_ms"]
+        if mode == "Merge" and anchors["copy_model"]:
+            ratios["merge_full_push_over_copy_model"] = round(first["sync_ms"] / anchors["copy_model"], 3)
+            if later:
+                ratios["merge_push_over_copy_adapted"] = round(statistics.median(x["sync_ms"] for x in later)
+                                                               / anchors["copy_adapted"], 3)
+        if mode == "Adapter" and later:
+            ratios["adapter_push_p50_ms"] = statistics.median(x["sync_ms"] for x in later)
+    res["ratios"] = ratios
+    print(json.dumps({"anchors_ms": res["anchors_ms"], "ratios": ratios}, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
