@@ -61,9 +61,9 @@ def make_model(out: Path, shape: str, device: str) -> Path:
 
     from kora_trainer.toy import make_toy, model_config
 
-    if (out / "config.json").exists() and (out / "bench_shape.json").exists():
-        if json.loads((out / "bench_shape.json").read_text()) == {"shape": shape}:
-            return out
+    marker = out / "bench_shape.json"
+    if (out / "config.json").exists() and marker.exists() and json.loads(marker.read_text()) == {"shape": shape}:
+        return out
     shutil.rmtree(out, ignore_errors=True)
     make_toy(out, target=0.0, dataset="train.jsonl")
     if SHAPES[shape]:
@@ -102,8 +102,8 @@ class GpuMemory:
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, check=False).stdout
+            query = ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"]
+            out = subprocess.run(query, capture_output=True, text=True, check=False).stdout
             for line in out.splitlines():
                 try:
                     pid, mib = (int(x) for x in line.split(","))
@@ -213,8 +213,8 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, work: Path) -
                                                           for r in later), 1),
         "tokens_per_s_trained": round(statistics.median((r["tokens"] or 0) / max(r["train_ms"] + r["logprob_ms"], 1e-9)
                                                         * 1000 for r in later), 1),
-        "sync_paths": summary.get("sync_paths"), "notes": [e["sync"].get("note") for e in steps if e["sync"].get("note")]
-        + ([start["sync"]["note"]] if start["sync"].get("note") else []),
+        "sync_paths": summary.get("sync_paths"),
+        "notes": [e["sync"]["note"] for e in [start, *steps] if e["sync"].get("note")],
         "rollout_logp_gap_max": summary.get("rollout_logp_gap_max"),
         "peak_gpu_mib": mem.by_role() if mem.available else "nvidia-smi not found",
     }
