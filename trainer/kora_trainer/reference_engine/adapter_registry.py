@@ -23,7 +23,7 @@ import dataclasses
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,6 +48,9 @@ class AdapterRegistry:
         self._adapters: dict[str, LoRAAdapter] = {}
         self._ref_cache: dict[str, str] = {}  # every name ever loaded -> its source (never shrinks)
         self._lock = threading.Lock()
+        # run before every lookup: publish what a colocated trainer wrote into this engine's memory since
+        # (colocated_routes.ColocatedRoutes.publish_rung: its doorbell)
+        self.before_lookup: Callable[[], None] | None = None
 
     def loaded(self) -> dict[str, str]:
         with self._lock:
@@ -55,6 +58,8 @@ class AdapterRegistry:
 
     def versions(self) -> dict[str, dict[str, str | None]]:
         """Each loaded adapter's current object: source, weight_version, lora_id (GET /kora/state)."""
+        if self.before_lookup is not None:
+            self.before_lookup()
         with self._lock:
             return {name: {"source": a.source, "version": a.version, "lora_id": a.lora_id}
                     for name, a in self._adapters.items()}
@@ -115,6 +120,8 @@ class AdapterRegistry:
         """The adapter a request names, admitted now (None = the base model)."""
         if name is None:
             return None
+        if self.before_lookup is not None:
+            self.before_lookup()
         adapter = self._adapters.get(name)
         if adapter is not None:
             return adapter

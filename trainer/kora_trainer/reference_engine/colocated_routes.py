@@ -10,10 +10,14 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   move into shared memory in place; every view of them stays valid). Merge: every named parameter (HF names, the
   engine's own tensors). Adapter: the buffers of an `AdapterRing` of `slots` slots laid out as `metadata` says
   (`AdapterPack.metadata`), checked like an adapter load (`fast_routes.ring_scaling`).
-- Adapter, per push: the trainer packs the adapter into slot k (k cycling in order), synchronises, then
-  `POST /kora/colocated/push` {slot, weight_version, verify}: the slot's views become the adapter `lora_name`
-  at that version, served from the next request on. A request already admitted keeps its adapter object,
-  whose slot is rewritten only `slots` pushes later. No lock: nothing the engine reads is written.
+- Adapter, per push: the trainer packs the adapter into slot k (k cycling in order), synchronises, then rings
+  the doorbell: one 8-byte store of (version << 8 | k) into a shared CPU word the plan handed over with the
+  ring. Before every adapter lookup (a request's admission, GET /kora/state) the engine reads the word; a new
+  value makes the slot's views the adapter `lora_name` at that version (`publish_rung`), served from that
+  request on. No HTTP call per push. A request already admitted keeps its adapter object, whose slot is
+  rewritten only `slots` pushes later. No lock: nothing the engine reads is written. `POST
+  /kora/colocated/push` {slot, weight_version, verify} publishes the rung slot at once (it must be the one
+  the doorbell names) and, with verify, answers its checksum; the trainer calls it on verified pushes.
 - Merge, per push: `POST /kora/colocated/begin` {lease_s} takes the engine's weight lock (it waits for the
   generation in flight, as the HTTP route's weight write does) and answers; the trainer writes the merged
   weights in place and synchronises; `POST /kora/colocated/push` {weight_version, verify, names} marks
@@ -22,7 +26,8 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   and the late push is refused) instead of stalling generation forever. `POST /kora/colocated/abort` gives the
   lock back at once (the trainer failed between begin and push).
 - `verify`: the answer carries `protocol.checksum` of what the engine now serves (Merge: `names` in order;
-  Adapter: the slot's tensors), which the trainer compares with its own reading of the memory it wrote.
+  Adapter: the slot's tensors), which the trainer compares with its own reading of the memory it wrote, and
+  `checksum_ms`, the time it took (the trainer's push time leaves hashing out, as the HTTP path's does).
 
 All run on the server's weight-sync thread, in order with every other operation on the weights.
 """
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +45,7 @@ from aiohttp import web
 
 from kora_trainer.reference_engine.fast_routes import json_call, layout, ring_scaling
 from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-from kora_trainer.wire.fast_receive import AdapterRing
+from kora_trainer.wire.fast_receive import AdapterRing, doorbell_parts
 from kora_trainer.wire.protocol import PackedChecksum, checksum
 from kora_trainer.wire.serialize import serialize_payload
 
@@ -64,6 +70,8 @@ class _Plan:
     mode: str
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # Merge
     ring: AdapterRing | None = None  # Adapter
+    doorbell: torch.Tensor | None = None  # Adapter: int64 [1] in shared memory, -1 until the first push
+    rung: int = -1  # Adapter: the doorbell value last published
     packed: PackedChecksum | None = None
     lora_name: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -77,6 +85,8 @@ class ColocatedRoutes:
         self.plan: _Plan | None = None
         self.lease: _Lease | None = None
         self._guard = threading.Lock()  # the lease against its timer
+        self._publishing = threading.Lock()  # one publication per doorbell value
+        server.adapters.before_lookup = self.publish_rung
 
     def routes(self) -> list[tuple[str, str, Any]]:
         return [("POST", route, self._route(fn)) for route, fn in
@@ -103,9 +113,10 @@ class ColocatedRoutes:
             tensors = layout(metadata)
             ring = AdapterRing(metadata, engine.device, ring_scaling(engine, tensors, name, config),
                                slots=int(b.get("slots") or 3))
-            plan = _Plan("Adapter", ring=ring, packed=PackedChecksum(tensors, engine.device), lora_name=name,
-                         config=config)
+            plan = _Plan("Adapter", ring=ring, doorbell=torch.full((1,), -1, dtype=torch.int64),
+                         packed=PackedChecksum(tensors, engine.device), lora_name=name, config=config)
             exported = [(f"slot{i}", buf) for i, buf in enumerate(ring.buffers)]
+            exported.append(("doorbell", plan.doorbell))
         else:
             raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge or Adapter")
         payload = serialize_payload(exported)  # CPU: the tensors move into shared memory, in place
@@ -172,10 +183,12 @@ class ColocatedRoutes:
             engine.weights_replaced(names)  # the trainer synchronised its writes before this call
             if version is not None:
                 engine.weight_version = version
+            t0 = time.perf_counter()
             sums = checksum((n, plan.params[n]) for n in names) if b.get("verify") else None
+            ms = (time.perf_counter() - t0) * 1000
         finally:
             self._release()
-        return {"weight_version": engine.weight_version, "checksum": sums}
+        return {"weight_version": engine.weight_version, "checksum": sums, "checksum_ms": ms}
 
     def _abort(self, b: dict[str, Any]) -> dict[str, Any]:
         lease = self._release()
@@ -183,15 +196,35 @@ class ColocatedRoutes:
 
     # ---- Adapter ----------------------------------------------------------------------------------------
 
+    def publish_rung(self) -> None:
+        """Serve the slot the doorbell names, if it changed since the last publication (every adapter lookup)."""
+        plan = self.plan
+        if plan is None or plan.doorbell is None:
+            return
+        value = int(plan.doorbell[0])  # one aligned 8-byte load, as the trainer's one 8-byte store
+        if value == plan.rung or value < 0:
+            return
+        with self._publishing:
+            if value == plan.rung:
+                return
+            ring = plan.ring
+            assert ring is not None
+            version, slot = doorbell_parts(value)
+            ring.last = slot
+            self.server.adapters.upsert_built(LoRAAdapter(plan.lora_name, "__colocated__", ring.rank,
+                                                          ring.weights[slot], dict(plan.config), str(version)))
+            plan.rung = value
+
     def _adapter_push(self, b: dict[str, Any]) -> dict[str, Any]:
         plan = self._planned("Adapter")
         ring, packed = plan.ring, plan.packed
         assert ring is not None and packed is not None
         slot = int(b["slot"])
-        if not 0 <= slot < len(ring.buffers):
-            raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
-        version = None if b.get("weight_version") is None else str(b["weight_version"])
-        ring.last = slot
-        self.server.adapters.upsert_built(LoRAAdapter(plan.lora_name, "__colocated__", ring.rank, ring.weights[slot],
-                                                      dict(plan.config), version))
-        return {"weight_version": version, "checksum": packed(ring.buffers[slot]) if b.get("verify") else None}
+        self.publish_rung()
+        version, rung = doorbell_parts(plan.rung)
+        if plan.rung < 0 or slot != rung:
+            raise ValueError(f"slot {slot} is not the one the doorbell names ({plan.rung}): ring it first")
+        t0 = time.perf_counter()
+        sums = packed(ring.buffers[slot]) if b.get("verify") else None
+        return {"weight_version": str(version), "checksum": sums,
+                "checksum_ms": (time.perf_counter() - t0) * 1000}

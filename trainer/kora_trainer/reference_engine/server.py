@@ -141,8 +141,8 @@ class HFEngineServer:
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.limits = GenerateLimits(engine.vocab_size, engine.max_context, max_sequences)
         self.fast_sync = FastSyncRoutes(self) if fast_sync else None
-        self.colocated = ColocatedRoutes(self) if fast_sync else None
         self.adapters = AdapterRegistry(engine)
+        self.colocated = ColocatedRoutes(self) if fast_sync else None  # hooks into adapters' lookups
         self.batcher = CallBatcher(engine)
         self.inflight = InFlight()  # admitted /generate requests, for /abort_request and /kora/state
         self.receiver = WeightReceiver()

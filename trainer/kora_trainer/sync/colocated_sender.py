@@ -7,10 +7,12 @@ one plan, then every later push on the fast path (delta-skip by `FlatDelta`, col
 group), with the HTTP path kept — and the reason printed — wherever the plan cannot cover the policy or an
 engine has no route (404: SGLang).
 
-- Adapter: the engine makes a ring of `adapter_slots` flat buffers laid out as `AdapterPack.metadata` says and
-  hands them over; a push is one gather (`AdapterPack.pack_into`) into slot k (cycling in order), a synchronise,
-  and one call that makes the slot's views the served adapter at this version. Nothing the engine reads is
-  written: a request keeps the slot it was admitted with, rewritten only `adapter_slots` pushes later.
+- Adapter: the engine makes a ring of `adapter_slots` flat buffers laid out as `AdapterPack.metadata` says, and a
+  doorbell word in shared memory, and hands them over; a push is one gather (`AdapterPack.pack_into`) into slot
+  k (cycling in order), a synchronise, and one 8-byte store of (version, k) into the doorbell, which the engine
+  reads before every adapter lookup: no HTTP call (verified pushes add one, for the engine's checksum).
+  Nothing the engine reads is written: a request keeps the slot it was admitted with, rewritten only
+  `adapter_slots` pushes later.
 - Merge: the engine hands over its parameters; `colocated.ColocatedMerge` folds W + s·B·A straight into them
   (the frozen tensors too on the first fast push; later pushes rewrite the adapted weights only). The write
   happens between `begin` (the engine's weight lock taken: it waits for the generation in flight, as the HTTP
@@ -37,6 +39,7 @@ from kora_trainer.sync.fast_sender import FastWeightSender
 from kora_trainer.sync.sender import POLICY_ADAPTER, SyncReport
 from kora_trainer.sync.transport import ColocatedTransport, SyncError, wait_all
 from kora_trainer.wire.engine_client import EngineClient, EngineError
+from kora_trainer.wire.fast_receive import doorbell_value
 from kora_trainer.wire.protocol import PackedChecksum, checksum
 from kora_trainer.wire.serialize import deserialize_payload
 
@@ -61,6 +64,7 @@ class ColocatedFastSender(FastWeightSender):
         super().__init__(http, adapter_slots=adapter_slots, **kw)
         self.merges: list[ColocatedMerge] = []  # Merge: one per engine
         self.slots: list[list[torch.Tensor]] = []  # Adapter: each engine's ring buffers, mapped
+        self.doorbells: list[torch.Tensor] = []  # Adapter: each engine's doorbell word (CPU, shared)
         self.names: dict[bool, list[str]] = {}  # Merge: full -> what a push writes
         self.targets: list[dict[str, torch.Tensor]] = []  # Merge: each engine's parameters, mapped
 
@@ -104,14 +108,16 @@ class ColocatedFastSender(FastWeightSender):
             else:
                 self.pack = pack
                 need = pack.out.numel() * pack.out.element_size()
-                self.slots = [list(self._on(dict(m), device).values()) for m in mapped]
+                named = [dict(m) for m in mapped]
+                self.doorbells = [n.pop("doorbell") for n in named]
+                self.slots = [list(self._on(n, device).values()) for n in named]
                 if any(len(s) != self.adapter_slots or s[0].numel() < need for s in self.slots):
                     raise ValueError(f"an engine's ring is not {self.adapter_slots} slots of {need} B")
                 self.packed = PackedChecksum([(n, pack.dtype, s) for n, s in zip(pack.names, pack.shapes,
                                                                                  strict=True)], device)
                 self.nbytes, self.nbuckets = need, 1
         except (NotImplementedError, ValueError, KeyError) as e:
-            self.merges, self.slots, self.targets, self.pack = [], [], [], None
+            self.merges, self.slots, self.doorbells, self.targets, self.pack = [], [], [], [], None
             return self._off(f"the engine's memory: {e}")
         self.flat, self.delta = flat, FlatDelta(flat)
         self.delta.mark_pushed(flat)  # what the HTTP push just sent
@@ -151,7 +157,8 @@ class ColocatedFastSender(FastWeightSender):
         verify = self.http.verify and self.pushes % self.verify_every == 0
         full = self.pushes == 0
         results = self._merge(version, verify, full) if self.merges else self._adapter(version, verify)
-        ms = (time.perf_counter() - t0) * 1000
+        # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest counts
+        ms = (time.perf_counter() - t0) * 1000 - max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
         self.delta.mark_pushed(self.flat)
         self.pushes += 1
         self.engine_version = version
@@ -195,8 +202,13 @@ class ColocatedFastSender(FastWeightSender):
         k = self.pushes % self.adapter_slots
         for ring in self.slots:
             self.pack.pack_into(ring[k])
-        self._sync_device()
-        return self._all("push", [{"slot": k, "weight_version": str(version), "verify": verify}] * len(self.slots))
+        self._sync_device()  # the slot is whole before the doorbell names it
+        word = doorbell_value(version, k)
+        for bell in self.doorbells:
+            bell.fill_(word)  # one aligned 8-byte store; the engine's lookup reads it with one load
+        if not verify:
+            return []
+        return self._all("push", [{"slot": k, "weight_version": str(version), "verify": True}] * len(self.slots))
 
     def _digest(self, verify: bool, full: bool) -> str | None:
         """What the engines were given (read back from engine 0's memory: see the module docstring)."""

@@ -158,3 +158,19 @@ class AdapterRing:
             group.broadcast(self.buffers[slot][start:start + n], src=0)
             start += n
         return self.weights[slot]
+
+
+DOORBELL_SLOT_BITS = 8  # a colocated adapter ring's doorbell word: version << DOORBELL_SLOT_BITS | slot
+
+
+def doorbell_value(version: int, slot: int) -> int:
+    """The word a colocated trainer stores to publish `AdapterRing` slot `slot` as policy `version`
+    (reference_engine/colocated_routes.py reads it before every adapter lookup)."""
+    if not 0 <= slot < 1 << DOORBELL_SLOT_BITS or not 0 <= version < 1 << (63 - DOORBELL_SLOT_BITS):
+        raise ValueError(f"doorbell: slot {slot} or version {version} out of range")
+    return version << DOORBELL_SLOT_BITS | slot
+
+
+def doorbell_parts(value: int) -> tuple[int, int]:
+    """(version, slot) of a doorbell word."""
+    return value >> DOORBELL_SLOT_BITS, value & ((1 << DOORBELL_SLOT_BITS) - 1)
