@@ -36,15 +36,16 @@ class EngineProc:
 
 
 def start_engine(model_dir: Path, log_dir: Path, *extra: str, device: str = "cpu",
-                 timeout_s: float = 120.0) -> EngineProc:
-    """`python -m kora_trainer.reference_engine` on a free port; waits (bounded) for /health."""
+                 timeout_s: float = 120.0, env: dict[str, str] | None = None) -> EngineProc:
+    """`python -m kora_trainer.reference_engine` on a free port, `env` added to its environment; waits
+    (bounded) for /health."""
     port = free_port()
     log = log_dir / f"engine-{port}.log"
     cmd = [sys.executable, "-m", "kora_trainer.reference_engine", "--model-path", str(model_dir),
            "--port", str(port), "--device", device, "--num-threads", "1", *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env)
     engine = EngineProc(proc, f"http://127.0.0.1:{port}", log)
     try:
         with engine.client() as c:

@@ -27,7 +27,10 @@ from localcluster import LocalCluster, free_ports, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 KORA = Path(sys.executable).with_name("kora")
-CHILD_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "rayjobs.ray.io": "RayJob"}
+CHILD_KINDS = {"configmaps": "ConfigMap", "secrets": "Secret", "networkpolicies.networking.k8s.io": "NetworkPolicy",
+               "rayjobs.ray.io": "RayJob"}
+# what a KubeRay job gets, by kind: its config, its control-plane token and engine admin key, its policy, its RayJob
+KUBERAY_CHILDREN = {"ConfigMap": 1, "Secret": 2, "NetworkPolicy": 1, "RayJob": 1}
 TEST_OPERATOR_KEY = "kora-test-operator-key-0123456789"
 SKIP_ENV = "KORA_SKIP_CLUSTER"
 
@@ -143,10 +146,15 @@ def get(cluster: LocalCluster, kind: str, name: str, ns: str) -> dict[str, Any] 
 
 
 def children(cluster: LocalCluster, job: str, ns: str) -> dict[str, list[dict[str, Any]]]:
-    """Every ConfigMap, Secret and RayJob labelled as this job's, by kind."""
+    """Every ConfigMap, Secret, NetworkPolicy and RayJob labelled as this job's, by kind."""
     out = cluster.kubectl("get", ",".join(CHILD_KINDS), "-n", ns, "-l", f"kora.dev/job-name={job}", "-o", "json")
     items = json.loads(out.stdout)["items"]
     return {kind: [i for i in items if i["kind"] == kind] for kind in CHILD_KINDS.values()}
+
+
+def all_children(got: dict[str, list[dict[str, Any]]], want: dict[str, int] | None = None) -> bool:
+    """`children` holds exactly what a KubeRay job gets (or `want`, by kind)."""
+    return {kind: len(objs) for kind, objs in got.items()} == (want or KUBERAY_CHILDREN)
 
 
 def apply(cluster: LocalCluster, doc: dict[str, Any], ns: str) -> None:

@@ -14,7 +14,8 @@ import yaml
 from kora_operator.api.job import LoRATrainingJob, RuntimeKind
 from kora_operator.builders.children import build_children
 from kora_operator.builders.configmap import dump_yaml
-from kora_operator.builders.secret import TOKEN_PLACEHOLDER, new_token
+from kora_operator.builders.secret import ENGINE_KEY_PLACEHOLDER, TOKEN_PLACEHOLDER, new_token
+from kora_operator.settings import Settings
 from kora_operator.validation import validate_adapter, validate_job
 from kora_trainer.config.load import ConfigError
 from kora_trainer.config.placement import Node, parse_nodes, plan_job
@@ -81,16 +82,19 @@ def _jobs(path: str) -> Iterator[tuple[str, LoRATrainingJob | None]]:
 def render(args: argparse.Namespace) -> int:
     """Print, as YAML, the objects the operator would create for each job in FILE.
 
-    The Secret's token is a placeholder unless --generate-token: render is a preview meant to be
-    diffed, reviewed and pasted into tickets, so its output is reproducible and carries no
-    credential; the operator generates the real token once, when it creates the Secret.
+    The Secrets' token and engine key are placeholders unless --generate-token: render is a preview
+    meant to be diffed, reviewed and pasted into tickets, so its output is reproducible and carries no
+    credential; the operator makes the real ones once, when it creates the Secrets. The NetworkPolicy
+    is the one an operator with this environment's settings (KORA_NETWORK_POLICY, POD_NAMESPACE, ...) makes.
     """
     out: list[dict[str, Any]] = []
+    peers = Settings.from_env().network_peers()
     for _, job in _jobs(args.file):
         if job is None:
             return 1
         job.metadata.setdefault("namespace", args.namespace)
-        out.extend(build_children(job, new_token() if args.generate_token else TOKEN_PLACEHOLDER))
+        token, key = (new_token(), new_token()) if args.generate_token else (TOKEN_PLACEHOLDER, ENGINE_KEY_PLACEHOLDER)
+        out.extend(build_children(job, token, key, peers))
     sys.stdout.write(dump_yaml(out))
     return 0
 
@@ -106,7 +110,8 @@ def register_render(sub: Any) -> None:
     p.add_argument("file", metavar="FILE", help="YAML file with LoRATrainingJob(s); - for stdin")
     p.add_argument("-n", "--namespace", default="default", help="namespace when the job names none")
     p.add_argument("--generate-token", action="store_true",
-                   help="put a fresh random control-plane token in the Secret instead of a placeholder")
+                   help="put a fresh random control-plane token and engine admin key in the Secrets instead of "
+                        "placeholders")
     p.set_defaults(func=render)
 
 

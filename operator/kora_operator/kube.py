@@ -54,6 +54,7 @@ class Kube:
         self.api: Any = api_client or client.ApiClient(_load_config())
         self.core: Any = client.CoreV1Api(self.api)
         self.custom: Any = client.CustomObjectsApi(self.api)
+        self.networking: Any = client.NetworkingV1Api(self.api)
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
 
     # -- reads: None when absent
@@ -81,6 +82,9 @@ class Kube:
                 self.core.read_namespaced_config_map(name, ns)))
         if kind == "RayJob":
             return self.get_ray_job(ns, name)
+        if kind == "NetworkPolicy":
+            return self._absent_is_none(lambda: self.api.sanitize_for_serialization(
+                self.networking.read_namespaced_network_policy(name, ns)))
         raise ValueError(f"unknown child kind {kind}")
 
     def read_secret(self, ns: str, name: str, key: str) -> str | None:
@@ -128,6 +132,9 @@ class Kube:
             if kind == "RayJob":
                 made = self.custom.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, obj)
                 return cast(Obj, made)
+            if kind == "NetworkPolicy":
+                return cast(Obj, self.api.sanitize_for_serialization(
+                    self.networking.create_namespaced_network_policy(ns, obj)))
         except ApiException as e:
             if e.status == 409:
                 return None

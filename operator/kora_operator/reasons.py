@@ -35,10 +35,12 @@ class Reason(StrEnum):
     CREATED_CONFIG_MAP = "CreatedConfigMap"
     CREATED_SECRET = "CreatedSecret"
     CREATED_RAY_JOB = "CreatedRayJob"
+    CREATED_NETWORK_POLICY = "CreatedNetworkPolicy"
     UPDATED_RAY_JOB = "UpdatedRayJob"
     FAILED_TO_CREATE_CONFIG_MAP = "FailedToCreateConfigMap"
     FAILED_TO_CREATE_SECRET = "FailedToCreateSecret"
     FAILED_TO_CREATE_RAY_JOB = "FailedToCreateRayJob"
+    FAILED_TO_CREATE_NETWORK_POLICY = "FailedToCreateNetworkPolicy"
     FAILED_TO_UPDATE_RAY_JOB = "FailedToUpdateRayJob"
     # the Ray cluster and the trainer, as KubeRay reports them
     RAY_JOB_PENDING = "RayJobPending"
@@ -95,11 +97,13 @@ CREATED: dict[str, Reason] = {
     "ConfigMap": Reason.CREATED_CONFIG_MAP,
     "Secret": Reason.CREATED_SECRET,
     "RayJob": Reason.CREATED_RAY_JOB,
+    "NetworkPolicy": Reason.CREATED_NETWORK_POLICY,
 }
 FAILED_TO_CREATE: dict[str, Reason] = {
     "ConfigMap": Reason.FAILED_TO_CREATE_CONFIG_MAP,
     "Secret": Reason.FAILED_TO_CREATE_SECRET,
     "RayJob": Reason.FAILED_TO_CREATE_RAY_JOB,
+    "NetworkPolicy": Reason.FAILED_TO_CREATE_NETWORK_POLICY,
 }
 
 # RayJob .status.reason -> our reason (anything else is RAY_JOB_FAILED)

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 from pydantic import BeforeValidator, Field, ValidationError
 from pydantic_settings import BaseSettings, EnvSettingsSource, NoDecode, PydanticBaseSettingsSource, SettingsConfigDict
 
+from kora_operator.builders.networkpolicy import KUBERAY_OPERATOR_LABELS, Peers
 from kora_trainer.config.control import CONTROL_PORT
 
 DEFAULT_POLL_INTERVAL = 5.0
@@ -43,6 +44,21 @@ def parse_port_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def parse_labels(text: str) -> dict[str, str]:
+    """`k=v,k2=v2` -> {k: v, k2: v2} (an empty text: no labels)."""
+    out: dict[str, str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"labels {text!r}: write KEY=VALUE[,KEY=VALUE...], e.g. app.kubernetes.io/name=kora")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _labels(value: Any) -> Any:
+    return parse_labels(value) if isinstance(value, str) else value
+
+
 def _command(value: Any) -> Any:
     return tuple(shlex.split(value)) if isinstance(value, str) else value
 
@@ -60,6 +76,7 @@ def _yes(value: Any) -> Any:
 Command = Annotated[tuple[str, ...], NoDecode, BeforeValidator(_command)]
 PortRange = Annotated[tuple[int, int], NoDecode, BeforeValidator(_port_range)]
 YesNo = Annotated[bool, BeforeValidator(_yes)]
+Labels = Annotated[dict[str, str], NoDecode, BeforeValidator(_labels)]
 
 
 class Settings(BaseSettings):
@@ -92,6 +109,34 @@ class Settings(BaseSettings):
                                     validation_alias="KORA_KUBERAY_PROGRESS")
     """Poll KubeRay jobs' trainers (at their head service's cluster DNS name). Default: when running in a
     pod, since outside a cluster those names do not resolve (and the lookups would leave the host)."""
+
+    network_policy: YesNo = Field(True, validation_alias="KORA_NETWORK_POLICY")
+    """Give each KubeRay job a NetworkPolicy (builders/networkpolicy.py): only its own pods reach its pods, the
+    operator's pods its control-plane port, KubeRay's operator its dashboard port; nothing else reaches them."""
+    operator_namespace: str | None = Field(None, validation_alias="POD_NAMESPACE",
+                                           json_schema_extra={"metavar": "NAMESPACE"})
+    """The namespace of the operator's own pod (the chart sets it from the downward API): with
+    --operator-pod-labels, whom a job's NetworkPolicy lets reach the control-plane port. Unset (not in a pod):
+    only the job's own pods reach it."""
+    operator_pod_labels: Labels = Field(default_factory=dict, validation_alias="KORA_OPERATOR_POD_LABELS",
+                                        json_schema_extra={"metavar": "K=V,..."})
+    """The labels of the operator's own pods (the chart: its selector labels)."""
+    kuberay_operator_namespace: str | None = Field(None, validation_alias="KORA_KUBERAY_OPERATOR_NAMESPACE",
+                                                   json_schema_extra={"metavar": "NAMESPACE"})
+    """The namespace of KubeRay's operator, which a job's NetworkPolicy lets reach the Ray dashboard port (its
+    RayJob controller reads the Ray job there). Unset: any namespace."""
+    kuberay_operator_pod_labels: Labels = Field(
+        default_factory=lambda: dict(KUBERAY_OPERATOR_LABELS), validation_alias="KORA_KUBERAY_OPERATOR_POD_LABELS",
+        json_schema_extra={"metavar": "K=V,..."},
+        description="The labels of KubeRay's operator pods (default: those of KubeRay's Helm chart, "
+                    + ",".join(f"{k}={v}" for k, v in KUBERAY_OPERATOR_LABELS.items()) + ").")
+
+    def network_peers(self) -> Peers | None:
+        """Who outside a job may reach its pods; None: the operator makes no NetworkPolicy."""
+        if not self.network_policy:
+            return None
+        return Peers(self.operator_namespace, dict(self.operator_pod_labels), self.kuberay_operator_namespace,
+                     dict(self.kuberay_operator_pod_labels))
 
     @property
     def linger_s(self) -> int:
@@ -147,6 +192,8 @@ def _flag_value(field: str) -> Any:
 
 
 def _shown(value: Any) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
     if isinstance(value, float):
         return f"{value:g}"
     if isinstance(value, tuple) and all(isinstance(v, int) for v in value):

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from localcluster import wait_for
-from operatorkit import Operator, apply, children, install_crds, job_status
+from operatorkit import Operator, all_children, apply, children, install_crds, job_status
 from specs import valid_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,13 +61,14 @@ def test_rendered_deployment_is_locked_down(helm):
     assert spec["replicas"] == 1 and spec["strategy"]["type"] == "Recreate"
     pod = spec["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     (c,) = pod["containers"]
-    assert c["securityContext"]["readOnlyRootFilesystem"] is True
-    assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"] and "--metrics-port=9090" in c["args"]
     assert {d["kind"] for d in docs} >= {"CustomResourceDefinition", "ServiceAccount", "ClusterRole",
-                                          "ClusterRoleBinding", "Deployment", "Service"}
+                                          "ClusterRoleBinding", "Deployment", "Service", "NetworkPolicy"}
 
 
 def install(cluster, helm, release: str, ns: str, *sets: str) -> list[dict]:
@@ -85,50 +86,125 @@ def install(cluster, helm, release: str, ns: str, *sets: str) -> list[dict]:
     return objs
 
 
-def can_i(cluster, sa: str, verb: str, resource: str, ns: str | None) -> bool:
+def can_i(cluster, sa: str, verb: str, resource: str, name: str | None, ns: str | None) -> bool:
     """`resource` may name a subresource, `loratrainingjobs.kora.dev/status` (kubectl would read the part after
-    the slash as an object's name)."""
+    the slash as an object's name, which is `name`)."""
     where = ["-n", ns] if ns else ["--all-namespaces"]
     resource, _, sub = resource.partition("/")
     subresource = [f"--subresource={sub}"] if sub else []
-    res = cluster.kubectl("auth", "can-i", verb, resource, *subresource, *where, f"--as={sa}", check=False)
+    what = f"{resource}/{name}" if name else resource
+    res = cluster.kubectl("auth", "can-i", verb, what, *subresource, *where, f"--as={sa}", check=False)
     return res.stdout.strip() == "yes"
 
 
-# (verb, resource, namespace key) -> allowed? "own" is the watched namespace, "other" another one
-NEEDED = [
-    ("watch", "loratrainingjobs.kora.dev", "own"), ("patch", "loratrainingjobs.kora.dev", "own"),
-    ("patch", "loratrainingjobs.kora.dev/status", "own"), ("create", "rayjobs.ray.io", "own"),
-    ("patch", "rayjobs.ray.io", "own"), ("watch", "rayjobs.ray.io", "own"), ("create", "configmaps", "own"),
-    ("get", "configmaps", "own"), ("create", "secrets", "own"), ("create", "events", "own"),
-    ("watch", "loraadapters.kora.dev", "own"), ("patch", "loraadapters.kora.dev", "own"),
-    ("patch", "loraadapters.kora.dev/status", "own"), ("update", "loratrainingjobs.kora.dev/finalizers", "own"),
-]
-FORBIDDEN = [
-    ("delete", "nodes", None), ("get", "secrets", "own"), ("list", "secrets", "own"), ("get", "secrets", "other"),
-    ("delete", "rayjobs.ray.io", "own"), ("delete", "loratrainingjobs.kora.dev", "own"),
-    ("update", "loratrainingjobs.kora.dev", "own"), ("create", "pods", "own"), ("create", "clusterroles", None),
-    ("create", "loraadapters.kora.dev", "own"), ("delete", "loraadapters.kora.dev", "own"),
-    ("escalate", "roles", "own"), ("impersonate", "serviceaccounts", "own"),
-]
-CLUSTER_ONLY = [("create", "rayjobs.ray.io", "other"), ("list", "loratrainingjobs.kora.dev", None),
-                ("create", "secrets", "other")]
+LTJ, LAD, RAYJOB, NETPOL = "loratrainingjobs.kora.dev", "loraadapters.kora.dev", "rayjobs.ray.io", \
+    "networkpolicies.networking.k8s.io"
+KEY = "<key-secret>"  # the operator key's Secret in the release namespace (kora.keySecretName)
+BOTH, CLUSTER, NEITHER = (True, True), (False, True), (False, False)  # allowed under (Namespace, Cluster) scope
+# The operator's whole account, both scopes: (verb, resource[/subresource], object name, namespace) -> allowed
+# under scope=Namespace, under scope=Cluster. Namespace "own" is the watched (and release) namespace, "other"
+# another one, None every namespace at once (--all-namespaces) or a cluster-scoped resource.
+MATRIX: dict[tuple[str, str, str | None, str | None], tuple[bool, bool]] = {
+    # the jobs: watched, kopf's annotations patched, status written through /status, never made or removed
+    **{(v, LTJ, None, "own"): BOTH for v in ("get", "list", "watch", "patch")},
+    **{(v, LTJ, None, ns): CLUSTER for v in ("list", "watch") for ns in ("other", None)},
+    **{(v, LTJ, None, "own"): NEITHER for v in ("create", "update", "delete", "deletecollection")},
+    ("get", f"{LTJ}/status", None, "own"): BOTH, ("patch", f"{LTJ}/status", None, "own"): BOTH,
+    ("update", f"{LTJ}/status", None, "own"): NEITHER, ("patch", f"{LTJ}/status", None, "other"): CLUSTER,
+    ("update", f"{LTJ}/finalizers", None, "own"): BOTH,  # blockOwnerDeletion on the children
+    # the adapters: the same, never created or deleted
+    **{(v, LAD, None, "own"): BOTH for v in ("get", "list", "watch", "patch")},
+    **{(v, LAD, None, "own"): NEITHER for v in ("create", "update", "delete")},
+    ("patch", f"{LAD}/status", None, "own"): BOTH, ("update", f"{LAD}/status", None, "own"): NEITHER,
+    # the children: made, read back, the RayJob's lifecycle fields patched; the garbage collector deletes them
+    **{(v, RAYJOB, None, "own"): BOTH for v in ("get", "list", "watch", "create", "patch")},
+    ("create", RAYJOB, None, "other"): CLUSTER,
+    **{(v, RAYJOB, None, "own"): NEITHER for v in ("update", "delete")},
+    ("patch", f"{RAYJOB}/status", None, "own"): NEITHER,  # KubeRay's to write
+    ("get", "configmaps", None, "own"): BOTH, ("create", "configmaps", None, "own"): BOTH,
+    ("create", "configmaps", None, "other"): CLUSTER,
+    **{(v, "configmaps", None, "own"): NEITHER for v in ("list", "update", "patch", "delete")},
+    ("get", NETPOL, None, "own"): BOTH, ("create", NETPOL, None, "own"): BOTH,
+    ("create", NETPOL, None, "other"): CLUSTER,
+    **{(v, NETPOL, None, "own"): NEITHER for v in ("list", "watch", "update", "patch", "delete")},
+    # Secrets: created (tokens, engine keys), never read, but for the operator key's own, by name
+    ("create", "secrets", None, "own"): BOTH, ("create", "secrets", None, "other"): CLUSTER,
+    ("get", "secrets", KEY, "own"): BOTH,
+    ("get", "secrets", "some-jobs-control-token", "own"): NEITHER,
+    **{(v, "secrets", None, ns): NEITHER for v in ("get", "list", "watch") for ns in ("own", "other", None)},
+    **{(v, "secrets", None, "own"): NEITHER for v in ("update", "patch", "delete")},
+    ("create", "events", None, "own"): BOTH, ("patch", "events", None, "own"): BOTH,
+    ("create", "events.events.k8s.io", None, "own"): BOTH, ("delete", "events", None, "own"): NEITHER,
+    # nothing of the pods it causes, nothing cluster-wide, no way to more rights
+    **{(v, "pods", None, "own"): NEITHER for v in ("get", "list", "create", "delete")},
+    ("create", "pods/exec", None, "own"): NEITHER, ("get", "pods/log", None, "own"): NEITHER,
+    ("create", "services", None, "own"): NEITHER, ("create", "jobs.batch", None, "own"): NEITHER,
+    ("list", "nodes", None, None): NEITHER, ("delete", "nodes", None, None): NEITHER,
+    ("list", "namespaces", None, None): NEITHER, ("watch", "customresourcedefinitions.apiextensions.k8s.io", None,
+                                                  None): NEITHER,
+    ("create", "customresourcedefinitions.apiextensions.k8s.io", None, None): NEITHER,
+    ("create", "clusterroles", None, None): NEITHER, ("create", "roles", None, "own"): NEITHER,
+    ("create", "rolebindings", None, "own"): NEITHER, ("escalate", "roles", None, "own"): NEITHER,
+    ("bind", "clusterroles", None, None): NEITHER, ("impersonate", "serviceaccounts", None, "own"): NEITHER,
+    ("create", "serviceaccounts/token", None, "own"): NEITHER,
+}
 
 
-def matrix(cluster, sa: str, own: str, other: str) -> dict[tuple[str, str, str | None], bool]:
+def check_matrix(cluster, sa: str, own: str, other: str, key_secret: str, scope: str) -> None:
+    """Every row of MATRIX asked of the API server as `sa`; fails with every row whose answer differs."""
     names = {"own": own, "other": other, None: None}
-    return {(v, r, k): can_i(cluster, sa, v, r, names[k]) for v, r, k in NEEDED + FORBIDDEN + CLUSTER_ONLY}
+    col = 0 if scope == "Namespace" else 1
+    wrong = {}
+    for (verb, resource, name, ns), want in MATRIX.items():
+        got = can_i(cluster, sa, verb, resource, key_secret if name == KEY else name, names[ns])
+        if got != want[col]:
+            wrong[(verb, resource, name, ns)] = got
+    assert wrong == {}, f"can-i answers that differ from MATRIX under scope={scope} (row: answer): {wrong}"
+
+
+def test_the_matrix_asks_both_ways_in_both_scopes():
+    # a matrix of only yeses (or only noes) would prove little: each scope has both, and the scopes differ
+    for col in (0, 1):
+        assert {want[col] for want in MATRIX.values()} == {True, False}
+    assert any(a != b for a, b in MATRIX.values())
+    assert any("/" in r for _, r, _, _ in MATRIX) and any(n for _, _, n, _ in MATRIX)
+
+
+def test_network_policy_off_drops_the_policy_and_the_right(helm):
+    def render(*sets: str) -> list[dict]:
+        args = [*TEMPLATE_ARGS[:-1]] + [a for s in sets for a in ("--set", s)]
+        return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+    def operator_env(docs: list[dict]) -> dict:
+        (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+        return {e["name"]: e.get("value") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    def netpol_rules(docs: list[dict]) -> list[dict]:
+        roles = [d for d in docs if d["kind"] in ("ClusterRole", "Role")]
+        return [r for d in roles for r in d["rules"] if "networkpolicies" in r["resources"]]
+
+    on = render()
+    assert [r["verbs"] for r in netpol_rules(on)] == [["get", "create"]]
+    (policy,) = [d for d in on if d["kind"] == "NetworkPolicy"]
+    assert [p["port"] for rule in policy["spec"]["ingress"] for p in rule["ports"]] == [8080, 9090]
+    env = operator_env(on)
+    assert env["KORA_NETWORK_POLICY"] == "true"
+    assert env["KORA_OPERATOR_POD_LABELS"] == "app.kubernetes.io/instance=kora,app.kubernetes.io/name=kora"
+    assert env["KORA_KUBERAY_OPERATOR_POD_LABELS"] == "app.kubernetes.io/name=kuberay-operator"
+    off = render("networkPolicy.enabled=false")
+    assert netpol_rules(off) == [] and not [d for d in off if d["kind"] == "NetworkPolicy"]
+    assert operator_env(off)["KORA_NETWORK_POLICY"] == "false" and "POD_NAMESPACE" not in operator_env(off)
+    (scraped,) = [d for d in render("networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=obs")
+                  if d["kind"] == "NetworkPolicy"]
+    assert scraped["spec"]["ingress"][1]["from"] == [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]
 
 
 def test_namespaced_install_grants_only_its_namespace(cluster, helm, tmp_path):
     ns, other = f"kora-ns-{uuid.uuid4().hex[:6]}", "default"
     objs = install(cluster, helm, "kora-ns", ns, "scope=Namespace")
     kinds = {o["kind"] for o in objs}
-    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service"}
-    sa = f"system:serviceaccount:{ns}:kora-ns"
-    got = matrix(cluster, sa, ns, other)
-    assert {k: v for k, v in got.items() if k in NEEDED and not v} == {}
-    assert {k: v for k, v in got.items() if (k in FORBIDDEN or k in CLUSTER_ONLY) and v} == {}
+    assert kinds == {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Service", "NetworkPolicy"}
+    check_matrix(cluster, f"system:serviceaccount:{ns}:kora-ns", ns, other, "kora-ns-key", "Namespace")
     # and the rights are enough: the operator, run with this account's token, reconciles a job
     token = cluster.kubectl("create", "token", "kora-ns", "-n", ns, "--duration=1h").stdout.strip()
     kubeconfig = yaml.safe_load(cluster.kubeconfig.read_text())
@@ -139,7 +215,7 @@ def test_namespaced_install_grants_only_its_namespace(cluster, helm, tmp_path):
     op = Operator(cluster, [ns], LOGS / f"operator-sa-{ns}.log", kubeconfig=path).start()
     try:
         apply(cluster, valid_job("rbac"), ns)
-        wait_for(lambda: all(len(v) == 1 for v in children(cluster, "rbac", ns).values()), timeout=30,
+        wait_for(lambda: all_children(children(cluster, "rbac", ns)), timeout=30,
                  what="children made under the chart's RBAC")
         wait_for(lambda: job_status(cluster, "rbac", ns).get("phase") == "Pending", timeout=30, what="status")
         events = json.loads(cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
@@ -153,7 +229,5 @@ def test_clusterwide_install_grants_every_namespace_but_nothing_else(cluster, he
     ns = f"kora-cw-{uuid.uuid4().hex[:6]}"
     objs = install(cluster, helm, f"kora-cw-{ns[-6:]}", ns)
     assert {o["kind"] for o in objs} >= {"ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"}
-    sa = f"system:serviceaccount:{ns}:kora-cw-{ns[-6:]}"  # the release name holds "kora": it is the full name
-    got = matrix(cluster, sa, ns, "default")
-    assert {k: v for k, v in got.items() if (k in NEEDED or k in CLUSTER_ONLY) and not v} == {}
-    assert {k: v for k, v in got.items() if k in FORBIDDEN and v} == {}
+    release = f"kora-cw-{ns[-6:]}"  # the release name holds "kora": it is the full name
+    check_matrix(cluster, f"system:serviceaccount:{ns}:{release}", ns, "default", f"{release}-key", "Cluster")

@@ -18,7 +18,7 @@ from kora_operator.api.rules import JOB_RULES
 from kora_operator.builders.ncclenv import NCCL_ENV
 from kora_operator.validation import validate_job
 from localcluster import wait_for
-from operatorkit import Operator, apply, children, events, get, install_crds, job_status, patch_ray_status
+from operatorkit import Operator, all_children, apply, children, events, get, install_crds, job_status, patch_ray_status
 from specs import set_path, valid_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -52,7 +52,7 @@ def wait_phase(cluster, name, ns, phase):
 def wait_children(cluster, name, ns):
     def one_each():
         got = children(cluster, name, ns)
-        return got if all(len(v) == 1 for v in got.values()) else None
+        return got if all_children(got) else None
     return wait_for(one_each, timeout=WAIT, interval=0.2, what=f"the children of {name}")
 
 
@@ -65,13 +65,13 @@ def reasons(cluster, name, ns):
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
-def test_each_sample_gets_exactly_one_configmap_secret_and_rayjob(cluster, ns, operator, sample):
+def test_each_sample_gets_exactly_its_configmap_secrets_policy_and_rayjob(cluster, ns, operator, sample):
     doc = yaml.safe_load(sample.read_text())
     name = doc["metadata"]["name"]
     cluster.kubectl("apply", "-n", ns, "-f", str(sample))
     kids = wait_children(cluster, name, ns)
     uid = get(cluster, "ltj", name, ns)["metadata"]["uid"]
-    for (obj,) in kids.values():
+    for obj in (o for objs in kids.values() for o in objs):
         (owner,) = obj["metadata"]["ownerReferences"]
         assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("LoRATrainingJob", name, uid, True)
     (rayjob,) = kids["RayJob"]
@@ -80,14 +80,15 @@ def test_each_sample_gets_exactly_one_configmap_secret_and_rayjob(cluster, ns, o
     assert rayjob["spec"]["entrypoint"] == "python -m kora_trainer.train --config /etc/kora/job.yaml"
     head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert 8068 in [p["containerPort"] for p in head["ports"]]
-    (secret,) = kids["Secret"]
+    secret, key = sorted(kids["Secret"], key=lambda s: "key" in s["data"])
     assert len(secret["data"]["token"]) > 40  # base64 of a real token, not the render placeholder
+    assert len(key["data"]["key"]) > 40
     status = wait_phase(cluster, name, ns, "Pending")
     assert condition(status, "Validated")["status"] == "True"
     assert status["rayJobName"] == rayjob["metadata"]["name"]
     assert status["syncMode"] == doc["spec"]["lora"].get("syncMode", "Merge")
     got = reasons(cluster, name, ns)
-    for r in ("CreatedConfigMap", "CreatedSecret", "CreatedRayJob", "Validated"):
+    for r in ("CreatedConfigMap", "CreatedSecret", "CreatedNetworkPolicy", "CreatedRayJob", "Validated"):
         assert ("Normal", r) in got
 
 
@@ -172,7 +173,7 @@ def test_a_job_too_big_for_its_workers_is_refused_and_one_that_fits_gets_them(cl
     assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
     assert rc["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
     for tmpl in (rc["headGroupSpec"]["template"], group["template"]):
-        env = {e["name"]: e["value"] for e in tmpl["spec"]["containers"][0]["env"]}
+        env = {e["name"]: e.get("value") for e in tmpl["spec"]["containers"][0]["env"]}
         assert {k: env[k] for k in NCCL_ENV} == NCCL_ENV
     assert condition(wait_phase(cluster, "fits", ns, "Pending"), "Validated")["status"] == "True"
 

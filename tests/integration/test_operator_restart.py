@@ -13,7 +13,7 @@ import yaml
 from kubernetes import client, config, watch
 
 from localcluster import wait_for
-from operatorkit import Operator, children, install_crds
+from operatorkit import Operator, all_children, children, install_crds
 from specs import valid_job
 
 N = 20
@@ -30,12 +30,13 @@ def ns(cluster):
 
 
 def counts(cluster, ns):
-    out = json.loads(cluster.kubectl("get", "configmaps,secrets,rayjobs.ray.io", "-n", ns,
+    out = json.loads(cluster.kubectl("get", "configmaps,secrets,networkpolicies,rayjobs.ray.io", "-n", ns,
                                      "-l", "app.kubernetes.io/managed-by=kora", "-o", "json").stdout)["items"]
     per_kind: dict[str, int] = {}
     for item in out:
         per_kind[item["kind"]] = per_kind.get(item["kind"], 0) + 1
-    return per_kind, {i["metadata"]["name"]: i.get("data", {}).get("token") for i in out if i["kind"] == "Secret"}
+    # the Secrets' values: each job's token (derived) and engine admin key (random, made once)
+    return per_kind, {i["metadata"]["name"]: i.get("data") for i in out if i["kind"] == "Secret"}
 
 
 def test_kill_mid_reconcile_then_restart_leaves_one_of_each(cluster, ns):
@@ -68,14 +69,14 @@ def test_kill_mid_reconcile_then_restart_leaves_one_of_each(cluster, ns):
 
         def converged():
             got = counts(cluster, ns)[0]
-            return got if got == {"ConfigMap": N, "Secret": N, "RayJob": N} else None
+            return got if got == {"ConfigMap": N, "Secret": 2 * N, "NetworkPolicy": N, "RayJob": N} else None
 
         wait_for(converged, timeout=60, interval=0.3, what=f"one child of each kind per job (killed at {at_kill})")
         for i in range(N):
-            assert all(len(v) == 1 for v in children(cluster, f"job-{i}", ns).values())
+            assert all_children(children(cluster, f"job-{i}", ns))
         _, tokens = counts(cluster, ns)
         for name, token in tokens_at_kill.items():
-            assert tokens[name] == token, f"{name}'s token changed across the restart"
+            assert tokens[name] == token, f"{name}'s token or key changed across the restart"
         print(f"killed with {at_kill} of {N} jobs' children created; converged after restart")
     finally:
         op.stop()

@@ -53,7 +53,8 @@ def test_the_operator_key_lives_in_one_secret_it_alone_may_read(cluster, tmp_pat
                       args=[f"--key-secret={ns}/{release}-key"]).start()
         try:
             apply(cluster, valid_job("tokened"), ns)
-            secret = wait_for(lambda: children(cluster, "tokened", ns)["Secret"], timeout=30, what="the job's Secret")
+            secret = wait_for(lambda: [s for s in children(cluster, "tokened", ns)["Secret"] if "token" in s["data"]],
+                              timeout=30, what="the job's token Secret")
         finally:
             op.stop()
         key_secret = yaml.safe_load(cluster.kubectl("get", "secret", f"{release}-key", "-n", ns, "-o", "yaml").stdout)

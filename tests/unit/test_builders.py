@@ -11,6 +11,7 @@ from kora_operator.builders.children import build_children
 from kora_operator.builders.configmap import build_config_map
 from kora_operator.builders.names import MAX_RAYJOB_NAME, ray_job_name, secret_name
 from kora_operator.builders.ncclenv import NCCL_ENV
+from kora_operator.builders.networkpolicy import Peers
 from kora_operator.builders.rayjob import CONTROL_PORT, ENTRYPOINT, build_ray_job, mutable_spec
 from kora_operator.builders.secret import build_secret, new_token
 from kora_operator.reasons import CREATED, FAILED_TO_CREATE
@@ -19,6 +20,7 @@ from kora_trainer.config import ModelSpec
 from specs import set_path, valid_job
 
 UID = "0b8c7d52-1111-4222-8333-444455556666"
+PEERS = Peers("kora-system", {"app.kubernetes.io/name": "kora", "app.kubernetes.io/instance": "kora"})
 
 
 def job(doc=None, **meta):
@@ -35,7 +37,7 @@ def container(pod_template):
 
 
 def test_every_child_is_owned_by_the_job_and_labelled():
-    for obj in build_children(job(), "tok"):
+    for obj in build_children(job(), "tok", "key", PEERS):
         meta = obj["metadata"]
         assert meta["namespace"] == "team-a"
         (owner,) = meta["ownerReferences"]
@@ -43,25 +45,26 @@ def test_every_child_is_owned_by_the_job_and_labelled():
                          "uid": UID, "controller": True, "blockOwnerDeletion": True}
         assert meta["labels"]["kora.dev/job-name"] == "demo"
         assert meta["labels"]["kora.dev/component"]
-    kinds = [o["kind"] for o in build_children(job(), "tok")]
-    assert kinds == ["ConfigMap", "Secret", "RayJob"]
+    kinds = [o["kind"] for o in build_children(job(), "tok", "key", PEERS)]
+    assert kinds == ["ConfigMap", "Secret", "Secret", "NetworkPolicy", "RayJob"]
 
 
 def test_every_child_kind_has_its_event_reasons():
     # the reasons `kubectl describe` lists for a child's creation, one Reason member per kind
-    for kind in (o["kind"] for o in build_children(job(), "tok")):
+    for kind in (o["kind"] for o in build_children(job(), "tok", "key", PEERS)):
         assert (CREATED[kind], FAILED_TO_CREATE[kind]) == (f"Created{kind}", f"FailedToCreate{kind}")
 
 
 def test_no_owner_reference_without_a_uid():
     parsed, _ = validate_job(valid_job("demo"))
     assert parsed is not None
-    assert all("ownerReferences" not in o["metadata"] for o in build_children(parsed, "tok"))
+    assert all("ownerReferences" not in o["metadata"] for o in build_children(parsed, "tok", "key", PEERS))
 
 
 def test_runtime_ray_gets_no_rayjob():
     doc = set_path(set_path(valid_job("demo"), "runtime.kind", "Ray"), "runtime.address", "http://127.0.0.1:8265")
-    assert [o["kind"] for o in build_children(job(doc), "tok")] == ["ConfigMap", "Secret"]
+    # no engine key (its trainer makes its own) and no NetworkPolicy (the Ray cluster's pods are not kora's)
+    assert [o["kind"] for o in build_children(job(doc), "tok", "key", PEERS)] == ["ConfigMap", "Secret"]
 
 
 def test_secret_carries_the_given_token_and_tokens_are_random():
@@ -120,13 +123,13 @@ def test_head_and_workers_get_resources_volumes_and_ports():
     for tmpl, component in ((rc["headGroupSpec"]["template"], "ray-head"), (group["template"], "ray-worker")):
         assert tmpl["metadata"]["labels"]["kora.dev/component"] == component
         vols = {v["name"]: v for v in tmpl["spec"]["volumes"]}
-        mounts = {m["name"]: m["mountPath"] for m in container(tmpl)["volumeMounts"]}
+        mounts = {m["name"]: m["mountPath"] for m in container(tmpl)["volumeMounts"] if "subPath" not in m}
         assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"} and mounts["dshm"] == "/dev/shm"
         assert vols["trainer-config"]["configMap"]["name"] == "demo-trainer-config"
         assert mounts["trainer-config"] == "/etc/kora"
         assert vols["data"]["persistentVolumeClaim"] == {"claimName": "models", "readOnly": False}
         assert mounts["data"] == "/mnt/m"
-        env = {e["name"]: e["value"] for e in container(tmpl)["env"]}
+        env = {e["name"]: e.get("value") for e in container(tmpl)["env"]}
         assert env["NCCL_DEBUG"] and env["NCCL_SOCKET_IFNAME"]
         # only the head (the driver, which serves :8068) sees the token
         assert ("control-token" in vols) == (component == "ray-head")
@@ -147,7 +150,7 @@ def pods(rj):
 
 
 def pod_env(group):
-    return {e["name"]: e["value"] for e in container(group["template"])["env"]}
+    return {e["name"]: e.get("value") for e in container(group["template"])["env"]}
 
 
 def test_the_worker_group_is_sized_from_resources_and_ray_counts_its_gpus():
@@ -196,7 +199,7 @@ def test_runtime_env_names_must_be_environment_variable_names():
 
 def test_builders_are_pure():
     a, b = job(), job()
-    assert build_children(a, "t") == build_children(b, "t")
+    assert build_children(a, "t", "k", PEERS) == build_children(b, "t", "k", PEERS)
 
 
 @pytest.mark.parametrize("name", ["demo", "a" * 63, "1st-job", "my.job.v2", "x" * 253])
@@ -216,7 +219,7 @@ def test_ray_usage_stats_are_off_in_every_pod_unless_the_job_opts_in():
     def pod_envs(doc):
         rc = build_ray_job(job(doc))["spec"]["rayClusterSpec"]
         tmpls = [rc["headGroupSpec"]["template"], *(g["template"] for g in rc["workerGroupSpecs"])]
-        return [{e["name"]: e["value"] for e in container(t)["env"]} for t in tmpls]
+        return [{e["name"]: e.get("value") for e in container(t)["env"]} for t in tmpls]
 
     for env in pod_envs(valid_job("demo")):
         # no report, not even Ray's "disabled" notice (an empty URL fails before any socket is opened)

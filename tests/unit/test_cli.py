@@ -75,7 +75,7 @@ def test_render_prints_a_config_map_the_trainer_loads(tmp_path: Path):
     result = kora("render", "-n", "team-a", write(tmp_path, valid_job("demo")))
     assert result.returncode == 0, result.stderr
     docs = list(yaml.safe_load_all(result.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "RayJob"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Secret", "Secret", "NetworkPolicy", "RayJob"]
     cm = docs[0]
     assert cm["metadata"]["namespace"] == "team-a"
     assert cm["metadata"]["name"] == "demo-trainer-config"
@@ -94,10 +94,11 @@ def test_render_refuses_an_invalid_job(tmp_path: Path):
 
 def test_render_shows_a_placeholder_token_unless_asked(tmp_path: Path):
     path = write(tmp_path, valid_job("demo"))
-    secret = list(yaml.safe_load_all(kora("render", path).stdout))[1]
+    secret, key = list(yaml.safe_load_all(kora("render", path).stdout))[1:3]
     assert secret["stringData"]["token"] == "<generated-by-the-operator-at-create-time>"
-    secret = list(yaml.safe_load_all(kora("render", "--generate-token", path).stdout))[1]
-    assert len(secret["stringData"]["token"]) >= 43
+    assert key["stringData"]["key"] == "<random-made-by-the-operator-at-create-time>"
+    secret, key = list(yaml.safe_load_all(kora("render", "--generate-token", path).stdout))[1:3]
+    assert len(secret["stringData"]["token"]) >= 43 and len(key["stringData"]["key"]) >= 43
 
 
 def test_the_trainer_refuses_a_missing_model_path_and_names_the_fix(tmp_path):

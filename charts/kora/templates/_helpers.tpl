@@ -34,6 +34,15 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- default (printf "%s-key" (include "kora.fullname" .)) .Values.operatorKey.secretName -}}
 {{- end -}}
 
+{{/* k=v,k=v: the operator's pod labels as KORA_OPERATOR_POD_LABELS / KORA_KUBERAY_OPERATOR_POD_LABELS take them */}}
+{{- define "kora.labelList" -}}
+{{- $out := list -}}
+{{- range $k, $v := . -}}
+{{- $out = append $out (printf "%s=%s" $k $v) -}}
+{{- end -}}
+{{- join "," $out -}}
+{{- end -}}
+
 {{- define "kora.watchNamespace" -}}
 {{- default .Release.Namespace .Values.watchNamespace -}}
 {{- end -}}
@@ -67,10 +76,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["configmaps"]
   verbs: ["get", "create"]
-# create only: the operator never reads a Secret back (a 409 tells it the token exists)
+# create only: the operator never reads a Secret back (a 409 tells it the token or engine key exists)
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["create"]
+{{- if .Values.networkPolicy.enabled }}
+# each KubeRay job's NetworkPolicy: created and read back like the ConfigMap; the garbage collector deletes it
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create"]
+{{- end }}
 - apiGroups: ["", "events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]

@@ -9,6 +9,7 @@ import yaml
 from kora_operator.api.job import LoRATrainingJob
 from kora_operator.builders.meta import labels, object_meta
 from kora_operator.builders.names import config_map_name
+from kora_trainer.config.ray_env import BOOTSTRAP_FILE, BOOTSTRAP_TEXT
 
 CONFIG_KEY = "job.yaml"
 CONFIG_MOUNT_DIR = "/etc/kora"
@@ -44,5 +45,6 @@ def build_config_map(job: LoRATrainingJob) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": object_meta(job, config_map_name(str(job.metadata["name"])), "trainer-config"),
-        "data": {CONFIG_KEY: trainer_config_yaml(job)},
+        # and Ray's bootstrap config, which the pods mount into their writable HOME (builders/rayjob.py)
+        "data": {CONFIG_KEY: trainer_config_yaml(job), BOOTSTRAP_FILE: BOOTSTRAP_TEXT},
     }

@@ -29,6 +29,14 @@ def secret_name(job_name: str) -> str:
     return child_name(job_name, "control-token")
 
 
+def engine_key_secret_name(job_name: str) -> str:
+    return child_name(job_name, "engine-admin-key")
+
+
+def network_policy_name(job_name: str) -> str:
+    return child_name(job_name, "network-policy")
+
+
 def ray_job_name(job_name: str) -> str:
     """A DNS-1035 label of at most 47 characters, as KubeRay's RayJob validation demands.
 

@@ -25,6 +25,7 @@ from kora_operator.api.status import Phase
 from kora_operator.builders.children import build_children
 from kora_operator.builders.names import ray_job_name
 from kora_operator.builders.rayjob import mutable_spec
+from kora_operator.builders.secret import new_token
 from kora_operator.conditions import Cond, get_condition, set_condition, set_conditions, transitions
 from kora_operator.handlers.poller import Poller
 from kora_operator.kube import ApiException, Kube, now_rfc3339
@@ -244,13 +245,16 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> JobVie
 def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob) -> dict[str, Any] | None:
     """Create what is missing; return the RayJob as it stands (None for runtime Ray: it has none).
 
-    The Secret is never read: create answers 409 when it exists, which is all we need to know, and
-    so the operator's account may create Secrets but needs no right to read any. Its token is
-    derived from the job's uid (tokens.py): the operator can compute it again whenever it polls.
+    The Secrets are never read: create answers 409 when one exists, which is all we need to know, and
+    so the operator's account may create Secrets but needs no right to read any. The token is
+    derived from the job's uid (tokens.py): the operator can compute it again whenever it polls. The
+    engines' admin key is random: a fresh one is offered each time, and only the first create keeps one,
+    so a job's key never changes while its Secret lives.
     """
     kube = ctx.kube
     ray: dict[str, Any] | None = None
-    for child in build_children(job, token=ctx.tokens.for_job(str(body["metadata"]["uid"]))):
+    for child in build_children(job, token=ctx.tokens.for_job(str(body["metadata"]["uid"])), engine_key=new_token(),
+                                peers=ctx.settings.network_peers()):
         kind = child["kind"]
         existing = None if kind == "Secret" else kube.get_child(child)
         if existing is None:

@@ -34,7 +34,7 @@ from kora_trainer.config.ray_env import ray_home, single_node_env
 from kora_trainer.orchestration.actor_group import TrainGroup
 from kora_trainer.orchestration.multi_lora_workers import AdapterRolloutWorker, MultiLoRAWorker
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
-from kora_trainer.wire.engine_auth import new_admin_key
+from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, new_admin_key
 
 
 @dataclass
@@ -103,7 +103,10 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
                            "several trainer ranks' GPUs is planned (kora plan) but not launched yet: set "
                            "rollout.gpusPerEngine to 1, or use deployment.mode Disaggregated"])
     plan = plan_placement(cfg, float(ray.cluster_resources().get("GPU", 0)))
-    admin_key = new_admin_key()  # this job's engines' admin routes: only its trainer ranks hold it
+    # this job's engines' admin routes: only its trainer ranks hold the key. Under KubeRay the operator makes the
+    # job's key (a per-job Secret, in the pods' environment by secretKeyRef: SPEC "Security"), so that a key
+    # lives where Kubernetes guards and deletes secrets, not only in this process; elsewhere one per launch
+    admin_key = os.environ.get(ADMIN_API_KEY_ENV) or new_admin_key()
     pg = ray.util.placement_group(plan.bundles, strategy=STRATEGY)
     wait_placed(pg, plan)
 
