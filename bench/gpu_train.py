@@ -15,7 +15,8 @@ full push writes all of them) and of the adapted weights' bytes (a later Merge p
 the adapter's bytes (an Adapter push writes those once).
 
     PYTHONPATH=$PWD/trainer:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py [--model qwen3-4b]
-        [--modes Merge,Adapter,EngineMerge] [--steps 4] [--out bench/results/gpu_train_DATE.json]
+        [--modes Merge,Adapter,EngineMerge,Merge-http,Adapter-http] [--steps 4]
+        [--out bench/results/gpu_train_DATE.json]
     python bench/gpu_train.py --model toy --backend torch --device cpu --steps 2   # CPU: plumbing only
 
 Shapes: `qwen3-4b` is Qwen3-4B's layers (hidden 2560, 36 layers, 32 heads / 8 KV heads of 128, MLP 9728) with
@@ -164,8 +165,11 @@ def model_bytes(model_dir: Path) -> dict[str, int]:
     return {"model": total, "adapted": adapted, "adapter": adapter}
 
 
-def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    run_dir = work / f"run-{mode}"
+def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """One run; `label` is a sync mode, or a mode with "-http" (sync.fastPath false: the HTTP path's figures and
+    its engine-vs-trainer gap, to compare with the fast path's)."""
+    mode, _, http = label.partition("-")
+    run_dir = work / f"run-{label}"
     shutil.rmtree(run_dir, ignore_errors=True)
     gpu = args.device == "cuda"
     cmd = [sys.executable, "-m", "kora_trainer.train", "--config", str(ROOT / "trainer" / "examples" / "toy.yaml"),
@@ -177,7 +181,7 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, work: Path) -
            f"algorithm.globalBatchSize={args.prompts * args.samples}", f"algorithm.maxNewTokens={args.max_new_tokens}",
            "sync.deltaSkipThreshold=0", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit",
            f"checkpoint.path={run_dir / 'ckpt'}", "checkpoint.interval=1",
-           f"rollout.gpusPerEngine={1 if gpu else 0}"]
+           f"rollout.gpusPerEngine={1 if gpu else 0}", f"sync.fastPath={'false' if http else 'true'}"]
     # the e2e tests' reward (tests/e2e/toy_rewards.py): it varies from the first step on an untrained model, so
     # every step has advantages, the adapter moves and every sync pushes
     path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])
@@ -223,7 +227,8 @@ def run_mode(model_dir: Path, mode: str, args: argparse.Namespace, work: Path) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(SHAPES), default="qwen3-4b")
-    ap.add_argument("--modes", default="Merge,Adapter,EngineMerge")
+    ap.add_argument("--modes", default="Merge,Adapter,EngineMerge,Merge-http,Adapter-http",
+                    help="sync modes; MODE-http runs it with sync.fastPath false")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--samples", type=int, default=4)

@@ -113,10 +113,10 @@ class ColocatedRoutes:
             tensors = layout(metadata)
             ring = AdapterRing(metadata, engine.device, ring_scaling(engine, tensors, name, config),
                                slots=int(b.get("slots") or 3))
-            plan = _Plan("Adapter", ring=ring, doorbell=torch.full((1,), -1, dtype=torch.int64),
-                         packed=PackedChecksum(tensors, engine.device), lora_name=name, config=config)
-            exported = [(f"slot{i}", buf) for i, buf in enumerate(ring.buffers)]
-            exported.append(("doorbell", plan.doorbell))
+            doorbell = torch.full((1,), -1, dtype=torch.int64)  # CPU memory shared with the trainer
+            plan = _Plan("Adapter", ring=ring, doorbell=doorbell, packed=PackedChecksum(tensors, engine.device),
+                         lora_name=name, config=config)
+            exported = [(f"slot{i}", buf) for i, buf in enumerate(ring.buffers)] + [("doorbell", doorbell)]
         else:
             raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge or Adapter")
         payload = serialize_payload(exported)  # CPU: the tensors move into shared memory, in place
