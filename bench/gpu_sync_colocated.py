@@ -101,9 +101,9 @@ class ColocatedEngine:
         return build_adapter(name, "__tensor__", self.config, named, e.model, e.dtype, e.device, e.max_lora_rank)
 
     def fuse(self, arg: dict[str, Any]) -> None:  # SGLang's fused qkv_proj layout for the reference engine's model
-        from kora_trainer.sync import colocated
+        from kora_trainer.wire.fast_receive import fuse_rows
 
-        colocated.fuse_rows(self.params, arg["groups"])
+        fuse_rows(self.params, arg["groups"])
         sync_dev(self.device)
 
     def export(self, arg: dict[str, Any]) -> dict[str, Any]:  # every weight, mapped by the trainer once

@@ -8,8 +8,11 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   trainer, after its first (HTTP) push. Answers {payload, bytes}: `payload` is `serialize.serialize_payload` of
   the memory the trainer writes — CUDA IPC handles on GPU, shared-memory segments on CPU (the engine's tensors
   move into shared memory in place; every view of them stays valid). Merge: every named parameter (HF names, the
-  engine's own tensors). Adapter: the buffers of an `AdapterRing` of `slots` slots laid out as `metadata` says
-  (`AdapterPack.metadata`), checked like an adapter load (`fast_routes.ring_scaling`).
+  engine's own tensors), each group of `fuse` (e.g. one layer's q, k, v: what megatron holds as one fused
+  weight) first re-homed into one buffer, rows back to back (`fast_receive.fuse_rows`, SGLang's fused
+  qkv_proj layout; values kept), so the trainer folds a fused weight straight into it. Adapter: the buffers of
+  an `AdapterRing` of `slots` slots laid out as `metadata` says (`AdapterPack.metadata`), checked like an
+  adapter load (`fast_routes.ring_scaling`), and the doorbell word.
 - Adapter, per push: the trainer packs the adapter into slot k (k cycling in order), synchronises, then rings
   the doorbell: one 8-byte store of (version << 8 | k) into a shared CPU word the plan handed over with the
   ring. Before every adapter lookup (a request's admission, GET /kora/state) the engine reads the word; a new
@@ -45,7 +48,7 @@ from aiohttp import web
 
 from kora_trainer.reference_engine.fast_routes import json_call, layout, ring_scaling
 from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-from kora_trainer.wire.fast_receive import AdapterRing, doorbell_parts
+from kora_trainer.wire.fast_receive import AdapterRing, doorbell_parts, fuse_rows
 from kora_trainer.wire.protocol import PackedChecksum, checksum
 from kora_trainer.wire.serialize import serialize_payload
 
@@ -106,6 +109,12 @@ class ColocatedRoutes:
             raise ValueError("a Merge push holds the weights: finish it before planning again")
         if b.get("mode") == "Merge":
             params = dict(engine.model.named_parameters(remove_duplicate=False))
+            groups = [[str(n) for n in g] for g in b.get("fuse") or []]
+            unknown = sorted({n for g in groups for n in g if n not in params})
+            if unknown:
+                raise ValueError(f"fuse names weights the engine does not have: {unknown[:3]}")
+            with engine.lock:  # no forward reads a weight while it moves
+                fuse_rows(params, [g for g in groups if len(g) > 1])
             plan = _Plan("Merge", params={n: p.detach() for n, p in params.items()})
             exported = list(plan.params.items())
         elif b.get("mode") == "Adapter":

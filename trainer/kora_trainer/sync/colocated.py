@@ -1,8 +1,8 @@
 """Colocated Merge on one GPU (trainer and engine share it): the engine's weights, mapped once through CUDA IPC,
 are the destination. `ColocatedMerge` writes every adapted weight with one captured fold graph (megatron's
-fused QKV unfused by a row map into the engine's fused q;k;v buffer: `fuse_rows`) and the frozen tensors with
-one captured copy graph (`CopyGraph`; an incremental push skips them). Used by bench/gpu_sync_colocated.py
-until the trainer's colocated sync takes it up (the colocated issue); kept importable for that.
+fused QKV unfused by a row map into the engine's fused q;k;v buffer: `wire.fast_receive.fuse_rows`) and the frozen
+tensors with one captured copy graph (`CopyGraph`; an incremental push skips them). The trainer's colocated sync
+(sync/colocated_sender.py) and bench/gpu_sync_colocated.py use it.
 """
 
 from __future__ import annotations
@@ -14,24 +14,6 @@ import torch
 
 from kora_trainer.kernels.fold import FoldItem, GroupedFold
 from kora_trainer.sync.fast import Entry, FoldEntry
-
-
-def fuse_rows(params: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]]) -> None:
-    """Engine side: re-home each group of 2-D parameters (e.g. one layer's q, k, v) into ONE buffer, rows back
-    to back in the group's order, values kept (each parameter's `.data` becomes a view of it). That is SGLang's
-    fused `qkv_proj` layout, and it lets a colocated fold write a fused megatron QKV in one row-mapped pass."""
-    with torch.no_grad():
-        for names in groups:
-            ps = [params[n] for n in names]
-            if any(p.dim() != 2 or p.shape[1] != ps[0].shape[1] or p.dtype != ps[0].dtype for p in ps):
-                raise ValueError(f"fuse_rows: {list(names)} are not 2-D weights of one width and dtype")
-            buf = torch.empty((sum(p.shape[0] for p in ps), ps[0].shape[1]), dtype=ps[0].dtype, device=ps[0].device)
-            off = 0
-            for p in ps:
-                view = buf[off:off + p.shape[0]]
-                view.copy_(p.data)
-                p.data = view
-                off += p.shape[0]
 
 
 def span_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

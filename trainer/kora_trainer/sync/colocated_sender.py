@@ -87,7 +87,9 @@ class ColocatedFastSender(FastWeightSender):
             plan = self._make_plan()  # over the flat parameters
             if self.mode is SyncMode.MERGE:
                 entries = plan
-                body: dict[str, Any] = {"mode": "Merge"}
+                # the engine holds what megatron fuses (q;k;v, gate;up) apart: one buffer each, folded into at once
+                fuse = [[n for n, _ in e.outs] for e in entries if isinstance(e, FoldEntry) and len(e.outs) > 1]
+                body: dict[str, Any] = {"mode": "Merge", "fuse": fuse}
                 self.names = {full: written_names(entries, full) for full in (True, False)}
             else:
                 pack = plan
@@ -122,7 +124,9 @@ class ColocatedFastSender(FastWeightSender):
         self.flat, self.delta = flat, FlatDelta(flat)
         self.delta.mark_pushed(flat)  # what the HTTP push just sent
         self.active = True
-        return f"fast path on (colocated, in memory): {self.nbytes} B per push into {len(mapped)} engine(s)"
+        scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
+        return (f"fast path on (colocated, in memory): {self.nbytes} B per push into {len(mapped)} engine(s)"
+                + (f", {scratch} fold(s) through a scratch buffer" if scratch else ""))
 
     def _ask_plan(self, body: dict[str, Any]) -> tuple[list[list[tuple[str, torch.Tensor]]], list[str]]:
         clients: list[EngineClient] = self.transport.clients

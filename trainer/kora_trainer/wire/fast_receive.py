@@ -174,3 +174,21 @@ def doorbell_value(version: int, slot: int) -> int:
 def doorbell_parts(value: int) -> tuple[int, int]:
     """(version, slot) of a doorbell word."""
     return value >> DOORBELL_SLOT_BITS, value & ((1 << DOORBELL_SLOT_BITS) - 1)
+
+
+def fuse_rows(params: Mapping[str, torch.Tensor], groups: Sequence[Sequence[str]]) -> None:
+    """Engine side: re-home each group of 2-D parameters (e.g. one layer's q, k, v) into ONE buffer, rows back
+    to back in the group's order, values kept (each parameter's `.data` becomes a view of it). That is SGLang's
+    fused `qkv_proj` layout, and it lets a colocated fold write a fused megatron QKV in one row-mapped pass."""
+    with torch.no_grad():
+        for names in groups:
+            ps = [params[n] for n in names]
+            if any(p.dim() != 2 or p.shape[1] != ps[0].shape[1] or p.dtype != ps[0].dtype for p in ps):
+                raise ValueError(f"fuse_rows: {list(names)} are not 2-D weights of one width and dtype")
+            buf = torch.empty((sum(p.shape[0] for p in ps), ps[0].shape[1]), dtype=ps[0].dtype, device=ps[0].device)
+            off = 0
+            for p in ps:
+                view = buf[off:off + p.shape[0]]
+                view.copy_(p.data)
+                p.data = view
+                off += p.shape[0]
