@@ -141,3 +141,26 @@ def test_a_plan_for_another_mode_is_refused(served):
         with pytest.raises(EngineError) as bad_mode:
             client.colocated("plan", {"mode": "EngineMerge"})
         assert bad_mode.value.status == 400 and "Merge or Adapter" in bad_mode.value.message
+
+
+def test_a_weight_write_waits_one_step_not_the_generation_in_flight(served):
+    """Issue 17 item 2: a Merge write waits for the next step boundary of a generation in flight, not for its end;
+    the generation then goes on under the new weights and reports the version it started under (the oldest that
+    served it, so the trainer never takes it for on-policy)."""
+    with served[1]["kora"].client() as client:
+        client.colocated("plan", {"mode": "Merge"})
+        client.update_weight_version("before")
+        outs: list = []
+        params = {"max_new_tokens": 240, "temperature": 0.0, "ignore_eos": True}
+        gen = threading.Thread(target=lambda: outs.extend(client.generate([[1, 2 + i] for i in range(8)], params)))
+        gen.start()
+        wait_engine_state(client, "the long generation admitted", in_flight=8)
+        client.colocated("begin", {"lease_s": 60})  # returns within one decode step of the generation
+        held = not outs  # still generating: it gave the weights up mid-way
+        client.colocated("push", {"weight_version": "after", "names": []})
+        gen.join(120)
+        assert held, "the write waited for the whole generation in flight"
+        assert [len(o.output_ids) for o in outs] == [240] * 8
+        assert {o.weight_version for o in outs} == {"before"}  # it spanned the write: the version it started under
+        assert client.generate([[1, 2]], {"max_new_tokens": 1})[0].weight_version == "after"
+        client.update_weight_version("default")

@@ -21,13 +21,14 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   rewritten only `slots` pushes later. No lock: nothing the engine reads is written. `POST
   /kora/colocated/push` {slot, weight_version, verify} publishes the rung slot at once (it must be the one
   the doorbell names) and, with verify, answers its checksum; the trainer calls it on verified pushes.
-- Merge, per push: `POST /kora/colocated/begin` {lease_s} takes the engine's weight lock (it waits for the
-  generation in flight, as the HTTP route's weight write does) and answers; the trainer writes the merged
-  weights in place and synchronises; `POST /kora/colocated/push` {weight_version, verify, names} marks
-  `names` replaced (the new pristine base), sets the version and gives the lock back. A trainer that does not
-  come back within `lease_s` loses the lock: the engine takes the weights as torn (`weight_version` says so,
-  and the late push is refused) instead of stalling generation forever. `POST /kora/colocated/abort` gives the
-  lock back at once (the trainer failed between begin and push).
+- Merge, per push: `POST /kora/colocated/begin` {lease_s} takes the engine's weight lock
+  (`EngineModel.begin_write`: generation in flight gives way at its next step and recomputes its KV cache
+  after the write) and answers; the trainer writes the merged weights in place and synchronises;
+  `POST /kora/colocated/push` {weight_version, verify, names} marks `names` replaced (the new pristine base),
+  sets the version and gives the lock back. A trainer that does not come back within `lease_s` loses the
+  lock: the engine takes the weights as torn (`weight_version` says so, and the late push is refused) instead
+  of stalling generation forever. `POST /kora/colocated/abort` gives the lock back at once (the trainer
+  failed between begin and push).
 - `verify`: the answer carries `protocol.checksum` of what the engine now serves (Merge: `names` in order;
   Adapter: the slot's tensors), which the trainer compares with its own reading of the memory it wrote, and
   `checksum_ms`, the time it took (the trainer's push time leaves hashing out, as the HTTP path's does).
@@ -113,7 +114,7 @@ class ColocatedRoutes:
             unknown = sorted({n for g in groups for n in g if n not in params})
             if unknown:
                 raise ValueError(f"fuse names weights the engine does not have: {unknown[:3]}")
-            with engine.lock:  # no forward reads a weight while it moves
+            with engine.writing():  # no forward reads a weight while it moves
                 fuse_rows(params, [g for g in groups if len(g) > 1])
             plan = _Plan("Merge", params={n: p.detach() for n, p in params.items()})
             exported = list(plan.params.items())
@@ -146,7 +147,7 @@ class ColocatedRoutes:
         lease_s = float(b.get("lease_s") or DEFAULT_LEASE_S)
         if not 0 < lease_s <= 3600:
             raise ValueError(f"lease_s {lease_s}: give 0 < lease_s <= 3600 seconds")
-        self.server.engine.lock.acquire()  # waits for the generation in flight
+        self.server.engine.begin_write()  # generation in flight gives way at its next step
         lease = _Lease(threading.Timer(lease_s, self._expire))
         lease.timer.daemon = True
         with self._guard:
@@ -160,7 +161,7 @@ class ColocatedRoutes:
         if lease is not None:
             lease.timer.cancel()
             if not lease.expired:
-                self.server.engine.lock.release()
+                self.server.engine.end_write()
         return lease
 
     def _expire(self) -> None:
@@ -171,7 +172,7 @@ class ColocatedRoutes:
             lease.expired = True
         log.error("the colocated Merge writer did not push within its lease: the weights may be torn")
         self.server.engine.weight_version = TORN_VERSION
-        self.server.engine.lock.release()
+        self.server.engine.end_write()
 
     def _push(self, b: dict[str, Any]) -> dict[str, Any]:
         if self.plan is not None and self.plan.mode == "Adapter":

@@ -12,12 +12,13 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   collective runs: a refusal leaves the weight-update group as it was. Answers {success, buckets, bytes}.
 - `POST /kora/fast_sync/push` {group_name, weight_version, verify}: per sync, while the trainer broadcasts the
   plan's buckets over the weight-update group (initialised before, by `/init_weights_update_group`). Merge:
-  received under the engine's lock (a push waits for the generation in flight, as SGLang's weight updates do)
-  straight into the parameters; then the server's weight version is set. Adapter: received into the next ring
-  slot, whose views are registered as `lora_name` with the version: served from the next request on; requests
-  already admitted keep their adapter object, whose slot is rewritten only `slots` pushes later. The answer
-  comes after the apply has finished on the device. `verify`: it also carries the `checksum` of what was
-  applied (`protocol.checksum`, the HTTP routes' definition: every tensor completed, in push order).
+  received as one weight write (`EngineModel.writing`: generation in flight gives way at its next step and
+  recomputes its KV cache after) straight into the parameters; then the server's weight version is set.
+  Adapter: received into the next ring slot, whose views are registered as `lora_name` with the version:
+  served from the next request on; requests already admitted keep their adapter object, whose slot is
+  rewritten only `slots` pushes later. The answer comes after the apply has finished on the device. `verify`:
+  it also carries the `checksum` of what was applied (`protocol.checksum`, the HTTP routes' definition: every
+  tensor completed, in push order).
 
 Both run on the server's weight-sync thread, in order with every other operation on the group.
 """
@@ -169,7 +170,7 @@ class FastSyncRoutes:
         verify = bool(b.get("verify"))
         engine = self.server.engine
         if plan.receiver is not None:
-            with engine.lock:
+            with engine.writing():  # generation in flight pauses at its next step, then recomputes its cache
                 plan.receiver.receive()
                 _finish(plan.group.device)
                 engine.weights_replaced(plan.names)

@@ -2,10 +2,16 @@
 generation, and in-place weight updates (full weights, or LoRA pairs folded into a pristine base).
 
 Concurrency (the HTTP layer calls these from worker threads):
-- `lock` is held by a generate call for its whole run and by every weight write, so a weight
-  update waits for in-flight generation — SGLang's model-update writer lock. A generation paused
-  with mode `in_place`/`retract` releases it while paused, which is what lets weight updates run
-  at once during a pause (SGLANG_API.md §4), and `retract` recomputes the KV cache on resume.
+- `lock` is held by a generate call while it runs and by every weight write (`writing()`, or
+  `begin_write()` / `end_write()` around a write made by another process: the colocated fast path).
+  A write waits for at most one forward step, not for the generation in flight: a waiting writer
+  makes every generation give the lock up at its next step boundary and wait until no writer is
+  left, then recompute its KV cache under the new weights (as `retract` does), so no forward ever
+  reads a half-written weight and every token after the write comes from the new weights. A
+  rollout that spanned a write reports the weight version it STARTED under (the oldest that served
+  it: the trainer then never takes it for on-policy). A generation paused with mode
+  `in_place`/`retract` releases the lock while paused (SGLANG_API.md §4), and `retract`
+  recomputes the KV cache on resume.
 - Adapters are immutable objects in a dict; a request resolves its adapter once, at admission,
   so an upsert under the same name lets in-flight requests finish on the old adapter.
 - Nothing here is needed to answer `/model_info` or `/health` while an update runs.
@@ -17,6 +23,8 @@ import inspect
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -69,6 +77,8 @@ class GenResult:
     finish_reason: dict[str, Any] | None = None
     text: str = ""
     weight_version: str | None = None
+    started_under: str | None = None  # the server's weight version when this row's generation started
+    spanned_write: bool = False  # a weight write landed while it ran (the version it reports is started_under)
     num_retractions: int = 0
     started: float = field(default_factory=time.monotonic)
     latency: float = 0.0
@@ -148,6 +158,8 @@ class EngineModel:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.eos_ids = self._eos_ids()
         self.lock = threading.Lock()
+        self._writers = 0  # weight writes waiting for or holding `lock`
+        self._write_cond = threading.Condition()
         self.control = GenerationControl()
         self.hooks = MultiLoRAHooks(self.model)
         self.weight_version = DEFAULT_WEIGHT_VERSION
@@ -166,6 +178,47 @@ class EngineModel:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return ids
+
+    # ---- weight writers (see the module docstring) -----------------------------------------
+
+    def begin_write(self) -> None:
+        """Take `lock` for a weight write: generation in flight gives it up at its next step boundary."""
+        with self._write_cond:
+            self._writers += 1
+        try:
+            self.lock.acquire()
+        except BaseException:
+            self._writer_done()
+            raise
+
+    def end_write(self) -> None:
+        self.lock.release()
+        self._writer_done()
+
+    def _writer_done(self) -> None:
+        with self._write_cond:
+            self._writers -= 1
+            self._write_cond.notify_all()
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        self.begin_write()
+        try:
+            yield
+        finally:
+            self.end_write()
+
+    def _yield_to_writers(self, results: list[GenResult]) -> bool:
+        """At a step boundary: if a write waits, let it (and any queued behind it) in; True if one ran."""
+        if not self._writers:  # read unlocked: a writer arriving now is seen at the next step
+            return False
+        self.lock.release()
+        with self._write_cond:
+            self._write_cond.wait_for(lambda: self._writers == 0)
+        self.lock.acquire()
+        for res in results:
+            res.spanned_write = True
+        return True
 
     # ---- generation -------------------------------------------------------------------------
 
@@ -244,6 +297,8 @@ class EngineModel:
 
     @torch.no_grad()
     def _run_batch(self, results: list[GenResult], epoch: int) -> None:
+        for res in results:
+            res.started_under = self.weight_version
         reqs = [r.request for r in results]
         b = len(reqs)
         lens = [len(r.input_ids) for r in reqs]
@@ -288,7 +343,8 @@ class EngineModel:
             seq = torch.cat([seq, chosen], dim=1)  # [B, L+t+1]
             mask = torch.cat([mask, torch.ones((b, 1), dtype=mask.dtype, device=self.device)], dim=1)
             step += 1
-            if self._pause_point(results):  # retract: the KV cache is dropped and recomputed
+            # retract, or a weight write let in: the KV cache is dropped and recomputed under today's weights
+            if self._pause_point(results) or self._yield_to_writers(results):
                 with self.hooks.rows(adapters, self.device):
                     cache, logits = self._prefill(seq, mask)
                 next_logits = logits[:, -1, :].float()
@@ -370,7 +426,10 @@ class EngineModel:
         if not res.text:
             res.text = str(self.tokenizer.decode(res.output_ids, skip_special_tokens=p.skip_special_tokens))
         adapter = res.request.adapter
-        res.weight_version = adapter.version if adapter is not None and adapter.version else self.weight_version
+        if adapter is not None and adapter.version:
+            res.weight_version = adapter.version  # the adapter object it was admitted with: never rewritten
+        else:
+            res.weight_version = res.started_under if res.spanned_write else self.weight_version
         res.latency = time.monotonic() - res.started
 
     def decode_token(self, tok: int) -> str:
@@ -387,7 +446,7 @@ class EngineModel:
     def load_weights(self, named: list[tuple[str, torch.Tensor]]) -> None:
         """Full-weight update: copy each tensor in; it becomes the new pristine base for lora_merge. A fused MoE
         expert parameter takes its experts one by one (`…experts.{e}.gate_proj.weight`, …: hf_experts.py)."""
-        with self.lock, torch.no_grad():
+        with self.writing(), torch.no_grad():
             for name, tensor in named:
                 if name not in self._params and name.endswith("rotary_emb.inv_freq"):
                     continue  # a buffer HF checkpoints sometimes carry; SGLang skips it too
@@ -400,7 +459,7 @@ class EngineModel:
                 self._pristine.pop(fused_parent(name) or name, None)
 
     def weights_replaced(self, names: list[str]) -> None:
-        """Full weights a caller wrote in place (kora's fast sync, holding `lock`): the new pristine base for
+        """Full weights a caller wrote in place (kora's fast sync, inside `writing()`): the new pristine base for
         lora_merge, as after `load_weights`."""
         for name in names:
             self._pristine.pop(fused_parent(name) or name, None)
@@ -420,7 +479,7 @@ class EngineModel:
                 raise ValueError(ROUTER_MERGE_REFUSED.format(module=t.module))
             if t.rank(pairs[key][0]) != rank:
                 raise ValueError(f"{key}: lora_A has rank {t.rank(pairs[key][0])}, the request says lora_rank {rank}")
-        with self.lock, torch.no_grad():
+        with self.writing(), torch.no_grad():
             for key, t in targets.items():
                 a, b = pairs[key]
                 p = self._param(t.name)

@@ -15,8 +15,8 @@ engine has no route (404: SGLang).
   `adapter_slots` pushes later.
 - Merge: the engine hands over its parameters; `colocated.ColocatedMerge` folds W + s·B·A straight into them
   (the frozen tensors too on the first fast push; later pushes rewrite the adapted weights only). The write
-  happens between `begin` (the engine's weight lock taken: it waits for the generation in flight, as the HTTP
-  path's weight write does) and `push` (version set, lock given back); a failure in between aborts (lock back).
+  happens between `begin` (the engine's weight lock taken: generation in flight gives way at its next step and
+  recomputes its KV cache after) and `push` (version set, lock given back); a failure in between aborts (lock back).
 
 Checksums: Adapter, every push, `protocol.PackedChecksum` of the slot's bytes; Merge, on verified pushes (the
 first and every `VERIFY_EVERY`-th) `protocol.checksum` of every tensor written, in order. The engine computes
