@@ -78,7 +78,7 @@ def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy, tmp_
     assert summary["steps"] == 4 and summary["sync_mode"] == mode
     assert summary["transport"] == ("colocated" if deployment == "Colocate" else "distributed")
     assert summary["sync_bytes_per_step"] > 0 and summary["syncs_skipped"] == 0
-    if deployment == "Colocate" and mode != "EngineMerge":  # sync/colocated_sender.py: CUDA IPC, planned once
+    if deployment == "Colocate":  # sync/colocated_sender.py: CUDA IPC, planned once
         assert set(summary["sync_paths"]) == {"fast"}, (summary["sync_paths"], run.notes())
     gap = summary["rollout_logp_gap_max"]
     assert gap is not None and gap < GAP_BOUND, f"engine vs megatron policy log-probs differ by {gap}"

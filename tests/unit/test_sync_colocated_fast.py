@@ -1,7 +1,7 @@
 """The colocated fast path (sync/colocated_sender.py + the reference engine's /kora/colocated routes) against a real
 `reference_engine` process on the same host: after the HTTP path's first push the trainer maps the engine's memory
 once (shared memory here, CUDA IPC on a GPU) and writes every later push straight into it, in Merge and Adapter
-mode; the engine serves the trainer's policy, rollouts carry the version, delta-skip and checksums keep their
+and EngineMerge mode; the engine serves the trainer's policy, rollouts carry the version, delta-skip and checksums keep their
 meaning. The engine's side holds its weight lock only between a Merge begin and its push, gives it back on abort,
 and takes the weights as torn when the writer does not come back within its lease. An engine without the routes
 (as SGLang) keeps the job on the HTTP path, with the reason.
@@ -57,7 +57,7 @@ def step(b, by: float = 0.05) -> None:
             p.add_(by)
 
 
-@pytest.mark.parametrize(("mode", "seed"), [("Merge", 41), ("Adapter", 42)])
+@pytest.mark.parametrize(("mode", "seed"), [("Merge", 41), ("Adapter", 42), ("EngineMerge", 44)])
 def test_colocated_fast_path_writes_the_policy_into_the_engine(served, mode, seed):
     model_dir, engine = served[0], served[1]["kora"]
     b = trained_policy(model_dir, mode, seed, CAP)
@@ -73,11 +73,12 @@ def test_colocated_fast_path_writes_the_policy_into_the_engine(served, mode, see
             report = sender.sync(version=version)
             assert report.pushed and report.path == "fast" and report.transport == "colocated"
             assert report.adapter_version == version and report.bytes > 0 and report.ms > 0
-            assert report.what == ("adapter" if mode == "Adapter" else ("full" if version == 2 else "adapted"))
+            assert report.what == {"Adapter": "adapter", "EngineMerge": "lora_pairs",
+                                   "Merge": "full" if version == 2 else "adapted"}[mode]
             assert logprob_gap(client, b, lora_path) < ATOL
             out = client.generate([[1, 4, 5]], {"max_new_tokens": 1}, lora_path=lora_path)
             assert out[0].weight_version == str(version)  # rollouts carry the version written
-        if mode == "Adapter":  # every push checked: the HTTP path's definition of the adapter's checksum
+        if mode != "Merge":  # every push checked: the HTTP path's definition of the pairs' checksum
             assert report.checksum == checksum(adapter_tensors(b.model))
         skipped = sender.sync(version=6)
         assert not skipped.pushed and skipped.what == "skipped" and skipped.adapter_version == 5
@@ -139,8 +140,8 @@ def test_a_writer_that_never_pushes_loses_the_weights_as_torn(served):
 def test_a_plan_for_another_mode_is_refused(served):
     with served[1]["kora"].client() as client:
         with pytest.raises(EngineError) as bad_mode:
-            client.colocated("plan", {"mode": "EngineMerge"})
-        assert bad_mode.value.status == 400 and "Merge or Adapter" in bad_mode.value.message
+            client.colocated("plan", {"mode": "Bogus"})
+        assert bad_mode.value.status == 400 and "Merge, Adapter or EngineMerge" in bad_mode.value.message
 
 
 def test_a_weight_write_waits_one_step_not_the_generation_in_flight(served):

@@ -29,6 +29,10 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   lock: the engine takes the weights as torn (`weight_version` says so, and the late push is refused) instead
   of stalling generation forever. `POST /kora/colocated/abort` gives the lock back at once (the trainer
   failed between begin and push).
+- EngineMerge, per push: the ring as for Adapter (no doorbell); the trainer packs the pairs into a slot,
+  synchronises, and `POST /kora/colocated/push` {slot, weight_version, verify} folds them into the pristine base
+  (`EngineModel.merge_lora`, one weight write: W = W0 + (alpha/rank)·B·A, fp32 sum, as the HTTP lora_merge) and
+  sets the version. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`.
 - `verify`: the answer carries `protocol.checksum` of what the engine now serves (Merge: `names` in order;
   Adapter: the slot's tensors), which the trainer compares with its own reading of the memory it wrote, and
   `checksum_ms`, the time it took (the trainer's push time leaves hashing out, as the HTTP path's does).
@@ -76,6 +80,7 @@ class _Plan:
     ring: AdapterRing | None = None  # Adapter
     doorbell: torch.Tensor | None = None  # Adapter: int64 [1] in shared memory, -1 until the first push
     rung: int = -1  # Adapter: the doorbell value last published
+    merge: tuple[float, int, bool] | None = None  # EngineMerge: lora_alpha, lora_rank, merge_fp32
     packed: PackedChecksum | None = None
     lora_name: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -118,17 +123,20 @@ class ColocatedRoutes:
                 fuse_rows(params, [g for g in groups if len(g) > 1])
             plan = _Plan("Merge", params={n: p.detach() for n, p in params.items()})
             exported = list(plan.params.items())
-        elif b.get("mode") == "Adapter":
-            metadata, name, config = b["metadata"], str(b["lora_name"]), dict(b["config_dict"])
+        elif b.get("mode") in ("Adapter", "EngineMerge"):
+            mode, metadata, name, config = b["mode"], b["metadata"], str(b["lora_name"]), dict(b["config_dict"])
             tensors = layout(metadata)
             ring = AdapterRing(metadata, engine.device, ring_scaling(engine, tensors, name, config),
                                slots=int(b.get("slots") or 3))
-            doorbell = torch.full((1,), -1, dtype=torch.int64)  # CPU memory shared with the trainer
-            plan = _Plan("Adapter", ring=ring, doorbell=doorbell, packed=PackedChecksum(tensors, engine.device),
-                         lora_name=name, config=config)
-            exported = [(f"slot{i}", buf) for i, buf in enumerate(ring.buffers)] + [("doorbell", doorbell)]
+            plan = _Plan(mode, ring=ring, packed=PackedChecksum(tensors, engine.device), lora_name=name, config=config)
+            exported = [(f"slot{i}", buf) for i, buf in enumerate(ring.buffers)]
+            if mode == "Adapter":
+                plan.doorbell = torch.full((1,), -1, dtype=torch.int64)  # CPU memory shared with the trainer
+                exported.append(("doorbell", plan.doorbell))
+            else:  # the fold's parameters, checked once
+                plan.merge = (float(b["lora_alpha"]), int(b["lora_rank"]), bool(b.get("merge_fp32", True)))
         else:
-            raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge or Adapter")
+            raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge, Adapter or EngineMerge")
         payload = serialize_payload(exported)  # CPU: the tensors move into shared memory, in place
         self.plan = plan
         return {"payload": payload, "bytes": sum(t.numel() * t.element_size() for _, t in exported)}
@@ -177,6 +185,8 @@ class ColocatedRoutes:
     def _push(self, b: dict[str, Any]) -> dict[str, Any]:
         if self.plan is not None and self.plan.mode == "Adapter":
             return self._adapter_push(b)
+        if self.plan is not None and self.plan.mode == "EngineMerge":
+            return self._engine_merge_push(b)
         plan = self._planned("Merge")
         engine = self.server.engine
         version = None if b.get("weight_version") is None else str(b["weight_version"])
@@ -237,4 +247,25 @@ class ColocatedRoutes:
         t0 = time.perf_counter()
         sums = packed(ring.buffers[slot]) if b.get("verify") else None
         return {"weight_version": str(version), "checksum": sums,
+                "checksum_ms": (time.perf_counter() - t0) * 1000}
+
+    # ---- EngineMerge ------------------------------------------------------------------------------------
+
+    def _engine_merge_push(self, b: dict[str, Any]) -> dict[str, Any]:
+        """The pairs the trainer wrote into slot `slot`, folded into the pristine base (the HTTP lora_merge's fold,
+        as one weight write), then the version set."""
+        plan = self._planned("EngineMerge")
+        ring, packed, merge = plan.ring, plan.packed, plan.merge
+        assert ring is not None and packed is not None and merge is not None
+        slot = int(b["slot"])
+        if not 0 <= slot < len(ring.buffers):
+            raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
+        alpha, rank, fp32 = merge
+        engine = self.server.engine
+        engine.merge_lora({m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}, alpha, rank, fp32)
+        if b.get("weight_version") is not None:
+            engine.weight_version = str(b["weight_version"])
+        t0 = time.perf_counter()
+        sums = packed(ring.buffers[slot]) if b.get("verify") else None
+        return {"weight_version": engine.weight_version, "checksum": sums,
                 "checksum_ms": (time.perf_counter() - t0) * 1000}

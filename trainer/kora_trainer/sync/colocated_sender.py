@@ -13,6 +13,8 @@ engine has no route (404: SGLang).
   reads before every adapter lookup: no HTTP call (verified pushes add one, for the engine's checksum).
   Nothing the engine reads is written: a request keeps the slot it was admitted with, rewritten only
   `adapter_slots` pushes later.
+- EngineMerge: the same ring (no doorbell); a push is the gather into slot k, a synchronise and one call in
+  which each engine folds the pairs into its pristine base (the HTTP path's lora_merge, one weight write).
 - Merge: the engine hands over its parameters; `colocated.ColocatedMerge` folds W + s·B·A straight into them
   (the frozen tensors too on the first fast push; later pushes rewrite the adapted weights only). The write
   happens between `begin` (the engine's weight lock taken: generation in flight gives way at its next step and
@@ -75,6 +77,7 @@ class ColocatedFastSender(FastWeightSender):
         does not bound a fold written in place."""
         if self.mode is SyncMode.MERGE:
             return self.http.fast_merge_entries()
+        # Adapter, EngineMerge: the HF-PEFT pairs
         return AdapterPack(self.http.fast_adapter_params(), self.http.fast_adapter_specs(), self.http.cap)
 
     def _plan(self) -> str:
@@ -93,8 +96,11 @@ class ColocatedFastSender(FastWeightSender):
                 self.names = {full: written_names(entries, full) for full in (True, False)}
             else:
                 pack = plan
-                body = {"mode": "Adapter", "metadata": pack.metadata, "slots": self.adapter_slots,
+                body = {"mode": str(self.mode), "metadata": pack.metadata, "slots": self.adapter_slots,
                         "lora_name": POLICY_ADAPTER, "config_dict": self.http.adapter_config}
+                if self.mode is SyncMode.ENGINE_MERGE:  # the HTTP path's lora_merge parameters
+                    lora = self.http.cfg.lora
+                    body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True)
         except (NotImplementedError, ValueError, KeyError) as e:
             return self._off(f"the policy: {e}")
         mapped, refused = self._ask_plan(body)
@@ -111,7 +117,7 @@ class ColocatedFastSender(FastWeightSender):
                 self.pack = pack
                 need = pack.out.numel() * pack.out.element_size()
                 named = [dict(m) for m in mapped]
-                self.doorbells = [n.pop("doorbell") for n in named]
+                self.doorbells = [n.pop("doorbell") for n in named if "doorbell" in n]
                 self.slots = [list(self._on(n, device).values()) for n in named]
                 if any(len(s) != self.adapter_slots or s[0].numel() < need for s in self.slots):
                     raise ValueError(f"an engine's ring is not {self.adapter_slots} slots of {need} B")
@@ -160,7 +166,12 @@ class ColocatedFastSender(FastWeightSender):
             return SyncReport.skip(mode, self.transport.kind, self.engine_version, delta, path="fast")
         verify = self.http.verify and self.pushes % self.verify_every == 0
         full = self.pushes == 0
-        results = self._merge(version, verify, full) if self.merges else self._adapter(version, verify)
+        if self.merges:
+            results = self._merge(version, verify, full)
+        elif self.mode is SyncMode.ENGINE_MERGE:
+            results = self._engine_merge(version, verify)
+        else:
+            results = self._adapter(version, verify)
         # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest counts
         ms = (time.perf_counter() - t0) * 1000 - max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
         self.delta.mark_pushed(self.flat)
@@ -175,7 +186,12 @@ class ColocatedFastSender(FastWeightSender):
         nbytes = self.merges[0].adapted_bytes if self.merges and not full else self.nbytes  # what was written
         return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=nbytes, ms=round(ms, 2),
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
-                          what="adapter" if self.slots else ("full" if full else "adapted"), path="fast")
+                          what=self._what(full), path="fast")
+
+    def _what(self, full: bool) -> str:
+        if self.merges:
+            return "full" if full else "adapted"
+        return "lora_pairs" if self.mode is SyncMode.ENGINE_MERGE else "adapter"
 
     def _sync_device(self) -> None:
         assert self.flat is not None
@@ -213,6 +229,15 @@ class ColocatedFastSender(FastWeightSender):
         if not verify:
             return []
         return self._all("push", [{"slot": k, "weight_version": str(version), "verify": True}] * len(self.slots))
+
+    def _engine_merge(self, version: int, verify: bool) -> list[dict[str, Any]]:
+        """The pairs into slot k, then each engine folds them into its pristine base (one weight write)."""
+        assert self.pack is not None
+        k = self.pushes % self.adapter_slots
+        for ring in self.slots:
+            self.pack.pack_into(ring[k])
+        self._sync_device()
+        return self._all("push", [{"slot": k, "weight_version": str(version), "verify": verify}] * len(self.slots))
 
     def _digest(self, verify: bool, full: bool) -> str | None:
         """What the engines were given (read back from engine 0's memory: see the module docstring)."""

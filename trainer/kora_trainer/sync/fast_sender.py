@@ -59,9 +59,10 @@ def fast_path_off(sender: WeightSender, cfg: TrainerConfig) -> str | None:
     """Why the fast path cannot apply to this job (None: it may; the plan decides)."""
     if not cfg.sync.fast_path:
         return "sync.fastPath is false"
-    if sender.mode not in (SyncMode.MERGE, SyncMode.ADAPTER):
-        return f"{sender.mode} mode"
     kind = type(sender.transport)
+    modes = (SyncMode.MERGE, SyncMode.ADAPTER) + ((SyncMode.ENGINE_MERGE,) if kind is ColocatedTransport else ())
+    if sender.mode not in modes:  # over the group, EngineMerge's pairs go by the HTTP path's buckets
+        return f"{sender.mode} mode"
     if kind is ColocatedTransport and cfg.parallelism.tensor > 1:
         return "tensor parallelism over colocated engines"  # ColocatedMerge and pack_into are TP 1
     if kind not in (DistributedTransport, ColocatedTransport):  # a TP follower, none
@@ -82,7 +83,8 @@ def with_fast_path(sender: WeightSender, cfg: TrainerConfig) -> Any:
     if type(sender.transport) is ColocatedTransport:
         from kora_trainer.sync.colocated_sender import ColocatedFastSender
 
-        return ColocatedFastSender(sender, adapter_slots=3 + ahead)
+        # EngineMerge: each push's pairs are folded before its call returns, so one slot serves
+        return ColocatedFastSender(sender, adapter_slots=1 if sender.mode is SyncMode.ENGINE_MERGE else 3 + ahead)
     return FastWeightSender(sender, adapter_slots=3 + ahead)
 
 
