@@ -1,8 +1,8 @@
 """The colocated fast path (sync/colocated_sender.py + the reference engine's /kora/colocated routes) against a real
 `reference_engine` process on the same host: after the HTTP path's first push the trainer maps the engine's memory
-once (shared memory here, CUDA IPC on a GPU) and writes every later push straight into it, in Merge and Adapter
-and EngineMerge mode; the engine serves the trainer's policy, rollouts carry the version, delta-skip and checksums keep their
-meaning. The engine's side holds its weight lock only between a Merge begin and its push, gives it back on abort,
+once (shared memory here, CUDA IPC on a GPU) and writes every later push straight into it, in Merge, Adapter and
+EngineMerge mode; the engine serves the trainer's policy, rollouts carry the version, delta-skip and checksums keep
+their meaning. The engine's side holds its weight lock only between a Merge begin and its push, gives it back on abort,
 and takes the weights as torn when the writer does not come back within its lease. An engine without the routes
 (as SGLang) keeps the job on the HTTP path, with the reason.
 
