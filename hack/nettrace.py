@@ -22,6 +22,7 @@ which /etc/hosts does not list); torch offers no switch for it.
 from __future__ import annotations
 
 import argparse
+import codecs
 import ipaddress
 import re
 import shutil
@@ -42,7 +43,6 @@ _INET6 = re.compile(r'sin6_port=htons\((\d+)\).*?inet_pton\(AF_INET6, "([^"]+)"'
 # the socket argument: its number and, with strace -y, what it is (socket:[inode])
 _FD = re.compile(r"^\w+\((\d+)(?:<([^>]*)>)?,")
 _PAYLOAD = re.compile(r'"((?:[^"\\]|\\.)*)"')
-_ESCAPES = {"n": 10, "t": 9, "r": 13, "f": 12, "v": 11, '"': 34, "\\": 92}
 
 
 @dataclass
@@ -86,22 +86,8 @@ def _classify(addr: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Netwo
 
 
 def _unescape(text: str) -> bytes:
-    """The bytes of a string as strace prints it (C escapes: \\NNN octal, \\n, \\", ...)."""
-    out, i = bytearray(), 0
-    while i < len(text):
-        ch = text[i]
-        if ch != "\\":
-            out += ch.encode("latin-1", "replace")
-            i += 1
-            continue
-        octal = re.match(r"[0-7]{1,3}", text[i + 1:])
-        if octal:
-            out.append(int(octal.group(), 8) & 0xFF)
-            i += 1 + len(octal.group())
-        else:
-            out.append(_ESCAPES.get(text[i + 1:i + 2], ord("?")))
-            i += 2
-    return bytes(out)
+    """The bytes of a string as strace prints it: C escapes (\\NNN octal, \\n, \\", ...), which are Python's too."""
+    return codecs.escape_decode(text.encode("latin-1", "replace"))[0]
 
 
 def dns_questions(call: str) -> list[str]:

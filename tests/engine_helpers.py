@@ -211,3 +211,34 @@ def logprob_gap(client: EngineClient, b: Any, lora_path: str | None) -> float:
     ours = b.logprobs(PROMPTS, [o.output_ids for o in outs])
     return max(abs(x - y) for o, mine in zip(outs, ours, strict=True)
                for x, y in zip(o.output_logprobs, mine, strict=True))
+
+
+@contextmanager
+def kora_and_sglang_like(tmp_path_factory: Any) -> Iterator[tuple[Path, dict[str, EngineProc]]]:
+    """(a tiny model, {"kora": the reference engine serving it, "sglang_like": the same without kora's fast-sync
+    and colocated routes, answering them 404 as a stock SGLang does}): the fast-path tests' engines."""
+    from tinymodel import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    logs, up = tmp_path_factory.mktemp("logs"), {}
+    try:
+        up["kora"] = start_engine(model, logs, "--max-lora-rank", "8")
+        up["sglang_like"] = start_engine(model, logs, "--max-lora-rank", "8", "--disable-fast-sync")
+        yield model, up
+    finally:
+        for proc in up.values():
+            stop_engine(proc)
+
+
+def on_hf_engines(b: Any) -> None:
+    """Point a `trained_policy` backend's config at kora's hf engine (the fast paths' condition)."""
+    from kora_trainer.config.sections import Engine
+
+    b.cfg = b.cfg.model_copy(update={"rollout": b.cfg.rollout.model_copy(update={"engine": Engine.HF})})
+
+
+def step(b: Any, by: float = 0.05) -> None:
+    """A stand-in optimizer step: every adapter parameter moves by `by`."""
+    with torch.no_grad():
+        for p in b.params:
+            p.add_(by)

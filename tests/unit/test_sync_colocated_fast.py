@@ -14,10 +14,16 @@ from __future__ import annotations
 import threading
 
 import pytest
-import torch
 
-from engine_helpers import ATOL, logprob_gap, start_engine, stop_engine, trained_policy, wait_engine_state
-from kora_trainer.config.sections import Engine
+from engine_helpers import (
+    ATOL,
+    kora_and_sglang_like,
+    logprob_gap,
+    on_hf_engines,
+    step,
+    trained_policy,
+    wait_engine_state,
+)
 from kora_trainer.lora import adapter_tensors
 from kora_trainer.sync.colocated_sender import ColocatedFastSender
 from kora_trainer.sync.fast_sender import with_fast_path
@@ -25,7 +31,6 @@ from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import ColocatedTransport
 from kora_trainer.wire.engine_client import EngineError
 from kora_trainer.wire.protocol import checksum
-from tinymodel import make_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 CAP = "64Ki"
@@ -33,28 +38,16 @@ CAP = "64Ki"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
-    logs, up = tmp_path_factory.mktemp("logs"), {}
-    try:
-        up["kora"] = start_engine(model, logs, "--max-lora-rank", "8")
-        up["sglang_like"] = start_engine(model, logs, "--max-lora-rank", "8", "--disable-fast-sync")
-        yield model, up
-    finally:
-        for proc in up.values():
-            stop_engine(proc)
+    with kora_and_sglang_like(tmp_path_factory) as up:
+        yield up
 
 
 def colocated_sender(b, client, transport_timeout_s: float = 60.0):
-    b.cfg = b.cfg.model_copy(update={"rollout": b.cfg.rollout.model_copy(update={"engine": Engine.HF})})
+    on_hf_engines(b)
     sender = with_fast_path(WeightSender(b.model, b.cfg, ColocatedTransport([client], transport_timeout_s)), b.cfg)
     assert isinstance(sender, ColocatedFastSender)
     return sender
 
-
-def step(b, by: float = 0.05) -> None:
-    with torch.no_grad():
-        for p in b.params:
-            p.add_(by)
 
 
 @pytest.mark.parametrize(("mode", "seed"), [("Merge", 41), ("Adapter", 42), ("EngineMerge", 44)])

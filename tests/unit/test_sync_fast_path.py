@@ -12,46 +12,30 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_helpers import ATOL, logprob_gap, start_engine, stop_engine, trained_policy
-from kora_trainer.config.sections import Engine
+from engine_helpers import ATOL, kora_and_sglang_like, logprob_gap, on_hf_engines, step, trained_policy
 from kora_trainer.lora import adapter_tensors
 from kora_trainer.sync.fast_sender import FastWeightSender, fast_path_off, with_fast_path
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
 from kora_trainer.wire.protocol import PackedChecksum, checksum
-from tinymodel import make_tiny_model
 
 CAP = "64Ki"  # several buckets (the tiny model is ~300 kB), every folded weight (<= 32 kB) fits one
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """(the tiny model, {"kora": the reference engine serving it, "sglang_like": the same without kora's
-    fast-sync routes, answering them 404 as a stock SGLang does})."""
-    model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
-    logs, up = tmp_path_factory.mktemp("logs"), {}
-    try:
-        up["kora"] = start_engine(model, logs, "--max-lora-rank", "8")
-        up["sglang_like"] = start_engine(model, logs, "--max-lora-rank", "8", "--disable-fast-sync")
-        yield model, up
-    finally:
-        for proc in up.values():
-            stop_engine(proc)
+    with kora_and_sglang_like(tmp_path_factory) as up:
+        yield up
 
 
 def fast_sender(b, client):
-    b.cfg = b.cfg.model_copy(update={"rollout": b.cfg.rollout.model_copy(update={"engine": Engine.HF})})
+    on_hf_engines(b)
     http = WeightSender(b.model, b.cfg, DistributedTransport.connect([client], backend="gloo"))
     assert fast_path_off(http, b.cfg) is None
     sender = with_fast_path(http, b.cfg)
     assert isinstance(sender, FastWeightSender)
     return sender
 
-
-def step(b, by: float = 0.05) -> None:
-    with torch.no_grad():
-        for p in b.params:
-            p.add_(by)
 
 
 @pytest.mark.parametrize(("mode", "seed"), [("Merge", 31), ("Adapter", 32)])

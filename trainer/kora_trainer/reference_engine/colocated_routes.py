@@ -45,6 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,13 @@ PREFIX = "/kora/colocated"
 PLAN_ROUTE, BEGIN_ROUTE, PUSH_ROUTE, ABORT_ROUTE = (f"{PREFIX}/{r}" for r in ("plan", "begin", "push", "abort"))
 DEFAULT_LEASE_S = 60.0
 TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer never came back
+
+
+def _answer(version: str | None, body: dict[str, Any], digest: Callable[[], str]) -> dict[str, Any]:
+    """A push's answer: the version served, and with `verify` the checksum of what is served and its time."""
+    t0 = time.perf_counter()
+    sums = digest() if body.get("verify") else None
+    return {"weight_version": version, "checksum": sums, "checksum_ms": (time.perf_counter() - t0) * 1000}
 
 
 @dataclass
@@ -203,12 +211,9 @@ class ColocatedRoutes:
             engine.weights_replaced(names)  # the trainer synchronised its writes before this call
             if version is not None:
                 engine.weight_version = version
-            t0 = time.perf_counter()
-            sums = checksum((n, plan.params[n]) for n in names) if b.get("verify") else None
-            ms = (time.perf_counter() - t0) * 1000
+            return _answer(engine.weight_version, b, lambda: checksum((n, plan.params[n]) for n in names))
         finally:
             self._release()
-        return {"weight_version": engine.weight_version, "checksum": sums, "checksum_ms": ms}
 
     def _abort(self, b: dict[str, Any]) -> dict[str, Any]:
         lease = self._release()
@@ -244,10 +249,7 @@ class ColocatedRoutes:
         version, rung = doorbell_parts(plan.rung)
         if plan.rung < 0 or slot != rung:
             raise ValueError(f"slot {slot} is not the one the doorbell names ({plan.rung}): ring it first")
-        t0 = time.perf_counter()
-        sums = packed(ring.buffers[slot]) if b.get("verify") else None
-        return {"weight_version": str(version), "checksum": sums,
-                "checksum_ms": (time.perf_counter() - t0) * 1000}
+        return _answer(str(version), b, lambda: packed(ring.buffers[slot]))
 
     # ---- EngineMerge ------------------------------------------------------------------------------------
 
@@ -265,7 +267,4 @@ class ColocatedRoutes:
         engine.merge_lora({m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}, alpha, rank, fp32)
         if b.get("weight_version") is not None:
             engine.weight_version = str(b["weight_version"])
-        t0 = time.perf_counter()
-        sums = packed(ring.buffers[slot]) if b.get("verify") else None
-        return {"weight_version": engine.weight_version, "checksum": sums,
-                "checksum_ms": (time.perf_counter() - t0) * 1000}
+        return _answer(engine.weight_version, b, lambda: packed(ring.buffers[slot]))

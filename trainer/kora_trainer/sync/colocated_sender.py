@@ -217,12 +217,17 @@ class ColocatedFastSender(FastWeightSender):
         body = {"weight_version": str(version), "verify": verify, "names": self.names[full]}
         return self._all("push", [body] * n)
 
-    def _adapter(self, version: int, verify: bool) -> list[dict[str, Any]]:
+    def _pack_slot(self) -> int:
+        """The pairs gathered into this push's ring slot k of every engine, whole on the device; returns k."""
         assert self.pack is not None
         k = self.pushes % self.adapter_slots
         for ring in self.slots:
             self.pack.pack_into(ring[k])
-        self._sync_device()  # the slot is whole before the doorbell names it
+        self._sync_device()
+        return k
+
+    def _adapter(self, version: int, verify: bool) -> list[dict[str, Any]]:
+        k = self._pack_slot()  # whole before the doorbell names it
         word = doorbell_value(version, k)
         for bell in self.doorbells:
             bell.fill_(word)  # one aligned 8-byte store; the engine's lookup reads it with one load
@@ -232,11 +237,7 @@ class ColocatedFastSender(FastWeightSender):
 
     def _engine_merge(self, version: int, verify: bool) -> list[dict[str, Any]]:
         """The pairs into slot k, then each engine folds them into its pristine base (one weight write)."""
-        assert self.pack is not None
-        k = self.pushes % self.adapter_slots
-        for ring in self.slots:
-            self.pack.pack_into(ring[k])
-        self._sync_device()
+        k = self._pack_slot()
         return self._all("push", [{"slot": k, "weight_version": str(version), "verify": verify}] * len(self.slots))
 
     def _digest(self, verify: bool, full: bool) -> str | None:
