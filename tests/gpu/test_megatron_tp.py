@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 from test_megatron_model import (
     TARGETS,
@@ -31,12 +32,14 @@ from kora_trainer.backends.megatron.convert import FC1, QKV, adapter_modules
 from kora_trainer.wire.group import free_port
 from tinymodel import make_tiny_model
 
-pytestmark = megatron_marks(gpus=2)
 TP = 2
 
 
-def run_rank(rank: int, world: int, port: int, model_dir: str, out: str, backend: str = "nccl") -> None:
-    """One TP rank: megatron policy with the adapter, log-probs, backward, exports; rank 0 saves them."""
+def run_rank(rank: int, world: int, port: int, model_dir: str, out: str, backend: str = "nccl",
+             share_gpu: bool = False) -> None:
+    """One TP rank: megatron policy with the adapter, log-probs, backward, exports; rank 0 saves them.
+    `share_gpu`: every rank on cuda:0 over gloo (NCCL refuses two ranks of one group on one GPU), so the TP
+    code paths run on a one-GPU machine; the collectives then go through host memory."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from kora_trainer.backends.megatron.backend import clip_grad_norm, token_logprobs
@@ -46,8 +49,10 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out: str, backend
     from kora_trainer.backends.megatron.parallel import destroy_parallel, init_parallel
 
     torch.backends.cuda.matmul.allow_tf32 = False
+    if share_gpu:
+        torch.cuda.set_device(0)
     init_parallel(world, backend=backend)
-    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    device = torch.device("cuda", 0 if share_gpu else rank) if backend == "nccl" or share_gpu else torch.device("cpu")
     model, layout, cfg = megatron_model(Path(model_dir), torch.float32, spec())
     shards = {n: (m.lora_A.weight.shape, m.lora_B.weight.shape) for n, m in lora_modules(model).items()}
     adapter = random_hf_adapter(layout, cfg)
@@ -110,13 +115,17 @@ def check_against_reference(model_dir: Path, res: dict, device: str) -> dict:
     return errs
 
 
-def test_lora_under_tensor_parallel_2_equals_unsharded_peft(tmp_path):
+@pytest.mark.parametrize("share_gpu", [
+    pytest.param(False, id="nccl-gpu-per-rank", marks=megatron_marks(gpus=2)),
+    pytest.param(True, id="gloo-one-gpu", marks=megatron_marks(gpus=1))])
+def test_lora_under_tensor_parallel_2_equals_unsharded_peft(tmp_path, share_gpu):
     import torch.multiprocessing as mp
 
     model_dir = make_tiny_model(tmp_path / "tiny")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     out = str(tmp_path / "tp2.pt")
-    mp.spawn(run_rank, args=(TP, free_port(), str(model_dir), out), nprocs=TP, join=True)
+    backend = "gloo" if share_gpu else "nccl"
+    mp.spawn(run_rank, args=(TP, free_port(), str(model_dir), out, backend, share_gpu), nprocs=TP, join=True)
     res = torch.load(out, weights_only=False)
     # column wrappers: B split on rows, A whole; row wrappers: A split on columns, B whole
     for name, (a_shape, b_shape) in res["shards"].items():

@@ -55,9 +55,18 @@ def test_weights_bytes_counts_only_weight_files(tmp_path):
     assert weights_bytes(tmp_path / "missing") == 0
 
 
-def test_model_parallel_layouts_are_refused_at_start_and_data_parallel_runs():
-    with pytest.raises(ConfigError, match=r"tensor 2: the trainer runs data parallelism only.*set them to 1"):
-        check_actor_layout(cfg("parallelism.tensor=2"), Backend.MEGATRON)
+def test_unlaunched_layouts_are_refused_at_start_and_data_and_tensor_parallel_run():
+    with pytest.raises(ConfigError, match=r"pipeline 2: the trainer runs data and tensor parallelism so far.*set "
+                                          r"them to 1"):
+        check_actor_layout(cfg("parallelism.pipeline=2"), Backend.MEGATRON)
+    with pytest.raises(ConfigError, match=r"parallelism expert 2: .*not launched yet") as refused:
+        check_actor_layout(cfg("parallelism.tensor=2", "parallelism.data=2", "parallelism.expert=2"),
+                           Backend.MEGATRON)
+    assert "tensor 2" not in str(refused.value)  # only what is refused is named
+    with pytest.raises(ConfigError, match=r"tensor 2 needs backend: megatron"):
+        check_actor_layout(cfg("parallelism.tensor=2"), Backend.TORCH)
+    check_actor_layout(cfg("parallelism.tensor=2"), Backend.MEGATRON)  # megatron's TP layers, one actor a rank
+    check_actor_layout(cfg("parallelism.tensor=2", "parallelism.data=2"), Backend.MEGATRON)
     with pytest.raises(ConfigError, match=r"pipeline 2 needs backend: megatron"):
         check_actor_layout(cfg("parallelism.pipeline=2"), Backend.TORCH)
     with pytest.raises(ConfigError, match=r"expert 4 x expertTensor 1 must divide .* = 2.*parallelism.data to a "

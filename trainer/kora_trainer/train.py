@@ -165,7 +165,7 @@ def save_checkpoint(job: Job, cfg: TrainerConfig, root: str, step: int, rec: Ste
     t0 = time.monotonic()
     meta = {"sync_mode": str(cfg.lora.effective_sync_mode), "base_model": str(Path(cfg.model.path).resolve()),
             "seed": cfg.algorithm.seed, "async": cfg.deployment.async_}
-    path = job.trainer.first("save_checkpoint", root, rec.run.data_position, cfg.checkpoint.keep, meta)
+    path = job.trainer.written("save_checkpoint", root, rec.run.data_position, cfg.checkpoint.keep, meta)
     rec.checkpointed(step, path, (time.monotonic() - t0) * 1000)
 
 
@@ -218,7 +218,7 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
     if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
         save_checkpoint(job, cfg, root, rec.run.done, rec)
     if root and cfg.checkpoint.export_hf:
-        rec.exported(job.trainer.first("export_hf", root, {"seed": cfg.algorithm.seed}))
+        rec.exported(job.trainer.written("export_hf", root, {"seed": cfg.algorithm.seed}))
 
 
 def adapter_registry(cfg: TrainerConfig, root: str | None) -> Any:

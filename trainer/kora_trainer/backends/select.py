@@ -37,6 +37,8 @@ class PolicyBackend(Protocol):
     optimizer: torch.optim.Optimizer
     device: torch.device
     version: int
+    checkpoint_writer: bool  # the rank that writes checkpoints and the export (rank 0)
+    checkpoint_shards: Any  # tensor-parallel shards to gather into a checkpoint (megatron/tp_checkpoint.py), or None
 
     def train_step(self, batch: Any) -> StepMetrics: ...
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]],
@@ -73,8 +75,8 @@ def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_byt
 
 def check_actor_layout(cfg: TrainerConfig, backend: Backend) -> None:
     """Refuse, at start, a layout this trainer would not train as asked. Data parallelism runs on both backends
-    (one Ray actor per rank); tensor, pipeline, context and expert parallelism need megatron's layers, and the
-    trainer's actor group does not launch them yet."""
+    (one Ray actor per rank); tensor parallelism on megatron's layers (every TP rank a Ray actor of one node);
+    pipeline, context and expert parallelism are not launched yet."""
     p = cfg.parallelism
     problems = parallel_problems(p)
     split = {name: size for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("context", p.context),
@@ -83,10 +85,10 @@ def check_actor_layout(cfg: TrainerConfig, backend: Backend) -> None:
         problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())} needs backend: megatron "
                         "(megatron-core's parallel layers, on GPUs); the torch backend splits the data only: set "
                         "backend: megatron on a GPU cluster, or those sizes to 1 and raise parallelism.data")
-    elif split:
-        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())}: the trainer runs data "
-                        "parallelism only so far (bench/gpu_sync.py --tp runs the tensor-parallel actor): set "
-                        "them to 1 and use parallelism.data for the GPUs")
+    elif unlaunched := {k: v for k, v in split.items() if k != "tensor"}:
+        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in unlaunched.items())}: the trainer runs data "
+                        "and tensor parallelism so far (pipeline, context and expert parallelism are not launched "
+                        "yet): set them to 1 and spread the GPUs over parallelism.tensor and parallelism.data")
     if cfg.multi_lora.max_adapters > 0 and backend is Backend.MEGATRON:
         problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters}: multi-LoRA trains on the torch backend "
                         "so far (adapter slots on an HF model), not megatron: set backend: torch")

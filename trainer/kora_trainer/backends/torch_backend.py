@@ -68,6 +68,8 @@ class TorchBackend(ShuffleState):
         self.max_grad_norm = max_grad_norm
         self.shared_prefix = shared_prefix  # forward a GRPO group's prompt once (backends/logprobs.py)
         self.version = 0  # GRPO steps applied: the policy version the sender pushes
+        self.checkpoint_writer = self.dp.rank == 0  # data-parallel replicas hold the same state
+        self.checkpoint_shards = None  # no tensor parallelism: a rank's state is the whole state
         self._shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
 
     # ---- checkpoint hooks (checkpoint/training.py) ------------------------------------------------

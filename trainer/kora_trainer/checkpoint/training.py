@@ -55,14 +55,24 @@ class Resumed:
 
 
 def save_training_state(root: Path, backend: Any, *, data_position: int, keep: int,
-                        meta: Mapping[str, Any] | None = None) -> Path:
-    """Checkpoint `backend.version` under `root` (atomic; `latest` moves; pruned to `keep`)."""
+                        meta: Mapping[str, Any] | None = None) -> Path | None:
+    """Checkpoint `backend.version` under `root` (atomic; `latest` moves; pruned to `keep`).
+
+    Every trainer rank calls it: under tensor parallelism the shards are gathered first (a collective,
+    `backend.checkpoint_shards`); the writing rank (`backend.checkpoint_writer`: rank 0) returns the path, the
+    others None."""
     adapter = backend.adapter_named()  # the optimizer's parameter order
+    optimizer = backend.optimizer.state_dict()
     rng = {**lora_only.capture_rng(), "generators": backend.generator_states()}
+    shards = backend.checkpoint_shards
+    if shards is not None:
+        adapter, optimizer, rng = shards.gather(adapter, optimizer, rng)
+    if not backend.checkpoint_writer:
+        return None
     return lora_only.save(
-        Path(root), backend.version, adapter=dict(adapter), optimizer=backend.optimizer.state_dict(), scheduler=None,
-        rng=rng, keep=keep,
-        meta={"data_position": data_position, "param_names": [n for n, _ in adapter], **(meta or {})})
+        Path(root), backend.version, adapter=dict(adapter), optimizer=optimizer, scheduler=None, rng=rng, keep=keep,
+        meta={"data_position": data_position, "param_names": [n for n, _ in adapter],
+              "tensor_parallel": shards.size if shards is not None else 1, **(meta or {})})
 
 
 def restore_training_state(root: Path, backend: Any) -> Resumed | None:
@@ -75,29 +85,43 @@ def restore_training_state(root: Path, backend: Any) -> Resumed | None:
         return None
     live = dict(backend.adapter_named())
     names = ckpt.meta.get("param_names", list(ckpt.adapter))
-    if list(live) != list(names) or set(ckpt.adapter) != set(live):
-        gone, new = sorted(set(ckpt.adapter) - set(live)), sorted(set(live) - set(ckpt.adapter))
+    adapter, optimizer, rng = ckpt.adapter, ckpt.optimizer, ckpt.rng
+    shards = backend.checkpoint_shards
+    tp, ours = int(ckpt.meta.get("tensor_parallel", 1)), shards.size if shards is not None else 1
+    if tp != ours:
+        raise CheckpointError(f"{ckpt.path} holds a policy trained at parallelism.tensor {tp} and this job runs "
+                              f"{ours}: set parallelism.tensor to {tp} to resume it, or point checkpoint.path at "
+                              "a new directory to start afresh")
+    if list(live) != list(names) or set(adapter) != set(live):
+        gone, new = sorted(set(adapter) - set(live)), sorted(set(live) - set(adapter))
         raise CheckpointError(f"{ckpt.path} does not fit this model's adapter (lora.targetModules / lora.scope "
                               f"changed?): only in the checkpoint {gone[:3]}, only in the model {new[:3]}")
-    bad = [n for n in names if ckpt.adapter[n].shape != live[n].shape]
+    if shards is not None:  # this TP rank's shards (tp_checkpoint.py)
+        adapter, optimizer = shards.local(adapter, names, optimizer)
+        rng = shards.own_rng(rng)
+    bad = [n for n in names if adapter[n].shape != live[n].shape]
     if bad:
-        raise CheckpointError(f"{ckpt.path}: {bad[0]} is {tuple(ckpt.adapter[bad[0]].shape)} in the checkpoint but "
+        raise CheckpointError(f"{ckpt.path}: {bad[0]} is {tuple(adapter[bad[0]].shape)} in the checkpoint but "
                               f"{tuple(live[bad[0]].shape)} in the model (lora.rank changed?)")
     with torch.no_grad():
         for n in names:
-            live[n].copy_(ckpt.adapter[n])  # live views share the parameters' storage
-    backend.optimizer.load_state_dict(ckpt.optimizer)
-    lora_only.restore_rng(ckpt.rng)
-    backend.load_generator_states(ckpt.rng.get("generators", {}))
+            live[n].copy_(adapter[n])  # live views share the parameters' storage
+    backend.optimizer.load_state_dict(optimizer)
+    lora_only.restore_rng(rng)
+    backend.load_generator_states(rng.get("generators", {}))
     backend.version = ckpt.step
     return Resumed(ckpt.step, str(ckpt.path), int(ckpt.meta.get("data_position", ckpt.step)), list(ckpt.skipped))
 
 
-def export_adapter(root: Path, backend: Any, cfg: TrainerConfig, meta: Mapping[str, Any] | None = None) -> Path:
+def export_adapter(root: Path, backend: Any, cfg: TrainerConfig, meta: Mapping[str, Any] | None = None
+                   ) -> Path | None:
     """`root/lora_adapter/`: HF-PEFT names, base_model_name_or_path = the base's absolute directory, and a
-    kora meta file (base, step, sync mode, the Megatron -> HF module map of the targets)."""
+    kora meta file (base, step, sync mode, the Megatron -> HF module map of the targets). Every trainer rank
+    calls it (the export gathers tensor-parallel shards); the writing rank returns the path, the others None."""
     base = str(Path(cfg.model.path).resolve())
     tensors, config, modules = backend.peft_export()
+    if not backend.checkpoint_writer:
+        return None
     lora = cfg.lora
     info = {
         "format": EXPORT_FORMAT, "base_model": base, "step": backend.version,

@@ -1,6 +1,7 @@
 """The trainer's ranks as one object the driver talks to: one Ray actor per rank (`workers.TrainWorker`), every
-call made on every rank at once (a step, a sync and a resume are collectives over the ranks' process group), and
-what only one replica needs (checkpoints, the export: data-parallel ranks hold the same adapter) on rank 0."""
+call made on every rank at once (a step, a sync, a resume, a checkpoint and the export are collectives over the
+ranks' process group: tensor-parallel shards are gathered), and what is written only once (checkpoints, the
+export: data-parallel ranks hold the same adapter) written by rank 0 (`written`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,13 @@ class TrainGroup:
         import ray
 
         return ray.get(getattr(self.actors[0], method).remote(*args))
+
+    def written(self, method: str, *args: Any) -> Any:
+        """`method` on every rank at once; the answer of the rank that wrote (the others answer None)."""
+        answers = [a for a in self.all(method, *args) if a is not None]
+        if len(answers) != 1:
+            raise RuntimeError(f"{method}: {len(answers)} trainer ranks wrote, not one (checkpoint_writer)")
+        return answers[0]
 
     def train_step(self, batch: Any) -> StepMetrics:
         """Every rank trains on its share of `batch` (a Ray object each rank reads); the metrics are the group's."""

@@ -110,15 +110,18 @@ class TrainWorker:
         resumed = restore_training_state(Path(root), self.backend)
         return resumed.as_dict() if resumed is not None else None
 
-    def save_checkpoint(self, root: str, data_position: int, keep: int, meta: dict[str, Any]) -> str:
+    def save_checkpoint(self, root: str, data_position: int, keep: int, meta: dict[str, Any]) -> str | None:
+        """On every rank (TP shards are gathered); the path on the rank that wrote it, None on the others."""
         from kora_trainer.checkpoint.training import save_training_state
 
-        return str(save_training_state(Path(root), self.backend, data_position=data_position, keep=keep, meta=meta))
+        path = save_training_state(Path(root), self.backend, data_position=data_position, keep=keep, meta=meta)
+        return str(path) if path is not None else None
 
-    def export_hf(self, root: str, meta: dict[str, Any]) -> str:
+    def export_hf(self, root: str, meta: dict[str, Any]) -> str | None:
         from kora_trainer.checkpoint.training import export_adapter
 
-        return str(export_adapter(Path(root), self.backend, self.cfg, meta))
+        path = export_adapter(Path(root), self.backend, self.cfg, meta)
+        return str(path) if path is not None else None
 
     def close(self) -> None:
         if self.sender is not None:

@@ -63,8 +63,8 @@ def fast_path_off(sender: WeightSender, cfg: TrainerConfig) -> str | None:
     modes = (SyncMode.MERGE, SyncMode.ADAPTER) + ((SyncMode.ENGINE_MERGE,) if kind is ColocatedTransport else ())
     if sender.mode not in modes:  # over the group, EngineMerge's pairs go by the HTTP path's buckets
         return f"{sender.mode} mode"
-    if kind is ColocatedTransport and cfg.parallelism.tensor > 1:
-        return "tensor parallelism over colocated engines"  # ColocatedMerge and pack_into are TP 1
+    if cfg.parallelism.tensor > 1:  # every TP rank must take part in a push; the fast plans are one rank's
+        return "tensor parallelism (the trainer's fast path is TP 1)"
     if kind not in (DistributedTransport, ColocatedTransport):  # a TP follower, none
         return f"the {getattr(sender.transport, 'kind', 'missing')} transport"
     if cfg.rollout.engine != Engine.HF:

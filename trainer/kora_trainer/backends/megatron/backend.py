@@ -21,6 +21,7 @@ from kora_trainer.backends.megatron.convert import layout_from_hf_config
 from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora, lora_modules
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
 from kora_trainer.backends.megatron.parallel import init_parallel
+from kora_trainer.backends.megatron.tp_checkpoint import TensorShards
 from kora_trainer.config import TrainerConfig
 from kora_trainer.wire.group import WeightUpdateGroup
 
@@ -128,6 +129,9 @@ class MegatronBackend(ShuffleState):
         self.max_grad_norm = max_grad_norm
         self.version = 0
         self._shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
+        # checkpoints and the export: the TP shards gathered (a collective), written once by global rank 0
+        self.checkpoint_writer = torch.distributed.get_rank() == 0
+        self.checkpoint_shards = TensorShards.of(self.params)
 
     # ---- checkpoint, export and sync hooks (the same as TorchBackend's; backends/select.PolicyBackend) ----
 

@@ -4,9 +4,10 @@
   engine routes, checksums, collective delta-skip) with the megatron model's sources: Merge pushes
   `hf_state(merged=True)` one bucket at a time, Adapter pushes the base once then `hf_adapter_tensors`,
   EngineMerge pushes the A/B pairs. Under tensor parallelism the sources all-gather shards over the TP group,
-  so every TP rank constructs the sender and calls `sync()`: the rank given the transport (TP rank 0) talks to
-  the engines, the others get a `sender.follower` transport (found at construction, one small collective) and
-  run the same buckets, gathers included, sending nothing. The delta-skip's MAX runs over the TP group unless a
+  so every TP rank constructs the sender and calls `sync()`: the rank given the transport (TP rank 0; under
+  Colocate every rank with an engine beside it) talks to the engines, the others get a `sender.follower`
+  transport (found at construction, one small collective) and run the same buckets, gathers included, sending
+  nothing. The delta-skip's MAX runs over the TP group unless a
   `trainer_group` is given.
 - `merge_entries` / `adapter_specs`: the GPU fast path's plan (`sync/fast.py`): which megatron tensor (and
   which rows of it) each HF tensor is, so the fold writes megatron's fused QKV straight into HF's q, k, v
@@ -282,8 +283,10 @@ class MegatronWeightSender(WeightSender):
 
 
 def _tp_transport(tp: WeightUpdateGroup, transport: Any) -> Any:
-    """This TP rank's transport: its own, or a `follower` of the one TP rank that holds one (every TP rank
-    calls this: one MAX all-reduce of [tp] transport kinds)."""
+    """This TP rank's transport: its own, or a `follower` of the TP rank(s) that hold one (every TP rank calls
+    this: one MAX all-reduce of [tp] transport kinds). The HTTP sources all-gather the shards, so every TP rank
+    holds the whole policy while a push runs: Colocate lets each rank feed the engines beside it; over the
+    weight-update group one rank (TP rank 0) broadcasts."""
     from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
 
     kinds = [DistributedTransport.kind, ColocatedTransport.kind]
@@ -294,10 +297,11 @@ def _tp_transport(tp: WeightUpdateGroup, transport: Any) -> Any:
     if transport is not None:
         codes[tp.rank] = 1 + kinds.index(str(mine))
     tp.allreduce_max(codes)
-    holders = [r for r, c in enumerate(codes.tolist()) if c]
-    if len(holders) > 1:
-        raise ValueError(f"TP ranks {holders} each hold a transport: give it to one TP rank (rank 0), None to "
-                         "the others")
-    if transport is None and holders:
-        return follower(kinds[int(codes[holders[0]]) - 1])
+    held = {r: kinds[c - 1] for r, c in enumerate(codes.tolist()) if c}
+    if len(set(held.values())) > 1 or (len(held) > 1 and DistributedTransport.kind in held.values()):
+        raise ValueError(f"TP ranks {sorted(held)} hold transports {sorted(set(held.values()))}: over the weight-"
+                         "update group one TP rank (rank 0) sends, the others get None; only colocated transports "
+                         "may sit on several TP ranks")
+    if transport is None and held:
+        return follower(next(iter(held.values())))
     return transport

@@ -1,0 +1,100 @@
+"""A tensor-parallel megatron policy's training state as one checkpoint, and back (checkpoint/training.py).
+
+Each TP rank holds a shard of every sharded LoRA factor (a column-parallel linear's B on rows, a row-parallel
+one's A on columns; megatron's `partition_dim` says which) and AdamW moments of the same shapes. A checkpoint
+holds the TP ranks' shards concatenated along that dim, written once by global rank 0 (the data-parallel
+replicas hold the same state), with the TP size in its meta: resuming splits them again, so it needs the same
+`parallelism.tensor` (refused otherwise, with the fix). Every rank's RNG state goes in too (`ranks`, in global
+rank order): with lora.dropout > 0 each rank draws its own masks, and a resumed rank continues its own stream.
+
+Every function here that gathers is a collective: every rank of the world calls it, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+Named = tuple[str, torch.Tensor]
+RNG_RANKS = "ranks"
+
+
+def shard_dim(p: torch.Tensor) -> int | None:
+    """The dim megatron split this parameter along over the TP group (None: every TP rank holds it whole)."""
+    return int(getattr(p, "partition_dim", 0)) if getattr(p, "tensor_model_parallel", False) else None
+
+
+def split_shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
+    """TP rank `rank`'s shard of a checkpointed tensor (the whole tensor when it is not sharded)."""
+    if dim is None or size == 1:
+        return full
+    if full.shape[dim] % size:
+        raise ValueError(f"a tensor of shape {tuple(full.shape)} does not split into {size} shards on dim {dim}")
+    return full.chunk(size, dim=dim)[rank].contiguous()
+
+
+@dataclass(frozen=True)
+class TensorShards:
+    """How this rank's adapter parameters (in the optimizer's order) split over its TP group."""
+
+    rank: int  # TP rank
+    size: int  # TP size
+    dims: tuple[int | None, ...]  # per parameter: the split dim, or None
+    group: Any  # megatron's TP process group
+
+    @classmethod
+    def of(cls, params: list[torch.nn.Parameter]) -> TensorShards | None:
+        """None at TP = 1: the checkpoint is this rank's state as it is."""
+        from megatron.core import parallel_state
+
+        size = parallel_state.get_tensor_model_parallel_world_size()
+        if size == 1:
+            return None
+        return cls(parallel_state.get_tensor_model_parallel_rank(), size, tuple(shard_dim(p) for p in params),
+                   parallel_state.get_tensor_model_parallel_group())
+
+    def _gather(self, t: torch.Tensor, dim: int | None) -> torch.Tensor:
+        if dim is None:
+            return t
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
+
+    def gather(self, adapter: list[Named], optimizer: Mapping[str, Any], rng: Mapping[str, Any]
+               ) -> tuple[list[Named], dict[str, Any], dict[str, Any]]:
+        """The TP group's adapter and AdamW state, whole, and every rank's RNG (a collective of the world)."""
+        if len(adapter) != len(self.dims):
+            raise ValueError(f"{len(adapter)} adapter tensors but {len(self.dims)} parameters were planned")
+        whole = [(n, self._gather(t, d)) for (n, t), d in zip(adapter, self.dims, strict=True)]
+        state = {i: {k: self._gather(v, self.dims[i]) if _moment(v, adapter[i][1]) else v for k, v in s.items()}
+                 for i, s in optimizer["state"].items()}
+        ranks: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, dict(rng))
+        return whole, {**optimizer, "state": state}, {**rng, RNG_RANKS: ranks}
+
+    def local(self, adapter: Mapping[str, torch.Tensor], names: list[str], optimizer: Mapping[str, Any]
+              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's shards of a checkpoint `gather` wrote (`names`: the parameters in the optimizer's order)."""
+        shards = {n: split_shard(adapter[n], d, self.rank, self.size) for n, d in zip(names, self.dims, strict=True)}
+        state = {i: {k: split_shard(v, self.dims[i], self.rank, self.size) if _moment(v, adapter[names[i]]) else v
+                     for k, v in s.items()} for i, s in optimizer["state"].items()}
+        return shards, {**optimizer, "state": state}
+
+    @staticmethod
+    def own_rng(rng: Mapping[str, Any]) -> Mapping[str, Any]:
+        """This rank's own RNG state from a checkpoint's (rank 0's where the checkpoint was written by a world
+        of another size)."""
+        ranks = rng.get(RNG_RANKS)
+        if isinstance(ranks, list) and len(ranks) == dist.get_world_size():
+            return dict(ranks[dist.get_rank()])
+        return rng
+
+
+def _moment(value: Any, param: torch.Tensor) -> bool:
+    """An AdamW moment of `param` (its shape), not the step counter."""
+    return isinstance(value, torch.Tensor) and value.shape == param.shape
+
