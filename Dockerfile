@@ -40,7 +40,7 @@ ENV PYTHONUNBUFFERED=1
 COPY --from=wheel /dist/kora-${KORA_VERSION}-py3-none-any.whl /tmp/
 # torch and sglang come with the base image; pip keeps them when they satisfy kora's ranges
 RUN pip install --no-cache-dir "megatron-core==${MEGATRON_CORE_VERSION}" \
-        "/tmp/kora-${KORA_VERSION}-py3-none-any.whl[trainer]" \
+        "/tmp/kora-${KORA_VERSION}-py3-none-any.whl[trainer,wandb]" \
     && rm /tmp/kora-${KORA_VERSION}-py3-none-any.whl
 # Ray's dashboard probes the cloud metadata servers unless ~/ray_bootstrap_config.yaml exists, whatever
 # RAY_USAGE_STATS_ENABLED says (kora_trainer/config/ray_env.py): kora's pods get a HOME that holds one

@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade 'pip>=25.1'
-	$(PY) -m pip install --quiet -e '.[operator,trainer]' --group dev
+	$(PY) -m pip install --quiet -e '.[operator,trainer,wandb]' --group dev
 	touch $(STAMP)
 
 setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests)

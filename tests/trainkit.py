@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -141,14 +142,18 @@ class TrainRun:
         return summary
 
 
-def wait_all(runs: list[TrainRun], timeout_s: float = TIMEOUT_S, poll: bool = True) -> None:
-    """Wait (bounded) for every run to exit, polling their control planes meanwhile; kill them on timeout."""
+def wait_all(runs: list[TrainRun], timeout_s: float = TIMEOUT_S, poll: bool = True,
+             each: Callable[[TrainRun], None] | None = None) -> None:
+    """Wait (bounded) for every run to exit, polling their control planes meanwhile (and calling `each` on a
+    running one after its poll); kill them on timeout."""
     deadline = time.monotonic() + timeout_s
     try:
         while any(r.running() for r in runs) and time.monotonic() < deadline:
             for r in runs:
                 if poll and r.running():
                     r.poll()
+                    if each is not None:
+                        each(r)
             time.sleep(0.3)
         late = [r for r in runs if r.running()]
         if late:

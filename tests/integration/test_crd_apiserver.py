@@ -156,7 +156,8 @@ def test_immutable_sections_and_mutable_lifecycle(crds, namespace):
 def test_printer_columns_show_status(crds, namespace):
     assert apply(crds, valid_job("cols"), namespace).returncode == 0
     status = {"status": {"phase": "Running", "syncMode": "Adapter",
-                         "progress": {"step": 7, "totalSteps": 20, "rewardMean": 0.625}}}
+                         "progress": {"step": 7, "totalSteps": 20, "rewardMean": 0.625, "secondsPerStep": 2.0,
+                                      "estimatedRemainingSeconds": 26, "eta": "26s"}}}
     crds.kubectl("patch", "ltj", "cols", "-n", namespace, "--subresource=status", "--type=merge",
                  "-p", json.dumps(status))
     out = crds.kubectl("get", "ltj", "-n", namespace).stdout.splitlines()
@@ -165,6 +166,9 @@ def test_printer_columns_show_status(crds, namespace):
     assert row[:5] == ["cols", "Adapter", "Running", "7", "0.625"]
     wide = crds.kubectl("get", "ltj", "cols", "-n", namespace, "-o", "wide").stdout
     assert "TOTAL" in wide and "20" in wide
+    lines = wide.splitlines()
+    header, row = lines[0].split(), next(line.split() for line in lines if line.startswith("cols "))
+    assert header[-1] == "ETA" and row[-1] == "26s"  # the ETA column, -o wide only (priority 1)
 
 
 def test_status_is_not_writable_through_the_main_resource(crds, namespace):

@@ -231,3 +231,52 @@ def test_clusterwide_install_grants_every_namespace_but_nothing_else(cluster, he
     assert {o["kind"] for o in objs} >= {"ClusterRole", "ClusterRoleBinding", "Deployment", "ServiceAccount"}
     release = f"kora-cw-{ns[-6:]}"  # the release name holds "kora": it is the full name
     check_matrix(cluster, f"system:serviceaccount:{ns}:{release}", ns, "default", f"{release}-key", "Cluster")
+
+
+MONITORING_ON = ["monitoring.serviceMonitor.enabled=true", "monitoring.serviceMonitor.labels.release=prom",
+                 "monitoring.podMonitor.enabled=true", "monitoring.podMonitor.namespaces[0]=ml",
+                 "monitoring.podMonitor.from[0].namespaceSelector.matchLabels.team=obs",
+                 "monitoring.grafanaDashboard.enabled=true"]
+
+
+def test_monitoring_is_off_by_default_and_renders_what_it_names_when_on(helm):
+    """The ServiceMonitor selects the operator's metrics Service and its port; the PodMonitor selects the pods the
+    operator builds for a job's Ray head (their labels, the control-plane port's name) and copies the job label the
+    dashboard filters by; the scrapers are admitted to 8068 in the jobs' namespace; the dashboard ConfigMap carries
+    dashboards/kora.json as it is, under Grafana's sidecar label."""
+    from kora_operator.api.job import LoRATrainingJob
+    from kora_operator.builders.rayjob import build_ray_job
+
+    def render(*sets: str) -> list[dict]:
+        args = [*TEMPLATE_ARGS[:-1]] + [a for s in sets for a in ("--set", s)]
+        return [d for d in yaml.safe_load_all(helm(*args).stdout) if d]
+
+    kinds = ("ServiceMonitor", "PodMonitor", "ConfigMap")
+    assert not [d for d in render() if d["kind"] in kinds]
+    docs = render(*MONITORING_ON)
+    (sm,) = [d for d in docs if d["kind"] == "ServiceMonitor"]
+    (svc,) = [d for d in docs if d["kind"] == "Service"]
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in svc["spec"]["ports"]]
+
+    (pm,) = [d for d in docs if d["kind"] == "PodMonitor"]
+    head = build_ray_job(LoRATrainingJob.model_validate(valid_job("mon")))["spec"]["rayClusterSpec"]["headGroupSpec"]
+    head_labels, ports = head["template"]["metadata"]["labels"], head["template"]["spec"]["containers"][0]["ports"]
+    assert pm["spec"]["selector"]["matchLabels"].items() <= head_labels.items()
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert {"name": endpoint["port"], "containerPort": 8068, "protocol": "TCP"} in ports
+    assert pm["spec"]["podTargetLabels"] == ["kora.dev/job-name"] and "kora.dev/job-name" in head_labels
+    assert pm["spec"]["namespaceSelector"] == {"matchNames": ["ml"]}
+
+    (allow,) = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["namespace"] == "ml"]
+    assert allow["spec"]["podSelector"]["matchLabels"].items() <= head_labels.items()
+    assert allow["spec"]["ingress"] == [{"ports": [{"protocol": "TCP", "port": 8068}],
+                                         "from": [{"namespaceSelector": {"matchLabels": {"team": "obs"}}}]}]
+
+    (dash,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert dash["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dash["data"]["kora.json"]) == json.loads((CHART / "dashboards/kora.json").read_text())
+    out = helm("lint", "--strict", str(CHART), *[a for s in MONITORING_ON for a in ("--set", s)]).stdout
+    assert "0 chart(s) failed" in out and "[WARNING]" not in out

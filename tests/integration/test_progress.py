@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 from kora_operator.tokens import derive_token
 from kora_trainer.control_plane import ControlPlane, Progress
+from kora_trainer.recorder import human_duration
 from localcluster import wait_for
 from operatorkit import TEST_OPERATOR_KEY, events, job_status
 from raykit import applied, ray_job_doc
@@ -57,7 +58,9 @@ def test_progress_moves_step_and_reward_in_status_and_kubectl_get(cluster, ns, r
         progress.update(phase="Running")
         for step, reward in ((1, 0.125), (4, 0.5)):
             synced(progress, step)
-            progress.update(step=step, rewardMean=reward)
+            left = (10 - step) * 1.5  # what the recorder's StepRate would say at 1.5 s per step
+            progress.update(step=step, rewardMean=reward, secondsPerStep=1.5, estimatedRemainingSeconds=round(left),
+                            eta=human_duration(left))
             s = wait_progress(cluster, "climb", ns, lambda s, n=step: s.get("progress", {}).get("step") == n,
                               f"progress.step {step}")
             row = cluster.kubectl("get", "ltj", "climb", "-n", ns, "--no-headers").stdout.split()
@@ -69,6 +72,9 @@ def test_progress_moves_step_and_reward_in_status_and_kubectl_get(cluster, ns, r
         assert p["lastSync"]["time"].endswith("Z")
         wide = cluster.kubectl("get", "ltj", "climb", "-n", ns, "-o", "wide").stdout
         assert "TOTAL" in wide.splitlines()[0] and " 10 " in wide.splitlines()[1]
+        # the ETA the trainer measured, copied into status.progress and shown by -o wide
+        assert p["secondsPerStep"] == 1.5 and p["estimatedRemainingSeconds"] == 9 and p["eta"] == "9s"
+        assert wide.splitlines()[0].split()[-1] == "ETA" and wide.splitlines()[1].split()[-1] == "9s"
         synced_cond = cond(s, "WeightsSynced")
         assert synced_cond["status"] == "True" and "version 4" in synced_cond["message"]
 

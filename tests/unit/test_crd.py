@@ -74,7 +74,7 @@ def test_defaults_enums_bounds_and_rules_are_in_the_schema():
 
 def test_immutable_sections_are_every_spec_field_but_the_mutable_ones():
     assert set(IMMUTABLE_SECTIONS) == {
-        "model", "lora", "algorithm", "data", "rollout", "parallelism", "deployment", "sync", "multiLora",
+        "model", "lora", "algorithm", "data", "rollout", "parallelism", "deployment", "sync", "multiLora", "tracking",
         "backend", "runtime", "image", "resources", "queueName"}
     # the lifecycle fields are the ones the operator passes on to the RayJob, and they stay mutable
     job = LoRATrainingJob.model_validate(valid_job("immut"))
@@ -102,6 +102,8 @@ def test_printer_columns_and_names():
     assert version["subresources"] == {"status": {}}
     visible = [c["name"] for c in version["additionalPrinterColumns"] if not c.get("priority")]
     assert visible == ["Mode", "Phase", "Step", "Reward", "Age"]
+    (eta,) = [c for c in version["additionalPrinterColumns"] if c["name"] == "ETA"]
+    assert eta["jsonPath"] == ".status.progress.eta" and eta["priority"] == 1  # -o wide only
 
 
 def test_adapter_printer_columns_and_its_spec_is_immutable():

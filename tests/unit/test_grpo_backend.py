@@ -107,3 +107,27 @@ def test_stale_rollouts_report_their_lag_not_a_gap(model_dir):
     assert fresh.rollout_version_lag == 0 and fresh.rollout_logp_gap_max is not None
     stale = b.train_step(RolloutBatch([PROMPT] * 2, [GOOD, BAD], lps, [1.0, 0.0], 2, weight_versions=["0", "0"]))
     assert stale.rollout_version_lag == 1 and stale.rollout_logp_gap_max is None
+
+
+def test_kl_to_base_is_measured_without_changing_the_update(model_dir):
+    """tracking.klToBase measures the KL to the base at klCoef 0 (actor/kl_loss) and leaves the step as it was; the
+    tracker statistics are the batch's own (reward spread, lengths) and the entropy estimate is -mean log π of the
+    sampled tokens under the policy that sampled them."""
+    runs = {}
+    for measured in (False, True):
+        torch.manual_seed(0)
+        b = backend(model_dir, **{"tracking.klToBase": str(measured).lower()})
+        with torch.no_grad():
+            for p in b.params:
+                p.add_(0.1 * torch.randn_like(p))
+        lps = b.logprobs([PROMPT] * 2, [GOOD, BAD])
+        runs[measured] = (b.train_step(RolloutBatch([PROMPT] * 2, [GOOD, BAD], lps, [1.0, 0.0], group_size=2)), lps)
+    (off, lps), (on, _) = runs[False], runs[True]
+    assert not off.kl_measured and off.kl == 0.0
+    assert on.kl_measured and on.kl > 0  # the adapted policy is away from the base
+    assert on.loss == off.loss and on.grad_norm == off.grad_norm  # klCoef 0: the loss does not include it
+    assert (on.reward_min, on.reward_max) == (0.0, 1.0) and abs(on.reward_std - 0.5 ** 0.5) < 1e-6
+    assert (on.response_len_min, on.response_len_max) == (4, 4) and on.lr == 0.02
+    sampled = [x for lp in lps for x in lp]
+    assert abs(on.entropy - (-sum(sampled) / len(sampled))) < 1e-5 and on.entropy > 0
+    assert on.ppo_kl != 0.0  # two inner epochs: the second pass runs on an updated policy

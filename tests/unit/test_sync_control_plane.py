@@ -7,6 +7,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -16,7 +17,7 @@ from kora_operator.builders.rayjob import build_ray_job
 from kora_operator.progress import read_status
 from kora_operator.runtimes import ray as rt
 from kora_trainer.config.control import CONTROL_PORT, ControlEnv
-from kora_trainer.config.status import MAX_MESSAGE, TrainerStatus
+from kora_trainer.config.status import MAX_MESSAGE, TrainerStatus, rfc3339
 from kora_trainer.control_plane import ControlPlane, Progress, resolve_linger, resolve_port, resolve_token
 from localcluster import wait_for
 from specs import valid_job
@@ -128,7 +129,8 @@ def test_status_says_where_a_run_resumed_from(plane):
     assert get(f"{cp.url}/status", "s3cret")[1]["resumedFromStep"] is None  # a fresh start
     progress.update(resumedFromStep=4, step=4, lastCheckpoint={"path": "/ckpt/step_00000004", "step": 4})
     body = get(f"{cp.url}/status", "s3cret")[1]
-    assert body["resumedFromStep"] == 4 and body["lastCheckpoint"] == {"path": "/ckpt/step_00000004", "step": 4}
+    assert body["resumedFromStep"] == 4
+    assert body["lastCheckpoint"] == {"path": "/ckpt/step_00000004", "step": 4, "time": None}  # time: not given
     assert OperatorProgress.model_validate({"lastCheckpoint": body["lastCheckpoint"]}).last_checkpoint.step == 4
 
 
@@ -226,3 +228,72 @@ def test_linger_seconds_from_the_environment(monkeypatch):
         monkeypatch.setenv("KORA_CONTROL_LINGER_S", bad)
         seconds, warning = resolve_linger()
         assert seconds == 0.0 and "KORA_CONTROL_LINGER_S" in warning
+
+
+def scrape(url: str) -> tuple[str, dict[str, float]]:
+    """GET /metrics without a token, parsed by prometheus_client's own text parser: (content type, samples)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=5) as resp:
+        kind, text = resp.headers["Content-Type"], resp.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return kind, samples
+
+
+def test_metrics_is_open_and_mirrors_status(plane):
+    """/metrics needs no token (like /healthz: numbers only; a PodMonitor cannot hold every job's token) and
+    says what /status says, read from the same progress at scrape time."""
+    cp, progress = plane
+    kind, before = scrape(cp.url)
+    assert kind.startswith("text/plain") and "version=" in kind
+    assert before["kora_trainer_step"] == 0 and before["kora_trainer_total_steps"] == 20
+    assert before["kora_trainer_phase{phase=Starting}"] == 1 and before["kora_trainer_phase{phase=Running}"] == 0
+    # what the run does not have yet is left out, not exported as 0
+    assert not {"kora_trainer_checkpoint_age_seconds", "kora_trainer_logp_gap_max", "kora_trainer_reward_mean",
+                "kora_trainer_last_sync_bytes"} & set(before)
+    progress.record_sync({"mode": "Adapter", "bytes": 4096, "ms": 12.5, "adapter_version": 7, "checksum": "c",
+                          "pushed": True}, step=7)
+    written = datetime.now(UTC) - timedelta(seconds=30)
+    progress.update(step=7, rewardMean=0.625, phase="Running", secondsPerStep=0.5, estimatedRemainingSeconds=7,
+                    eta="7s", lastCheckpoint={"path": "/ckpt/step_7", "step": 7, "time": rfc3339(written)},
+                    servingCheck={"logpGapMax": 3e-6, "logpGapMean": 1e-7, "version": 6, "step": 7})
+    _, after = scrape(cp.url)
+    assert after["kora_trainer_step"] == 7 and after["kora_trainer_reward_mean"] == 0.625
+    assert after["kora_trainer_last_sync_bytes"] == 4096 and after["kora_trainer_last_sync_milliseconds"] == 12.5
+    assert after["kora_trainer_last_sync_adapter_version"] == 7 and after["kora_trainer_synced_step"] == 7
+    assert after["kora_trainer_logp_gap_max"] == 3e-6 and after["kora_trainer_logp_gap_mean"] == 1e-7
+    assert after["kora_trainer_checkpoint_step"] == 7 and 29 <= after["kora_trainer_checkpoint_age_seconds"] < 90
+    assert after["kora_trainer_seconds_per_step"] == 0.5 and after["kora_trainer_estimated_remaining_seconds"] == 7
+    assert after["kora_trainer_phase{phase=Running}"] == 1 and after["kora_trainer_phase{phase=Starting}"] == 0
+    assert get(f"{cp.url}/status")[0] == 401  # /status stays behind the token
+    assert _post(f"{cp.url}/metrics") == 405  # read-only
+
+
+def _post(url: str) -> int:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST"), timeout=5) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_eta_from_the_measured_step_rate():
+    """The ETA the recorder puts on /status: the mean wall time of the last RATE_WINDOW steps x the steps left."""
+    from kora_trainer.recorder import RATE_WINDOW, StepRate, human_duration
+
+    rate = StepRate()
+    assert rate.progress(0, 10) == {} and rate.tick() is None  # no step timed yet: no ETA
+    rate.start()
+    took = rate.tick()
+    assert took is not None and took >= 0
+    got = rate.progress(1, 10)
+    assert got["estimatedRemainingSeconds"] == round(9 * got["secondsPerStep"]) and got["eta"].endswith("s")
+    rate._durations.extend([2.0] * RATE_WINDOW)  # a steady 2 s per step: the warm-up step has aged out
+    assert rate.progress(5, 605) == {"secondsPerStep": 2.0, "estimatedRemainingSeconds": 1200, "eta": "20m00s"}
+    assert rate.progress(605, 605)["estimatedRemainingSeconds"] == 0
+    assert [human_duration(x) for x in (0, 59.4, 61, 3725, 2 * 86400 + 3 * 3600)] == ["0s", "59s", "1m01s", "1h02m",
+                                                                                      "2d03h"]

@@ -8,6 +8,12 @@
        "syncedStep": the last step whose policy the engines serve, pushed or delta-skipped,
        "resumedFromStep": the checkpoint step this run resumed from | null (a fresh start)}
     GET /healthz  (open) -> 200 "ok"
+    GET /metrics  (open) -> Prometheus text: the same progress as gauges (tracking/prometheus.py)
+
+/metrics is open like /healthz, not behind the token: it reads nothing /status does not (numbers only: no paths,
+no messages, no config), changes nothing, and a PodMonitor that scrapes every trainer cannot hold each job's own
+token (one Secret per job, derived by the operator). Who may reach the port at all is the per-job NetworkPolicy's
+business (the operator only, unless the chart's monitoring.trainers.networkPolicy admits Prometheus too).
 
 The answer is the model `kora_trainer.config.status.TrainerStatus`, which the operator parses it with: its
 `Progress` keys the operator copies into the LoRATrainingJob status; `phase`, `syncMode`, `message`,
@@ -53,11 +59,13 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from kora_trainer.config.control import CONTROL_PORT, ControlEnv
 from kora_trainer.config.sections import SyncMode
 from kora_trainer.config.status import FINAL_PHASES, SyncProgress, TrainerStatus, rfc3339
+from kora_trainer.tracking.prometheus import trainer_registry
 
 
 class Progress:
@@ -154,7 +162,8 @@ MAX_BODY = 1 << 20  # a request body larger than this is refused (413), for ever
 DRAIN_LIMIT = 64 << 20  # after a refusal, at most this much of an unread body is read and dropped ...
 DRAIN_S = 5.0  # ... for at most this long, so that the client reads the answer instead of a reset
 READ_TIMEOUT_S = 30.0  # a request line, header or body that does not come within this is dropped / a 408
-ROUTES = "GET /status, GET /healthz"
+ROUTES = "GET /status, GET /healthz, GET /metrics"
+OPEN = ("/healthz", "/metrics")  # answered without the token (see the module's docstring for why)
 
 
 class _Refused(Exception):
@@ -203,9 +212,11 @@ class _Handler(BaseHTTPRequestHandler):
         return True
 
     def _send(self, code: int, body: Any, headers: Mapping[str, str] | None = None) -> None:
-        data = json.dumps(body).encode()
+        self._send_bytes(code, json.dumps(body).encode(), "application/json", headers)
+
+    def _send_bytes(self, code: int, data: bytes, content_type: str, headers: Mapping[str, str] | None = None) -> None:
         self.send_response(code)
-        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -282,13 +293,15 @@ class _Handler(BaseHTTPRequestHandler):
             if self._authorized():
                 self._send(*routes.handle(method, self.path, body))
             return
-        if path not in ("/status", "/healthz"):
+        if path not in ("/status", *OPEN):
             extra = f", {routes.prefix} routes" if routes is not None else ""
             self._send(404, {"error": f"no route {method} {path}: {ROUTES}{extra}"})
         elif method not in ("GET", "HEAD"):
             self._send(405, {"error": f"method {method} not allowed on {path}: {ROUTES}"}, {"Allow": "GET, HEAD"})
         elif path == "/healthz":
             self._send(200, "ok")
+        elif path == "/metrics":
+            self._send_bytes(200, generate_latest(self.plane.metrics), CONTENT_TYPE_LATEST)
         elif self._authorized():
             self._status()
 
@@ -304,6 +317,7 @@ class ControlPlane:
                  routes: Routes | None = None, read_timeout_s: float = READ_TIMEOUT_S):
         self.progress, self.token, self.routes = progress, token, routes
         self.final_read = threading.Event()  # set once an authorized GET /status returned a final phase
+        self.metrics = trainer_registry(progress.snapshot)
         host = host or ControlEnv.from_env(only=("host",)).host or "127.0.0.1"
         handler = type("Handler", (_Handler,), {"plane": self, "timeout": read_timeout_s})
         self.server = ThreadingHTTPServer((host, port), handler)

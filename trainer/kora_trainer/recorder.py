@@ -12,6 +12,10 @@ with `event` and `wall_s` (seconds since the command started):
 - `checkpoint`: step, path, ms;  `export`: step, path;  `stopped`: why the loop ended early;
 - `summary`: the same object printed as the last line of stdout.
 Tests read these events, not the log text.
+
+The same step metrics go to the trackers `tracking:` turns on (tracking/: TensorBoard, W&B), under the names
+docs/metrics.md lists, from `stepped` / `checkpointed` (and `adapter_stepped` for each adapter of a multi-adapter
+job, its tags under `<adapter>/`) only. The control plane's progress gets the measured step rate and the ETA.
 """
 
 from __future__ import annotations
@@ -19,16 +23,61 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from kora_trainer.backends.grpo_step import StepMetrics
+from kora_trainer.config.status import rfc3339
 from kora_trainer.control_plane import Progress
 from kora_trainer.serving_check import ServingCheck
 from kora_trainer.sync.sender import SyncReport
+from kora_trainer.tracking import Sink, adapter_scalars, checkpoint_scalars, step_scalars
 
 EVENT_FILE = "events.jsonl"
+RATE_WINDOW = 20  # the ETA's step rate: the mean wall time of this many latest steps (a warm-up step ages out)
+
+
+def human_duration(seconds: float) -> str:
+    """4m10s, 1h02m, 2d03h: the ETA column's spelling (kubectl's own ages read alike)."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+class StepRate:
+    """Wall seconds per step over the last RATE_WINDOW steps, and the ETA it gives."""
+
+    def __init__(self) -> None:
+        self._durations: deque[float] = deque(maxlen=RATE_WINDOW)
+        self._last: float | None = None
+
+    def start(self) -> None:
+        self._last = time.monotonic()
+
+    def tick(self) -> float | None:
+        """A step ended: its wall time since the previous one (None before start())."""
+        now = time.monotonic()
+        took = None if self._last is None else now - self._last
+        self._last = now
+        if took is not None:
+            self._durations.append(took)
+        return took
+
+    def progress(self, step: int, total: int) -> dict[str, Any]:
+        if not self._durations or not total:
+            return {}
+        per_step = statistics.fmean(self._durations)
+        left = max(0, total - step) * per_step
+        return {"secondsPerStep": round(per_step, 4), "estimatedRemainingSeconds": round(left),
+                "eta": human_duration(left)}
 
 
 def sync_paths(pushed: list[SyncReport]) -> dict[str, dict[str, Any]]:
@@ -65,9 +114,12 @@ class Run:
 class StepRecorder:
     """Everything the driver records, to stdout, the control plane and the event file at once."""
 
-    def __init__(self, run_dir: Path, steps: int, mode: str, t_start: float, serving: ServingCheck | None = None):
+    def __init__(self, run_dir: Path, steps: int, mode: str, t_start: float, serving: ServingCheck | None = None,
+                 sinks: list[Sink] | None = None):
         self.steps, self.mode, self.t_start = steps, mode, t_start
         self.serving = serving
+        self.sinks = sinks or []
+        self.rate = StepRate()
         self.run = Run()
         self.progress = Progress(steps, mode)
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,14 +141,15 @@ class StepRecorder:
         r = self.run
         r.start, r.resumed, r.saved_step = info["step"], True, info["step"]
         self.say(f"resumed from checkpoint step {info['step']} ({info['path']})")
-        self.progress.update(resumedFromStep=info["step"], step=info["step"],
-                             lastCheckpoint={"path": info["path"], "step": info["step"]})
+        saved = {"path": info["path"], "step": info["step"], "time": _written(info["path"])}
+        self.progress.update(resumedFromStep=info["step"], step=info["step"], lastCheckpoint=saved)
         self.event("resume", step=info["step"], path=info["path"], refused=list(info["skipped"]))
 
     def started(self, info: dict[str, Any], engines: int, engine_kind: str, transport: str,
                 first: SyncReport) -> None:
         self.progress.record_sync(first.as_dict(), step=self.run.start)
         self.progress.update(phase="Running")
+        self.rate.start()  # the first step's time counts from here: its generation, update and sync
         ranks = info.get("ranks", [])
         where = ", ".join(f"rank {r['rank']} on {r['address']} ({r['device']})" for r in ranks)
         self.say(f"ready in {self.wall_s():.1f}s: {info['backend']} on {info['device']} x {info.get('world', 1)} "
@@ -117,7 +170,9 @@ class StepRecorder:
         r.syncs.append(report)
         r.data_position = rstats["data_position"]
         self.progress.record_sync(report.as_dict(), step=step)
-        self.progress.update(step=step, rewardMean=metrics.reward_mean)
+        step_s = self.rate.tick()
+        self.progress.update(step=step, rewardMean=metrics.reward_mean, **self.rate.progress(step, self.steps))
+        self.track(step_scalars(metrics.as_dict(), rstats["gen_ms"], report.as_dict(), step_s), step)
         self.say(self._progress_line(step, metrics, rstats, report))
         if report.note:
             self.say(f"sync: {report.note}")
@@ -141,9 +196,23 @@ class StepRecorder:
                 f"gen {rstats['gen_ms'] / 1000:.2f}s train {metrics.train_ms / 1000:.2f}s "
                 f"clip {metrics.clip_frac:.3f} {gap} | sync {sync} | {self.wall_s():.0f}s")
 
+    def track(self, scalars: dict[str, float], step: int) -> None:
+        for sink in self.sinks:
+            sink.log(scalars, step)
+
+    def adapter_stepped(self, metrics: dict[str, Any], gen_ms: float, sync: dict[str, Any]) -> None:
+        """One adapter's step in a multi-adapter job: its event, and its series (tags under `<adapter>/`)."""
+        self.event("adapter_step", adapter=metrics["name"], **metrics, gen_ms=gen_ms, sync=sync)
+        self.track(adapter_scalars(metrics, gen_ms, sync), metrics["step"])
+
+    def adapter_checkpointed(self, name: str, step: int, path: str, ms: float) -> None:
+        self.event("adapter_checkpoint", adapter=name, step=step, path=path, ms=round(ms, 1))
+        self.track(checkpoint_scalars(ms, prefix=f"{name}/"), step)
+
     def checkpointed(self, step: int, path: str, ms: float) -> None:
         self.run.saved_step = step
-        self.progress.update(lastCheckpoint={"path": path, "step": step})
+        self.progress.update(lastCheckpoint={"path": path, "step": step, "time": rfc3339()})
+        self.track(checkpoint_scalars(ms), step)
         self.say(f"checkpoint step {step} -> {path} ({ms:.0f} ms)")
         self.event("checkpoint", step=step, path=path, ms=round(ms, 1))
 
@@ -153,6 +222,7 @@ class StepRecorder:
         self.event("export", step=self.run.done, path=path)
 
     def stopped(self, why: str) -> None:
+        self.progress.update(estimatedRemainingSeconds=0, eta=human_duration(0))  # this attempt runs no more steps
         self.say(why)
         self.event("stopped", step=self.run.done, why=why)
 
@@ -187,6 +257,16 @@ class StepRecorder:
 
     def close(self) -> None:
         self._events.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def _written(path: str) -> str | None:
+    """When the checkpoint at `path` was written (its directory's mtime), for the checkpoint-age gauge."""
+    try:
+        return rfc3339(datetime.fromtimestamp(Path(path).stat().st_mtime, UTC))
+    except OSError:
+        return None
 
 
 def read_events(run_dir: Path) -> list[dict[str, Any]]:

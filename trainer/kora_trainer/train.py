@@ -237,6 +237,20 @@ def time_left(limit: float | None) -> Any:
     return lambda: not limit or time.monotonic() - T_START + SHUTDOWN_S < limit
 
 
+def trackers(cfg: TrainerConfig, run_dir: Path) -> list[Any] | None:
+    """The trackers `tracking:` turns on (TensorBoard, W&B), started; None: one cannot start (the reason printed)."""
+    from kora_trainer.tracking import TrackingError, open_sinks
+
+    try:
+        sinks = open_sinks(cfg.tracking, run_dir, cfg.model_dump(by_alias=True, mode="json"))
+    except TrackingError as e:
+        print(e, file=sys.stderr)
+        return None
+    for sink in sinks:
+        print(f"tracking: {type(sink).__name__.removesuffix('Sink')} -> {sink.where}", flush=True)
+    return sinks
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load(args)
@@ -252,8 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
     multi = cfg.multi_lora.max_adapters > 0
     serving = ServingCheck(cfg.sync.served_logp_gap_max, cfg.sync.served_bad_steps_to_fail)
+    sinks = trackers(cfg, run_dir)
+    if sinks is None:
+        return 2
     rec = StepRecorder(run_dir, 0 if multi else total_steps(cfg), str(cfg.lora.effective_sync_mode), T_START,
-                       serving=None if multi else serving)
+                       serving=None if multi else serving, sinks=sinks)
     root = str(Path(cfg.checkpoint.path).resolve()) if cfg.checkpoint.path else None  # workers need not share cwd
     linger_s, linger_warning = resolve_linger()
     if linger_warning:

@@ -141,8 +141,7 @@ class MultiLoRARun:
             self.rewards[m.name].append(m.reward_mean)
             self.registry.stepped(m.name, m.step, m.reward_mean)
             report = self.publish(m.name)
-            self.rec.event("adapter_step", adapter=m.name, **m.as_dict(), gen_ms=stats[m.name]["gen_ms"],
-                           sync=report)
+            self.rec.adapter_stepped(m.as_dict(), stats[m.name]["gen_ms"], report)
             interval = self.cfg.checkpoint.interval
             if self.root and m.step % interval == 0:
                 self.save(m.name)
@@ -156,15 +155,15 @@ class MultiLoRARun:
         report = (feeding or reports)[0]
         ray.get(self.job.rollout.published.remote(name, report.adapter_version))
         self.registry.synced(name, report.adapter_version, report.as_dict())
-        return {k: report.as_dict()[k] for k in ("pushed", "bytes", "ms", "adapter_version", "checksum", "what")}
+        return {k: report.as_dict()[k] for k in ("pushed", "bytes", "ms", "adapter_version", "checksum", "what",
+                                                     "path")}
 
     def save(self, name: str) -> None:
         t0 = time.monotonic()
         meta = {"base_model": self.cfg.model.path, "sync_mode": "Adapter"}
         path = self.job.trainer.first("save_adapter", name, self.root, self.positions.get(name, 0), meta)
         self.registry.checkpointed(name, path, self.steps[name])
-        self.rec.event("adapter_checkpoint", adapter=name, step=self.steps[name], path=path,
-                       ms=round((time.monotonic() - t0) * 1000, 1))
+        self.rec.adapter_checkpointed(name, self.steps[name], path, (time.monotonic() - t0) * 1000)
 
 
 def register_given(cfg: TrainerConfig, registry: AdapterRegistry, restored: list[str]) -> None:

@@ -160,6 +160,7 @@ def loratrainingjob_crd() -> Schema:
         _column("Synced", "integer", ".status.progress.lastSync.adapterVersion",
                 "Policy version the engines serve", 1),
         _column("RayJob", "string", ".status.rayJobName", "RayJob or Ray submission id", 1),
+        _column("ETA", "string", ".status.progress.eta", "Time left at the measured step rate", 1),
     ])
 
 

@@ -42,6 +42,7 @@ class LossOut:
     kl: float
     clip_frac: float
     ratio_mean: float
+    ppo_kl: float = 0.0  # mean over tokens of log(π_old/π_θ): how far the update moved from the rollout policy
 
 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -78,14 +79,15 @@ def _reduce(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor
     pg = -torch.minimum(unclipped, clipped)  # [B, T]
     loss = (pg * weighted).sum() / denom
     kl_value = 0.0
-    if ref_logp is not None and kl_coef > 0:
+    if ref_logp is not None:  # given with kl_coef 0 too, to measure the KL to the base (tracking.klToBase)
         d = (ref_logp - logp) * mask  # [B, T] log(π_ref/π_θ)
         k3 = torch.exp(d) - d - 1.0  # [B, T] ≥ 0
         kl = (k3 * weighted).sum() / denom
-        loss = loss + kl_coef * kl
+        if kl_coef > 0:
+            loss = loss + kl_coef * kl
         kl_value = float(kl.detach())
     with torch.no_grad():
         n = mask.sum().clamp(min=1.0)
         was_clipped = ((ratio - 1.0).abs() > clip_eps).to(mask.dtype) * mask
         return LossOut(loss, float((pg * weighted).sum() / denom), kl_value, float(was_clipped.sum() / n),
-                       float((ratio * mask).sum() / n))
+                       float((ratio * mask).sum() / n), float(-log_ratio.sum() / n))

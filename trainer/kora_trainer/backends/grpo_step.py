@@ -50,6 +50,18 @@ class StepMetrics:
     dp_allreduce_ms: float = 0.0  # of train_ms: summing the adapter gradients over the data-parallel ranks
     logprob_ms: float = 0.0  # of train_ms: the no-grad log-prob forwards (temperature != 1, the KL reference)
     tokens: int = 0  # prompt + response tokens of the batch (one pass; innerEpochs passes train on them)
+    # for the trackers (docs/metrics.md): the batch's reward spread and lengths, and the update's statistics
+    reward_std: float = 0.0
+    reward_min: float = 0.0
+    reward_max: float = 0.0
+    response_len_max: int = 0
+    response_len_min: int = 0
+    kl_measured: bool = False  # `kl` was computed (algorithm.klCoef > 0 or tracking.klToBase); else it reads 0
+    ppo_kl: float = 0.0  # mean log(π_old/π_θ) over the tokens: how far the updates moved off the rollout policy
+    # Monte-Carlo estimate of the per-token entropy of the sampling policy: -mean log π(sampled token), unbiased
+    # because the tokens were drawn from that very distribution (no full-vocabulary logits kept)
+    entropy: float = 0.0
+    lr: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,7 +111,7 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
     with torch.no_grad():
         old = p.rollout_logp.to(device) if temperature == 1.0 else token_logp(p, temperature)  # [B, R]
         ref = None
-        if alg.kl_coef > 0:
+        if alg.kl_coef > 0 or owner.cfg.tracking.kl_to_base:
             with adapter_off():
                 ref = token_logp(p, temperature)  # [B, R] the base policy: the KL reference
     if device.type == "cuda":
@@ -111,7 +123,8 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
     on_policy = all(v == str(owner.version) for v in batch.weight_versions)
     n = len(batch)
     gbs = min(alg.effective_global_batch_size, n)
-    sums: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio": 0.0, "grad_norm": 0.0}
+    sums: dict[str, float] = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio": 0.0, "ppo_kl": 0.0,
+                              "grad_norm": 0.0}
     gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
     updates, reduce_s = 0, 0.0
     owner.model.train()  # LoRA dropout on
@@ -136,6 +149,7 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
                 sums["clip_frac"] += out.clip_frac * w
                 sums["kl"] += out.kl
                 sums["ratio"] += out.ratio_mean * w
+                sums["ppo_kl"] += out.ppo_kl * w
                 if updates == 0 and on_policy:  # before any update: trainer vs engine, the same policy
                     gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
                     gap_max = max(gap_max, float(gap.max()))
@@ -150,11 +164,12 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
     owner.model.eval()
     owner.version += 1
     # the shares' sums -> the step's (grad_norm is already the whole minibatch's on every rank)
-    keys = ["loss", "clip_frac", "kl", "ratio"]
+    keys = ["loss", "clip_frac", "kl", "ratio", "ppo_kl"]
     *totals, gap_sum, gap_n = owner.dp.sum([sums[k] for k in keys] + [gap_sum, gap_n])
     sums.update(zip(keys, totals, strict=True))
     gap_max = owner.dp.max(gap_max)
     rewards = torch.tensor(batch.rewards)
+    lengths = p.response_mask.sum(dim=1)  # [B]
     return StepMetrics(
         version=owner.version, reward_mean=float(rewards.mean()), samples=n, updates=updates,
         **{k: v / updates for k, v in sums.items()},
@@ -167,4 +182,8 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
         dp_allreduce_ms=round(reduce_s * 1000, 2),
         logprob_ms=round(logprob_s * 1000, 1),
         tokens=sum(len(x) for x in batch.prompt_ids) + sum(len(x) for x in batch.response_ids),
+        reward_std=float(rewards.std()) if n > 1 else 0.0, reward_min=float(rewards.min()),
+        reward_max=float(rewards.max()), response_len_max=int(lengths.max()), response_len_min=int(lengths.min()),
+        kl_measured=ref is not None, entropy=float(-(old * mask).sum() / mask.sum().clamp(min=1.0)),
+        lr=float(owner.optimizer.param_groups[0]["lr"]),
     )

@@ -42,6 +42,13 @@ class AdapterStepMetrics:
     rollout_logp_gap_max: float | None  # engine vs trainer on the sampled tokens (None: rollouts of an older version)
     rollout_version_lag: int
     train_ms: float
+    # for the trackers, as in grpo_step.StepMetrics (entropy: the same Monte-Carlo estimate from the sampled tokens)
+    reward_std: float = 0.0
+    reward_min: float = 0.0
+    reward_max: float = 0.0
+    kl_measured: bool = False
+    entropy: float = 0.0
+    lr: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -126,13 +133,18 @@ class MultiLoRATrainer:
             a.optimizer.zero_grad(set_to_none=True)
         a.step += 1
         loss, kl, clip_frac = b.dp.sum([sums["loss"], sums["kl"], sums["clip_frac"]])
+        rewards = torch.tensor(batch.rewards)
         return AdapterStepMetrics(
             name=s.name, step=a.step, reward_mean=float(torch.tensor(batch.rewards).mean()), samples=len(batch),
             loss=loss, clip_frac=clip_frac, kl=kl, grad_norm=grad_norm,
             response_len=float(p.response_mask.sum() / len(batch)),
             rollout_logp_gap_max=b.dp.max(gap_max) if on_policy else None,
             rollout_version_lag=a.step - 1 - min(served) if served else 0,
-            train_ms=round((time.monotonic() - t0) * 1000, 1))
+            train_ms=round((time.monotonic() - t0) * 1000, 1),
+            reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0, reward_min=float(rewards.min()),
+            reward_max=float(rewards.max()), kl_measured=ref is not None,
+            entropy=float(-(old * mask).sum() / mask.sum().clamp(min=1.0)),
+            lr=float(a.optimizer.param_groups[0]["lr"]))
 
     # ---- what leaves the trainer: the adapter's tensors and its PEFT config --------------------------------
 

@@ -263,6 +263,52 @@ class CheckpointSpec(CamelModel):
     checkpoint, never mixed into it."""
 
 
+class TensorBoardSpec(CamelModel):
+    """TensorBoard event files of the step metrics (docs/metrics.md lists the tags)."""
+
+    enabled: bool = True
+    """Write event files (torch.utils.tensorboard's SummaryWriter)."""
+    log_dir: str | None = None
+    """Where the event files go: unset, `<run dir>/tensorboard`; else this directory (absolute inside the
+    job's volume, so they outlive the pods: point `tensorboard --logdir` at it)."""
+
+
+class WandbMode(StrEnum):
+    OFFLINE = "offline"
+    ONLINE = "online"
+
+
+class WandbSpec(CamelModel):
+    """Weights & Biases: the same step metrics as TensorBoard, under the same names."""
+
+    enabled: bool = False
+    """Log to W&B (the `wandb` package: the trainer image has it; locally `pip install kora[wandb]`)."""
+    mode: WandbMode = WandbMode.OFFLINE
+    """offline (default): the run is written under `dir` and never leaves the pod (`wandb sync DIR` uploads
+    it later); online: streamed to the W&B server your cluster reaches (WANDB_API_KEY, WANDB_BASE_URL)."""
+    project: Annotated[str, Field(min_length=1)] = "kora"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); unset: the API key's default."""
+    name: str | None = None
+    """Run name; unset: the run directory's name."""
+    dir: str | None = None
+    """Where the run's files go: unset, the run directory (W&B makes `wandb/` in it); else this directory."""
+
+
+class TrackingSpec(CamelModel):
+    """Experiment tracking: TensorBoard and W&B, both fed per step from the trainer's step recorder."""
+
+    tensorboard: TensorBoardSpec = Field(default_factory=TensorBoardSpec)
+    """TensorBoard event files (default on)."""
+    wandb: WandbSpec = Field(default_factory=WandbSpec)
+    """Weights & Biases (default off; offline unless mode is online)."""
+    kl_to_base: bool = False
+    """Measure the KL to the base (actor/kl_loss) every step even when algorithm.klCoef is 0: one more no-grad
+    forward per step with the adapter switched off (with klCoef > 0 the loss computes it anyway). The loss is
+    unchanged."""
+
+
 ADAPTER_NAME = r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"  # a DNS label (dots allowed): the LoRAAdapter's name
 POLICY_ADAPTER = "kora-policy"  # SPEC's fixed name of the one adapter a single-adapter Adapter-mode job serves
 

@@ -72,6 +72,8 @@ class CheckpointProgress(CamelModel):
     """Checkpoint directory."""
     step: Annotated[int, Field(ge=0)] | None = None
     """Step it holds."""
+    time: datetime | None = None
+    """When it was written."""
 
 
 class Progress(CamelModel):
@@ -91,6 +93,12 @@ class Progress(CamelModel):
     """The serving check of the last on-policy step (PolicyServed False above its threshold)."""
     active_adapters: Annotated[int, Field(ge=0)] | None = None
     """Multi-adapter jobs: adapters holding a slot (registered and not yet finished)."""
+    seconds_per_step: Annotated[float, Field(ge=0)] | None = None
+    """Wall seconds per step, measured over the last steps this attempt ran (the ETA's rate)."""
+    estimated_remaining_seconds: Annotated[int, Field(ge=0)] | None = None
+    """Seconds until the last step at secondsPerStep: (totalSteps - step) x secondsPerStep; 0 once done."""
+    eta: str | None = None
+    """estimatedRemainingSeconds for people, e.g. 1h02m or 4m10s (the ETA column of kubectl get ltj -o wide)."""
 
 
 class TrainerPhase(StrEnum):

@@ -18,6 +18,7 @@ from kora_trainer.config.sections import (
     ParallelismSpec,
     RolloutSpec,
     SyncSpec,
+    TrackingSpec,
 )
 
 
@@ -50,6 +51,8 @@ class TrainerConfig(CamelModel):
     """Checkpoints and adapter export."""
     multi_lora: MultiLoRASpec = Field(default_factory=MultiLoRASpec)
     """Multi-adapter service settings (LoRAAdapter objects)."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """TensorBoard and W&B logging of the per-step metrics."""
     backend: Backend = Backend.AUTO
     """Training backend: torch (HF models; CPU and small GPU runs), megatron (megatron-core; GPU),
     or auto (megatron when a GPU is present and the model is large, torch otherwise)."""
