@@ -65,7 +65,7 @@ def needs_gpus(deployment: str) -> None:
 
 @pytest.mark.parametrize(("mode", "deployment"), [
     ("Adapter", "Disaggregated"), ("EngineMerge", "Disaggregated"), ("Merge", "Disaggregated"),
-    ("Merge", "Colocate"), ("Adapter", "Colocate")])
+    ("Merge", "Colocate"), ("Adapter", "Colocate"), ("EngineMerge", "Colocate")])
 def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy, tmp_path, mode, deployment):
     needs_gpus(deployment)
     run = TrainRun(toy, tmp_path, data(toy), *MEGATRON, f"lora.syncMode={mode}", f"deployment.mode={deployment}",

@@ -486,7 +486,14 @@ class EngineModel:
                 w0 = self._pristine.get(t.name)
                 if w0 is None:
                     w0 = self._pristine[t.name] = p.detach().clone()
-                p.copy_(folded(w0, a, b, alpha / rank, t, torch.float32 if fp32 else p.dtype))
+                if fp32 and p.is_cuda and not t.experts and not t.transposed:
+                    # the fused fold (kernels/fold.py): W0 read once, W written once, fp32 accumulation rounded
+                    # once; the torch expression below makes W0 and B·A in fp32 first (several passes over W)
+                    from kora_trainer.kernels.fold import fold
+
+                    fold(w0, a.to(p.device), b.to(p.device), alpha / rank, out=p.data)
+                else:
+                    p.copy_(folded(w0, a, b, alpha / rank, t, torch.float32 if fp32 else p.dtype))
 
 
 @dataclass
