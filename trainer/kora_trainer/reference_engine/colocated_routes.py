@@ -89,6 +89,7 @@ class _Plan:
     doorbell: torch.Tensor | None = None  # Adapter: int64 [1] in shared memory, -1 until the first push
     rung: int = -1  # Adapter: the doorbell value last published
     merge: tuple[float, int, bool] | None = None  # EngineMerge: lora_alpha, lora_rank, merge_fp32
+    folds: dict[int, Any] = field(default_factory=dict)  # EngineMerge: each slot's planned fold (model.PlannedMerge)
     packed: PackedChecksum | None = None
     lora_name: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -264,7 +265,11 @@ class ColocatedRoutes:
             raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
         alpha, rank, fp32 = merge
         engine = self.server.engine
-        engine.merge_lora({m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}, alpha, rank, fp32)
+        pairs = {m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}
+        fold = plan.folds.get(slot)
+        if fold is None or not fold.current():  # planned once per slot: its pairs stay at their addresses
+            fold = plan.folds[slot] = engine.planned_merge(pairs, alpha, rank, fp32)
+        fold()
         if b.get("weight_version") is not None:
             engine.weight_version = str(b["weight_version"])
         return _answer(engine.weight_version, b, lambda: packed(ring.buffers[slot]))

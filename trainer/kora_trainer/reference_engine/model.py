@@ -23,7 +23,7 @@ import inspect
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -33,7 +33,7 @@ from torch import nn
 
 from kora_trainer.hf_experts import fused_parent, fused_slot
 from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, MultiLoRAHooks
-from kora_trainer.reference_engine.param_lora import ROUTER_MERGE_REFUSED, folded, resolve_target
+from kora_trainer.reference_engine.param_lora import ROUTER_MERGE_REFUSED, ParamTarget, folded, resolve_target
 from kora_trainer.reference_engine.sampling import (
     SamplingParams,
     apply_penalties,
@@ -464,6 +464,46 @@ class EngineModel:
         for name in names:
             self._pristine.pop(fused_parent(name) or name, None)
 
+    def _merge_targets(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
+                       ) -> dict[str, ParamTarget]:
+        """The parameter each pair folds into, every pair checked before any weight changes (a router pair is
+        refused: SPEC rule 5)."""
+        modules = dict(self.model.named_modules())
+        targets = {key: resolve_target(modules, key, a, b, None) for key, (a, b) in pairs.items()}
+        for key, t in targets.items():
+            if t.router:
+                raise ValueError(ROUTER_MERGE_REFUSED.format(module=t.module))
+            if t.rank(pairs[key][0]) != rank:
+                raise ValueError(f"{key}: lora_A has rank {t.rank(pairs[key][0])}, the request says lora_rank {rank}")
+        return targets
+
+    def _pristine_of(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        w0 = self._pristine.get(name)
+        if w0 is None:
+            w0 = self._pristine[name] = p.detach().clone()
+        return w0
+
+    def planned_merge(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rank: int,
+                      fp32: bool) -> PlannedMerge:
+        """`merge_lora` of pairs that stay where they are between calls (the colocated ring's slot), planned once.
+        On a GPU (2-D weights, merge_fp32) each call is one replay of the fused folds captured in a CUDA graph
+        (kernels/fold.GroupedFold: the kernel and numbers of `merge_lora` there); elsewhere it is `merge_lora`."""
+        from kora_trainer.kernels.fold import FoldItem, GroupedFold
+
+        targets = self._merge_targets(pairs, rank)
+        if not fp32 or any(t.experts or t.transposed or not self._param(t.name).is_cuda for t in targets.values()):
+            return PlannedMerge(self, lambda: self.merge_lora(pairs, alpha, rank, fp32), {})
+        with torch.no_grad():
+            bases = {t.name: self._pristine_of(t.name, self._param(t.name)) for t in targets.values()}
+            fold = GroupedFold([FoldItem(bases[t.name], self._param(t.name).data, pairs[k][0], pairs[k][1],
+                                         alpha / rank) for k, t in targets.items()])
+
+        def replay() -> None:
+            with self.writing(), torch.no_grad():
+                fold()
+
+        return PlannedMerge(self, replay, bases)
+
     def merge_lora(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], alpha: float, rank: int,
                    fp32: bool) -> None:
         """W = W0 + (alpha/rank)·ΔW for each pair, from the pristine W0 (so merges never accumulate): B·A into a
@@ -472,20 +512,12 @@ class EngineModel:
         With fp32 the sum is formed in float32 and rounded to the weight dtype once. Every pair is checked
         before any weight changes; a router pair is refused (SPEC rule 5).
         """
-        modules = dict(self.model.named_modules())
-        targets = {key: resolve_target(modules, key, a, b, None) for key, (a, b) in pairs.items()}
-        for key, t in targets.items():
-            if t.router:
-                raise ValueError(ROUTER_MERGE_REFUSED.format(module=t.module))
-            if t.rank(pairs[key][0]) != rank:
-                raise ValueError(f"{key}: lora_A has rank {t.rank(pairs[key][0])}, the request says lora_rank {rank}")
+        targets = self._merge_targets(pairs, rank)
         with self.writing(), torch.no_grad():
             for key, t in targets.items():
                 a, b = pairs[key]
                 p = self._param(t.name)
-                w0 = self._pristine.get(t.name)
-                if w0 is None:
-                    w0 = self._pristine[t.name] = p.detach().clone()
+                w0 = self._pristine_of(t.name, p)
                 if fp32 and p.is_cuda and not t.experts and not t.transposed:
                     # the fused fold (kernels/fold.py): W0 read once, W written once, fp32 accumulation rounded
                     # once; the torch expression below makes W0 and B·A in fp32 first (several passes over W)
@@ -494,6 +526,21 @@ class EngineModel:
                     fold(w0, a.to(p.device), b.to(p.device), alpha / rank, out=p.data)
                 else:
                     p.copy_(folded(w0, a, b, alpha / rank, t, torch.float32 if fp32 else p.dtype))
+
+
+class PlannedMerge:
+    """`EngineModel.planned_merge`'s answer: call it to fold the pairs again (it takes the weight lock). It holds
+    the pristine bases it was planned over; when a full-weight write has replaced one since (`weights_replaced`),
+    `current()` is False and the caller plans again."""
+
+    def __init__(self, engine: EngineModel, run: Callable[[], None], bases: dict[str, torch.Tensor]):
+        self.engine, self.run, self.bases = engine, run, bases
+
+    def current(self) -> bool:
+        return all(self.engine._pristine.get(n) is w0 for n, w0 in self.bases.items())
+
+    def __call__(self) -> None:
+        self.run()
 
 
 @dataclass
