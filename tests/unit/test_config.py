@@ -74,3 +74,29 @@ def test_config_imports_no_torch_or_kubernetes():
             "print(sorted(bad)); sys.exit(1 if bad else 0)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("override", "field"), [
+    ("algorithm.rolloutBatchSize=1000000000000", "algorithm.rolloutBatchSize"),
+    ("algorithm.nSamplesPerPrompt=100000", "algorithm.nSamplesPerPrompt"),
+    ("algorithm.maxNewTokens=1000000000", "algorithm.maxNewTokens"),
+    ("algorithm.numSteps=10000000000", "algorithm.numSteps"),
+    ("algorithm.seed=-1", "algorithm.seed"),
+    ("algorithm.seed=36893488147419103232", "algorithm.seed"),  # 2^65: torch's generators take 64 bits
+])
+def test_batch_and_length_integers_are_bounded_and_the_field_is_named(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, ["model.path=/m", "data.path=/d.jsonl", override])
+
+
+def test_an_adapters_integers_are_bounded_like_the_jobs():
+    from pydantic import ValidationError
+
+    from kora_trainer.config.sections import AdapterRunConfig
+
+    base = {"rank": 4, "data": {"path": "/d.jsonl"}}
+    AdapterRunConfig.model_validate({**base, "rolloutBatchSize": 64, "seed": 7})
+    for field, value in (("rolloutBatchSize", 10**12), ("nSamplesPerPrompt", 10**6), ("numSteps", 10**12),
+                         ("seed", -3), ("seed", 2**64)):
+        with pytest.raises(ValidationError, match=field):
+            AdapterRunConfig.model_validate({**base, field: value})

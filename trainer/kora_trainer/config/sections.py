@@ -91,6 +91,19 @@ class Algorithm(StrEnum):
     GRPO = "GRPO"
 
 
+
+# Upper bounds on the batch and length integers: far past any real job, and below what would make the trainer
+# allocate without end or torch's generators overflow (a seed must fit in 64 bits), so a typo is refused at
+# apply with the field's name rather than failing the run later.
+MAX_ROLLOUT_BATCH = 1 << 16
+MAX_GROUP = 1 << 12
+MAX_STEPS = 10**9
+MAX_EPOCHS = 10**6
+MAX_NEW_TOKENS = 1 << 20
+SEED_MAX = (1 << 63) - 1
+Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
+
+
 class AlgorithmSpec(CamelModel):
     """The RL algorithm and its batch shape."""
 
@@ -98,17 +111,17 @@ class AlgorithmSpec(CamelModel):
     """The policy-gradient algorithm. GRPO: group-relative advantages, clipped ratio, optional KL."""
     lr: Annotated[float, Field(gt=0, le=1.0)] = 1e-5
     """Adapter learning rate (AdamW)."""
-    num_steps: Annotated[int, Field(ge=1)] | None = None
+    num_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
     """Optimizer steps to train. Exclusive with numEpochs; neither set means one epoch."""
-    num_epochs: Annotated[int, Field(ge=1)] | None = None
+    num_epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
     """Passes over the dataset (steps = numEpochs x dataset rows / rolloutBatchSize)."""
-    rollout_batch_size: Annotated[int, Field(ge=1)] = 32
+    rollout_batch_size: Annotated[int, Field(ge=1, le=MAX_ROLLOUT_BATCH)] = 32
     """Prompt groups generated per step."""
-    n_samples_per_prompt: Annotated[int, Field(ge=1)] = 8
+    n_samples_per_prompt: Annotated[int, Field(ge=1, le=MAX_GROUP)] = 8
     """Responses sampled per prompt (the GRPO group size)."""
-    global_batch_size: Annotated[int, Field(ge=1)] | None = None
+    global_batch_size: Annotated[int, Field(ge=1, le=MAX_ROLLOUT_BATCH * MAX_GROUP)] | None = None
     """Samples per optimizer step; defaults to rolloutBatchSize x nSamplesPerPrompt."""
-    max_new_tokens: Annotated[int, Field(ge=1)] = 1024
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_NEW_TOKENS)] = 1024
     """Longest response the engines generate."""
     temperature: Annotated[float, Field(ge=0.0)] = 1.0
     """Sampling temperature for rollouts."""
@@ -118,7 +131,7 @@ class AlgorithmSpec(CamelModel):
     """Weight of the KL penalty to the frozen base (the policy with the adapter switched off)."""
     inner_epochs: Annotated[int, Field(ge=1, le=16)] = 1
     """Optimizer passes over each rollout batch."""
-    seed: int = 1234
+    seed: Seed = 1234
     """Random seed for sampling, dropout and data order."""
 
     @property
@@ -334,17 +347,17 @@ class AdapterRunConfig(CamelModel):
     """LoRA alpha (scaling alpha/rank); default the job's lora.alpha."""
     lr: Annotated[float, Field(gt=0, le=1.0)] | None = None
     """Learning rate of this adapter's own optimizer; default the job's algorithm.lr."""
-    rollout_batch_size: Annotated[int, Field(ge=1)] | None = None
+    rollout_batch_size: Annotated[int, Field(ge=1, le=MAX_ROLLOUT_BATCH)] | None = None
     """Prompt groups per optimizer step of this adapter; default the job's."""
-    n_samples_per_prompt: Annotated[int, Field(ge=1)] | None = None
+    n_samples_per_prompt: Annotated[int, Field(ge=1, le=MAX_GROUP)] | None = None
     """Group size; default the job's. Must divide, or be a multiple of, the trainer's DP size."""
     data: DataSpec
     """This adapter's prompts and reward."""
-    num_steps: Annotated[int, Field(ge=1)] | None = None
+    num_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
     """Stop after this many of its own optimizer steps."""
-    num_epochs: Annotated[int, Field(ge=1)] | None = None
+    num_epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
     """Or after this many passes over its data (default 1): numEpochs x rows // rolloutBatchSize steps."""
-    seed: int | None = None
+    seed: Seed | None = None
     """Seed of its LoRA init, data order and sampling; default the job's algorithm.seed."""
 
     @model_validator(mode="after")
