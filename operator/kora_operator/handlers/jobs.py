@@ -42,7 +42,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.finalizer = FINALIZER
     # we post our own Events, one per transition; kopf's log-lines-as-events would double them
     settings.posting.enabled = False
-    # handlers wait on API round trips, not on CPU: more of them in flight keeps up with a burst (bench/operator_scale.py)
+    # handlers wait on API round trips, not on CPU: more in flight keep up with a burst (bench/operator_scale.py)
     settings.execution.max_workers = 48
     # after its own patch kopf holds an object's next events until the patched version comes back through the
     # watch. In a burst the watch lags more than kopf's 5 s: kopf then took the status write's event (older than
