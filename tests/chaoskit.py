@@ -9,6 +9,7 @@ stay up.
 from __future__ import annotations
 
 import json
+import random
 import time
 from collections import Counter
 from typing import Any
@@ -108,5 +109,78 @@ def table(r: dict[str, Any]) -> str:
             ("valid jobs applied in between / reconciled",
              f"{r['valid_jobs_in_between']} / {r['valid_jobs_reconciled']}"),
             ("operator restarts (crashes)", r.get("operator_crashes", "?")),
+            ("seconds", r["seconds"])]
+    return "\n".join(f"  {k:44}{v}" for k, v in rows)
+
+
+def kill_during_burst(custom: Any, core: Any, op: Any, ns: str, jobs: int, kills: int, seed: int,
+                      timeout: float = 300.0) -> dict[str, Any]:
+    """`jobs` valid jobs created in `kills` waves; during each wave the operator is SIGKILLed once a random number
+    of the wave's RayJobs exist (an observable moment in the middle of reconciling), then started again. Then:
+    every job converges to Pending with exactly one child of each kind, no child is left without its job, and
+    no Secret's value changed after it was first seen (a token or key rotated by a second create)."""
+    rng = random.Random(seed)
+    per_wave = max(1, jobs // kills)
+    t0 = time.monotonic()
+    made = 0
+    first_seen: dict[str, Any] = {}
+
+    def rayjobs() -> int:
+        return len(custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"])
+
+    def remember_secrets() -> None:
+        for s in core.list_namespaced_secret(ns, label_selector="kora.dev/job-name").items:
+            first_seen.setdefault(s.metadata.name, s.data)
+
+    for _ in range(kills):
+        wave = range(made, min(jobs, made + per_wave)) if made < jobs else range(0)
+        for i in wave:
+            custom.create_namespaced_custom_object(GROUP, VERSION, ns, "loratrainingjobs", valid_job(f"burst-{i}"))
+        target = made + rng.randint(0, len(wave))  # kill once this many RayJobs exist
+        made += len(wave)
+        wait_for(lambda at=target: rayjobs() >= at, timeout=timeout, interval=0.05, what=f"{target} RayJobs")
+        op.kill()
+        remember_secrets()
+        op.start()
+    names = {f"burst-{i}" for i in range(made)}
+
+    def converged() -> bool:
+        items = custom.list_namespaced_custom_object(GROUP, VERSION, ns, "loratrainingjobs")["items"]
+        return sum((i.get("status") or {}).get("phase") == "Pending" for i in items if i["metadata"]["name"] in names) \
+            == len(names)
+
+    wait_for(converged, timeout=timeout, interval=0.5, what=f"all {len(names)} jobs Pending")
+    per_job: dict[str, Counter[str]] = {n: Counter() for n in names}
+    orphans = 0
+    children = [("ConfigMap", o) for o in core.list_namespaced_config_map(ns, label_selector="kora.dev/job-name").items]
+    children += [("Secret", o) for o in core.list_namespaced_secret(ns, label_selector="kora.dev/job-name").items]
+    for kind, o in children:
+        job = o.metadata.labels["kora.dev/job-name"]
+        if job in per_job:
+            per_job[job][kind] += 1
+        else:
+            orphans += 1
+    for r in custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]:
+        job = r["metadata"]["labels"].get("kora.dev/job-name")
+        if job in per_job:
+            per_job[job]["RayJob"] += 1
+        else:
+            orphans += 1
+    want = Counter({"ConfigMap": 1, "Secret": 2, "RayJob": 1})
+    remember_secrets()
+    listed = core.list_namespaced_secret(ns, label_selector="kora.dev/job-name").items
+    secrets = {s.metadata.name: s.data for s in listed}
+    return {
+        "jobs": len(names), "kills": kills,
+        "jobs_not_exactly_one_set": sorted(n for n, c in per_job.items() if c != want),
+        "orphans": orphans, "secrets_changed": sorted(n for n, d in first_seen.items() if secrets.get(n) != d),
+        "seconds": round(time.monotonic() - t0, 1),
+    }
+
+
+def kill_table(r: dict[str, Any]) -> str:
+    rows = [("operator SIGKILLs during the burst", r["kills"]), ("jobs", r["jobs"]),
+            ("jobs without exactly one set of children", len(r["jobs_not_exactly_one_set"])),
+            ("orphaned children", r["orphans"]), ("Secrets whose value changed", len(r["secrets_changed"])),
             ("seconds", r["seconds"])]
     return "\n".join(f"  {k:44}{v}" for k, v in rows)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
-from chaoskit import fuzz_specs, table
+from chaoskit import fuzz_specs, kill_during_burst, kill_table, table
 from fuzzspecs import sample
 from operatorkit import Operator, install_crds
 
@@ -31,3 +31,20 @@ def test_fuzzed_specs_are_refused_naming_their_field_and_get_no_children(cluster
     assert r["child_objects_of_malformed"] == 0
     assert r["valid_jobs_reconciled"] == r["valid_jobs_in_between"] > 0
     assert r["operator_crashes"] == 0
+
+
+CI_JOBS, CI_KILLS = 24, 8
+
+
+def test_the_operator_killed_during_a_burst_leaves_one_set_of_children_per_job(cluster, namespace):
+    install_crds(cluster)
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    op = Operator(cluster, [namespace], LOGS / f"operator-{namespace}.log").start()
+    try:
+        r = kill_during_burst(client.CustomObjectsApi(api), client.CoreV1Api(api), op, namespace, CI_JOBS, CI_KILLS,
+                              seed=18)
+        print("\n" + kill_table(r))
+    finally:
+        op.stop()
+    assert r["jobs"] == CI_JOBS and r["kills"] == CI_KILLS
+    assert r["jobs_not_exactly_one_set"] == [] and r["orphans"] == 0 and r["secrets_changed"] == []
