@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -37,6 +37,9 @@ multi-lora-curves: setup  ## two adapters on the toy at once for 8 minutes: both
 
 bench-multi-lora: setup  ## multi-LoRA sync bytes/ms and generation throughput at 1, 2 and 4 adapters, as ratios to 1
 	$(PY) bench/multi_lora.py --out bench/results/multi_lora_scaling_cpu_$$(date +%F).json
+
+chaos: setup testbin  ## faults on purpose (issue 18 item 1), full size: one script per part, each writing bench/results/chaos_*.json
+	$(PY) bench/chaos_operator.py
 
 nettrace: setup testbin  ## `make demo` under strace: every network destination its processes reached (hack/nettrace.py)
 	$(PY) hack/nettrace.py -- $(PY) hack/demo.py --steps 40

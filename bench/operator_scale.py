@@ -10,12 +10,16 @@ subprocess. Both runs create their N objects the same way (the Python client, `-
 threads) while one watch per run records when each RayJob appears.
 
 Prints: per-object latency from create to RayJob seen (p50/p99), time until all N exist, the
-operator's peak RSS, the same for N RayJobs created directly (the floor), and the ratios.
+operator's peak RSS and CPU seconds, the same for N RayJobs created directly (the floor), the ratios
+against issue 18's targets (all within 3x the floor's all-exist time, p99 within 3x it, RSS <= 250 MiB),
+and the API requests per job (the kube-apiserver's own apiserver_request_total, by verb and resource,
+counted from the first create until every job shows Pending). Writes bench/results/operator_scale_<date>.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import json
 import os
 import shutil
@@ -27,6 +31,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -39,6 +44,7 @@ from kubernetes import client, config, watch  # noqa: E402
 from localcluster import LocalCluster, free_ports, wait_for  # noqa: E402
 
 KORA = Path(sys.executable).with_name("kora")
+TARGET_ALL_EXIST, TARGET_P99, TARGET_RSS_MIB = 3.0, 3.0, 250.0  # issue 18 item 5
 
 
 def job(name: str) -> dict[str, Any]:
@@ -50,15 +56,21 @@ def job(name: str) -> dict[str, Any]:
 
 
 def watch_rayjobs(api: Any, ns: str, n: int, seen: dict[str, float], done: threading.Event) -> None:
-    """Record the local time each RayJob in `ns` is first seen, until n were seen."""
-    w = watch.Watch()
-    for ev in w.stream(api.list_namespaced_custom_object, "ray.io", "v1", ns, "rayjobs", timeout_seconds=600):
-        name = ev["object"]["metadata"]["name"]
-        if ev["type"] == "ADDED" and name not in seen:
-            seen[name] = time.monotonic()
-            if len(seen) >= n:
-                break
-    w.stop()
+    """Record the local time each RayJob in `ns` is first seen, until n were seen.
+
+    A watch the API server ends early (its watch cache re-initialising under load does that) is opened again;
+    a new watch starts with every existing RayJob as ADDED, so one made while none was open is stamped late
+    (its latency overstated, never understated)."""
+    deadline = time.monotonic() + 600
+    while len(seen) < n and time.monotonic() < deadline:
+        w = watch.Watch()
+        for ev in w.stream(api.list_namespaced_custom_object, "ray.io", "v1", ns, "rayjobs", timeout_seconds=600):
+            name = ev["object"]["metadata"]["name"]
+            if ev["type"] == "ADDED" and name not in seen:
+                seen[name] = time.monotonic()
+                if len(seen) >= n:
+                    break
+        w.stop()
     done.set()
 
 
@@ -97,11 +109,66 @@ def peak_rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a living process."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def api_requests(cluster: LocalCluster) -> tuple[Counter[str], Counter[str]]:
+    """The API server's request counts so far and the seconds spent answering them (its request-duration
+    histogram's sum, in ms), by "VERB resource[/subresource]" (all clients, all codes; WATCH excluded: a watch
+    lasts as long as it is open)."""
+    counts: Counter[str] = Counter()
+    ms: Counter[str] = Counter()
+    for line in cluster.kubectl("get", "--raw", "/metrics").stdout.splitlines():
+        metric = line.split("{", 1)[0]
+        if metric not in ("apiserver_request_total", "apiserver_request_duration_seconds_sum"):
+            continue
+        labels = dict(kv.split("=", 1) for kv in line[line.index("{") + 1:line.rindex("}")].split(","))
+        labels = {k: v.strip('"') for k, v in labels.items()}
+        if labels.get("verb") == "WATCH":
+            continue
+        resource = labels.get("resource", "") + (f"/{labels['subresource']}" if labels.get("subresource") else "")
+        value = float(line.rsplit(" ", 1)[1])
+        key = f"{labels.get('verb')} {resource}"
+        if metric == "apiserver_request_total":
+            counts[key] += int(value)
+        else:
+            ms[key] += int(1000 * value)
+    return counts, ms
+
+
+def created_at(api: Any, ns: str, group: str, version: str, plural: str) -> dict[str, dt.datetime]:
+    items = api.list_namespaced_custom_object(group, version, ns, plural)["items"]
+    return {i["metadata"]["name"]: dt.datetime.fromisoformat(i["metadata"]["creationTimestamp"]) for i in items}
+
+
+def server_view(api: Any, ns: str, jobs: bool) -> dict[str, float]:
+    """The same figures on the API server's clock (creationTimestamps, whole seconds), without the bench's watch
+    in the way (under load its events arrive late): all-exist = last RayJob - first object created; with `jobs`,
+    per job its RayJob's creationTimestamp minus its own (p99, max)."""
+    rays = created_at(api, ns, "ray.io", "v1", "rayjobs")
+    if not jobs:
+        return {"server_all_exist_s": (max(rays.values()) - min(rays.values())).total_seconds()}
+    made = created_at(api, ns, "kora.dev", "v1alpha1", "loratrainingjobs")
+    lags = sorted((rays[f"{k}-ray"] - v).total_seconds() for k, v in made.items() if f"{k}-ray" in rays)
+    return {"server_all_exist_s": (max(rays.values()) - min(made.values())).total_seconds(),
+            "server_lag_p99_s": lags[min(len(lags) - 1, int(0.99 * len(lags)))], "server_lag_max_s": lags[-1]}
+
+
+def all_pending(api: Any, ns: str, n: int) -> bool:
+    items = api.list_namespaced_custom_object("kora.dev", "v1alpha1", ns, "loratrainingjobs")["items"]
+    return sum((i.get("status") or {}).get("phase") == "Pending" for i in items) >= n
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=500, help="jobs to create (default 500)")
     parser.add_argument("--concurrency", type=int, default=8, help="client threads creating objects")
     parser.add_argument("--keep-logs", default="/tmp/kora-logs/operator-scale.log", help="operator log file")
+    parser.add_argument("--out", default=str(ROOT / f"bench/results/operator_scale_{dt.date.today()}.json"),
+                        help="result file (empty: none)")
     args = parser.parse_args()
 
     state = Path(tempfile.mkdtemp(prefix="kora-bench-"))
@@ -133,7 +200,10 @@ def main() -> int:
             api.create_namespaced_custom_object("ray.io", "v1", "bench-direct", "rayjobs", body)
             return str(body["metadata"]["name"])
 
+        apiserver = cluster.pids["kube-apiserver"]
+        api_cpu0 = cpu_s(apiserver)
         floor = run(api, "bench-direct", args.n, args.concurrency, direct)
+        cpu_api_floor = cpu_s(apiserver) - api_cpu0
 
         liveness, metrics = free_ports(2)
         Path(args.keep_logs).parent.mkdir(parents=True, exist_ok=True)
@@ -144,7 +214,8 @@ def main() -> int:
                  "127.0.0.1"], env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2).status == 200,
                  timeout=60, what="operator liveness")
-        rss_idle = peak_rss_mib(op.pid)
+        rss_idle, cpu_idle = peak_rss_mib(op.pid), cpu_s(op.pid)
+        api_cpu0, (requests0, ms0) = cpu_s(apiserver), api_requests(cluster)
 
         def via_operator(i: int) -> str:
             api.create_namespaced_custom_object("kora.dev", "v1alpha1", "bench-operator", "loratrainingjobs",
@@ -152,22 +223,20 @@ def main() -> int:
             return f"job-{i}-ray"
 
         ours = run(api, "bench-operator", args.n, args.concurrency, via_operator)
-        rss_peak = peak_rss_mib(op.pid)
-        result = {
-            "n": args.n, "concurrency": args.concurrency,
-            "operator": {k: round(v, 1) for k, v in ours.items()},
-            "direct_floor": {k: round(v, 1) for k, v in floor.items()},
-            "operator_rss_mib": {"idle": round(rss_idle, 1), "peak": round(rss_peak, 1)},
-            "ratio_all_exist": round(ours["all_exist_s"] / floor["all_exist_s"], 2),
-            "ratio_p50": round(ours["p50_ms"] / floor["p50_ms"], 2),
-        }
-        print(f"N={args.n} (concurrency {args.concurrency}, {os.cpu_count()} CPUs)")
-        print(f"  operator : all {ours['all_exist_s']:.1f} s, create->RayJob p50 {ours['p50_ms']:.0f} ms, "
-              f"p99 {ours['p99_ms']:.0f} ms; peak RSS {rss_peak:.0f} MiB (idle {rss_idle:.0f} MiB)")
-        print(f"  direct   : all {floor['all_exist_s']:.1f} s, create->RayJob p50 {floor['p50_ms']:.0f} ms, "
-              f"p99 {floor['p99_ms']:.0f} ms")
-        print(f"  ratio (operator / direct): all-exist x{result['ratio_all_exist']}, p50 x{result['ratio_p50']}")
-        print(json.dumps(result))
+        rss_peak, cpu_op = peak_rss_mib(op.pid), cpu_s(op.pid) - cpu_idle
+        cpu_api = cpu_s(apiserver) - api_cpu0
+        # the rest of each job's first reconcile (its status) happens after its RayJob: count it too
+        wait_for(lambda: all_pending(api, "bench-operator", args.n), timeout=300, what="every job Pending")
+        requests, ms = api_requests(cluster)
+        ours.update(server_view(api, "bench-operator", jobs=True))
+        floor.update(server_view(api, "bench-direct", jobs=False))
+        result = summary(args, ours, floor, rss_idle, rss_peak, {"operator": cpu_op, "kube_apiserver": cpu_api,
+                                                                 "kube_apiserver_direct": cpu_api_floor},
+                         requests - requests0, ms - ms0)
+        print(table(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.out}")
         return 0
     finally:
         if op is not None and op.poll() is None:
@@ -179,6 +248,58 @@ def main() -> int:
                 op.wait()
         cluster.stop()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def summary(args: argparse.Namespace, ours: dict[str, float], floor: dict[str, float], rss_idle: float,
+            rss_peak: float, cpu: dict[str, float], requests: Counter[str], ms: Counter[str]) -> dict[str, Any]:
+    ratio_all = ours["all_exist_s"] / floor["all_exist_s"]
+    ratio_p99 = ours["p99_ms"] / 1000 / floor["all_exist_s"]
+    return {
+        "date": str(dt.date.today()), "n": args.n, "concurrency": args.concurrency, "cpus": os.cpu_count(),
+        "operator": {k: round(v, 1) for k, v in ours.items()},
+        "direct_floor": {k: round(v, 1) for k, v in floor.items()},
+        "operator_rss_mib": {"idle": round(rss_idle, 1), "peak": round(rss_peak, 1)},
+        # until every RayJob exists: the operator's, the API server's, and the API server's in the direct run
+        "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        "ratio_all_exist": round(ratio_all, 2),
+        "ratio_p99_to_floor_all_exist": round(ratio_p99, 2),
+        "ratio_p50": round(ours["p50_ms"] / floor["p50_ms"], 2),
+        "targets": {"all_exist": TARGET_ALL_EXIST, "p99": TARGET_P99, "rss_mib": TARGET_RSS_MIB},
+        "met": {"all_exist": ratio_all <= TARGET_ALL_EXIST, "p99": ratio_p99 <= TARGET_P99,
+                "rss": rss_peak <= TARGET_RSS_MIB},
+        # the bench's own creates are in here too (POST loratrainingjobs: n) and its watch and lists
+        "api_requests_per_job": {k: round(v / args.n, 2) for k, v in sorted(requests.items()) if v},
+        "api_requests_total": sum(requests.values()),
+        # the API server's answer time per job (wall, all requests in flight together: where it waits, not CPU)
+        "api_ms_per_job": {k: round(v / args.n, 1) for k, v in sorted(ms.items()) if v},
+    }
+
+
+def table(r: dict[str, Any]) -> str:
+    op, fl, met = r["operator"], r["direct_floor"], r["met"]
+    ok = {True: "yes", False: "NO"}
+    rows = [
+        f"N={r['n']} (concurrency {r['concurrency']}, {r['cpus']} CPUs)",
+        f"{'':28}{'operator':>12}{'direct':>12}{'ratio':>9}{'target':>9}{'met':>6}",
+        f"{'all RayJobs exist (s)':28}{op['all_exist_s']:>12.1f}{fl['all_exist_s']:>12.1f}"
+        f"{r['ratio_all_exist']:>9.2f}{'<= 3x':>9}{ok[met['all_exist']]:>6}",
+        f"{'create->RayJob p99 (ms)':28}{op['p99_ms']:>12.0f}{fl['p99_ms']:>12.0f}"
+        f"{r['ratio_p99_to_floor_all_exist']:>9.2f}{'<= 3x*':>9}{ok[met['p99']]:>6}",
+        f"{'create->RayJob p50 (ms)':28}{op['p50_ms']:>12.0f}{fl['p50_ms']:>12.0f}{r['ratio_p50']:>9.1f}",
+        f"{'operator peak RSS (MiB)':28}{r['operator_rss_mib']['peak']:>12.0f}{'':>21}{'<= 250':>9}"
+        f"{ok[met['rss']]:>6}",
+        f"{'kube-apiserver CPU s':28}{r['cpu_s']['kube_apiserver']:>12.1f}{r['cpu_s']['kube_apiserver_direct']:>12.1f}",
+        f"{'operator CPU s':28}{r['cpu_s']['operator']:>12.1f}",
+        "  * p99 against the direct floor's all-exist time",
+        f"  on the API server's clock (creationTimestamps, 1 s): all exist {op['server_all_exist_s']:.0f} s vs "
+        f"{fl['server_all_exist_s']:.0f} s direct; job -> RayJob p99 {op['server_lag_p99_s']:.0f} s, "
+        f"max {op['server_lag_max_s']:.0f} s",
+        f"API requests per job ({r['api_requests_total']} in all, the bench's own included):",
+    ]
+    rows[-1] += "  (and answer ms per job)"
+    rows += [f"  {k:44}{v:>7.2f}{r['api_ms_per_job'].get(k, 0):>9.1f}"
+             for k, v in r["api_requests_per_job"].items() if v >= 0.05]
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

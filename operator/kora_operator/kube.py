@@ -45,7 +45,7 @@ def _load_config() -> Any:
     cfg = client.Configuration.get_default_copy()
     # kopf runs up to max_workers handlers at once; one pooled connection each avoids
     # urllib3's "connection pool is full" churn
-    cfg.connection_pool_maxsize = 32
+    cfg.connection_pool_maxsize = 64
     return cfg
 
 
@@ -120,26 +120,26 @@ class Kube:
 
     # -- writes
     def create_child(self, obj: Mapping[str, Any]) -> Obj | None:
-        """Create `obj`; None if it exists already (someone, maybe our former self, made it)."""
+        """Create `obj`; None if it exists already (someone, maybe our former self, made it). The RayJob as
+        made; {} for the other kinds, whose answer is dropped unread: only whether they were made matters (the
+        Secrets' values are never held longer than needed), and turning the client's answer into its model
+        classes is most of the operator's CPU per call."""
         ns, kind = obj["metadata"]["namespace"], obj["kind"]
         try:
-            if kind == "ConfigMap":
-                return cast(Obj, self.api.sanitize_for_serialization(self.core.create_namespaced_config_map(ns, obj)))
-            if kind == "Secret":
-                # only whether it was made matters: never hold the token longer than needed
-                self.core.create_namespaced_secret(ns, obj)
-                return {}
             if kind == "RayJob":
                 made = self.custom.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, obj)
                 return cast(Obj, made)
-            if kind == "NetworkPolicy":
-                return cast(Obj, self.api.sanitize_for_serialization(
-                    self.networking.create_namespaced_network_policy(ns, obj)))
+            create = {"ConfigMap": self.core.create_namespaced_config_map,
+                      "Secret": self.core.create_namespaced_secret,
+                      "NetworkPolicy": self.networking.create_namespaced_network_policy}.get(kind)
+            if create is None:
+                raise ValueError(f"unknown child kind {kind}")
+            _drop(create(ns, obj, _preload_content=False))
+            return {}
         except ApiException as e:
             if e.status == 409:
                 return None
             raise
-        raise ValueError(f"unknown child kind {kind}")
 
     def patch_ray_job(self, ns: str, name: str, patch: Mapping[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, name, patch)
@@ -173,4 +173,10 @@ class Kube:
             "reportingComponent": COMPONENT, "reportingInstance": self.instance,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        self.core.create_namespaced_event(meta["namespace"], body)
+        _drop(self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False))
+
+
+def _drop(response: Any) -> None:
+    """Read and discard an answer taken with _preload_content=False, so its connection goes back to the pool."""
+    response.read()
+    response.release_conn()

@@ -31,7 +31,8 @@ class Reason(StrEnum):
     VALIDATED = "Validated"
     VALIDATION_FAILED = "ValidationFailed"
     SYNC_MODE_DEFAULTED = "SyncModeDefaulted"
-    # children
+    # children: a reconcile that makes one says Created<Kind>, one that makes several CreatedChildren (naming each)
+    CREATED_CHILDREN = "CreatedChildren"
     CREATED_CONFIG_MAP = "CreatedConfigMap"
     CREATED_SECRET = "CreatedSecret"
     CREATED_RAY_JOB = "CreatedRayJob"

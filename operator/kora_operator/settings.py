@@ -23,6 +23,8 @@ from kora_operator.builders.networkpolicy import KUBERAY_OPERATOR_LABELS, Peers
 from kora_trainer.config.control import CONTROL_PORT
 
 DEFAULT_POLL_INTERVAL = 5.0
+# a child a user deletes is re-made within this long (a RayJob at once): few checks in a burst, quick repair
+DEFAULT_CHILDREN_RECHECK = 30.0
 DEFAULT_TRAINER_COMMAND = "python -m kora_trainer.train"
 # Runtime Ray: trainers of different jobs may share one Ray head, so each submission gets its own
 # control-plane port from this range (picked from the submission id, recorded in its metadata).
@@ -92,6 +94,11 @@ class Settings(BaseSettings):
     """How often running jobs are polled: the trainer's progress, and the Ray Jobs API for runtime Ray."""
     http_timeout: float = Field(3.0, validation_alias="KORA_HTTP_TIMEOUT", json_schema_extra={"metavar": "SECONDS"})
     """Timeout of one HTTP call to a trainer or a Ray Jobs API (the poll loop never waits longer)."""
+    children_recheck: float = Field(DEFAULT_CHILDREN_RECHECK, validation_alias="KORA_CHILDREN_RECHECK",
+                                    json_schema_extra={"metavar": "SECONDS"})
+    """How long a job's children, once all seen, are taken to exist: a reconcile within that time reads only the
+    RayJob (a deleted RayJob is re-made at once, from its watch event; a ConfigMap, Secret or NetworkPolicy
+    a user deleted, at the first reconcile after that time). 0: check every child on every reconcile."""
     trainer_command: Command = Field(tuple(shlex.split(DEFAULT_TRAINER_COMMAND)),
                                      validation_alias="KORA_TRAINER_COMMAND", json_schema_extra={"metavar": "CMD"})
     """Runtime Ray: the command that starts the trainer on the Ray cluster, --config and --run-dir appended

@@ -162,7 +162,7 @@ def test_apply_trains_to_the_end_and_describe_shows_it(cluster, ns, operator, he
     assert step_lines(logs) == list(range(1, steps + 1)), logs[-3000:]
     # events for the job, and the HF-PEFT export of the final adapter
     got = [(e["type"], e["reason"]) for e in events(cluster, "toy-local", ns)]
-    for reason in ("CreatedConfigMap", "CreatedSecret", "SubmittedRayJob", "TrainerRunning", "Succeeded"):
+    for reason in ("CreatedChildren", "SubmittedRayJob", "TrainerRunning", "Succeeded"):
         assert ("Normal", reason) in got, got
     assert (ckpt / "lora_adapter" / "adapter_config.json").is_file(), sorted(f.name for f in ckpt.iterdir())
     for pattern in (r"\n  Phase:\s+Succeeded\n", rf"\n    Step:\s+{steps}\n", r"\n    Reward Mean:\s+[\d.]+\n",

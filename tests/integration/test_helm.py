@@ -219,7 +219,7 @@ def test_namespaced_install_grants_only_its_namespace(cluster, helm, tmp_path):
                  what="children made under the chart's RBAC")
         wait_for(lambda: job_status(cluster, "rbac", ns).get("phase") == "Pending", timeout=30, what="status")
         events = json.loads(cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
-        assert any(e["reason"] == "CreatedRayJob" for e in events)
+        assert any(e["reason"] == "CreatedChildren" and "RayJob rbac-ray" in e["message"] for e in events)
     finally:
         op.stop()
     assert "403" not in op.log.read_text() and "Forbidden" not in op.log.read_text()

@@ -77,7 +77,7 @@ def test_a_job_is_submitted_once_runs_and_succeeds(cluster, ns, ray_operator, he
         assert seen["env"]["KORA_CONTROL_PORT"] == str(control_port) and seen["env"]["KORA_CONTROL_HOST"] == "127.0.0.1"
         assert seen["run_dir"] == f".kora/runs/{sub}"
         got_reasons = reasons(cluster, "ok", ns)
-        for r in ("CreatedConfigMap", "CreatedSecret", "SubmittedRayJob", "TrainerRunning", "Succeeded"):
+        for r in ("CreatedChildren", "SubmittedRayJob", "TrainerRunning", "Succeeded"):
             assert ("Normal", r) in got_reasons, got_reasons
         row = cluster.kubectl("get", "ltj", "ok", "-n", ns, "--no-headers").stdout.split()
         assert row[:5] == ["ok", "Adapter", "Succeeded", "3", "1"]

@@ -18,13 +18,14 @@ def parser() -> argparse.ArgumentParser:
 
 def test_every_setting_keeps_its_flag_and_its_variable():
     flags = {a.option_strings[0] for a in parser()._actions if a.dest in Settings.model_fields}
-    assert flags == {"--poll-interval", "--http-timeout", "--trainer-command", "--ray-control-ports", "--key-file",
-                     "--key-secret", "--kuberay-progress", "--network-policy", "--operator-namespace",
-                     "--operator-pod-labels", "--kuberay-operator-namespace", "--kuberay-operator-pod-labels"}
+    assert flags == {"--poll-interval", "--http-timeout", "--children-recheck", "--trainer-command",
+                     "--ray-control-ports", "--key-file", "--key-secret", "--kuberay-progress", "--network-policy",
+                     "--operator-namespace", "--operator-pod-labels", "--kuberay-operator-namespace",
+                     "--kuberay-operator-pod-labels"}
     assert {env_name(n) for n in Settings.model_fields} == {
-        "KORA_POLL_INTERVAL", "KORA_HTTP_TIMEOUT", "KORA_TRAINER_COMMAND", "KORA_RAY_CONTROL_PORTS",
-        "KORA_OPERATOR_KEY_FILE", "KORA_OPERATOR_KEY_SECRET", "KORA_KUBERAY_PROGRESS", "KORA_NETWORK_POLICY",
-        "POD_NAMESPACE", "KORA_OPERATOR_POD_LABELS", "KORA_KUBERAY_OPERATOR_NAMESPACE",
+        "KORA_POLL_INTERVAL", "KORA_HTTP_TIMEOUT", "KORA_CHILDREN_RECHECK", "KORA_TRAINER_COMMAND",
+        "KORA_RAY_CONTROL_PORTS", "KORA_OPERATOR_KEY_FILE", "KORA_OPERATOR_KEY_SECRET", "KORA_KUBERAY_PROGRESS",
+        "KORA_NETWORK_POLICY", "POD_NAMESPACE", "KORA_OPERATOR_POD_LABELS", "KORA_KUBERAY_OPERATOR_NAMESPACE",
         "KORA_KUBERAY_OPERATOR_POD_LABELS"}
     text = " ".join(parser().format_help().split())
     assert "(default $KORA_POLL_INTERVAL or 5)" in text and "$KORA_RAY_CONTROL_PORTS or 8068-8167" in text

@@ -60,18 +60,20 @@ def _lock(ns: str, name: str) -> threading.Lock:
 # -- what wakes an adapter up --------------------------------------------------------------------------------
 
 
-def reconcile_job(ctx: Context, ns: str, name: str, trigger: str) -> None:
-    """A job's reconcile, then its adapters' (they see the job and its trainer as that reconcile left them). A
-    poll of a job without adapter slots (multiLora.maxAdapters 0) stops at the job: an adapter naming it fails
-    rule 9 at its first reconcile, and nothing a poll sees changes that."""
-    view = reconcile(ctx, ns, name, trigger)
+def reconcile_job(ctx: Context, ns: str, name: str, trigger: str, body: dict[str, Any] | None = None,
+                  ray: dict[str, Any] | None = None) -> None:
+    """A job's reconcile (`body`, `ray`: see reconcile.reconcile), then its adapters' (they see the job and its
+    trainer as that reconcile left them). A poll of a job without adapter slots (multiLora.maxAdapters 0) stops
+    at the job: an adapter naming it fails rule 9 at its first reconcile, and nothing a poll sees changes that.
+    Which adapters name the job: ctx.adapters (the adapters' watch), else a LIST."""
+    view = reconcile(ctx, ns, name, trigger, body=body, ray=ray)
     if view is None:
         return
     if trigger == "poll" and not int(((view.body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0):
         return
     try:
-        adapters = [a["metadata"]["name"] for a in ctx.kube.list_adapters(ns)
-                    if (a.get("spec") or {}).get("jobName") == name]
+        adapters = ctx.adapters.of_job(ns, name) if ctx.adapters is not None else [
+            a["metadata"]["name"] for a in ctx.kube.list_adapters(ns) if (a.get("spec") or {}).get("jobName") == name]
     except ApiException as e:
         log.warning("%s/%s: cannot list its LoRAAdapters: %s %s", ns, name, e.status, e.reason)
         return

@@ -17,6 +17,14 @@ from kora_operator.handlers.adapter_sync import FINALIZER, adapter_deleting, rec
 ADAPTERS = (GROUP, VERSION, "loraadapters")
 
 
+@kopf.on.event(*ADAPTERS)
+def adapter_seen(type: str | None, namespace: str | None, name: str, spec: kopf.Spec, memo: Any, **_: Any) -> None:
+    # every event, the first listing's included: which adapters name which job (handlers/memory.AdapterIndex)
+    index = getattr(getattr(memo, "ctx", None), "adapters", None)
+    if index is not None and spec.get("jobName"):
+        index.seen(str(namespace), name, str(spec["jobName"]), gone=type == "DELETED")
+
+
 @kopf.on.resume(*ADAPTERS)
 @kopf.on.create(*ADAPTERS)
 def adapter_created(namespace: str | None, name: str, memo: Any, **_: Any) -> None:

@@ -27,6 +27,7 @@ from kora_operator.builders.names import ray_job_name
 from kora_operator.builders.rayjob import mutable_spec
 from kora_operator.builders.secret import new_token
 from kora_operator.conditions import Cond, get_condition, set_condition, set_conditions, transitions
+from kora_operator.handlers.memory import AdapterIndex, KnownChildren
 from kora_operator.handlers.poller import Poller
 from kora_operator.kube import ApiException, Kube, now_rfc3339
 from kora_operator.metrics import CHILDREN_CREATED, observe_reconcile
@@ -67,13 +68,16 @@ def _lock(ns: str, name: str) -> threading.Lock:
 class Context:
     """What a reconcile needs besides the job: the API, the token source, the operator's settings,
     and the poll loops (None: nothing polls, e.g. in a one-shot reconcile): the jobs', and the one that
-    deregisters deleted LoRAAdapters (handlers/adapter_sync.py)."""
+    deregisters deleted LoRAAdapters (handlers/adapter_sync.py); what the operator remembers between reconciles
+    (handlers/memory.py; None: nothing is remembered, every reconcile checks every child and LISTs adapters)."""
 
     kube: Kube
     tokens: Tokens
     settings: Settings = field(default_factory=Settings)
     poller: Poller | None = None
     deletions: Poller | None = None
+    children: KnownChildren | None = None
+    adapters: AdapterIndex | None = None
     ray_token: Callable[[], str | None] = ray_auth_token
     # the last progress trouble per job, so that it is logged (and a refused token posted) once
     progress_errors: dict[tuple[str, str], str] = field(default_factory=dict)
@@ -101,24 +105,32 @@ class JobView:
         return JobView({**self.body, "status": status}, **trainer)
 
 
-def forget(ctx: Context | None, ns: str, name: str) -> None:
+def forget(ctx: Context | None, ns: str, name: str, uid: str | None = None) -> None:
     with _locks_guard:
         _locks.pop((ns, name), None)
     if ctx is not None:
+        if ctx.children is not None and uid:
+            ctx.children.forget(uid)
         ctx.progress_errors.pop((ns, name), None)
         if ctx.poller is not None:
             ctx.poller.unwatch(ns, name)
 
 
-def reconcile(ctx: Context, ns: str, name: str, trigger: str) -> JobView | None:
-    """Reconcile one job; return how it stands now (None: gone or being deleted)."""
+def reconcile(ctx: Context, ns: str, name: str, trigger: str, body: dict[str, Any] | None = None,
+              ray: dict[str, Any] | None = None) -> JobView | None:
+    """Reconcile one job; return how it stands now (None: gone or being deleted).
+
+    `body`: the job as kopf's create handler was handed it, just listed or watched. A job being created has had
+    no reconcile that could have changed it since (none finished: kopf calls create until one does), so it is
+    not read again, and its children are created without asking first whether they exist. `ray`: its RayJob as
+    a watch event just showed it, used instead of reading it when the children are known to exist."""
     with observe_reconcile(trigger), _lock(ns, name):
-        body = ctx.kube.get_job(ns, name)
+        body = body if body is not None else ctx.kube.get_job(ns, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             if ctx.poller is not None:
                 ctx.poller.unwatch(ns, name)
             return None  # gone or going: the garbage collector takes the children (a finalizer stops a Ray job)
-        view = _reconcile(ctx, body, poll=trigger == "poll")
+        view = _reconcile(ctx, body, poll=trigger == "poll", create_first=trigger == "create", ray=ray)
         if ctx.poller is not None:
             if _needs_polling(body, view.status, ctx.settings.kuberay_progress):
                 ctx.poller.watch(ns, name)
@@ -193,9 +205,11 @@ def _doc(body: Mapping[str, Any]) -> dict[str, Any]:
             "spec": body.get("spec") or {}}
 
 
-def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> JobView:
+def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False, create_first: bool = False,
+               ray: dict[str, Any] | None = None) -> JobView:
     """Reconcile one job; return it with the status it holds now. A `poll` looks at the outside (the RayJob or
-    Ray job, the trainer) and leaves the children alone: events bring those back if they go."""
+    Ray job, the trainer) and leaves the children alone: events bring those back if they go. `create_first`,
+    `ray`: see reconcile."""
     kube = ctx.kube
     meta, current = body["metadata"], body.get("status") or {}
     generation = meta.get("generation")
@@ -220,13 +234,14 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> JobVie
                                              "the spec passed every rule"), generation, now)
     if job.spec.runtime.kind is RuntimeKind.RAY:
         if not poll:
-            _ensure_children(ctx, body, job)  # the ConfigMap (the rendered config, for people) and the Secret
+            _ensure_children(ctx, body, job, create_first)  # the ConfigMap (the rendered config), the Secret
         new, url = _reconcile_ray(ctx, body, job, status, now)
     else:
         ray_name = ray_job_name(meta["name"])
-        ray = kube.get_ray_job(meta["namespace"], ray_name) if poll else None
-        if ray is None:
-            ray = _ensure_children(ctx, body, job)
+        if poll:  # a poll leaves the children alone while the RayJob exists
+            ray = kube.get_ray_job(meta["namespace"], ray_name) or _ensure_children(ctx, body, job)
+        else:
+            ray = _ensure_children(ctx, body, job, create_first, ray)
         ray_status = ray.get("status") if ray else None
         new = next_status(status, observe(ray_name, ray_status, job.spec.suspend), ray_status,
                           ray_name=ray_name, generation=generation, now=now)
@@ -242,7 +257,8 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False) -> JobVie
     return view.with_status(new, **trainer)
 
 
-def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob) -> dict[str, Any] | None:
+def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, create_first: bool = False,
+                     seen: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Create what is missing; return the RayJob as it stands (None for runtime Ray: it has none).
 
     The Secrets are never read: create answers 409 when one exists, which is all we need to know, and
@@ -250,31 +266,58 @@ def _ensure_children(ctx: Context, body: dict[str, Any], job: LoRATrainingJob) -
     derived from the job's uid (tokens.py): the operator can compute it again whenever it polls. The
     engines' admin key is random: a fresh one is offered each time, and only the first create keeps one,
     so a job's key never changes while its Secret lives.
+
+    Children all seen within ctx.children's recheck time are not checked again: only the RayJob is read, or
+    taken as `seen` (its watch event), and a deleted one forgets them (jobs.ray_job_changed). `create_first`
+    (a job being created): each child is created without a GET before; the RayJob is read only if its create
+    answers 409.
     """
-    kube = ctx.kube
+    kube, uid = ctx.kube, str(body["metadata"]["uid"])
+    if ctx.children is not None and ctx.children.known(uid):
+        if job.spec.runtime.kind is not RuntimeKind.KUBERAY:
+            return None
+        have = seen or kube.get_ray_job(body["metadata"]["namespace"], ray_job_name(body["metadata"]["name"]))
+        if have is not None:
+            _align_ray_job(kube, body, job, have)
+            return have
+        ctx.children.forget(uid)  # gone since (its watch event is yet to come): make it again
     ray: dict[str, Any] | None = None
-    for child in build_children(job, token=ctx.tokens.for_job(str(body["metadata"]["uid"])), engine_key=new_token(),
+    made: list[tuple[str, str]] = []  # (kind, name) of what this reconcile created: one Event says it
+    for child in build_children(job, token=ctx.tokens.for_job(uid), engine_key=new_token(),
                                 peers=ctx.settings.network_peers()):
         kind = child["kind"]
-        existing = None if kind == "Secret" else kube.get_child(child)
+        existing = None if kind == "Secret" or create_first else kube.get_child(child)
         if existing is None:
             try:
                 created = kube.create_child(child)
             except ApiException as e:
+                _created_event(kube, body, made)
                 kube.event(body, EventType.WARNING, FAILED_TO_CREATE[kind],
                            f"creating {kind} {child['metadata']['name']} failed: {e.status} {e.reason}")
                 raise kopf.TemporaryError(f"creating {kind}: {e.status} {e.reason}", delay=RETRY_DELAY) from e
-            if created is not None:  # None: it was there already (a Secret, or a race)
+            if created is not None:  # None: it was there already (a Secret, a create-first, or a race)
                 CHILDREN_CREATED.labels(kind).inc()
-                kube.event(body, EventType.NORMAL, CREATED[kind], f"created {kind} {child['metadata']['name']}")
+                made.append((kind, child["metadata"]["name"]))
                 existing = created
-            elif kind != "Secret":
+            elif kind == "RayJob":  # the others' existence is all that matters
                 existing = kube.get_child(child)
         if kind == "RayJob":
             ray = existing
             if ray is not None:
                 _align_ray_job(kube, body, job, ray)
+    _created_event(kube, body, made)
+    if ctx.children is not None and (ray is not None or job.spec.runtime.kind is not RuntimeKind.KUBERAY):
+        ctx.children.remember(uid)
     return ray
+
+
+def _created_event(kube: Kube, body: dict[str, Any], made: list[tuple[str, str]]) -> None:
+    """One Event for the children one reconcile made: Created<Kind> for one (a child re-made after a delete),
+    CreatedChildren naming each for several (a new job's five: one API write, not five, the same words)."""
+    if not made:
+        return
+    reason = CREATED[made[0][0]] if len(made) == 1 else Reason.CREATED_CHILDREN
+    kube.event(body, EventType.NORMAL, reason, "created " + ", ".join(f"{kind} {name}" for kind, name in made))
 
 
 def _align_ray_job(kube: Kube, body: dict[str, Any], job: LoRATrainingJob, ray: dict[str, Any]) -> None:

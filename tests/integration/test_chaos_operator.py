@@ -1,0 +1,50 @@
+"""Operator chaos at CI size (issue 18 item 1): fuzzed specs against the real API server with the operator running.
+The full size is `make chaos` (bench/chaos_operator.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kubernetes import client, config
+
+from chaoskit import fuzz_specs, kill_during_burst, kill_table, table
+from fuzzspecs import sample
+from operatorkit import Operator, install_crds
+
+LOGS = Path("/tmp/kora-logs")
+CI_SPECS = 60
+
+
+def test_fuzzed_specs_are_refused_naming_their_field_and_get_no_children(cluster, namespace):
+    ns = namespace
+    install_crds(cluster)
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log").start()
+    try:
+        r = fuzz_specs(client.CustomObjectsApi(api), client.CoreV1Api(api), ns, sample(CI_SPECS, seed=18))
+        r["operator_crashes"] = 0 if op.healthy() else 1
+        print("\n" + table(r))
+    finally:
+        op.stop()
+    assert r["refusals_not_naming_the_field"] == [], r["refusals_not_naming_the_field"]
+    assert r["rejected_at_apply"] + r["failed_validation_by_operator"] == CI_SPECS
+    assert r["child_objects_of_malformed"] == 0
+    assert r["valid_jobs_reconciled"] == r["valid_jobs_in_between"] > 0
+    assert r["operator_crashes"] == 0
+
+
+CI_JOBS, CI_KILLS = 24, 8
+
+
+def test_the_operator_killed_during_a_burst_leaves_one_set_of_children_per_job(cluster, namespace):
+    install_crds(cluster)
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    op = Operator(cluster, [namespace], LOGS / f"operator-{namespace}.log").start()
+    try:
+        r = kill_during_burst(client.CustomObjectsApi(api), client.CoreV1Api(api), op, namespace, CI_JOBS, CI_KILLS,
+                              seed=18)
+        print("\n" + kill_table(r))
+    finally:
+        op.stop()
+    assert r["jobs"] == CI_JOBS and r["kills"] == CI_KILLS
+    assert r["jobs_not_exactly_one_set"] == [] and r["orphans"] == 0 and r["secrets_changed"] == []
