@@ -6,7 +6,7 @@
 Starts its own local control plane (hack/localcluster.py) with our CRDs and KubeRay's and runs `kora operator`;
 creates --specs malformed LoRATrainingJobs and LoRAAdapters (tests/fuzzspecs.py: generated from the CRDs'
 schemas and the CEL rules, seeded), a valid job after every 10; then SIGKILLs the operator --kills times during a
-burst of --jobs KubeRay jobs (tests/chaoskit.kill_during_burst); prints the tables and writes
+burst of --jobs KubeRay jobs (tests/operator_chaoskit.kill_during_burst); prints the tables and writes
 bench/results/chaos_operator_<date>.json. tests/integration/test_chaos_operator.py runs the same at CI size.
 Not here yet: runtime-Ray jobs under the kills (duplicate Ray submissions are not counted).
 """
@@ -26,9 +26,9 @@ sys.path[:0] = [str(ROOT / "hack"), str(ROOT / "tests")]
 
 from kubernetes import client, config  # noqa: E402
 
-from chaoskit import fuzz_specs, kill_during_burst, kill_table, table  # noqa: E402
 from fuzzspecs import all_malformed, sample  # noqa: E402
 from localcluster import LocalCluster  # noqa: E402
+from operator_chaoskit import fuzz_specs, kill_during_burst, kill_table, table  # noqa: E402
 from operatorkit import Operator, install_crds  # noqa: E402
 
 

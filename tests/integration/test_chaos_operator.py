@@ -7,8 +7,8 @@ from pathlib import Path
 
 from kubernetes import client, config
 
-from chaoskit import fuzz_specs, kill_during_burst, kill_table, table
 from fuzzspecs import sample
+from operator_chaoskit import fuzz_specs, kill_during_burst, kill_table, table
 from operatorkit import Operator, install_crds
 
 LOGS = Path("/tmp/kora-logs")
