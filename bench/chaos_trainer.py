@@ -28,7 +28,7 @@ for p in (ROOT / "trainer", ROOT / "tests", ROOT / "tests" / "e2e"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-from chaoskit import Chaos  # noqa: E402  (tests/chaoskit.py, after the path above)
+from chaoskit import Chaos, steps_for  # noqa: E402  (tests/chaoskit.py, after the path above)
 
 ROWS = [  # (figure, what it counts)
     ("trainer_kills", "SIGKILLs of the trainer's whole session"),
@@ -77,7 +77,7 @@ def main() -> int:
     from kora_trainer.toy import make_toy
 
     plan = make_plan(args.kills, args.engine_kills, args.disk, args.seed)
-    steps = 2 * len(plan) + 10  # room: an attempt runs ~0-5 steps before its fault
+    steps = steps_for(plan)
     with tempfile.TemporaryDirectory(prefix="kora-chaos-") as tmp:
         toy = Path(tmp) / "toy"
         make_toy(toy, target=0.0)

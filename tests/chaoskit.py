@@ -52,6 +52,12 @@ NOTICE_BOUND_S = 120.0  # the weight-update group's timeout (wire/group.py): an 
 TMPFS_SIZE = "256M"
 
 
+def steps_for(plan: list[str]) -> int:
+    """The job's numSteps: room for every fault to meet a running job (a `steps` kill lands up to ~12 toy steps
+    in, measured; most faults far fewer), so no attempt finds the job already done."""
+    return 8 * len(plan) + 10
+
+
 @dataclass
 class Attempt:
     index: int

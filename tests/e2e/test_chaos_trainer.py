@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from chaoskit import Chaos
+from chaoskit import Chaos, steps_for
 
 PLAN = ["write", "steps", "engine-generate", "engine-sync", "disk"]
 
 
 @pytest.mark.slow
 def test_kills_engine_deaths_and_a_full_disk_lose_nothing(toy_dir, tmp_path):
-    result = Chaos(toy_dir, tmp_path, steps=16, seed=18).run(PLAN)
+    result = Chaos(toy_dir, tmp_path, steps=steps_for(PLAN), seed=18).run(PLAN)
     figures = result.figures()
     print(figures)
     assert result.problems() == [], "\n".join(result.problems())
