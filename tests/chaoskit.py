@@ -238,7 +238,10 @@ class Chaos:
         elif fault == "engine-sync":
             env[EXIT_AT_ENV] = f"/kora/fast_sync/push:{self.rng.randint(2, 4)}"
         elif fault == "disk":
-            self.shrink_disk()
+            trouble = self.shrink_disk()
+            if trouble:
+                a.problems.append(trouble)
+                a.fault = "disk-not-run"
         t0 = time.monotonic()
         run = TrainRun(self.toy_dir, self.work / f"attempt-{a.index:02d}", *self.job(self.ckpt, KEEP), env=env)
         try:
@@ -246,7 +249,7 @@ class Chaos:
         finally:
             if run.running():
                 run.kill()
-            if fault == "disk":
+            if fault == "disk":  # back to its size, whether or not the shrink took
                 resize_tmpfs(self.ckpt, TMPFS_SIZE)
         a.wall_s = round(time.monotonic() - t0, 2)
         resumed = run.events("resume")
@@ -293,7 +296,7 @@ class Chaos:
                 a.problems.append(f"a full disk did not fail the attempt with ENOSPC named: {a.message!r}")
             if pointer != want:
                 a.problems.append(f"latest is {pointer} after the failed write, was {want}")
-        elif a.fault == "none":
+        elif a.fault in ("none", "disk-not-run"):
             _finish(run, ATTEMPT_TIMEOUT_S)
 
     def engine_fault(self, a: Attempt, run: TrainRun) -> None:
@@ -313,12 +316,20 @@ class Chaos:
         if "EngineLost" not in a.message or "SIGKILL" not in a.message:
             a.problems.append(f"the failure does not say the engine died: {a.message[-600:]!r}")
 
-    def shrink_disk(self) -> None:
-        """checkpoint.path's tmpfs cut to what it holds plus half a checkpoint: the next write cannot fit."""
-        used = sum(f.stat().st_size for f in self.ckpt.rglob("*") if f.is_file())
+    def shrink_disk(self) -> str | None:
+        """checkpoint.path's tmpfs cut to what it holds plus half a checkpoint: the next write cannot fit. The
+        kernel's own count of used blocks (statvfs), not the files' sizes: tmpfs refuses a size below it."""
+        st = os.statvfs(self.ckpt)
+        used = (st.f_blocks - st.f_bfree) * st.f_frsize
         newest, _ = disk_state(self.ckpt)
         one = sum(f.stat().st_size for f in newest.iterdir()) if newest else 1 << 20
-        resize_tmpfs(self.ckpt, str(used + one // 2 + (64 << 10)))  # + 64 KiB of tmpfs's own page rounding
+        size = used + one // 2
+        try:
+            resize_tmpfs(self.ckpt, f"{-(-size // 4096) * 4}k")  # whole pages, in KiB
+        except RuntimeError as e:
+            files = sum(f.stat().st_size for f in self.ckpt.rglob("*") if f.is_file())
+            return f"could not shrink the tmpfs ({used} B used by statvfs, {files} B in files): {e}"
+        return None
 
     def check_steps(self, a: Attempt) -> None:
         got = {e["step"]: (e["loss"], e["reward_mean"]) for e in _events(self.work / f"attempt-{a.index:02d}")}
