@@ -41,6 +41,7 @@ ROWS = [  # (figure, what it counts)
     ("restarts", "restarts"),
     ("resumes_from_verified_checkpoint", "  resumed from a checkpoint that verifies and equals the anchor's"),
     ("fresh_starts", "  started fresh (no checkpoint yet)"),
+    ("killed_before_loading", "  killed before they reached the checkpoint load"),
     ("engine_kills_mid_generate", "engine deaths inside /generate"),
     ("engine_kills_mid_sync", "engine deaths inside a weight push"),
     ("engine_notice_s_max", "  slowest notice, engine death -> trainer Failed (s)"),

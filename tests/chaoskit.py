@@ -66,6 +66,7 @@ class Attempt:
     resumed_step: int | None = None  # the one it did resume from (its `resume` event)
     steps: list[int] = field(default_factory=list)
     torn_before: list[str] = field(default_factory=list)  # torn writes on disk when it started (never loaded)
+    loaded: bool = False  # it got as far as loading a checkpoint (or finding none)
     during_write: bool = False  # the kill left a checkpoint write unfinished (a temp dir, or `latest` not moved)
     notice_s: float | None = None  # engine faults: from the engine's death to the trainer's Failed phase
     message: str = ""  # what the attempt said when it failed (engine and disk faults)
@@ -98,7 +99,8 @@ class ChaosResult:
             "restarts": len(self.attempts) - 1,
             "resumes_from_verified_checkpoint": sum(a.resumed_step is not None and not a.problems
                                                     for a in self.attempts),
-            "fresh_starts": sum(a.expected_step is None for a in self.attempts),
+            "fresh_starts": sum(a.loaded and a.expected_step is None for a in self.attempts),
+            "killed_before_loading": sum(not a.loaded for a in self.attempts),
             "torn_writes_seen_on_disk": sum(len(a.torn_before) for a in self.attempts),
             "torn_loaded": sum(a.resumed_step is not None and a.resumed_step != a.expected_step
                                for a in self.attempts),
@@ -255,7 +257,9 @@ class Chaos:
         resumed = run.events("resume")
         a.resumed_step = resumed[0]["step"] if resumed else None
         a.steps = run.steps()
-        if a.resumed_step != a.expected_step:
+        # a kill during startup may land before the trainer looked for a checkpoint: nothing to check then
+        a.loaded = bool(resumed) or "no checkpoint under" in run.output
+        if a.loaded and a.resumed_step != a.expected_step:
             a.problems.append(f"resumed from step {a.resumed_step}, the disk's newest good checkpoint was "
                               f"{a.expected_step}")
         if fault == "none":

@@ -25,6 +25,7 @@ def test_kills_engine_deaths_and_a_full_disk_lose_nothing(toy_dir, tmp_path):
     assert figures["engine_notice_s_max"] < 30, figures  # seconds, not the group's 120 s timeout
     assert figures["disk_full_attempts"] == (1 if result.tmpfs else 0)
     assert figures["torn_loaded"] == 0 and figures["final_adapter_equal"]
+    assert figures["killed_before_loading"] == 0  # no startup kill in this plan
     assert figures["resumes_from_verified_checkpoint"] == figures["attempts"] - figures["fresh_starts"]
     engine = [a for a in result.attempts if a.fault.startswith("engine")]
     assert all("EngineLost" in a.message and "engine 0 (pid" in a.message for a in engine), [a.message for a in engine]
