@@ -28,6 +28,10 @@ recorder's docstring lists them).
 
 At the end the control plane lingers for the operator: until one authorized GET /status has returned
 the final phase, or KORA_CONTROL_LINGER_S seconds (default 0) passed.
+
+An engine that dies under the run fails the attempt with EngineLost naming it (orchestration/engine_watch.py);
+a checkpoint the disk has no room for fails it with CheckpointWriteError naming the path and the bytes, the
+previous checkpoint still the newest good one (checkpoint/lora_only.py). Either way a retry resumes.
 """
 
 from __future__ import annotations
@@ -195,22 +199,35 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
     return cfg
 
 
+def watched(job: Job, rec: StepRecorder, doing: str) -> Any:
+    """A failure while an engine is dead becomes EngineLost, naming it (orchestration/engine_watch.py: why the
+    attempt fails rather than restart the engine)."""
+    from kora_trainer.orchestration.engine_watch import engines_watched
+
+    return engines_watched(job.engines, job.engine_urls, doing, rec.run.saved_step)
+
+
 def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_limit: float | None) -> None:
     """Resume, push the policy, then per step: generate, train, sync, checkpoint; export at the end."""
     import ray
 
     if root:
         resume(job, cfg, root, rec)
-    rec.started(job.info, len(job.engines), cfg.rollout.engine, job.transport, job.trainer.sync())
+    with watched(job, rec, "the first push of the policy"):
+        first_push = job.trainer.sync()
+    rec.started(job.info, len(job.engines), cfg.rollout.engine, job.transport, first_push)
     rollouts, last_step_s = Lookahead(job, cfg, rec.run.start, rec.steps), 0.0
     for step in range(rec.run.start + 1, rec.steps + 1):
         if time_limit and time.monotonic() - T_START + last_step_s + SHUTDOWN_S > time_limit:
             rec.stopped(f"time limit {time_limit:.0f}s: stopping after step {step - 1}")
             break
         t_step = time.monotonic()
-        batch_ref, stats_ref = rollouts.take(step)
-        metrics, rstats = job.trainer.train_step(batch_ref), ray.get(stats_ref)
-        rec.stepped(step, metrics, rstats, job.trainer.sync())
+        with watched(job, rec, f"step {step}'s rollouts and update"):
+            batch_ref, stats_ref = rollouts.take(step)
+            metrics, rstats = job.trainer.train_step(batch_ref), ray.get(stats_ref)
+        with watched(job, rec, f"step {step}'s weight sync"):
+            pushed = job.trainer.sync()
+        rec.stepped(step, metrics, rstats, pushed)
         rollouts.issue_through(step + 1)
         if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
             save_checkpoint(job, cfg, root, step, rec)

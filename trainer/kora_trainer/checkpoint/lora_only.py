@@ -12,7 +12,9 @@ async true step K+1's rollouts are regenerated from policy K): checkpoint/traini
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import io
 import json
 import os
 import random
@@ -25,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+from safetensors.torch import save as save_tensors
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -110,22 +113,25 @@ def _fsync(path: Path) -> None:
 def save(root: Path, step: int, *, adapter: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
          scheduler: Mapping[str, Any] | None, rng: Mapping[str, Any] | None = None,
          meta: Mapping[str, Any] | None = None, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically under `root`, move `latest`, prune to `keep`."""
+    """Write checkpoint `step` atomically under `root`, move `latest`, prune to `keep`.
+
+    The files are serialized in memory first (a checkpoint is the adapter and its optimizer state, not the
+    model), so the bytes needed are known before anything is written: a volume without room for them is
+    refused up front, and a write the disk runs out under (ENOSPC, EDQUOT, EFBIG) is a CheckpointWriteError
+    naming the file and the bytes. Either way the temp dir goes and `latest` still names the previous
+    checkpoint. (safetensors' and torch's own file writers say neither: "I/O error: No space left on
+    device (os error 28)" and "unexpected pos 576 vs 534".)"""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
+    blobs = _serialize(step, adapter, optimizer, scheduler, rng, meta)
+    needed = sum(len(b) for b in blobs.values())
+    _check_room(root, step, needed)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the checkpoint from other readers of the volume
-        save_file({k: v.detach().contiguous().cpu() for k, v in adapter.items()}, str(tmp / ADAPTER))
-        torch.save({"optimizer": dict(optimizer), "scheduler": dict(scheduler) if scheduler else None,
-                    "rng": dict(rng) if rng is not None else capture_rng()}, tmp / TRAINER_STATE)
-        (tmp / META).write_text(json.dumps({"format": FORMAT, "step": step, **(meta or {})}, indent=2))
-        files = sorted(p.name for p in tmp.iterdir())
-        manifest = {name: {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size} for name in files}
-        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": manifest}, indent=2))
-        for name in [*files, MANIFEST]:
-            _fsync(tmp / name)
+        for name, data in blobs.items():
+            _write(tmp / name, data, step, needed)
         _fsync(tmp)
         if final.exists():  # re-saving a step (e.g. after a resume) replaces it whole
             shutil.rmtree(final)
@@ -135,12 +141,89 @@ def save(root: Path, step: int, *, adapter: Mapping[str, torch.Tensor], optimize
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name + "\n")
-    _fsync(pointer)
+    try:
+        _write(pointer, (final.name + "\n").encode(), step, needed)
+    except CheckpointWriteError:
+        shutil.rmtree(final, ignore_errors=True)  # keep "latest = the newest good one" true: it still names the last
+        pointer.unlink(missing_ok=True)
+        raise
     os.replace(pointer, root / LATEST)
     _fsync(root)
     _prune(root, keep, final)
     return final
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (the disk is full, a quota or a file-size limit): the message names
+    the step, the path, the bytes it needs and what is free; the previous checkpoint stays the newest good one."""
+
+    def __str__(self) -> str:  # the message alone: OSError's "[Errno 28] ...: 'path'" would repeat the path
+        return str(self.strerror)
+
+
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def _serialize(step: int, adapter: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
+               scheduler: Mapping[str, Any] | None, rng: Mapping[str, Any] | None,
+               meta: Mapping[str, Any] | None) -> dict[str, bytes]:
+    """The checkpoint's files as bytes, the manifest last (its sums are of exactly these bytes)."""
+    state = io.BytesIO()
+    torch.save({"optimizer": dict(optimizer), "scheduler": dict(scheduler) if scheduler else None,
+                "rng": dict(rng) if rng is not None else capture_rng()}, state)
+    blobs = {
+        ADAPTER: save_tensors({k: v.detach().contiguous().cpu() for k, v in adapter.items()}),
+        TRAINER_STATE: state.getvalue(),
+        META: json.dumps({"format": FORMAT, "step": step, **(meta or {})}, indent=2).encode(),
+    }
+    files = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+             for name, data in sorted(blobs.items())}
+    blobs[MANIFEST] = json.dumps({"step": step, "files": files}, indent=2).encode()
+    return blobs
+
+
+def _free_bytes(root: Path) -> int:
+    st = os.statvfs(root)
+    return st.f_bavail * st.f_frsize
+
+
+def _check_room(root: Path, step: int, needed: int) -> None:
+    free = _free_bytes(root)
+    if free < needed:
+        raise CheckpointWriteError(errno.ENOSPC, f"checkpoint step {step}: not written, {root} has {free} bytes free "
+                                   f"and the checkpoint needs {needed} (ENOSPC); {_still_newest(root)}. {_FIX}",
+                                   str(root))
+
+
+_FIX = ("Free space on checkpoint.path's volume or make it bigger (it holds checkpoint.keep checkpoints plus the "
+        "one being written), or lower checkpoint.keep")
+
+
+def _still_newest(root: Path) -> str:
+    pointer = root / LATEST
+    return (f"the newest good checkpoint is still {root / pointer.read_text().strip()}" if pointer.exists()
+            else "no earlier checkpoint exists")
+
+
+def _write(path: Path, data: bytes, step: int, needed: int) -> None:
+    """Write and fsync one file; a full disk (or quota, or RLIMIT_FSIZE) becomes a CheckpointWriteError."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        if e.errno not in _NO_ROOM:
+            raise
+        root = path.parent if path.name.startswith(f".{LATEST}") else path.parent.parent
+        raise CheckpointWriteError(e.errno, f"checkpoint step {step}: not written, {errno.errorcode[e.errno]} "
+                                   f"({os.strerror(e.errno)}) writing {path} ({len(data)} bytes; the checkpoint "
+                                   f"needs {needed} in all, {_free_bytes(root)} free now); {_still_newest(root)}. "
+                                   f"{_FIX}", str(path)) from e
 
 
 def _steps(root: Path) -> list[Path]:

@@ -143,6 +143,10 @@ class EngineWorker:
     def pid(self) -> int:
         return int(self.engine.proc.pid)
 
+    def exit_status(self) -> tuple[int | None, int, str]:
+        """(the engine's exit code, None while it runs; its pid; its log): engine_watch.py asks after a failure."""
+        return self.engine.proc.poll(), int(self.engine.proc.pid), str(self.engine.log_path)
+
     def stop(self) -> None:
         self.engine.stop()
 

@@ -102,6 +102,7 @@ from kora_trainer.reference_engine.adapter_registry import AdapterRegistry
 from kora_trainer.reference_engine.colocated_routes import ColocatedRoutes
 from kora_trainer.reference_engine.contract import generate_contract_error
 from kora_trainer.reference_engine.fast_routes import FastSyncRoutes
+from kora_trainer.reference_engine.faults import ExitAt
 from kora_trainer.reference_engine.generate_io import GenerateLimits, format_result, parse_generate
 from kora_trainer.reference_engine.inflight import InFlight
 from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
@@ -154,11 +155,15 @@ class HFEngineServer:
         self._running = asyncio.Event()  # cleared by /pause_generation (created inside the server's loop)
         self._running.set()
         self._held = 0  # /generate calls waiting for /continue_generation (GET /kora/state)
+        self.exit_at = ExitAt()  # test-only fault knob (faults.py); inert unless its env var is set
 
     # ---- app, auth --------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth, self._bad_requests], client_max_size=self.max_body_bytes)
+        middlewares = [self._auth, self._bad_requests]
+        if self.exit_at.target is not None:  # test-only (faults.py)
+            middlewares.insert(0, self.exit_at.middleware)
+        app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         # who may call each route is wire/engine_auth.py's (SGLang's) rule, by path: one middleware checks it
         routes: list[tuple[str, str, Any]] = [
             ("*", "/generate", self.generate),
