@@ -40,6 +40,7 @@ bench-multi-lora: setup  ## multi-LoRA sync bytes/ms and generation throughput a
 
 chaos: setup testbin  ## faults on purpose (issue 18 item 1), full size: one script per part, each writing bench/results/chaos_*.json
 	$(PY) bench/chaos_operator.py
+	$(PY) bench/chaos_trainer.py
 
 nettrace: setup testbin  ## `make demo` under strace: every network destination its processes reached (hack/nettrace.py)
 	$(PY) hack/nettrace.py -- $(PY) hack/demo.py --steps 40
