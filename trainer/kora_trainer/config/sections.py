@@ -94,13 +94,14 @@ class Algorithm(StrEnum):
 
 # Upper bounds on the batch and length integers: far past any real job, and below what would make the trainer
 # allocate without end or torch's generators overflow (a seed must fit in 64 bits), so a typo is refused at
-# apply with the field's name rather than failing the run later.
+# apply with the field's name rather than failing the run later. The seed's bound is JSON's exact-integer limit:
+# the API server reads the schema's numbers as float64, and 2^63 - 1 came back as an overflowed int64.
 MAX_ROLLOUT_BATCH = 1 << 16
 MAX_GROUP = 1 << 12
 MAX_STEPS = 10**9
 MAX_EPOCHS = 10**6
 MAX_NEW_TOKENS = 1 << 20
-SEED_MAX = (1 << 63) - 1
+SEED_MAX = (1 << 53) - 1
 Seed = Annotated[int, Field(ge=0, le=SEED_MAX)]
 
 
