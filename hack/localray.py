@@ -154,7 +154,7 @@ class LocalRay:
         req = urllib.request.Request(f"{self.dashboard_url}{path}", data=data, method=method,
                                      headers={"Authorization": f"Bearer {self.token}",
                                               "Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=10) as r:
+        with urllib.request.urlopen(req, timeout=60) as r:
             return dict(json.loads(r.read()))
 
     def smoke(self, timeout: float = 120) -> str:

@@ -122,7 +122,9 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(toy_dir, tmp_path):
         assert all(torch.equal(final_a[n], final_b[n]) for n in final_a), "final adapters differ"
         status = final_status(run)
         assert status["resumedFromStep"] == k and status["step"] == STEPS
-        assert status["lastCheckpoint"] == {"path": str(ckpt / f"step_{STEPS:08d}"), "step": STEPS}
+        saved = status["lastCheckpoint"]
+        assert {f: saved[f] for f in ("path", "step")} == {"path": str(ckpt / f"step_{STEPS:08d}"), "step": STEPS}
+        assert str(saved["time"]).endswith("Z")  # when it was written (the checkpoint age on /metrics)
         running = [s for s in run.seen if s["phase"] == "Running"]
         assert all(s["resumedFromStep"] == k and s["step"] >= k for s in running)
     refused = b3.events("resume")[0]["refused"]
