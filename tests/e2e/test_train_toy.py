@@ -28,7 +28,11 @@ def test_train_command_runs_and_reports(toy_dir, tmp_path, mode, deployment):
     running = [s for s in run.seen if s["phase"] == "Running"]
     assert running, f"the control plane never answered while the job ran ({len(run.seen)} polls)"
     last = running[-1]
-    assert last["totalSteps"] == 3 and last["syncMode"] == mode and last["lastSync"]["checksum"]
+    assert last["totalSteps"] == 3 and last["syncMode"] == mode and last["lastSync"]["adapterVersion"] is not None
+    # every HTTP push carries a checksum, the fast path's only its verified ones (the first, every 10th): the
+    # first push (HTTP) and step 1's (the first fast push, verified) both have one
+    syncs = [run.events("start")[0]["sync"], run.events("step")[0]["sync"]]
+    assert all(sync["checksum"] for sync in syncs), syncs
     assert last["lastSync"]["adapterVersion"] <= last["step"]
     assert last["resumedFromStep"] is None and last["lastCheckpoint"] is None  # no checkpoint.path: none
     assert run.steps() == [1, 2, 3] and all(e["total"] == 3 for e in run.events("step"))
