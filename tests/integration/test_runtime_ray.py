@@ -169,7 +169,9 @@ def test_a_restarted_operator_never_submits_twice(cluster, head, control_port, t
         with Operator(cluster, [ns], log, env=env).running():
             s = wait_phase(cluster, "once", ns, "Running")
             assert list(submissions(head, uid)) == [f"kora-{uid}-0"] == [s["rayJobName"]]
-            assert [e["reason"] for e in events(cluster, "once", ns)].count("SubmittedRayJob") == 1
+            # the event follows the submission: a kill between the two loses it (events are best effort), and the
+            # restarted operator finds the submission made and posts none, so at most one
+            assert [e["reason"] for e in events(cluster, "once", ns)].count("SubmittedRayJob") <= 1
             delete_job(cluster, "once", ns)
             assert submissions(head, uid)[f"kora-{uid}-0"]["status"] == "STOPPED"
 
