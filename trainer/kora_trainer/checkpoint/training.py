@@ -61,10 +61,12 @@ def save_training_state(root: Path, backend: Any, *, data_position: int, keep: i
     Every trainer rank calls it: under tensor parallelism the shards are gathered first (a collective,
     `backend.checkpoint_shards`); the writing rank (`backend.checkpoint_writer`: rank 0) returns the path, the
     others None."""
+    shards = backend.checkpoint_shards
+    if shards is None and not backend.checkpoint_writer:
+        return None  # a data-parallel replica: nothing to gather, the writer holds the same state
     adapter = backend.adapter_named()  # the optimizer's parameter order
     optimizer = backend.optimizer.state_dict()
     rng = {**lora_only.capture_rng(), "generators": backend.generator_states()}
-    shards = backend.checkpoint_shards
     if shards is not None:
         adapter, optimizer, rng = shards.gather(adapter, optimizer, rng)
     if not backend.checkpoint_writer:
@@ -118,8 +120,10 @@ def export_adapter(root: Path, backend: Any, cfg: TrainerConfig, meta: Mapping[s
     """`root/lora_adapter/`: HF-PEFT names, base_model_name_or_path = the base's absolute directory, and a
     kora meta file (base, step, sync mode, the Megatron -> HF module map of the targets). Every trainer rank
     calls it (the export gathers tensor-parallel shards); the writing rank returns the path, the others None."""
+    if backend.checkpoint_shards is None and not backend.checkpoint_writer:
+        return None  # a data-parallel replica: the writer exports the same adapter
     base = str(Path(cfg.model.path).resolve())
-    tensors, config, modules = backend.peft_export()
+    tensors, config, modules = backend.peft_export()  # under tensor parallelism a collective of every rank
     if not backend.checkpoint_writer:
         return None
     lora = cfg.lora
