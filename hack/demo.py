@@ -8,6 +8,8 @@
    filled in; progress is streamed like `kubectl get ltj -w`;
 5. `kubectl describe ltj toy-local` of the finished job (checkpoints and the HF-PEFT adapter in
    .kora/demo/checkpoints/, made afresh each run);
+6. the reward curve in the terminal and .kora/demo/reward_sync.png (reward and sync time per step), both read
+   from the job's TensorBoard event files in .kora/demo/tensorboard (hack/demo_report.py);
 and every process it started is stopped by pid at the end, whatever happened.
 
     python hack/demo.py [--steps N] [--timeout SECONDS] [--keep-going]
@@ -30,6 +32,7 @@ import yaml
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from demo_report import report  # noqa: E402
 from localcluster import LocalCluster, free_ports, wait_for  # noqa: E402
 from localray import LocalRay  # noqa: E402
 
@@ -37,6 +40,8 @@ STATE = ROOT / ".kora" / "demo"
 SAMPLE = ROOT / "manifests" / "samples" / "toy-local.yaml"
 TOY = ROOT / ".kora" / "toy"  # the sample's model.path, relative to the Ray job's working directory (ROOT)
 CHECKPOINTS = STATE / "checkpoints"
+TENSORBOARD = STATE / "tensorboard"
+PICTURE = STATE / "reward_sync.png"
 FINAL = ("Succeeded", "Failed")
 
 
@@ -85,6 +90,7 @@ def job_doc(address: str, steps: int | None) -> str:
     # the demo's own checkpoints, fresh each time: the sample's path would hold the last demo's final
     # checkpoint, and the trainer would resume from it (with nothing left to train)
     doc["spec"]["checkpoint"]["path"] = str(CHECKPOINTS)
+    doc["spec"].setdefault("tracking", {})["tensorboard"] = {"logDir": str(TENSORBOARD)}  # fresh each run too
     if steps:
         doc["spec"]["algorithm"]["numSteps"] = steps
     return yaml.safe_dump(doc)
@@ -127,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     STATE.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(CHECKPOINTS, ignore_errors=True)
+    shutil.rmtree(TENSORBOARD, ignore_errors=True)
     t0 = time.monotonic()
     cluster = ray = operator = None
     try:
@@ -164,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         adapter = CHECKPOINTS / "lora_adapter"
         if (adapter / "adapter_config.json").exists():
             log(f"the trained adapter (HF PEFT): {adapter.relative_to(ROOT)}; LoRA-only checkpoints beside it")
+        if phase == "Succeeded":
+            print(report(TENSORBOARD, PICTURE), flush=True)
         log(f"{phase} after {time.monotonic() - t0:.0f} s wall (set-up included)")
         return 0 if phase == "Succeeded" else 1
     finally:
