@@ -24,7 +24,8 @@ from kora_trainer.backends.data_parallel import DataParallel, RankContext
 from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.logprobs import sequence_logp, shared_prefix_logp
 from kora_trainer.checkpoint.lora_only import check_lora_only
-from kora_trainer.config import TrainerConfig
+from kora_trainer.config import SyncMode, TrainerConfig
+from kora_trainer.config.engine_lora_limits import engine_lora_limits, gdn_gate_mask_needed
 from kora_trainer.lora import (
     adapter_disabled,
     adapter_parameters,
@@ -33,6 +34,7 @@ from kora_trainer.lora import (
     lora_modules,
     peft_config_dict,
 )
+from kora_trainer.lora.gdn import pin_gate_rows
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -58,6 +60,10 @@ class TorchBackend(ShuffleState):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.wrapped = apply_lora(self.model, cfg.lora)
+        # GDN b/a gate adapters the engine build cannot serve are pinned to zero (lora/gdn.py): trained = served
+        served_as = SyncMode.ADAPTER if cfg.multi_lora.max_adapters else cfg.lora.effective_sync_mode
+        self.gate_pinned = pin_gate_rows(self.model) \
+            if gdn_gate_mask_needed(served_as, engine_lora_limits().gdn_gate_adapters) else []
         self.model.eval()
         if self.dp.rank:  # LoRA dropout: each rank its own draws (rank 0 keeps the one-rank stream)
             torch.manual_seed(cfg.algorithm.seed + self.dp.rank)
