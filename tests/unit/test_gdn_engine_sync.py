@@ -7,7 +7,7 @@ reference engine (a separate process) over a real gloo weight-update group:
 - with the pin switched off (the test-only GATE_MASK_OFF_ENV) the trainer trains gates the engine never gets: the
   gap is plain, so the check above can fail;
 - Merge mode pins nothing and folds every row, gates included: the engine serves the unmasked policy;
-- the HF-PEFT export (HF names) loads with peft and gives the trainer's logits.
+- the HF-PEFT export (HF names) loads with peft and gives the trainer's logits; `kora merge` of it too.
 
 Tolerance as in test_sync_engine.py (ATOL = 1e-4: fp32 both sides, summation order only).
 """
@@ -20,6 +20,7 @@ import torch
 from engine_helpers import ATOL, logprob_gap, start_engine, stop_engine
 from gdnkit import GDN_TARGETS, make_tiny_gdn_model, randomize_adapter
 from kora_trainer.backends.torch_backend import TorchBackend
+from kora_trainer.checkpoint.merge import merge
 from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.config import load_config
 from kora_trainer.lora.gdn import GATE_MASK_OFF_ENV, pin_gate_rows
@@ -105,7 +106,7 @@ def test_merge_mode_folds_the_gates_too(engine, gdn_dir):
 
 
 @pytest.mark.parametrize("mode", ["Adapter", "Merge"])
-def test_the_gdn_export_loads_with_peft(gdn_dir, tmp_path, mode):
+def test_the_gdn_export_loads_with_peft_and_merges(gdn_dir, tmp_path, mode):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -118,4 +119,7 @@ def test_the_gdn_export_loads_with_peft(gdn_dir, tmp_path, mode):
         want = b.model(input_ids=ids).logits
         base = AutoModelForCausalLM.from_pretrained(gdn_dir, dtype=torch.float32)
         got = PeftModel.from_pretrained(base, out)(input_ids=ids).logits
+        merge(gdn_dir, out, tmp_path / "merged", progress=False)  # `kora merge`: the GDN pairs fold by HF name
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(input_ids=ids).logits
     assert (got - want).abs().max() < 1e-5
+    assert (merged - want).abs().max() < 1e-5

@@ -59,18 +59,12 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def fan_out(cache: object, owner: torch.Tensor) -> None:
-    """The prompts' cache [P, ...] -> one row per sample [B, ...] (owner [B]: sample -> its prompt), by a
-    differentiable gather: attention layers' keys / values, GDN layers' conv and recurrent states."""
-    for layer in cache.layers:  # type: ignore[attr-defined]
-        if getattr(layer, "keys", None) is not None:  # [P, kv_heads, Wp, head_dim]
-            layer.keys = layer.keys.index_select(0, owner)
-            layer.values = layer.values.index_select(0, owner)
-        for kind in ("conv_states", "recurrent_states"):
-            states: dict[int, torch.Tensor | None] = getattr(layer, kind, None) or {}
-            for i, t in states.items():  # {state index: [P, ...] or None (not filled)}
-                if t is not None:
-                    states[i] = t.index_select(0, owner)
+def prefix_shareable(model: nn.Module) -> bool:
+    """Whether `shared_prefix_logp` can differentiate through this model's cache. Not for GDN / linear-attention
+    layers: transformers 5 writes their recurrent state into the cache in place (cache_utils.py
+    `LinearAttentionLayer.update_recurrent_state`: `copy_`), which the prompt's autograd graph still needs."""
+    types = getattr(getattr(model, "config", None), "layer_types", None) or []
+    return "linear_attention" not in types
 
 
 def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: float = 1.0) -> torch.Tensor:
@@ -89,8 +83,7 @@ def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: fl
         p_mask[i, width - len(k):] = 1
     p_ids, p_mask = p_ids.to(device), p_mask.to(device)
     p_pos = (p_mask.cumsum(-1) - 1).clamp(min=0)  # [P, Wp] real positions 0..len-1
-    # from the config: a GDN (linear-attention) layer needs its own cache layer for its conv / recurrent state
-    cache = DynamicCache(config=getattr(model, "config", None))
+    cache = DynamicCache()
     kw = cache_kwarg(model)
     first = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True,
                   **{kw: cache}).logits[:, -1]  # [P, V] predicts response token 0
@@ -98,7 +91,10 @@ def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: fl
     r = p.response_ids.shape[1]
     resp_ids, resp_mask = p.response_ids.to(device), p.response_mask.to(device)
     if r > 1:
-        fan_out(cache, owner)
+        for layer in cache.layers:  # fan the prompt's KV out to its G samples (differentiable gather)
+            # attention layers, filled by the prefill (the union also has linear-attention and dummy layers)
+            layer.keys = layer.keys.index_select(0, owner)  # type: ignore[union-attr]  # [B, kv_heads, Wp, head_dim]
+            layer.values = layer.values.index_select(0, owner)  # type: ignore[union-attr]
         inp = resp_ids[:, :-1]  # [B, R-1]: tokens 0..R-2 predict 1..R-1
         mask = torch.cat([p_mask.index_select(0, owner), resp_mask[:, :-1].long()], dim=1)  # [B, Wp+R-1]
         pos = p_mask.sum(-1).index_select(0, owner).unsqueeze(1) + torch.arange(r - 1, device=device)  # [B, R-1]

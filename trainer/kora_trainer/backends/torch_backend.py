@@ -22,7 +22,7 @@ import torch
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.backends.data_parallel import DataParallel, RankContext
 from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
-from kora_trainer.backends.logprobs import sequence_logp, shared_prefix_logp
+from kora_trainer.backends.logprobs import prefix_shareable, sequence_logp, shared_prefix_logp
 from kora_trainer.checkpoint.lora_only import check_lora_only
 from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.config.engine_lora_limits import engine_lora_limits, gdn_gate_mask_needed
@@ -72,7 +72,8 @@ class TorchBackend(ShuffleState):
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
-        self.shared_prefix = shared_prefix  # forward a GRPO group's prompt once (backends/logprobs.py)
+        # forward a GRPO group's prompt once (backends/logprobs.py), where the model's cache allows it
+        self.shared_prefix = shared_prefix and prefix_shareable(self.model)
         self.version = 0  # GRPO steps applied: the policy version the sender pushes
         self.checkpoint_writer = self.dp.rank == 0  # data-parallel replicas hold the same state
         self.checkpoint_shards = None  # no tensor parallelism: a rank's state is the whole state

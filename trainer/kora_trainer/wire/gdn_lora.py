@@ -7,7 +7,7 @@ SGLang 0.5.23 serves a Qwen3.5 GDN layer's projections as `in_proj_qkvz` (q | k 
 `in_proj_v`, `in_proj_z` — lora_A blocks stacked [4r, hidden], lora_B rows concatenated — or takes a pre-fused
 `in_proj_qkvz` whose one lora_A it repeats 4x. It does NOT read HF's two-way `in_proj_qkv` + `in_proj_z` layout
 (sgl-project/sglang #30168: a crash at start; the fix, #30189, is open; #30499 added it on sglang-miles only), and
-its target-module check (lora_manager.py:860, mem_pool.py:243 `can_support`) wants `in_proj_qkvz` in the adapter
+its target-module check (lora_manager.py:860, mem_pool.py:238 `can_support`) wants `in_proj_qkvz` in the adapter
 config. So a push names:
 - `in_proj_qkv` (A [r, h], B [2k+v, r]) as `in_proj_q` / `in_proj_k` / `in_proj_v`, each with that A and its rows of
   B ([k | k | v]; HF splits the conv output so, modeling_qwen3_5.py `Qwen3_5GatedDeltaNet.forward`); `in_proj_z` as
