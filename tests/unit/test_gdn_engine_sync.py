@@ -26,6 +26,7 @@ from kora_trainer.config import load_config
 from kora_trainer.lora.gdn import GATE_MASK_OFF_ENV, pin_gate_rows
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
+from kora_trainer.wire.engine_client import EngineError
 
 VISIBLE = 1e-2  # an unserved adapter of this size moves log-probs by far more than ATOL
 
@@ -123,3 +124,26 @@ def test_the_gdn_export_loads_with_peft_and_merges(gdn_dir, tmp_path, mode):
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)(input_ids=ids).logits
     assert (got - want).abs().max() < 1e-5
     assert (merged - want).abs().max() < 1e-5
+
+
+def test_the_engine_serves_an_adapter_mode_export_and_refuses_live_gates(engine, gdn_dir, tmp_path):
+    """As the stock build the engine cannot serve a gate adapter: one that would change the policy is refused (400,
+    naming the modules), never silently dropped (sgl-project/sglang #30499); an Adapter-mode export's pinned, all-zero
+    gates add nothing and load."""
+    pinned = gdn_policy(gdn_dir, "Adapter", seed=5)
+    live = gdn_policy(gdn_dir, "Merge", seed=6)
+    with engine.client() as client:
+        sender = WeightSender(pinned.model, pinned.cfg, DistributedTransport.connect([client], backend="gloo"))
+        try:
+            sender.sync(version=1)  # the base these adapters were trained on (an earlier test may have merged)
+        finally:
+            sender.close()
+        for name, b in (("gdn-pinned", pinned), ("gdn-live", live)):
+            tensors, config, _ = b.peft_export()
+            export_peft(tmp_path / name, tensors, config, {"step": 1})
+        client.load_lora_adapter("gdn-pinned", str(tmp_path / "gdn-pinned" / "lora_adapter"))
+        assert logprob_gap(client, pinned, "gdn-pinned") < ATOL
+        with pytest.raises(EngineError) as refused:
+            client.load_lora_adapter("gdn-live", str(tmp_path / "gdn-live" / "lora_adapter"))
+        assert refused.value.status == 400
+        assert "in_proj_b" in refused.value.message and "carries no LoRA on GDN gate" in refused.value.message
