@@ -147,3 +147,21 @@ def test_the_engine_serves_an_adapter_mode_export_and_refuses_live_gates(engine,
             client.load_lora_adapter("gdn-live", str(tmp_path / "gdn-live" / "lora_adapter"))
         assert refused.value.status == 400
         assert "in_proj_b" in refused.value.message and "carries no LoRA on GDN gate" in refused.value.message
+
+
+def test_a_multi_lora_publish_of_a_gdn_adapter_goes_out_under_sglang_names(engine, gdn_dir):
+    """sync/slot_sender.SlotSender (multi-LoRA: Adapter mode, so the gates are pinned) pushes a named adapter under
+    the same names as the single-adapter push, and the engine serves it."""
+    from kora_trainer.lora import peft_config_dict
+    from kora_trainer.sync.slot_sender import SlotSender
+
+    b = gdn_policy(gdn_dir, "Adapter", seed=7)
+    with engine.client() as client:
+        sender = SlotSender(b.model, b.cfg, DistributedTransport.connect([client], backend="gloo"))
+        try:
+            sender.push_base()
+            assert sender.publish("gdn-a", 1, peft_config_dict(b.model, b.cfg.lora, str(gdn_dir))).pushed
+            assert "in_proj_qkvz" in sender.adapter_config["target_modules"]
+            assert logprob_gap(client, b, "gdn-a") < ATOL
+        finally:
+            sender.close()
