@@ -123,3 +123,14 @@ def test_multi_lora_on_megatron_is_refused_at_start_with_the_fix():
     with pytest.raises(ConfigError, match=r"multi-LoRA trains on the torch backend so far.*set backend: torch"):
         check_actor_layout(cfg, Backend.MEGATRON)
     check_actor_layout(cfg, Backend.TORCH)
+
+
+def test_auto_keeps_a_model_megatron_does_not_map_on_torch_and_megatron_refuses_it():
+    """A large Qwen3.5 hybrid (GDN layers: model_type qwen3_5_text) on a GPU: auto trains it with the torch backend,
+    an explicit backend: megatron stops at start naming the model type and the fix, not at the model builder."""
+    big = 10 * LARGE_MODEL_BYTES
+    auto = resolve_backend(cfg(), cuda=True, megatron=True, model_bytes=big, model_type="qwen3_5_text")
+    assert auto is Backend.TORCH
+    assert resolve_backend(cfg(), cuda=True, megatron=True, model_bytes=big, model_type="qwen3") is Backend.MEGATRON
+    with pytest.raises(ConfigError, match=r"backend: megatron maps model_type .*not 'qwen3_5_text'.*backend: torch"):
+        resolve_backend(cfg("backend=megatron"), cuda=True, megatron=True, model_bytes=big, model_type="qwen3_5_text")

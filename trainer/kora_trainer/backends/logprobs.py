@@ -59,6 +59,14 @@ def cache_kwarg(model: nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def prefix_shareable(model: nn.Module) -> bool:
+    """Whether `shared_prefix_logp` can differentiate through this model's cache. Not for GDN / linear-attention
+    layers: transformers 5 writes their recurrent state into the cache in place (cache_utils.py
+    `LinearAttentionLayer.update_recurrent_state`: `copy_`), which the prompt's autograd graph still needs."""
+    types = getattr(getattr(model, "config", None), "layer_types", None) or []
+    return "linear_attention" not in types
+
+
 def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: float = 1.0) -> torch.Tensor:
     from transformers import DynamicCache
 

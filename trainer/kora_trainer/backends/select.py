@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kora_trainer.backends.data_parallel import RankContext
-from kora_trainer.config import Backend, ConfigError, TrainerConfig
+from kora_trainer.config import Backend, ConfigError, TrainerConfig, read_hf_config
 from kora_trainer.config.layout import parallel_problems
 
 if TYPE_CHECKING:
@@ -59,18 +59,29 @@ def weights_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in root.iterdir() if f.suffix in WEIGHT_SUFFIXES)
 
 
-def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_bytes: int) -> Backend:
-    """torch or megatron for this job on this machine; an explicit choice that cannot run is an error."""
+# The HF model types the megatron backend maps onto a GPTModel (backends/megatron/model.py `check_supported`); a
+# Qwen3.5 hybrid (GDN linear-attention layers, model_type qwen3_5*) is not one of them.
+MEGATRON_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "qwen3_moe"})
+
+
+def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_bytes: int,
+                    model_type: str | None = None) -> Backend:
+    """torch or megatron for this job on this machine; an explicit choice that cannot run is an error. `model_type`:
+    the checkpoint's config.json model_type (None: unread); auto keeps a model megatron does not map on torch."""
+    mapped = model_type is None or model_type in MEGATRON_MODEL_TYPES
     if cfg.backend is Backend.MEGATRON:
         missing = [what for what, ok in (("a CUDA GPU", cuda), ("megatron-core (pip install 'kora[gpu]')", megatron))
                    if not ok]
         if missing:
             raise ConfigError([f"backend: megatron needs {' and '.join(missing)} on the trainer; "
                               "set backend: torch (or auto) to train with the torch backend here"])
+        if not mapped:
+            raise ConfigError([f"backend: megatron maps model_type {', '.join(sorted(MEGATRON_MODEL_TYPES))}, not "
+                               f"{model_type!r} (model.path's config.json); set backend: torch (or auto)"])
         return Backend.MEGATRON
     if cfg.backend is Backend.TORCH:
         return Backend.TORCH
-    return Backend.MEGATRON if cuda and megatron and model_bytes >= LARGE_MODEL_BYTES else Backend.TORCH
+    return Backend.MEGATRON if cuda and megatron and mapped and model_bytes >= LARGE_MODEL_BYTES else Backend.TORCH
 
 
 def check_actor_layout(cfg: TrainerConfig, backend: Backend) -> None:
@@ -102,8 +113,9 @@ def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankConte
     from kora_trainer.backends.megatron import megatron_available
 
     cuda = torch.cuda.is_available()
+    hf = read_hf_config(cfg.model.path) or {}
     backend = resolve_backend(cfg, cuda=cuda, megatron=cuda and megatron_available(),
-                              model_bytes=weights_bytes(cfg.model.path))
+                              model_bytes=weights_bytes(cfg.model.path), model_type=hf.get("model_type"))
     check_actor_layout(cfg, backend)
     if backend is Backend.MEGATRON:
         from kora_trainer.backends.megatron.backend import MegatronBackend

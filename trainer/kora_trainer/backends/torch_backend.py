@@ -22,9 +22,10 @@ import torch
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.backends.data_parallel import DataParallel, RankContext
 from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
-from kora_trainer.backends.logprobs import sequence_logp, shared_prefix_logp
+from kora_trainer.backends.logprobs import prefix_shareable, sequence_logp, shared_prefix_logp
 from kora_trainer.checkpoint.lora_only import check_lora_only
-from kora_trainer.config import TrainerConfig
+from kora_trainer.config import SyncMode, TrainerConfig
+from kora_trainer.config.engine_lora_limits import engine_lora_limits, gdn_gate_mask_needed
 from kora_trainer.lora import (
     adapter_disabled,
     adapter_parameters,
@@ -33,6 +34,7 @@ from kora_trainer.lora import (
     lora_modules,
     peft_config_dict,
 )
+from kora_trainer.lora.gdn import pin_gate_rows
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -58,6 +60,10 @@ class TorchBackend(ShuffleState):
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.wrapped = apply_lora(self.model, cfg.lora)
+        # GDN b/a gate adapters the engine build cannot serve are pinned to zero (lora/gdn.py): trained = served
+        served_as = SyncMode.ADAPTER if cfg.multi_lora.max_adapters else cfg.lora.effective_sync_mode
+        self.gate_pinned = pin_gate_rows(self.model) \
+            if gdn_gate_mask_needed(served_as, engine_lora_limits().gdn_gate_adapters) else []
         self.model.eval()
         if self.dp.rank:  # LoRA dropout: each rank its own draws (rank 0 keeps the one-rank stream)
             torch.manual_seed(cfg.algorithm.seed + self.dp.rank)
@@ -66,7 +72,8 @@ class TorchBackend(ShuffleState):
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
-        self.shared_prefix = shared_prefix  # forward a GRPO group's prompt once (backends/logprobs.py)
+        # forward a GRPO group's prompt once (backends/logprobs.py), where the model's cache allows it
+        self.shared_prefix = shared_prefix and prefix_shareable(self.model)
         self.version = 0  # GRPO steps applied: the policy version the sender pushes
         self.checkpoint_writer = self.dp.rank == 0  # data-parallel replicas hold the same state
         self.checkpoint_shards = None  # no tensor parallelism: a rank's state is the whole state

@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from kora_trainer.config.engine_lora_limits import engine_lora_limits
 from kora_trainer.reference_engine.param_lora import ParamDelta, owns_matrices, resolve_target, rows_forward
+from kora_trainer.wire.gdn_lora import hf_pairs
 from kora_trainer.wire.lora_names import split_lora_name
 
 
@@ -100,13 +102,21 @@ def validate_config(config: dict[str, Any]) -> None:
 
 def build_adapter(name: str, source: str, config: dict[str, Any], named: Iterable[tuple[str, torch.Tensor]],
                   model: nn.Module, dtype: torch.dtype, device: torch.device,
-                  max_rank: int | None = None, version: str | None = None) -> LoRAAdapter:
-    """Check the tensors against the model and copy them to the engine's device/dtype."""
+                  max_rank: int | None = None, version: str | None = None,
+                  gate_adapters: bool | None = None) -> LoRAAdapter:
+    """Check the tensors against the model and copy them to the engine's device/dtype. SGLang's fused GDN names
+    are read back onto the HF model's modules (wire/gdn_lora.py); `gate_adapters`: whether this engine, as the build
+    it stands for, carries GDN b/a gate adapters (default: the stock build's answer, config/engine_lora_limits.py)."""
     validate_config(config)
     pairs = pair_lora_tensors(named)
     if not pairs:
         raise ValueError(f"adapter {name} holds no LoRA tensors")
     modules = dict(model.named_modules())
+    carries = engine_lora_limits().gdn_gate_adapters if gate_adapters is None else gate_adapters
+    try:
+        pairs, stacked = hf_pairs(pairs, lambda m: _linear_width(modules, m), carries)
+    except ValueError as e:
+        raise ValueError(f"adapter {name}: {e}") from None
     weights: dict[str, tuple[torch.Tensor, torch.Tensor, float]] = {}
     params: dict[str, list[ParamDelta]] = {}
     rank = 0
@@ -115,7 +125,7 @@ def build_adapter(name: str, source: str, config: dict[str, Any], named: Iterabl
             target = resolve_target(modules, module, a, b, config)
         except ValueError as e:
             raise ValueError(f"adapter {name}: {e}") from None
-        r = target.rank(a)
+        r = target.rank(a) // stacked.get(module, 1)  # a stack of pieces of rank r each (hf_pairs)
         rank = max(rank, r)
         a_, b_ = a.to(device=device, dtype=dtype).clone(), b.to(device=device, dtype=dtype).clone()
         scaling = module_scaling(config, target.pattern_key, r)
@@ -128,6 +138,11 @@ def build_adapter(name: str, source: str, config: dict[str, Any], named: Iterabl
                          "Restart the server with a larger --max-lora-rank.")
     return LoRAAdapter(name, source, rank, weights, dict(config), version,
                        {m: tuple(d) for m, d in params.items()})
+
+
+def _linear_width(modules: dict[str, nn.Module], module: str) -> int | None:
+    m = modules.get(module)
+    return m.out_features if isinstance(m, nn.Linear) else None
 
 
 def read_peft_dir(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:

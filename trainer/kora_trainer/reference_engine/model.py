@@ -269,7 +269,8 @@ class EngineModel:
         """A fresh KV cache over seq [B, T]; logits [B, T, V] (all_logits) or [B, 1, V]."""
         from transformers import DynamicCache
 
-        cache = DynamicCache()
+        # per layer type: a GDN layer keeps its conv / recurrent state
+        cache = DynamicCache(config=getattr(self.model, "config", None))
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding keeps real positions 0..len-1
         return cache, self._forward(seq, mask, pos, cache, last_only=not all_logits)
 

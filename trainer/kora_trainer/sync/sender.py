@@ -31,13 +31,23 @@ import torch
 from torch import nn
 
 from kora_trainer.config import SyncMode, TrainerConfig
+from kora_trainer.config.engine_lora_limits import engine_lora_limits
 from kora_trainer.config.sections import POLICY_ADAPTER
 from kora_trainer.lora import adapter_parameters, adapter_tensors, peft_config_dict
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.fast import Entry, GatherSpec
-from kora_trainer.sync.sources import Source, adapter_source, adapter_specs, base_source, merge_entries, merged_source
+from kora_trainer.sync.sources import (
+    Source,
+    adapter_source,
+    adapter_specs,
+    base_source,
+    merge_entries,
+    merged_source,
+    served_adapter_source,
+)
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
 from kora_trainer.wire.engine_client import EngineClient, EngineError, applied_checksum
+from kora_trainer.wire.gdn_lora import to_sglang_config
 from kora_trainer.wire.group import WeightUpdateGroup
 from kora_trainer.wire.protocol import FLAT, Bucket, plan_buckets, tensor_digest
 from kora_trainer.wire.protocol import checksum as protocol_checksum
@@ -169,12 +179,14 @@ class WeightSender:
         self._base_pushed = False
         self._loaded: set[str] = set()  # adapter names this sender has loaded on the engines (colocated)
         self.adapter_name = POLICY_ADAPTER  # multi-LoRA (sync/slot_sender.py) pushes each adapter under its own
+        self.gate_adapters = engine_lora_limits().gdn_gate_adapters  # the build hosts GDN b/a adapters
         self.adapter_config = self.make_adapter_config()
 
     # ---- what the policy is made of (the torch backend's HF model; backends/megatron/sync.py overrides) ----
 
     def make_adapter_config(self) -> dict[str, Any]:
-        return peft_config_dict(self.model, self.cfg.lora, self.cfg.model.path)
+        """The pushed adapter's config: target_modules under the engines' names (SGLang's fused GDN modules)."""
+        return to_sglang_config(peft_config_dict(self.model, self.cfg.lora, self.cfg.model.path), self.gate_adapters)
 
     def adapter_named(self) -> list[Named]:
         """This rank's adapter tensors (live), for the delta-skip decision."""
@@ -188,6 +200,10 @@ class WeightSender:
 
     def adapter_source(self) -> Source:
         return adapter_source(self.model)
+
+    def served_adapter_source(self) -> Source:
+        """Adapter mode's pushes: the adapter as the engines' LoRA loader names it (sources.served_adapter_source)."""
+        return served_adapter_source(self.model, self.gate_adapters)
 
     # ---- the GPU fast path's plan (sync/fast_sender.py); NotImplementedError: the HTTP path only -------------
 
@@ -242,7 +258,7 @@ class WeightSender:
             n0, b0 = self._push_weights(self.base_source(), version, checksum, {})
             self._base_pushed = True
             what = "base+adapter"
-        n, b = self._push_adapter(self.adapter_source(), version, checksum)
+        n, b = self._push_adapter(self.served_adapter_source(), version, checksum)
         return n0 + n, b0 + b, what
 
     # ---- full weights / lora pairs through the weight routes ------------------------------------

@@ -22,6 +22,7 @@ from kora_trainer.lora import adapter_tensors
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.sender import RunningChecksum, SyncReport, WeightSender
 from kora_trainer.wire.engine_client import EngineClient, EngineError
+from kora_trainer.wire.gdn_lora import to_sglang_config
 
 RETIRE_WAIT_S = 30.0
 
@@ -66,8 +67,9 @@ class SlotSender(WeightSender):
         checksum = RunningChecksum()
         nbytes = nbuckets = 0
         if self.transport is not None:
-            self.adapter_name, self.adapter_config = name, config
-            nbytes, nbuckets = self._push_adapter(self.adapter_source(), version, checksum)
+            # under the engines' names, as the single-adapter push (SGLang's fused GDN modules: wire/gdn_lora.py)
+            self.adapter_name, self.adapter_config = name, to_sglang_config(config, self.gate_adapters)
+            nbytes, nbuckets = self._push_adapter(self.served_adapter_source(), version, checksum)
         tracker.mark_pushed(adapter)
         ms = (time.perf_counter() - t0 - checksum.seconds) * 1000
         return SyncReport(mode="Adapter", transport=self._transport_kind(), pushed=True, bytes=nbytes,

@@ -19,10 +19,12 @@ from torch import nn
 
 from kora_trainer.hf_experts import per_expert_views
 from kora_trainer.lora import adapter_pairs, base_state
+from kora_trainer.lora.gdn import gdn_modules
 from kora_trainer.lora.layer import LoRALinear
 from kora_trainer.lora.model import fold_targets, hf_name, lora_modules
 from kora_trainer.lora.params import LoRAParam
 from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
+from kora_trainer.wire.gdn_lora import to_sglang_pairs
 
 Named = tuple[str, torch.Tensor]
 
@@ -88,6 +90,22 @@ def adapter_source(model: nn.Module) -> Source:
     return Source(groups, lambda names: {n: live[n] for n in names})
 
 
+def served_adapter_source(model: nn.Module, gate_adapters: bool) -> Source:
+    """Adapter mode's pushes: `adapter_source`'s pairs under the names the engine's LoRA loader takes — SGLang's
+    for GDN projections, b/a left out where the build carries none (wire/gdn_lora.py); others unchanged. The
+    renamed pieces are row slices of the live B, taken again at every push."""
+    def pairs() -> list[tuple[Named, Named]]:
+        return to_sglang_pairs(adapter_pairs(model), gate_adapters)
+
+    groups = [[(a, _meta(ta)), (b, _meta(tb))] for (a, ta), (b, tb) in pairs()]
+
+    def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
+        now = {n: t for pair in pairs() for n, t in pair}
+        return {n: now[n] for n in names}
+
+    return Source(groups, get)
+
+
 def _no_parameter_adapters(model: nn.Module) -> None:
     if lora_modules(model, LoRAParam):
         raise NotImplementedError("adapters on bare parameters (MoE experts, routers) go through the HTTP path")
@@ -118,4 +136,6 @@ def adapter_specs(model: nn.Module) -> list[GatherSpec]:
     """Adapter mode's fast-path plan: every HF-PEFT tensor is one LoRA parameter, whole (`adapter_source`'s
     order)."""
     _no_parameter_adapters(model)
+    if gdn_modules(model):
+        raise NotImplementedError("GDN in_proj adapters go out under SGLang's fused names (the HTTP path)")
     return [GatherSpec(n, t) for pair in adapter_pairs(model) for n, t in pair]

@@ -29,6 +29,7 @@ from kora_trainer.backends.megatron.convert import (
     to_megatron_shard,
 )
 from kora_trainer.backends.megatron.parallel import gather_tp, tp_rank_size
+from kora_trainer.backends.select import MEGATRON_MODEL_TYPES
 
 
 def rope_theta(cfg: Any) -> float:
@@ -45,7 +46,7 @@ def rope_theta(cfg: Any) -> float:
 
 def check_supported(cfg: Any) -> None:
     model_type = getattr(cfg, "model_type", "")
-    if model_type not in ("qwen3", "qwen2", "llama", "qwen3_moe"):
+    if model_type not in MEGATRON_MODEL_TYPES:
         raise NotImplementedError(f"model_type {model_type!r}: the megatron backend maps Qwen3 dense (and its "
                                   "Llama-family relatives) and Qwen3-MoE so far")
     if getattr(cfg, "hidden_act", "silu") != "silu":

@@ -260,6 +260,9 @@ class MegatronWeightSender(WeightSender):
             self._adapter_src = megatron_adapter_source(self.model, self.layout, self.flavour)
         return self._adapter_src
 
+    def served_adapter_source(self) -> Source:  # its flavour already names what the engines take
+        return self.adapter_source()
+
     # ---- the fast path's plan (sync/fast_sender.py): TP = 1, dense models --------------------------------------
 
     def _fast_covered(self) -> None:
