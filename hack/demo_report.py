@@ -78,6 +78,7 @@ def write_png(curves: Curves, path: Path) -> None:
     ax_r.set_title(f"toy-local: reward {curves.first:.2f} (first {WINDOW} steps) -> {curves.last:.2f} (last {WINDOW})")
     ax_r.legend(loc="lower right")
     ax_s.plot(curves.steps, curves.sync_ms, lw=0.8, color="tab:orange")
+    ax_s.set_yscale("log")  # a p50 of milliseconds beside a few slow pushes on a busy machine
     ax_s.set_ylabel("weight sync (ms)")
     ax_s.set_xlabel("step")
     fig.tight_layout()
