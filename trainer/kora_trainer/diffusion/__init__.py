@@ -4,7 +4,9 @@ Modules, bottom up:
   toy.py        the tiny diffusion toy made on disk (`kora make-toy --diffusion DIR`), loaded back with diffusers
   rewards.py    the built-in per-prompt colour reward on the final latent "image"
   flow_grpo.py  the pure math: the SDE step, its per-step Gaussian log-prob, rollouts, the re-score, the loss
-  lora.py       PEFT LoRA on the transformer's attention projections (SD3 joint blocks' names)
+  policy.py     the toy's velocity function per batch of samples, per-sample noise streams
+  lora.py       LoRA on the transformer's attention projections under PEFT's names (SD3 joint blocks' targets)
+  lora_sync.py  LoRA IPC merge: PEFT -> sglang-diffusion names, pair-preserving buckets, the engine's fold
   train_loop.py a single-process CPU training loop (rollout -> reward -> re-score -> update)
 See docs/diffusion.md for the math and what is not built yet.
 """
