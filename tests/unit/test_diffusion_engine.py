@@ -1,6 +1,7 @@
-"""The reference diffusion engine as a real process on 127.0.0.1 (sglang-diffusion's `POST /rollout/generate`):
-its rollouts, re-scored by the trainer in this process, give back every step's log-prob exactly; what it cannot
-serve is a 400 that names the field, never a 5xx."""
+"""The reference diffusion engine as a real process on 127.0.0.1 (sglang-diffusion's `POST /rollout/generate` and
+`POST /update_weights_from_tensor`): its rollouts, re-scored by the trainer in this process, give back every step's
+log-prob exactly, before and after IPC-merge and train-side-merge pushes; what it cannot serve is a 400 that names
+the field, never a 5xx."""
 
 from __future__ import annotations
 
@@ -14,11 +15,15 @@ import pytest
 import requests
 import torch
 
+from diffusionkit import toy_with_moved_adapter
 from kora_trainer.diffusion import flow_grpo
 from kora_trainer.diffusion.engine import decode_tensor, trajectory_from_responses
+from kora_trainer.diffusion.lora_sync import layer_groups, pack_pair_buckets, sync_log_line
 from kora_trainer.diffusion.policy import velocity_fn
 from kora_trainer.diffusion.toy import load_diffusion_toy
+from kora_trainer.lora.model import adapter_tensors, base_state, folded_state
 from kora_trainer.wire.group import free_port
+from kora_trainer.wire.serialize import serialize_named_tensors
 from localcluster import wait_for
 
 
@@ -85,3 +90,50 @@ def test_what_the_engine_cannot_serve_is_a_400_naming_the_field(engine_url, body
 def test_a_body_that_is_not_json_is_a_400(engine_url):
     resp = requests.post(f"{engine_url}/rollout/generate", data=b"\x93not json", timeout=30)
     assert resp.status_code == 400
+
+
+def _push(url, named, **fields):
+    body = {"serialized_named_tensors": [serialize_named_tensors(named)], "target_modules": ["transformer"], **fields}
+    return requests.post(f"{url}/update_weights_from_tensor", data=json.dumps(body), timeout=60)
+
+
+def _engine_rollout(url):
+    return trajectory_from_responses(msgpack.unpackb(_generate(
+        url, prompt="colour-07", seed=5, num_inference_steps=6, num_outputs_per_prompt=4,
+        rollout_return_dit_trajectory=True).content), noise_level=0.7)
+
+
+def _rescore_gap(toy, traj):
+    ids = torch.full((traj.latents.shape[0],), 7)
+    with torch.no_grad():
+        return max(float((flow_grpo.rescore(velocity_fn(toy, ids), traj, j)[0] - traj.log_probs[:, j]).abs().max())
+                   for j in range(traj.num_steps))
+
+
+def test_ipc_merge_and_train_side_merge_pushes_serve_the_trainers_policy(engine_url, diffusion_toy_dir):
+    """Last in this module: it changes the engine's weights (and puts the base back at the end)."""
+    toy = toy_with_moved_adapter(diffusion_toy_dir)  # the trainer's policy: LoRA r 4 / alpha 8, B moved
+    assert _rescore_gap(toy, _engine_rollout(engine_url)) > 1e-4  # the engine still serves the base
+    groups, unmapped = layer_groups(adapter_tensors(toy.transformer))
+    buckets = pack_pair_buckets(groups, cap_bytes=4 * groups[0].nbytes)
+    try:
+        for _ in range(2):  # the second sync of the same adapter must not add it twice
+            for bucket in buckets:
+                resp = _push(engine_url, [t for g in bucket for t in g.named()], weight_update_mode="lora_merge",
+                             lora_alpha=8, lora_rank=4)
+                assert resp.status_code == 200 and resp.json()["success"], resp.text
+            merged = _engine_rollout(engine_url)
+            assert _rescore_gap(toy, merged) < 1e-5  # the engine serves exactly the trainer's policy
+        print(sync_log_line(1, "transformer", buckets, len(unmapped)))
+        # train-side merge: the trainer folds (fp32, rounded once) and pushes full weights under diffusers' names
+        resp = _push(engine_url, list(folded_state(toy.transformer)))
+        assert resp.status_code == 200, resp.text
+        assert torch.equal(_engine_rollout(engine_url).latents, merged.latents)  # the same weights, bit for bit
+        # a bucket carrying half a pair is refused, naming the rule
+        half = _push(engine_url, groups[0].named()[:1], weight_update_mode="lora_merge", lora_alpha=8, lora_rank=4)
+        assert half.status_code == 400 and "whole A/B pairs" in half.json()["message"]
+        bad = _push(engine_url, groups[0].named(), weight_update_mode="lora_merge", load_format="flattened_bucket",
+                    lora_alpha=8, lora_rank=4)
+        assert bad.status_code == 400 and "load_format" in bad.json()["message"]
+    finally:
+        assert _push(engine_url, list(base_state(toy.transformer))).status_code == 200

@@ -1,8 +1,14 @@
 """A reference diffusion rollout engine for the toy: sglang-diffusion's rollout route, on CPU, on 127.0.0.1.
 
 `python -m kora_trainer.diffusion.engine --toy DIR --port P` serves
-  GET  /health             200 once the toy is loaded
-  POST /rollout/generate   a JSON `RolloutRequest` -> a msgpack list of `RolloutResponse`, one per output
+  GET  /health                       200 once the toy is loaded
+  POST /rollout/generate             a JSON `RolloutRequest` -> a msgpack list of `RolloutResponse`, one per output
+  POST /update_weights_from_tensor   `serialized_named_tensors` (wire/serialize.py: same-host handles, one entry; the
+                                     payload is unpickled, so the engine binds 127.0.0.1 and trusts its trainer),
+                                     `load_format` (null only), `target_modules` (["transformer"] or null),
+                                     `weight_update_mode`: null = full weights by name, "lora_merge" = A/B pairs
+                                     (`lora_alpha`, `lora_rank`) folded into the pristine base kept at load, fp32
+                                     (lora_sync.fold_from_pristine) -> {"success", "message"}
 It matches sgl-project/sglang python/sglang/multimodal_gen/runtime/entrypoints/post_training/: the request and
 response fields of io_struct.py @ 00e1106f4ab55cfb7dceeba2dfbc04b0cc40bb6f (`RolloutRequest`, `RolloutResponse`),
 the route and the per-sample slicing of rollout_api.py @ 078e5e2a5227bb6af1727574bb6212f0afb25250 (msgpack body,
@@ -12,8 +18,9 @@ utils.py @ 067e8f42c478f654f149497429caddd0b28d3490 (`{"__tensor__": true, "data
 seeded `seed + i` (kora's rule: sglang's per-output seeding was not checked).
 Refused with 400 and the field named, not silently ignored: another SDE type than "sde", `rollout_log_prob_no_const`,
 `guidance_scale` > 1 (no CFG: the toy has no negative prompt), a width/height other than the toy's, step filters.
-Not built yet: `/update_weights_from_tensor` (lora_merge lives in lora_sync.fold_from_pristine, not behind a
-route), `/get_weights_checksum`, auth.
+The update request's fields are io_struct.py's `UpdateWeightFromTensorReqInput` (same commit); its answer's shape
+is the LLM routes' {"success", "message"} (sglang-diffusion's own answer was not read). Not built yet:
+`load_format="flattened_bucket"`, `/get_weights_checksum`, the admin key, a weight_version.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import load, save
 
 from kora_trainer.diffusion import flow_grpo
+from kora_trainer.diffusion.lora_sync import LORA_MERGE, fold_from_pristine
 from kora_trainer.diffusion.policy import velocity_fn
 from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
+from kora_trainer.wire.serialize import deserialize_named_tensors
 
 MAX_OUTPUTS = 64
 MAX_STEPS = 100
@@ -58,6 +67,54 @@ class RolloutRequest(BaseModel):
     rollout_return_dit_trajectory: bool = False
     rollout_sde_step_indices: list[int] | None = None
     rollout_return_step_indices: list[int] | None = None
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """sglang-diffusion's UpdateWeightFromTensorReqInput."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    target_modules: list[str] | None = None
+    weight_update_mode: str | None = None
+    lora_alpha: float | None = None
+    lora_rank: int | None = None
+
+
+class ToyEngine:
+    """The engine's state: the toy, and a pristine copy of every transformer weight taken at load (lora_merge folds
+    from it every sync, so merges never accumulate)."""
+
+    def __init__(self, toy: DiffusionToy):
+        self.toy = toy
+        self.params = dict(toy.transformer.named_parameters())
+        self.pristine = {n: p.detach().clone() for n, p in self.params.items()}
+
+    def update(self, req: UpdateWeightsFromTensorRequest) -> str:
+        """Apply one update; ValueError (-> 400) names the field for what it cannot take."""
+        if req.load_format is not None:
+            raise ValueError(f"load_format {req.load_format!r}: only null (a list of named tensors) is built")
+        if req.target_modules not in (None, ["transformer"]):
+            raise ValueError(f"target_modules {req.target_modules}: the toy's only module is 'transformer'")
+        if len(req.serialized_named_tensors) != 1:
+            raise ValueError("serialized_named_tensors: one entry (the toy engine has one rank)")
+        named = deserialize_named_tensors(req.serialized_named_tensors[0])
+        if req.weight_update_mode == LORA_MERGE:
+            if req.lora_alpha is None or req.lora_rank is None or req.lora_rank < 1:
+                raise ValueError("lora_merge needs lora_alpha and lora_rank >= 1")
+            weights = fold_from_pristine(self.pristine, named, req.lora_alpha, req.lora_rank, fp32=True)
+        elif req.weight_update_mode is None:
+            weights = dict(named)
+        else:
+            raise ValueError(f"weight_update_mode {req.weight_update_mode!r}: null or {LORA_MERGE!r}")
+        unknown = [n for n, t in weights.items() if n not in self.params or self.params[n].shape != t.shape]
+        if unknown:
+            raise ValueError(f"no transformer weight of that name and shape: {unknown[:3]}")
+        with torch.no_grad():
+            for n, t in weights.items():
+                self.params[n].copy_(t)
+        return f"Updated {len(weights)} transformer weights ({req.weight_update_mode or 'full'})."
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
@@ -135,6 +192,16 @@ def rollout(toy: DiffusionToy, req: RolloutRequest, default_steps: int = 10) -> 
 
 
 def make_app(toy: DiffusionToy) -> web.Application:
+    engine = ToyEngine(toy)
+
+    async def update_weights_from_tensor(request: web.Request) -> web.Response:
+        try:
+            req = UpdateWeightsFromTensorRequest.model_validate_json(await request.read())
+            message = engine.update(req)
+        except (ValidationError, ValueError, KeyError) as e:  # a bad payload is the caller's: 400
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, "message": message})
+
     async def health(_request: web.Request) -> web.Response:
         return web.Response(status=200)
 
@@ -154,6 +221,7 @@ def make_app(toy: DiffusionToy) -> web.Application:
     app = web.Application(client_max_size=1 << 20)
     app.router.add_get("/health", health)
     app.router.add_post("/rollout/generate", generate)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
     return app
 
 
