@@ -18,9 +18,11 @@ import torch
 from diffusionkit import toy_with_moved_adapter
 from kora_trainer.diffusion import flow_grpo
 from kora_trainer.diffusion.engine import decode_tensor, trajectory_from_responses
+from kora_trainer.diffusion.engine_client import EngineRollout, LoraMergeSync
 from kora_trainer.diffusion.lora_sync import layer_groups, pack_pair_buckets, sync_log_line
 from kora_trainer.diffusion.policy import velocity_fn
 from kora_trainer.diffusion.toy import load_diffusion_toy
+from kora_trainer.diffusion.train_loop import FlowGRPOSettings, train_toy
 from kora_trainer.lora.model import adapter_tensors, base_state, folded_state
 from kora_trainer.wire.group import free_port
 from kora_trainer.wire.serialize import serialize_named_tensors
@@ -137,3 +139,22 @@ def test_ipc_merge_and_train_side_merge_pushes_serve_the_trainers_policy(engine_
         assert bad.status_code == 400 and "load_format" in bad.json()["message"]
     finally:
         assert _push(engine_url, list(base_state(toy.transformer))).status_code == 200
+
+
+@pytest.mark.slow
+def test_training_through_the_engine_with_ipc_merge_raises_the_reward(engine_url, diffusion_toy_dir):
+    """Rollouts from the engine, the adapter pushed by IPC merge after every update: every step's ratio is 1 (the
+    engine served exactly the pushed policy, step after step) and the reward rises as it does in one process."""
+    torch.set_num_threads(1)
+    settings = FlowGRPOSettings()
+    sync = LoraMergeSync(engine_url, settings.lora_rank, settings.lora_alpha, buffer_bytes=64 << 10)
+    roll = EngineRollout(engine_url, settings.seed, settings.num_inference_steps, settings.noise_level)
+    try:
+        out = train_toy(diffusion_toy_dir, settings, steps=40, rollout=roll, sync=sync)
+    finally:
+        toy = load_diffusion_toy(diffusion_toy_dir)
+        assert _push(engine_url, list(base_state(toy.transformer))).status_code == 200
+    print({k: out[k] for k in ("reward_before", "reward_after", "train_s")}, sync.lines[0])
+    assert sync.lines[0].endswith("pushed 30 lora tensors, 15 layer prefixes in 2 buckets (unmapped=0)")
+    assert all(abs(h["ratio_mean"] - 1.0) < 1e-6 for h in out["history"])
+    assert out["reward_after"] - out["reward_before"] >= 0.05

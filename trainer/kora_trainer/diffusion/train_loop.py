@@ -96,11 +96,28 @@ def _update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Traje
     return stats
 
 
+# (the toy, prompt ids [B] with a prompt's G samples adjacent, the step) -> the rollout of those samples
+RolloutFn = Callable[[DiffusionToy, torch.Tensor, int], flow_grpo.Trajectory]
+
+
+def local_rollout(settings: FlowGRPOSettings) -> RolloutFn:
+    """Roll out in the trainer's own process with the policy being trained."""
+    def roll(toy: DiffusionToy, ids: torch.Tensor, step: int) -> flow_grpo.Trajectory:
+        timesteps, sigmas = flow_grpo.schedule(toy.scheduler, settings.num_inference_steps)
+        return flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, settings.noise_level,
+                                generators(settings.seed, step, ids.numel()))
+    return roll
+
+
 def train_toy(toy_dir: str | Path, settings: FlowGRPOSettings, steps: int, time_limit_s: float | None = None,
-              on_step: Callable[[StepStats], None] | None = None, eval_every: int = 0) -> dict[str, Any]:
+              on_step: Callable[[StepStats], None] | None = None, eval_every: int = 0,
+              rollout: RolloutFn | None = None, sync: Callable[[Any], object] | None = None) -> dict[str, Any]:
     """Train a LoRA on the toy for `steps` steps (or until `time_limit_s`); return the summary with the reward
     before and after (`evaluate`), every `eval_every` steps' evaluation (the curve; 0: none) and each step's
-    stats. Deterministic for a given step count (1 CPU thread): time only decides how far a time limit gets."""
+    stats. Deterministic for a given step count (1 CPU thread): time only decides how far a time limit gets.
+    `rollout`: where samples come from (default: this process); `sync(transformer)`: called after every optimizer
+    pass, to push the new policy to the engine that `rollout` asks (engine_client.py)."""
+    roll = rollout if rollout is not None else local_rollout(settings)
     toy = load_diffusion_toy(toy_dir)
     toy.transformer.eval()  # no dropout in SD3's blocks; eval keeps any future one out of the log-prob match
     torch.manual_seed(settings.seed)  # the adapter's A init draws from the global stream
@@ -108,18 +125,18 @@ def train_toy(toy_dir: str | Path, settings: FlowGRPOSettings, steps: int, time_
     opt = torch.optim.AdamW(adapter_parameters(toy.transformer), lr=settings.lr, weight_decay=0.0)
     before = evaluate(toy, settings)
     rng = torch.Generator().manual_seed(settings.seed)
-    timesteps, sigmas = flow_grpo.schedule(toy.scheduler, settings.num_inference_steps)
     history: list[StepStats] = []
     curve: list[tuple[int, float, float]] = [(0, before, 0.0)]  # (steps done, evaluate(), seconds of training)
     t0 = time.monotonic()
     for step in range(steps):
         prompt_ids = torch.randperm(len(toy.prompts), generator=rng)[:settings.prompts_per_step]
         ids = prompt_ids.repeat_interleave(settings.samples_per_prompt)  # [B] a prompt's G samples adjacent
-        traj = flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, settings.noise_level,
-                                generators(settings.seed, step, ids.numel()))
+        traj = roll(toy, ids, step)
         rewards = colour_reward(traj.images, toy.targets[ids])  # [B]
         adv = flow_grpo.advantages(rewards, settings.samples_per_prompt, settings.adv_clip)
         stats = _update(toy, settings, traj, ids, adv, opt)
+        if sync is not None:
+            sync(toy.transformer)
         history.append(StepStats(step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
                                  elapsed_s=round(time.monotonic() - t0, 3), **stats))
         if on_step is not None:
