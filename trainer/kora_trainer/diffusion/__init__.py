@@ -8,5 +8,7 @@ Modules, bottom up:
   lora.py       LoRA on the transformer's attention projections under PEFT's names (SD3 joint blocks' targets)
   lora_sync.py  LoRA IPC merge: PEFT -> sglang-diffusion names, pair-preserving buckets, the engine's fold
   train_loop.py a single-process CPU training loop (rollout -> reward -> re-score -> update)
-See docs/diffusion.md for the math and what is not built yet.
+  engine.py     a reference diffusion engine for the toy (sglang-diffusion's rollout and weight-update routes)
+  engine_client.py  the trainer's side of it: rollouts over HTTP, the IPC-merge push after every update
+See docs/diffusion.md for the math, the measured numbers and what is not built yet.
 """
