@@ -11,10 +11,10 @@ $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade 'pip>=25.1'
-	$(PY) -m pip install --quiet -e '.[operator,trainer,wandb]' --group dev
+	$(PY) -m pip install --quiet -e '.[operator,trainer,wandb,diffusion]' --group dev
 	touch $(STAMP)
 
-setup: $(STAMP)  ## venv with kora[operator] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests)
+setup: $(STAMP)  ## venv with kora[operator,trainer,wandb,diffusion] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests)
 	@bash hack/install_tools.sh
 
 testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries

@@ -22,3 +22,13 @@ def toy_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("toy") / "toy"
     make_toy(out, target=0.0)
     return out
+
+
+@pytest.fixture(scope="session")
+def diffusion_toy_dir(tmp_path_factory):
+    """The diffusion toy (kora make-toy --diffusion), made once per session; tests only read it."""
+    from kora_trainer.diffusion.toy import make_diffusion_toy
+
+    out = tmp_path_factory.mktemp("diffusion-toy") / "toy"
+    make_diffusion_toy(out)
+    return out

@@ -18,10 +18,21 @@ def register_make_toy(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--target", type=float, default=None,
                    help="stop pretraining once sampled (T=1) accuracy reaches this (default 0.2; 0 = no pretraining)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: see orchestration/cluster.py)")
+    p.add_argument("--diffusion", action="store_true",
+                   help="write the diffusion toy instead: a tiny SD3 transformer on 8x8 latents, its scheduler, "
+                        "prompt embeddings and colour targets (kora_trainer/diffusion/toy.py)")
     p.set_defaults(func=_make_toy)
 
 
 def _make_toy(args: argparse.Namespace) -> int:
+    if args.diffusion:
+        if args.target is not None:
+            raise SystemExit("kora make-toy: --target is the LLM toy's pretraining goal; the diffusion toy is not "
+                             "pretrained (drop --target or --diffusion)")
+        from kora_trainer.diffusion.toy import make_diffusion_toy
+
+        print(json.dumps({"dir": args.dir, **make_diffusion_toy(args.dir)}))
+        return 0
     from kora_trainer.toy import make_toy
 
     info = make_toy(args.dir, target=args.target, threads=args.threads)

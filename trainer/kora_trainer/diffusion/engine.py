@@ -1,0 +1,242 @@
+"""A reference diffusion rollout engine for the toy: sglang-diffusion's rollout route, on CPU, on 127.0.0.1.
+
+`python -m kora_trainer.diffusion.engine --toy DIR --port P` serves
+  GET  /health                       200 once the toy is loaded
+  POST /rollout/generate             a JSON `RolloutRequest` -> a msgpack list of `RolloutResponse`, one per output
+  POST /update_weights_from_tensor   `serialized_named_tensors` (wire/serialize.py: same-host handles, one entry; the
+                                     payload is unpickled, so the engine binds 127.0.0.1 and trusts its trainer),
+                                     `load_format` (null only), `target_modules` (["transformer"] or null),
+                                     `weight_update_mode`: null = full weights by name, "lora_merge" = A/B pairs
+                                     (`lora_alpha`, `lora_rank`) folded into the pristine base kept at load, fp32
+                                     (lora_sync.fold_from_pristine) -> {"success", "message"}
+It matches sgl-project/sglang python/sglang/multimodal_gen/runtime/entrypoints/post_training/: the request and
+response fields of io_struct.py @ 00e1106f4ab55cfb7dceeba2dfbc04b0cc40bb6f (`RolloutRequest`, `RolloutResponse`),
+the route and the per-sample slicing of rollout_api.py @ 078e5e2a5227bb6af1727574bb6212f0afb25250 (msgpack body,
+`rollout_log_probs` [T], `dit_trajectory` {latents [T+1, C, H, W], timesteps, sigmas}), and the tensor encoding of
+utils.py @ 067e8f42c478f654f149497429caddd0b28d3490 (`{"__tensor__": true, "data": base64 safetensors, "shape",
+"dtype"}`). The toy's prompt is its name in prompts.jsonl (`colour-03`); output i draws from its own generator
+seeded `seed + i` (kora's rule: sglang's per-output seeding was not checked).
+Refused with 400 and the field named, not silently ignored: another SDE type than "sde", `rollout_log_prob_no_const`,
+`guidance_scale` > 1 (no CFG: the toy has no negative prompt), a width/height other than the toy's, step filters.
+The update request's fields are io_struct.py's `UpdateWeightFromTensorReqInput` (same commit); its answer's shape
+is the LLM routes' {"success", "message"} (sglang-diffusion's own answer was not read). Not built yet:
+`load_format="flattened_bucket"`, `/get_weights_checksum`, the admin key, a weight_version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import time
+import uuid
+from typing import Any
+
+import msgpack
+import torch
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+from safetensors.torch import load, save
+
+from kora_trainer.diffusion import flow_grpo
+from kora_trainer.diffusion.lora_sync import LORA_MERGE, fold_from_pristine
+from kora_trainer.diffusion.policy import velocity_fn
+from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
+from kora_trainer.wire.serialize import deserialize_named_tensors
+
+MAX_OUTPUTS = 64
+MAX_STEPS = 100
+
+
+class RolloutRequest(BaseModel):
+    """sglang-diffusion's RolloutRequest (the fields the toy can serve; unknown keys ignored, as FastAPI does)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: str
+    negative_prompt: str | None = None
+    seed: int | None = None
+    width: int | None = None
+    height: int | None = None
+    num_inference_steps: int | None = None
+    num_outputs_per_prompt: int | None = None
+    guidance_scale: float | None = None
+    rollout: bool = True
+    rollout_sde_type: str = "sde"
+    rollout_noise_level: float = 0.7
+    rollout_log_prob_no_const: bool = False
+    rollout_return_dit_trajectory: bool = False
+    rollout_sde_step_indices: list[int] | None = None
+    rollout_return_step_indices: list[int] | None = None
+
+
+class UpdateWeightsFromTensorRequest(BaseModel):
+    """sglang-diffusion's UpdateWeightFromTensorReqInput."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    serialized_named_tensors: list[str]
+    load_format: str | None = None
+    target_modules: list[str] | None = None
+    weight_update_mode: str | None = None
+    lora_alpha: float | None = None
+    lora_rank: int | None = None
+
+
+class ToyEngine:
+    """The engine's state: the toy, and a pristine copy of every transformer weight taken at load (lora_merge folds
+    from it every sync, so merges never accumulate)."""
+
+    def __init__(self, toy: DiffusionToy):
+        self.toy = toy
+        self.params = dict(toy.transformer.named_parameters())
+        self.pristine = {n: p.detach().clone() for n, p in self.params.items()}
+
+    def update(self, req: UpdateWeightsFromTensorRequest) -> str:
+        """Apply one update; ValueError (-> 400) names the field for what it cannot take."""
+        if req.load_format is not None:
+            raise ValueError(f"load_format {req.load_format!r}: only null (a list of named tensors) is built")
+        if req.target_modules not in (None, ["transformer"]):
+            raise ValueError(f"target_modules {req.target_modules}: the toy's only module is 'transformer'")
+        if len(req.serialized_named_tensors) != 1:
+            raise ValueError("serialized_named_tensors: one entry (the toy engine has one rank)")
+        named = deserialize_named_tensors(req.serialized_named_tensors[0])
+        if req.weight_update_mode == LORA_MERGE:
+            if req.lora_alpha is None or req.lora_rank is None or req.lora_rank < 1:
+                raise ValueError("lora_merge needs lora_alpha and lora_rank >= 1")
+            weights = fold_from_pristine(self.pristine, named, req.lora_alpha, req.lora_rank, fp32=True)
+        elif req.weight_update_mode is None:
+            weights = dict(named)
+        else:
+            raise ValueError(f"weight_update_mode {req.weight_update_mode!r}: null or {LORA_MERGE!r}")
+        unknown = [n for n, t in weights.items() if n not in self.params or self.params[n].shape != t.shape]
+        if unknown:
+            raise ValueError(f"no transformer weight of that name and shape: {unknown[:3]}")
+        with torch.no_grad():
+            for n, t in weights.items():
+                self.params[n].copy_(t)
+        return f"Updated {len(weights)} transformer weights ({req.weight_update_mode or 'full'})."
+
+
+def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().contiguous().cpu()
+    return {"__tensor__": True, "data": base64.b64encode(save({"t": t})).decode("ascii"), "shape": list(t.shape),
+            "dtype": str(t.dtype)}
+
+
+def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
+    tensor: torch.Tensor = load(base64.b64decode(obj["data"]))["t"]
+    return tensor
+
+
+def trajectory_from_responses(responses: list[dict[str, Any]], noise_level: float) -> flow_grpo.Trajectory:
+    """The trainer's side: a /rollout/generate answer (msgpack-decoded, rollout_return_dit_trajectory on) ->
+    the Trajectory the re-score reads. timesteps drop the closing t = 0 entry: [T+1] -> [T]."""
+    trajs = [r["dit_trajectory"] for r in responses]
+    if any(t is None for t in trajs):
+        raise ValueError("a response has no dit_trajectory: send rollout_return_dit_trajectory=true")
+    timesteps = decode_tensor(trajs[0]["timesteps"])
+    return flow_grpo.Trajectory(latents=torch.stack([decode_tensor(t["latents"]) for t in trajs]),
+                                log_probs=torch.stack([decode_tensor(r["rollout_log_probs"]) for r in responses]),
+                                timesteps=timesteps[:-1], sigmas=decode_tensor(trajs[0]["sigmas"]),
+                                noise_level=noise_level)
+
+
+def _refusal(req: RolloutRequest, toy: DiffusionToy) -> str | None:
+    """What the toy engine cannot do, named by field with the fix; None when it can serve the request."""
+    size = toy.latent_shape[1]
+    checks = [
+        (req.prompt not in toy.prompts, f"prompt {req.prompt!r} is not one of the toy's prompts "
+                                        f"({toy.prompts[0]} ... {toy.prompts[-1]})"),
+        (req.rollout_sde_type != "sde", f"rollout_sde_type {req.rollout_sde_type!r}: only 'sde' is built"),
+        (req.rollout_log_prob_no_const, "rollout_log_prob_no_const: only the full log-prob is built; send false"),
+        (req.guidance_scale is not None and req.guidance_scale > 1, "guidance_scale > 1: no CFG in the toy engine "
+                                                                    "(no negative prompt); send 1 or omit it"),
+        (any(v not in (None, size) for v in (req.width, req.height)), f"width/height: the toy's images are "
+                                                                      f"{size}x{size}; omit them or send {size}"),
+        (req.rollout_sde_step_indices is not None or req.rollout_return_step_indices is not None,
+         "rollout_sde_step_indices / rollout_return_step_indices: step filters are not built; omit them"),
+        (not 0 < req.rollout_noise_level < 10, "rollout_noise_level must be in (0, 10)"),
+        (not 0 < (req.num_inference_steps or 1) <= MAX_STEPS, f"num_inference_steps must be in 1..{MAX_STEPS}"),
+        (not 0 < (req.num_outputs_per_prompt or 1) <= MAX_OUTPUTS,
+         f"num_outputs_per_prompt must be in 1..{MAX_OUTPUTS}"),
+    ]
+    return next((why for bad, why in checks if bad), None)
+
+
+def rollout(toy: DiffusionToy, req: RolloutRequest, default_steps: int = 10) -> list[dict[str, Any]]:
+    """Serve one request: num_outputs_per_prompt SDE samples of the prompt, each sliced into its own response."""
+    n = req.num_outputs_per_prompt or 1
+    seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+    ids = torch.full((n,), toy.prompts.index(req.prompt), dtype=torch.long)
+    timesteps, sigmas = flow_grpo.schedule(toy.scheduler, req.num_inference_steps or default_steps)
+    t0 = time.monotonic()
+    traj = flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, req.rollout_noise_level,
+                            [torch.Generator().manual_seed(seed + i) for i in range(n)])
+    elapsed = time.monotonic() - t0
+    request_id = uuid.uuid4().hex
+    # the final latent's entry closes the trajectory at t = 0 (sglang appends it as step T)
+    step_timesteps = torch.cat([timesteps, timesteps.new_zeros(1)])
+    out = []
+    for i in range(n):
+        resp: dict[str, Any] = {"request_id": request_id, "prompt": req.prompt, "seed": seed,
+                                "generated_output": encode_tensor(traj.images[i]), "inference_time_s": elapsed,
+                                "peak_memory_mb": None}
+        if req.rollout:
+            resp["rollout_log_probs"] = encode_tensor(traj.log_probs[i])  # [T]
+            resp["dit_trajectory"] = ({"latents": encode_tensor(traj.latents[i]),  # [T+1, C, H, W]
+                                       "timesteps": encode_tensor(step_timesteps),  # [T+1]
+                                       "sigmas": encode_tensor(sigmas)}  # [T+1]
+                                      if req.rollout_return_dit_trajectory else None)
+        out.append(resp)
+    return out
+
+
+def make_app(toy: DiffusionToy) -> web.Application:
+    engine = ToyEngine(toy)
+
+    async def update_weights_from_tensor(request: web.Request) -> web.Response:
+        try:
+            req = UpdateWeightsFromTensorRequest.model_validate_json(await request.read())
+            message = engine.update(req)
+        except (ValidationError, ValueError, KeyError) as e:  # a bad payload is the caller's: 400
+            return web.json_response({"success": False, "message": str(e)}, status=400)
+        return web.json_response({"success": True, "message": message})
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def generate(request: web.Request) -> web.Response:
+        try:
+            req = RolloutRequest.model_validate_json(await request.read())
+        except ValidationError as e:
+            return web.json_response({"detail": f"Invalid rollout request: {e.errors()[0]['msg']} "
+                                                f"({'.'.join(map(str, e.errors()[0]['loc']))})"}, status=400)
+        why = _refusal(req, toy)
+        if why is not None:
+            return web.json_response({"detail": f"Invalid sampling params: {why}"}, status=400)
+        with torch.no_grad():
+            payload = rollout(toy, req)
+        return web.Response(body=msgpack.packb(payload), content_type="application/msgpack")
+
+    app = web.Application(client_max_size=1 << 20)
+    app.router.add_get("/health", health)
+    app.router.add_post("/rollout/generate", generate)
+    app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="The reference diffusion engine for the toy (sglang-diffusion's routes)")
+    p.add_argument("--toy", required=True, help="a directory `kora make-toy --diffusion` wrote")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--num-threads", type=int, default=1)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.num_threads)
+    toy = load_diffusion_toy(args.toy)
+    toy.transformer.eval()
+    web.run_app(make_app(toy), host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The trainer's side of the reference diffusion engine: rollouts over `POST /rollout/generate`, and the IPC-merge
+sync over `POST /update_weights_from_tensor` (buckets of whole A/B pairs, `weight_update_mode="lora_merge"`).
+
+Seeds: prompt k of a step asks for its G outputs with seed = the local rollout's stream of its first sample
+(policy.generators), and the engine draws output i from seed + i, so the engine's samples are the ones the trainer
+would have drawn itself.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgpack
+import requests
+import torch
+
+from kora_trainer.diffusion import flow_grpo
+from kora_trainer.diffusion.engine import trajectory_from_responses
+from kora_trainer.diffusion.lora_sync import LORA_MERGE, layer_groups, pack_pair_buckets, sync_log_line
+from kora_trainer.diffusion.toy import DiffusionToy
+from kora_trainer.lora.model import adapter_tensors
+from kora_trainer.wire.serialize import serialize_named_tensors
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> requests.Response:
+    resp = requests.post(url, data=json.dumps(body), timeout=timeout)
+    if resp.status_code != 200:
+        raise RuntimeError(f"{url} answered {resp.status_code}: {resp.text[:500]}")
+    return resp
+
+
+class EngineRollout:
+    """A train_loop.RolloutFn that asks the engine: one request per prompt, its G outputs adjacent."""
+
+    def __init__(self, url: str, seed: int, num_inference_steps: int, noise_level: float):
+        self.url, self.seed = url.rstrip("/"), seed
+        self.steps, self.noise_level = num_inference_steps, noise_level
+
+    def __call__(self, toy: DiffusionToy, ids: torch.Tensor, step: int) -> flow_grpo.Trajectory:
+        prompts, counts = torch.unique_consecutive(ids, return_counts=True)
+        trajs, first = [], 0
+        for p, n in zip(prompts.tolist(), counts.tolist(), strict=True):
+            body = {"prompt": toy.prompts[p], "seed": self.seed * 1_000_003 + step * 10_007 + first,
+                    "num_inference_steps": self.steps, "num_outputs_per_prompt": n,
+                    "rollout_noise_level": self.noise_level, "rollout_return_dit_trajectory": True}
+            trajs.append(trajectory_from_responses(msgpack.unpackb(_post(f"{self.url}/rollout/generate", body).content),
+                                                   self.noise_level))
+            first += n
+        return flow_grpo.Trajectory(latents=torch.cat([t.latents for t in trajs]),
+                                    log_probs=torch.cat([t.log_probs for t in trajs]), timesteps=trajs[0].timesteps,
+                                    sigmas=trajs[0].sigmas, noise_level=self.noise_level)
+
+
+class LoraMergeSync:
+    """Push the adapter's A/B pairs in buckets of whole pairs; the engine folds them into its pristine base.
+    The first two syncs print the seed's log line."""
+
+    def __init__(self, url: str, lora_rank: int, lora_alpha: float, buffer_bytes: int, module: str = "transformer"):
+        self.url, self.rank, self.alpha = url.rstrip("/"), lora_rank, lora_alpha
+        self.buffer_bytes, self.module, self.version = buffer_bytes, module, 0
+        self.lines: list[str] = []
+
+    def __call__(self, model: torch.nn.Module) -> str:
+        groups, unmapped = layer_groups(adapter_tensors(model))
+        if unmapped:
+            raise ValueError(f"adapter tensors with no engine name: {unmapped[:3]}")
+        buckets = pack_pair_buckets(groups, self.buffer_bytes)
+        for bucket in buckets:  # the factors stay alive (the model's own) until each call returns: same-host handles
+            _post(f"{self.url}/update_weights_from_tensor", {
+                "serialized_named_tensors": [serialize_named_tensors([t for g in bucket for t in g.named()])],
+                "target_modules": [self.module], "weight_update_mode": LORA_MERGE,
+                "lora_alpha": self.alpha, "lora_rank": self.rank})
+        self.version += 1
+        line = sync_log_line(self.version, self.module, buckets, len(unmapped))
+        if self.version <= 2:
+            print(line, flush=True)
+        self.lines.append(line)
+        return line
