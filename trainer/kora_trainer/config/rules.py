@@ -21,6 +21,7 @@ from kora_trainer.config.layout import FIX_DATA_SEARCH, PARALLEL_MESSAGE, parall
 from kora_trainer.config.sections import (
     CheckpointDType,
     DeploymentMode,
+    SGLangBuild,
     SyncMode,
     TargetModule,
 )
@@ -204,7 +205,7 @@ SPEC_RULES: tuple[SpecRule, ...] = (
     SpecRule(
         "build-multi-lora", "multiLora.maxAdapters",
         "multiLora.maxAdapters > 0 needs abort by request-id prefix, which the named SGLang build lacks: set "
-        f"rollout.sglangBuild to {sb.SGLangBuild.MILES_94949DA7.value}, or multiLora.maxAdapters to 0",
+        f"rollout.sglangBuild to {SGLangBuild.MILES_94949DA7.value}, or multiLora.maxAdapters to 0",
         lambda c: c.multi_lora.max_adapters > 0 and _build_refused(c, SyncMode.ADAPTER) is not None,
         f"!({_BUILD} in {_NO_PREFIX_BUILDS} && {_ADAPTER} && self.multiLora.maxAdapters > 0)",
         explain=lambda c: _build_refused(c) or "",

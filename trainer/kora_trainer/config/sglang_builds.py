@@ -130,16 +130,16 @@ def route_plan(build: Build, mode: SyncMode, deployment: DeploymentMode, multi_l
         return RoutePlan(base, f"merged weights through {how} [sglang {name}]")
     if multi_lora and not build.abort_prefix:
         return RoutePlan((), "", refused=MULTI_LORA_REFUSED % name)
-    abort = ("/abort_request",) if multi_lora else ()
+    abort = ("/abort_request", "/unload_lora_adapter") if multi_lora else ()  # retire: abort by prefix, unload
     if colocated:
-        return RoutePlan(base + _ADAPTER_TENSORS + abort,
+        return RoutePlan((*base, *_ADAPTER_TENSORS, *abort),
                          f"adapter through /unload_lora_adapter + /load_lora_adapter_from_tensors (in memory), "
                          f"version by /update_weight_version [sglang {name}]")
     if build.adapter_over_group:
-        return RoutePlan(base + (ADAPTER_OVER_GROUP, "/update_weight_version") + abort,
+        return RoutePlan((*base, ADAPTER_OVER_GROUP, "/update_weight_version", *abort),
                          f"adapter through {ADAPTER_OVER_GROUP} (upsert, one broadcast per tensor), version by "
                          f"/update_weight_version [sglang {name}]")
-    return RoutePlan(base + _ADAPTER_TENSORS + abort,
+    return RoutePlan((*base, *_ADAPTER_TENSORS, *abort),
                      f"adapter through /load_lora_adapter_from_tensors on the trainer's node (sglang {name} has no "
                      f"{ADAPTER_OVER_GROUP}); base through /update_weights_from_distributed [sglang {name}]")
 

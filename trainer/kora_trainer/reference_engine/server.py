@@ -109,6 +109,7 @@ from kora_trainer.reference_engine.generate_io import GenerateLimits, format_res
 from kora_trainer.reference_engine.inflight import InFlight
 from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
 from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenRequest
+from kora_trainer.reference_engine.record import CallRecord
 from kora_trainer.reference_engine.sampling import SamplingParams
 from kora_trainer.reference_engine.weight_sync import BucketMeta, WeightReceiver
 from kora_trainer.wire import engine_auth
@@ -161,6 +162,7 @@ class HFEngineServer:
         self._running.set()
         self._held = 0  # /generate calls waiting for /continue_generation (GET /kora/state)
         self.exit_at = ExitAt()  # test-only fault knob (faults.py); inert unless its env var is set
+        self.record = CallRecord()  # test-only record of every call (record.py); inert unless its env var is set
 
     # ---- app, auth --------------------------------------------------------------------------
 
@@ -168,6 +170,8 @@ class HFEngineServer:
         middlewares = [self._auth, self._bad_requests]
         if self.exit_at.target is not None:  # test-only (faults.py)
             middlewares.insert(0, self.exit_at.middleware)
+        if self.record.path is not None:  # test-only (record.py): outermost, so it sees every answer
+            middlewares.insert(0, self.record.middleware)
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         # who may call each route is wire/engine_auth.py's (SGLang's) rule, by path: one middleware checks it
         routes: list[tuple[str, str, Any]] = [

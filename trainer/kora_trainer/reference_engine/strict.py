@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kora_trainer.config.sglang_builds import BUILDS, Build
 from kora_trainer.config.sections import SGLangBuild
+from kora_trainer.config.sglang_builds import BUILDS, Build
 
 # keys kora's reference engine adds to the weight and LoRA routes' answers (server.py's module docstring lists
 # them); /model_info's own `weight_version` is SGLang's and stays, its `kora_engine` goes

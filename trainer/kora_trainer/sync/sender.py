@@ -322,43 +322,62 @@ class WeightSender:
     # ---- the adapter through the LoRA routes ------------------------------------------------------
 
     def _push_adapter(self, src: Source, version: int, checksum: RunningChecksum) -> tuple[int, int]:
-        wv = str(version)
-        config, name = self.adapter_config, self.adapter_name
+        """The adapter: kora's bucketed route (the reference engine), a build's route over the group
+        (sglang-miles), or in memory (colocated; a stock build's engine on this node)."""
         tensors = src.get(src.names)
         named = [(n, tensors[n]) for n in src.names]
-        if isinstance(self.transport, DistributedTransport) and self.build is None:  # kora's bucketed route
-            buckets = plan_buckets(src.groups, self.cap)
-            results: list[dict[str, Any]] = []
-            nb = len(buckets)
-            for i, bucket in enumerate(buckets):
-                def call(c: EngineClient, meta: dict[str, list], i: int = i) -> dict[str, Any]:  # type: ignore[type-arg]
-                    return c.load_lora_adapter_from_distributed(name, config, meta, bucket_index=i,
-                                                                num_buckets=nb, load_format=FLAT, weight_version=wv)
-
-                results = self.transport.send(bucket, tensors, call)
-            self._check(results, checksum, lambda: protocol_checksum(named))  # the engine hashes the whole adapter
-            nbytes, nbuckets = sum(b.nbytes for b in buckets), len(buckets)
-        elif isinstance(self.transport, DistributedTransport) and self.build is not None and self.build.adapter_over_group:
-            def over_group(c: EngineClient, meta: dict[str, list]) -> dict[str, Any]:  # type: ignore[type-arg]
-                return c.load_lora_adapter_over_group(name, config, meta, upsert=True)
-
-            self.transport.send_tensors(named, over_group)
-            if name == POLICY_ADAPTER:  # the build's adapter route takes no version: label it after the load
-                for c in self.transport.clients:
-                    c.update_weight_version(wv)
-            nbytes, nbuckets = sum(t.numel() * t.element_size() for _, t in named), 1
+        distributed = isinstance(self.transport, DistributedTransport)
+        if distributed and self.build is None:
+            nbytes, nbuckets = self._adapter_buckets(src, tensors, named, str(version), checksum)
+        elif distributed and self.build is not None and self.build.adapter_over_group:
+            nbytes, nbuckets = self._adapter_over_group(named, str(version)), 1
         else:
-            # in memory: a colocated engine, or (an SGLang build without an adapter route over the group) an
-            # engine on this node, which config/sglang_builds.same_node_problem checked at start
-            hand = self.transport if isinstance(self.transport, ColocatedTransport) else \
-                ColocatedTransport(self.transport.clients if self.transport is not None else [])
-            results = hand.send(named, self._replace_adapter(name, config, wv))
-            self._check(results, checksum, lambda: protocol_checksum(named))
-            self._loaded.add(name)
-            nbytes, nbuckets = sum(t.numel() * t.element_size() for _, t in named), 1
+            nbytes, nbuckets = self._adapter_in_memory(named, str(version), checksum), 1
         for n, t in named:
             checksum.add(n, t)
         return nbytes, nbuckets
+
+    def _adapter_buckets(self, src: Source, tensors: dict[str, torch.Tensor], named: list[Named], wv: str,
+                         checksum: RunningChecksum) -> tuple[int, int]:
+        """kora's /load_lora_adapter_from_distributed: bucketed, upserted with its version after the last bucket."""
+        assert isinstance(self.transport, DistributedTransport)
+        config, name = self.adapter_config, self.adapter_name
+        buckets = plan_buckets(src.groups, self.cap)
+        results: list[dict[str, Any]] = []
+        nb = len(buckets)
+        for i, bucket in enumerate(buckets):
+            def call(c: EngineClient, meta: dict[str, list], i: int = i) -> dict[str, Any]:  # type: ignore[type-arg]
+                return c.load_lora_adapter_from_distributed(name, config, meta, bucket_index=i,
+                                                            num_buckets=nb, load_format=FLAT, weight_version=wv)
+
+            results = self.transport.send(bucket, tensors, call)
+        self._check(results, checksum, lambda: protocol_checksum(named))  # the engine hashes the whole adapter
+        return sum(b.nbytes for b in buckets), len(buckets)
+
+    def _adapter_over_group(self, named: list[Named], wv: str) -> int:
+        """sglang-miles' route: the whole adapter in one call (upsert), one broadcast per tensor."""
+        assert isinstance(self.transport, DistributedTransport)
+        config, name = self.adapter_config, self.adapter_name
+
+        def over_group(c: EngineClient, meta: dict[str, list]) -> dict[str, Any]:  # type: ignore[type-arg]
+            return c.load_lora_adapter_over_group(name, config, meta, upsert=True)
+
+        self.transport.send_tensors(named, over_group)
+        if name == POLICY_ADAPTER:  # the build's adapter route takes no version: label it after the load
+            for c in self.transport.clients:
+                c.update_weight_version(wv)
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    def _adapter_in_memory(self, named: list[Named], wv: str, checksum: RunningChecksum) -> int:
+        """/load_lora_adapter_from_tensors: a colocated engine, or (a build without an adapter route over the
+        group) an engine on this node, which config/sglang_builds.same_node_problem checked at start."""
+        hand = self.transport if isinstance(self.transport, ColocatedTransport) else \
+            ColocatedTransport(self.transport.clients if self.transport is not None else [])
+        name = self.adapter_name
+        results = hand.send(named, self._replace_adapter(name, self.adapter_config, wv))
+        self._check(results, checksum, lambda: protocol_checksum(named))
+        self._loaded.add(name)
+        return sum(t.numel() * t.element_size() for _, t in named)
 
     def _replace_adapter(self, name: str, config: dict[str, Any], wv: str) -> Any:
         # SGLang refuses to load a name that is loaded: replacing = unload, then load. Before our
