@@ -126,3 +126,10 @@ def test_the_call_check_catches_kora_fields_and_missing_routes():
         "/update_weights_from_tensor: fields sglang 0.5.23 does not have: ['weight_update_mode']"]
     assert call_problems(STOCK, [{**merge, "body": {"load_format": None}}]) == [
         "/update_weights_from_tensor: required fields missing: ['serialized_named_tensors']"]
+
+
+def test_the_docs_table_is_the_code_table():
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang_builds.md").read_text()
+    assert sb.table_markdown() in doc, "regenerate docs/sglang_builds.md's table from sglang_builds.table_markdown()"

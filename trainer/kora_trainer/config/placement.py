@@ -31,6 +31,7 @@ from kora_trainer.config.layout import (
 )
 from kora_trainer.config.load import ConfigError
 from kora_trainer.config.sections import Engine
+from kora_trainer.config.sglang_builds import effective_build, plan_for, same_node_problem
 from kora_trainer.config.trainer import TrainerConfig
 
 CPU_SHARES = {"trainer": 0.5, "rollout": 0.1, "engine": 0.2}
@@ -166,6 +167,7 @@ class JobPlan:
     transport: str  # colocated (in memory) | distributed (the weight-update group)
     weight_update_group: list[str]  # its members in rank order (empty when colocated)
     nodes: list[Node]
+    sync: str = ""  # which routes carry the policy on the job's SGLang build (config/sglang_builds.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,6 +188,8 @@ class JobPlan:
         if self.weight_update_group:
             out.append(f"  weight-update group ({len(self.weight_update_group)}): "
                        f"{', '.join(self.weight_update_group)}")
+        if self.sync:
+            out.append(f"  sync: {self.sync}")
         return out
 
 
@@ -210,7 +214,14 @@ def plan_job(cfg: TrainerConfig, nodes: list[Node]) -> JobPlan:
              for r in range(world)]
     group = [] if placement.colocated else ["trainer rank 0"] + [
         f"engine {e.index} rank {1 + e.index * span + t}" for e in engines for t in range(span)]
-    return JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes)
+    build, routes = effective_build(cfg), plan_for(cfg)
+    # the stock build's in-memory adapter hand-over: engines on rank 0's node only (the trainer checks it too)
+    if build is not None and routes is not None and routes.refused is None and \
+            (away := same_node_problem(build, routes, ranks[0].node, [e.node for e in engines])):
+        raise ConfigError([away])
+    sync = routes.note if routes is not None else "kora's routes (the reference engine with its extensions)"
+    return JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes,
+                   sync)
 
 
 def parse_nodes(text: str, cpus: float = 64.0) -> list[Node]:

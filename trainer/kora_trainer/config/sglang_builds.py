@@ -166,3 +166,26 @@ def same_node_problem(build: Build, plan: RoutePlan, trainer_host: str, engine_h
             f"({trainer_host}); engines run on {', '.join(away)}: set rollout.sglangBuild to "
             f"{SGLangBuild.MILES_94949DA7.value} (adapter over the weight-update group), use deployment.mode "
             f"Colocate, or lora.syncMode Merge")
+
+
+def table_rows() -> list[tuple[str, str, str, str, str]]:
+    """The table, one row per build x mode x deployment x multi-LoRA (multi-LoRA is Adapter mode only):
+    (build, mode, deployment, multi-LoRA, the routes used and the sync line, or `refused: <message>`)."""
+    rows = []
+    for build in BUILDS.values():
+        for mode in SyncMode:
+            for deployment in DeploymentMode:
+                for multi in (False, True) if mode is SyncMode.ADAPTER else (False,):
+                    p = route_plan(build, mode, deployment, multi)
+                    routes = ", ".join(f"`{r}`" for r in p.routes)
+                    what = f"refused: {p.refused}" if p.refused else f"{routes} ({p.note})"
+                    rows.append((build.name.value, mode.value, deployment.value, "yes" if multi else "no", what))
+    return rows
+
+
+def table_markdown() -> str:
+    """docs/sglang_builds.md's table (a test keeps the two the same)."""
+    lines = ["| build | syncMode | deployment | multi-LoRA | routes (the sync line), or the refusal |",
+             "| --- | --- | --- | --- | --- |"]
+    lines += [f"| {' | '.join(r)} |" for r in table_rows()]
+    return "\n".join(lines)
