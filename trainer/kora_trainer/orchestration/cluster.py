@@ -31,11 +31,9 @@ from kora_trainer.config import ConfigError, TrainerConfig
 from kora_trainer.config.layout import engine_gpus
 from kora_trainer.config.placement import CPU_SHARES, STRATEGY, Placement, plan_placement
 from kora_trainer.config.ray_env import ray_home, single_node_env
-from kora_trainer.config.sections import Engine
 from kora_trainer.config.sglang_builds import effective_build, plan_for, same_node_problem
 from kora_trainer.orchestration.actor_group import TrainGroup
 from kora_trainer.orchestration.multi_lora_workers import AdapterRolloutWorker, MultiLoRAWorker
-from kora_trainer.orchestration.sglang_launcher import sglang_build_problem
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
 from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, new_admin_key
 
@@ -106,9 +104,6 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
         raise ConfigError([f"deployment Colocate with rollout.gpusPerEngine {engine_gpus(cfg)}: an engine spanning "
                            "several trainer ranks' GPUs is planned (kora plan) but not launched yet: set "
                            "rollout.gpusPerEngine to 1, or use deployment.mode Disaggregated"])
-    installed = sglang_build_problem(build) if cfg.rollout.engine is Engine.SGLANG and build is not None else None
-    if installed is not None:  # before anything starts: the image must hold the build the job names
-        raise ConfigError([f"rollout.sglangBuild: {installed}"])
     plan = plan_placement(cfg, float(ray.cluster_resources().get("GPU", 0)))
     # this job's engines' admin routes: only its trainer ranks hold the key. Under KubeRay the operator makes the
     # job's key (a per-job Secret, in the pods' environment by secretKeyRef: SPEC "Security"), so that a key

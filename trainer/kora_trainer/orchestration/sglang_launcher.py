@@ -54,7 +54,7 @@ from pathlib import Path
 
 from kora_trainer.config import MEGATRON_TO_SGLANG, DeploymentMode, SyncMode, TrainerConfig
 from kora_trainer.config.sections import Engine, SGLangBuild
-from kora_trainer.config.sglang_builds import BUILDS, DEFAULT_BUILD, MILES_COMMIT, Build
+from kora_trainer.config.sglang_builds import BUILDS, DEFAULT_BUILD, MILES_COMMIT, Build, effective_build
 from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 
 SGLANG_VERSION = "0.5.23"
@@ -130,6 +130,15 @@ def sglang_build_problem(build: Build, installed: str | None = None) -> str | No
     return (f"sglang {installed} is installed but the job names rollout.sglangBuild {build.name.value} (its routes "
             f"decide what the trainer sends): install {build.pip_requirement} ({image}), or set "
             f"rollout.sglangBuild to the build installed")
+
+
+def installed_build_problem(config: TrainerConfig) -> str | None:
+    """For rollout.engine sglang: what is wrong with the installed SGLang for the job's build (None: it is that
+    build). The reference engine (engine hf) needs none: its strict mode is the build's contract, not its code."""
+    build = effective_build(config)
+    if config.rollout.engine is not Engine.SGLANG or build is None:
+        return None
+    return sglang_build_problem(build)
 
 
 def sglang_version_problem() -> str | None:

@@ -120,6 +120,9 @@ class _Follow:
     def send(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         return []
 
+    def send_tensors(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        return []
+
     def close(self) -> None:
         pass
 
