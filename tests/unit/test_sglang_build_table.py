@@ -133,3 +133,22 @@ def test_the_docs_table_is_the_code_table():
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "sglang_builds.md").read_text()
     assert sb.table_markdown() in doc, "regenerate docs/sglang_builds.md's table from sglang_builds.table_markdown()"
+
+
+def test_a_kuberay_job_whose_engines_land_on_another_worker_is_refused_on_the_stock_build():
+    """No CEL can follow the placement: the operator's validation (ValidationFailed) and kora validate refuse it."""
+    from kora_operator.validation import validate_job
+    from specs import valid_job
+
+    doc = valid_job(lora={"rank": 8, "syncMode": "Adapter"}, parallelism={"data": 4},
+                    deployment={"mode": "Disaggregated"}, rollout={"numEngines": 1, "gpusPerEngine": 4},
+                    resources={"workers": 2, "gpusPerWorker": 4})  # 4 ranks on worker-0, the engine on worker-1
+    _, problems = validate_job(doc)
+    (p,) = [p for p in problems if p.severity == "error"]
+    assert (p.rule, p.field) == ("build-adapter-one-node", "rollout.sglangBuild")
+    assert "engines run on worker-1" in p.message and f"set rollout.sglangBuild to {MILES}" in p.message
+    doc["spec"]["rollout"]["sglangBuild"] = MILES  # the adapter goes over the weight-update group there
+    assert [p for p in validate_job(doc)[1] if p.severity == "error"] == []
+    doc["spec"]["rollout"].pop("sglangBuild")
+    doc["spec"]["resources"] = {"workers": 1, "gpusPerWorker": 8}  # one worker: the in-memory hand-over works
+    assert [p for p in validate_job(doc)[1] if p.severity == "error"] == []

@@ -193,8 +193,9 @@ class JobPlan:
         return out
 
 
-def plan_job(cfg: TrainerConfig, nodes: list[Node]) -> JobPlan:
-    """The whole placement of `cfg` on `nodes`, without starting anything."""
+def plan_job(cfg: TrainerConfig, nodes: list[Node], check_build: bool = True) -> JobPlan:
+    """The whole placement of `cfg` on `nodes`, without starting anything (refused, with `check_build`, where the
+    job's SGLang build cannot reach an engine so placed: `build_node_problem`)."""
     if problems := parallel_problems(cfg.parallelism):
         raise ConfigError(problems)
     placement = plan_placement(cfg, sum(n.gpus for n in nodes))
@@ -214,14 +215,22 @@ def plan_job(cfg: TrainerConfig, nodes: list[Node]) -> JobPlan:
              for r in range(world)]
     group = [] if placement.colocated else ["trainer rank 0"] + [
         f"engine {e.index} rank {1 + e.index * span + t}" for e in engines for t in range(span)]
-    build, routes = effective_build(cfg), plan_for(cfg)
-    # the stock build's in-memory adapter hand-over: engines on rank 0's node only (the trainer checks it too)
-    if build is not None and routes is not None and routes.refused is None and \
-            (away := same_node_problem(build, routes, ranks[0].node, [e.node for e in engines])):
-        raise ConfigError([away])
+    routes = plan_for(cfg)
     sync = routes.note if routes is not None else "kora's routes (the reference engine with its extensions)"
-    return JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes,
+    plan = JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes,
                    sync)
+    if check_build and (away := build_node_problem(cfg, plan)):
+        raise ConfigError([away])
+    return plan
+
+
+def build_node_problem(cfg: TrainerConfig, plan: JobPlan) -> str | None:
+    """The stock build's in-memory adapter hand-over needs every engine on trainer rank 0's node (the trainer
+    checks the same at start, on the nodes Ray gave it)."""
+    build, routes = effective_build(cfg), plan_for(cfg)
+    if build is None or routes is None or routes.refused is not None:
+        return None
+    return same_node_problem(build, routes, plan.ranks[0].node, [e.node for e in plan.engines])
 
 
 def parse_nodes(text: str, cpus: float = 64.0) -> list[Node]:
