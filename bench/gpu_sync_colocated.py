@@ -211,7 +211,8 @@ def sender_for(trainer: Any, mode: str, model_dir: Path, cap: int, transport: An
     targets = ["linear_qkv", "linear_proj"]
     overrides = [f"model.path={model_dir}", "data.path=unused.parquet", f"lora.rank={rank}", f"lora.alpha={alpha}",
                  f"lora.syncMode={mode}", f"sync.bufferSize={cap}"]
-    cfg, _ = load_config(None, overrides, base={"lora": {"rank": rank, "targetModules": targets}})
+    cfg, _ = load_config(None, overrides, base={"lora": {"rank": rank, "targetModules": targets},
+                                                "rollout": {"engine": "hf"}})  # kora's reference engine
     if trainer.kind == "megatron":
         from kora_trainer.backends.megatron.sync import MegatronWeightSender
 

@@ -195,7 +195,7 @@ def trained_policy(model_dir: Path, mode: str, seed: int, cap: int | str,
 
     cfg, _ = load_config(None, [f"model.path={model_dir}", "data.path=unused.parquet", "lora.rank=4",
                                 "lora.alpha=8", f"lora.syncMode={mode}", f"sync.bufferSize={cap}",
-                                f"lora.targetModules={targets}"])
+                                f"lora.targetModules={targets}", "rollout.engine=hf"])
     b = TorchBackend(cfg, device="cpu", threads=1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -19,6 +19,10 @@ def valid_job(name: str = "job", **spec_overrides: Any) -> dict[str, Any]:
             "metadata": {"name": name}, "spec": spec}
 
 
+# multi-LoRA on engine sglang needs a build with abort by request-id prefix (config/sglang_builds.py)
+MULTI_LORA_BUILD = {"sglangBuild": "sglang-miles-94949da7"}
+
+
 def set_path(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     doc = copy.deepcopy(doc)
     node = doc["spec"]
@@ -43,6 +47,9 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
                              "algorithm.globalBatchSize": 5},
     "custom-reward-path": {"data.rewardType": "custom"},
     "multi-lora-needs-adapter": {"multiLora.maxAdapters": 2},
+    # the named SGLang build (valid_job's engine is sglang by default: build 0.5.23)
+    "build-engine-merge": {"lora.syncMode": "EngineMerge"},
+    "build-multi-lora": {"lora.syncMode": "Adapter", "multiLora.maxAdapters": 2},
     "ray-runtime-address": {"runtime.kind": "Ray"},
     "expert-parallel-divides": {"parallelism.expert": 2},
     # valid_job runs on 1 worker x 8 GPUs

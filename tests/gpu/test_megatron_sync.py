@@ -68,7 +68,8 @@ def _cfg(model_dir, mode: str):
     overrides = [f"model.path={model_dir}", "data.path=unused.parquet", f"lora.rank={R}", f"lora.alpha={ALPHA}",
                  f"lora.syncMode={mode}", "algorithm.lr=0.01", "algorithm.innerEpochs=1", "algorithm.klCoef=0.0",
                  "sync.bufferSize=20000"]  # small buckets: several per push, tensors split over buckets
-    cfg, _ = load_config(None, overrides, base={"lora": {"rank": R, "targetModules": TARGETS}})
+    cfg, _ = load_config(None, overrides, base={"lora": {"rank": R, "targetModules": TARGETS},
+                                                "rollout": {"engine": "hf"}})  # kora's reference engine
     return cfg
 
 

@@ -148,7 +148,7 @@ def test_the_trainer_refuses_a_given_adapter_the_registry_would_refuse(tmp_path,
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps({
         "model": {"path": str(tmp_path)}, "lora": {"rank": 16, "syncMode": "Adapter"},
-        "data": {"path": str(tmp_path / "x.jsonl")},
+        "data": {"path": str(tmp_path / "x.jsonl")}, "rollout": {"engine": "hf"},
         "multiLora": {"maxAdapters": 2, "adapters": [{"name": "a", "rank": 8, "data": {"path": "/nowhere.jsonl"}}]}}))
     assert main(["--config", str(job), "--run-dir", str(tmp_path / "run"), "--control-port", "0"]) == 2
     err = capsys.readouterr().err

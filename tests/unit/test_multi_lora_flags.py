@@ -12,7 +12,8 @@ from kora_trainer.config import ConfigError, load_config
 from kora_trainer.config.flags import as_overrides, origins, parse_seed_flags
 
 BASE = {"model": {"path": "/m"}, "lora": {"rank": 32, "syncMode": "Adapter"}, "data": {"path": "/d.jsonl"},
-        "algorithm": {"rolloutBatchSize": 8, "nSamplesPerPrompt": 4}}
+        "algorithm": {"rolloutBatchSize": 8, "nSamplesPerPrompt": 4},
+        "rollout": {"sglangBuild": "sglang-miles-94949da7"}}  # miles' recipes run on its SGLang build
 GSM8K = {"rank": 16, "alpha": 16, "rollout_batch_size": 32, "n_samples_per_prompt": 4,
          "data": "/root/datasets/gsm8k/train.parquet", "input_key": "messages", "label_key": "label",
          "rm_type": "math", "num_step": 400}

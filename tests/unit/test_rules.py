@@ -11,7 +11,7 @@ from kora_operator.api.rules import JOB_RULES
 from kora_operator.validation import validate_adapter, validate_job
 from kora_trainer.config import NO_SYNC_MODE_WARNING, SPEC_RULES, ParallelismSpec, TrainerConfig, adapter_problems
 from kora_trainer.config.layout import fix_data, parallel_problems
-from specs import VIOLATIONS, set_path, valid_job, violating_job
+from specs import MULTI_LORA_BUILD, VIOLATIONS, set_path, valid_job, violating_job
 
 
 def errors(doc, hf_config=None):
@@ -112,7 +112,7 @@ def test_rule6_dense_model_unaffected_and_expert_parallel_implies_moe():
 
 
 def _multi_job(dp: int = 2) -> TrainerConfig:
-    doc = valid_job(**{"multiLora": {"maxAdapters": 4}})
+    doc = valid_job(**{"multiLora": {"maxAdapters": 4}}, rollout=MULTI_LORA_BUILD)
     doc = set_path(doc, "lora.syncMode", "Adapter")
     doc = set_path(doc, "lora.rank", 32)
     doc = set_path(doc, "parallelism.data", dp)
@@ -162,7 +162,7 @@ def test_adapter_on_a_single_adapter_job_is_rejected():
 
 def _start_job(adapters, max_adapters=2, **extra):
     """A multi-LoRA job (dp 2, rank 32, 8 groups x 4) that lists `adapters` in multiLora.adapters."""
-    doc = valid_job(multiLora={"maxAdapters": max_adapters, "adapters": adapters})
+    doc = valid_job(multiLora={"maxAdapters": max_adapters, "adapters": adapters}, rollout=MULTI_LORA_BUILD)
     for k, v in {"lora.syncMode": "Adapter", "lora.rank": 32, "parallelism.data": 2,
                  "algorithm.rolloutBatchSize": 8, "algorithm.nSamplesPerPrompt": 4, **extra}.items():
         doc = set_path(doc, k, v)
@@ -218,7 +218,8 @@ def test_kora_trainer_checks_adapters_at_start_too():
 
 
 def test_adapter_named_like_one_the_job_trains_from_the_start_is_rejected():
-    doc = valid_job(multiLora={"maxAdapters": 2, "adapters": [{"name": "a", "rank": 8, "data": {"path": "/d.jsonl"}}]})
+    doc = valid_job(multiLora={"maxAdapters": 2, "adapters": [{"name": "a", "rank": 8, "data": {"path": "/d.jsonl"}}]},
+                    rollout=MULTI_LORA_BUILD)
     doc = set_path(set_path(doc, "lora.syncMode", "Adapter"), "lora.rank", 32)
     job, _ = validate_job(doc)
     _, problems = validate_adapter(adapter_doc(), job)

@@ -317,7 +317,8 @@ def _cfg(tmp_path, mode: str) -> Any:
 
     overrides = [f"model.path={tmp_path}", "data.path=unused.parquet", f"lora.rank={R}", f"lora.alpha={ALPHA}",
                  f"lora.syncMode={mode}", f"sync.bufferSize={CAP}"]
-    cfg, _ = load_config(None, overrides, base={"lora": {"rank": R, "targetModules": TARGETS}})
+    cfg, _ = load_config(None, overrides, base={"lora": {"rank": R, "targetModules": TARGETS},
+                                                "rollout": {"engine": "hf"}})  # kora's reference engine
     return cfg
 
 

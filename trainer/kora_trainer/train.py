@@ -275,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.dry_run:
         return dry_run(cfg, args)
+    from kora_trainer.orchestration.sglang_launcher import installed_build_problem
+
+    if (installed := installed_build_problem(cfg)) is not None:  # before anything starts: the image's SGLang
+        print(f"invalid kora config:\n  rollout.sglangBuild: {installed}", file=sys.stderr)
+        return 2
     from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
     from kora_trainer.orchestration.cluster import launch, shutdown, start_ray
     from kora_trainer.recorder import StepRecorder

@@ -23,6 +23,8 @@ from kora_trainer.config.layout import (
     node_gpus_problem,
     total_gpus_problem,
 )
+from kora_trainer.config.load import ConfigError
+from kora_trainer.config.placement import Node, build_node_problem, plan_job
 from kora_trainer.config.rules import Problem, SpecRule, cel_format
 from kora_trainer.config.sections import Engine
 
@@ -110,5 +112,20 @@ JOB_RULES: tuple[SpecRule, ...] = (
 )
 
 
+def build_node_problems(spec: LoRATrainingJobSpec) -> list[Problem]:
+    """The stock SGLang build hands a Disaggregated adapter over in memory: on a KubeRay cluster whose placement
+    puts an engine on another worker than trainer rank 0 the job is refused (no CEL: the placement is
+    config/placement.py's, not arithmetic the API server can follow), as `kora plan` and the trainer refuse it."""
+    nodes = _gpu_nodes(spec)
+    if nodes is None:
+        return []
+    try:
+        plan = plan_job(spec, [Node(f"worker-{i}", 64.0, g) for i, g in enumerate(nodes)], check_build=False)
+    except ConfigError:  # a layout the fit rules above refuse already
+        return []
+    away = build_node_problem(spec, plan)
+    return [Problem("build-adapter-one-node", "rollout.sglangBuild", away)] if away else []
+
+
 def job_problems(spec: LoRATrainingJobSpec) -> list[Problem]:
-    return [r.problem(spec) for r in JOB_RULES if r.violated(spec)]
+    return [r.problem(spec) for r in JOB_RULES if r.violated(spec)] + build_node_problems(spec)

@@ -31,6 +31,7 @@ from kora_trainer.config.layout import (
 )
 from kora_trainer.config.load import ConfigError
 from kora_trainer.config.sections import Engine
+from kora_trainer.config.sglang_builds import effective_build, plan_for, same_node_problem
 from kora_trainer.config.trainer import TrainerConfig
 
 CPU_SHARES = {"trainer": 0.5, "rollout": 0.1, "engine": 0.2}
@@ -166,6 +167,7 @@ class JobPlan:
     transport: str  # colocated (in memory) | distributed (the weight-update group)
     weight_update_group: list[str]  # its members in rank order (empty when colocated)
     nodes: list[Node]
+    sync: str = ""  # which routes carry the policy on the job's SGLang build (config/sglang_builds.py)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -186,11 +188,14 @@ class JobPlan:
         if self.weight_update_group:
             out.append(f"  weight-update group ({len(self.weight_update_group)}): "
                        f"{', '.join(self.weight_update_group)}")
+        if self.sync:
+            out.append(f"  sync: {self.sync}")
         return out
 
 
-def plan_job(cfg: TrainerConfig, nodes: list[Node]) -> JobPlan:
-    """The whole placement of `cfg` on `nodes`, without starting anything."""
+def plan_job(cfg: TrainerConfig, nodes: list[Node], check_build: bool = True) -> JobPlan:
+    """The whole placement of `cfg` on `nodes`, without starting anything (refused, with `check_build`, where the
+    job's SGLang build cannot reach an engine so placed: `build_node_problem`)."""
     if problems := parallel_problems(cfg.parallelism):
         raise ConfigError(problems)
     placement = plan_placement(cfg, sum(n.gpus for n in nodes))
@@ -210,7 +215,22 @@ def plan_job(cfg: TrainerConfig, nodes: list[Node]) -> JobPlan:
              for r in range(world)]
     group = [] if placement.colocated else ["trainer rank 0"] + [
         f"engine {e.index} rank {1 + e.index * span + t}" for e in engines for t in range(span)]
-    return JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes)
+    routes = plan_for(cfg)
+    sync = routes.note if routes is not None else "kora's routes (the reference engine with its extensions)"
+    plan = JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes,
+                   sync)
+    if check_build and (away := build_node_problem(cfg, plan)):
+        raise ConfigError([away])
+    return plan
+
+
+def build_node_problem(cfg: TrainerConfig, plan: JobPlan) -> str | None:
+    """The stock build's in-memory adapter hand-over needs every engine on trainer rank 0's node (the trainer
+    checks the same at start, on the nodes Ray gave it)."""
+    build, routes = effective_build(cfg), plan_for(cfg)
+    if build is None or routes is None or routes.refused is not None:
+        return None
+    return same_node_problem(build, routes, plan.ranks[0].node, [e.node for e in plan.engines])
 
 
 def parse_nodes(text: str, cpus: float = 64.0) -> list[Node]:

@@ -16,10 +16,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from kora_trainer.config import sglang_builds as sb
 from kora_trainer.config.layout import FIX_DATA_SEARCH, PARALLEL_MESSAGE, parallel_problems
 from kora_trainer.config.sections import (
     CheckpointDType,
     DeploymentMode,
+    SGLangBuild,
     SyncMode,
     TargetModule,
 )
@@ -93,6 +95,20 @@ _FIX_DATA = (f"({list(range(1, FIX_DATA_SEARCH + 1))}.filter(d, (d * {_P}.tensor
 
 def _adapter(c: TrainerConfig) -> bool:
     return c.lora.sync_mode is SyncMode.ADAPTER
+
+
+# sglang_builds.effective_build in CEL: rollout.sglangBuild, else the pin for engine sglang, else none ('')
+_BUILD = (f"(has(self.rollout.sglangBuild) ? self.rollout.sglangBuild : "
+          f"(self.rollout.engine == 'sglang' ? '{sb.DEFAULT_BUILD.value}' : ''))")
+_NO_PREFIX_BUILDS = [b.name.value for b in sb.BUILDS.values() if not b.abort_prefix]
+
+
+def _build_refused(c: TrainerConfig, mode: SyncMode | None = None) -> str | None:
+    """The build's refusal of this job's combination (of sync mode `mode` only, when given)."""
+    plan = sb.plan_for(c)
+    if plan is None or plan.refused is None:
+        return None
+    return plan.refused if mode is None or c.lora.effective_sync_mode is mode else None
 
 
 SPEC_RULES: tuple[SpecRule, ...] = (
@@ -174,6 +190,26 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         "lora.syncMode Adapter: set lora.syncMode to Adapter, or multiLora.maxAdapters to 0",
         lambda c: c.multi_lora.max_adapters > 0 and not _adapter(c),
         f"self.multiLora.maxAdapters == 0 || {_ADAPTER}",
+    ),
+    # the named SGLang build (config/sglang_builds.py's table): what it has no route for
+    SpecRule(
+        "build-engine-merge", "lora.syncMode",
+        "lora.syncMode EngineMerge needs an engine that folds lora_A/lora_B into its base, which no SGLang build "
+        "has (rollout.sglangBuild, or rollout.engine sglang): use lora.syncMode Merge, or rollout.engine hf "
+        "without rollout.sglangBuild",
+        lambda c: _build_refused(c, SyncMode.ENGINE_MERGE) is not None,
+        f"!({_BUILD} != '' && has(self.lora.syncMode) && self.lora.syncMode == 'EngineMerge')",
+        explain=lambda c: _build_refused(c) or "",
+        cel_message=cel_format(sb.ENGINE_MERGE_REFUSED, [_BUILD, _BUILD]),
+    ),
+    SpecRule(
+        "build-multi-lora", "multiLora.maxAdapters",
+        "multiLora.maxAdapters > 0 needs abort by request-id prefix, which the named SGLang build lacks: set "
+        f"rollout.sglangBuild to {SGLangBuild.MILES_94949DA7.value}, or multiLora.maxAdapters to 0",
+        lambda c: c.multi_lora.max_adapters > 0 and _build_refused(c, SyncMode.ADAPTER) is not None,
+        f"!({_BUILD} in {_NO_PREFIX_BUILDS} && {_ADAPTER} && self.multiLora.maxAdapters > 0)",
+        explain=lambda c: _build_refused(c) or "",
+        cel_message=cel_format(sb.MULTI_LORA_REFUSED, [_BUILD]),
     ),
     # megatron-core's layout (config/layout.py): expert parallelism is carved out of one pipeline stage's ranks
     SpecRule(

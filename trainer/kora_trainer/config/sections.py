@@ -166,6 +166,15 @@ class Engine(StrEnum):
     HF = "hf"
 
 
+class SGLangBuild(StrEnum):
+    """The SGLang builds kora knows the routes of (config/sglang_builds.py tables them, docs/sglang_builds.md
+    cites their source): stock 0.5.23 from PyPI, and one pinned revision of sgl-project/sglang's sglang-miles
+    branch (the adapter over the weight-update group, in-place upsert, abort by request-id prefix)."""
+
+    STOCK_0_5_23 = "0.5.23"
+    MILES_94949DA7 = "sglang-miles-94949da7"
+
+
 class RolloutSpec(CamelModel):
     """The rollout engines that generate responses with the current policy."""
 
@@ -180,6 +189,11 @@ class RolloutSpec(CamelModel):
     distributed_engines: Annotated[int, Field(ge=0)] = 0
     """With deployment Colocate: engines placed off the training GPUs and fed over NCCL rather than
     in-memory. Adapter mode cannot feed them; use Merge mode for that layout."""
+    sglang_build: SGLangBuild | None = None
+    """The SGLang build the engines run, which decides the routes the trainer may use (docs/sglang_builds.md):
+    0.5.23 (stock, the default for engine sglang) or sglang-miles-94949da7. With engine hf it starts the
+    reference engine in that build's strict mode (only that build's routes and fields); unset, the reference
+    engine serves kora's extensions too. A sync mode the build cannot do is refused with the fix."""
 
 
 class ParallelismSpec(CamelModel):

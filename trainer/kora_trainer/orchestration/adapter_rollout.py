@@ -25,6 +25,7 @@ from typing import Any
 from kora_trainer.algorithm.rewards import RewardFn, reward_fn
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config.adapter_runs import AdapterSettings
+from kora_trainer.config.sglang_builds import effective_build
 from kora_trainer.orchestration.data import Row, batches, load_rows
 from kora_trainer.orchestration.rollout_manager import Rollout
 from kora_trainer.orchestration.workers import transport_kind
@@ -46,8 +47,9 @@ class AdapterRollouts:
         self.rollout = rollout
         self.adapters: dict[str, _Adapter] = {}
         # Only the weight-update group's route versions each adapter on the engine; after an in-memory load the
-        # engine reports its one server-wide version (the base push's), which says nothing of the adapter
-        self.engine_tags = transport_kind(rollout.cfg) == "distributed"
+        # engine reports its one server-wide version (the base push's), which says nothing of the adapter; so does
+        # an SGLang build (per-adapter versions are kora's extension: config/sglang_builds.py)
+        self.engine_tags = transport_kind(rollout.cfg) == "distributed" and effective_build(rollout.cfg) is None
 
     def add(self, settings: AdapterSettings, position: int = 0, version: int = 0) -> int:
         """Its data loaded and fast-forwarded to `position` batches (a checkpoint's); returns its row count."""

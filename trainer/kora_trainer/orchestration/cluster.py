@@ -31,6 +31,7 @@ from kora_trainer.config import ConfigError, TrainerConfig
 from kora_trainer.config.layout import engine_gpus
 from kora_trainer.config.placement import CPU_SHARES, STRATEGY, Placement, plan_placement
 from kora_trainer.config.ray_env import ray_home, single_node_env
+from kora_trainer.config.sglang_builds import effective_build, plan_for, same_node_problem
 from kora_trainer.orchestration.actor_group import TrainGroup
 from kora_trainer.orchestration.multi_lora_workers import AdapterRolloutWorker, MultiLoRAWorker
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
@@ -98,6 +99,7 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
 
     threads = threads or 1
     kind = transport_kind(cfg)
+    build = effective_build(cfg)
     if kind == "colocated" and engine_gpus(cfg) > 1:
         raise ConfigError([f"deployment Colocate with rollout.gpusPerEngine {engine_gpus(cfg)}: an engine spanning "
                            "several trainer ranks' GPUs is planned (kora plan) but not launched yet: set "
@@ -130,6 +132,11 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
     # generate is no admin route; a multi-adapter job's adapters generate at once (one call each)
     rollout_cls: Any = ray.remote(num_cpus=CPU_SHARES["rollout"])(AdapterRolloutWorker if multi else RolloutWorker)
     rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.max_adapters + 2 if multi else 1).remote(cfg, urls)
+    route_plan = plan_for(cfg)
+    if build is not None and route_plan is not None:  # the stock build's in-memory adapter hand-over: one node
+        away = same_node_problem(build, route_plan, ranks[0]["node"], ray.get([e.node.remote() for e in engines]))
+        if away is not None:
+            raise ConfigError([away])
     kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], kind, master[0], admin_key)
                      for r, a in enumerate(trainer.actors)])
     info = {**{k: ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": ranks, "engine_urls": urls,

@@ -53,7 +53,8 @@ from importlib import metadata
 from pathlib import Path
 
 from kora_trainer.config import MEGATRON_TO_SGLANG, DeploymentMode, SyncMode, TrainerConfig
-from kora_trainer.config.sections import Engine
+from kora_trainer.config.sections import Engine, SGLangBuild
+from kora_trainer.config.sglang_builds import BUILDS, DEFAULT_BUILD, MILES_COMMIT, Build, effective_build
 from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 
 SGLANG_VERSION = "0.5.23"
@@ -108,16 +109,41 @@ def max_loras_per_batch(config: TrainerConfig) -> int:
     return (config.multi_lora.max_adapters or 1) + 1
 
 
+def sglang_build_problem(build: Build, installed: str | None = None) -> str | None:
+    """None when the installed sglang is `build` (the job's rollout.sglangBuild, or the pin); otherwise what is wrong
+    and the fix. Stock builds by their version; a branch build by the git hash setuptools-scm puts in its local
+    version (`0.5.x.devN+g<hash>[.dYYYYMMDD]`, python/pyproject.toml [tool.setuptools_scm] @ 94949da7) ⚠ not
+    checked against an installed branch build. `installed` (default: the installed distribution's) is for tests."""
+    image = f"the trainer image built with --build-arg SGLANG_BUILD={build.name.value}"
+    if installed is None:
+        try:
+            installed = metadata.version("sglang")
+        except metadata.PackageNotFoundError:
+            return f"sglang is not installed: install {build.pip_requirement} ({image})"
+    if build.name is SGLangBuild.STOCK_0_5_23:
+        if installed == SGLANG_VERSION:
+            return None
+    else:
+        local = installed.partition("+")[2].split(".")
+        if any(p.startswith("g") and len(p) >= 8 and MILES_COMMIT.startswith(p[1:]) for p in local):
+            return None
+    return (f"sglang {installed} is installed but the job names rollout.sglangBuild {build.name.value} (its routes "
+            f"decide what the trainer sends): install {build.pip_requirement} ({image}), or set "
+            f"rollout.sglangBuild to the build installed")
+
+
+def installed_build_problem(config: TrainerConfig) -> str | None:
+    """For rollout.engine sglang: what is wrong with the installed SGLang for the job's build (None: it is that
+    build). The reference engine (engine hf) needs none: its strict mode is the build's contract, not its code."""
+    build = effective_build(config)
+    if config.rollout.engine is not Engine.SGLANG or build is None:
+        return None
+    return sglang_build_problem(build)
+
+
 def sglang_version_problem() -> str | None:
     """None when the installed sglang is the pinned one; otherwise what is wrong."""
-    try:
-        installed = metadata.version("sglang")
-    except metadata.PackageNotFoundError:
-        return f"sglang is not installed: install {SGLANG_REQUIREMENT} (the trainer image pins it)"
-    if installed != SGLANG_VERSION:
-        return (f"sglang {installed} is installed but kora speaks the API of {SGLANG_VERSION} "
-                f"(its LoRA routes change between releases): install {SGLANG_REQUIREMENT}")
-    return None
+    return sglang_build_problem(BUILDS[DEFAULT_BUILD])
 
 
 def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *, python: str = sys.executable,
@@ -173,6 +199,8 @@ def hf_engine_command(config: TrainerConfig, port: int, host: str = "127.0.0.1",
             "--max-loras-per-batch", str(max_loras_per_batch(config)), "--max-lora-rank", str(config.lora.rank)]
     if num_threads:
         argv += ["--num-threads", str(num_threads)]
+    if config.rollout.sglang_build is not None:  # that build's strict mode (reference_engine/strict.py)
+        argv += ["--sglang-build", config.rollout.sglang_build.value]
     env = {name: key for name, key in ((API_KEY_ENV, api_key), (ADMIN_API_KEY_ENV, admin_api_key)) if key}
     return EngineLaunch(argv, host, port, Engine.HF.value, env=env)  # the keys by environment, not argv
 

@@ -137,6 +137,12 @@ class EngineWorker:
         self.engine = EngineProcess.start(cfg, Path(log_dir), threads=threads, index=index, host=node_address(),
                                           admin_api_key=admin_api_key)
 
+    def node(self) -> str:
+        """The Ray node this engine runs on (an SGLang build's in-memory hand-over needs trainer rank 0's)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+
     def url(self) -> str:
         return self.engine.url
 

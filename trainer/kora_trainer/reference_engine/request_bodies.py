@@ -161,7 +161,8 @@ class LoadLoRAAdapterFromTensorsReqInput(ReqInput):
 
 
 class LoadLoRAAdapterFromDistributedReqInput(ReqInput):
-    """kora: adapter tensors over the weight-update group, bucketed, upserted after the last bucket."""
+    """sglang-miles' route (#27268) + kora's buckets: adapter tensors over the weight-update group, bucketed,
+    upserted after the last bucket (kora's fields are dropped in a build's strict mode: strict.py)."""
 
     lora_name: str
     config_dict: dict[str, Any]
@@ -174,6 +175,11 @@ class LoadLoRAAdapterFromDistributedReqInput(ReqInput):
     bucket_index: int = 0
     num_buckets: int = 1
     weight_version: str | None = None
+    # sglang-miles' own fields (IO:2048 @ 94949da7): kora's route always upserts; a strict engine honours `upsert`
+    pinned: bool = False
+    added_tokens_config: dict[str, Any] | None = None
+    lora_id: str | None = None
+    upsert: bool = False
 
 
 class UpdateWeightVersionReqInput(ReqInput):

@@ -97,7 +97,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from kora_trainer.config.sglang_builds import Build
 from kora_trainer.reference_engine import request_bodies as rq
+from kora_trainer.reference_engine import strict
 from kora_trainer.reference_engine.adapter_registry import AdapterRegistry
 from kora_trainer.reference_engine.colocated_routes import ColocatedRoutes
 from kora_trainer.reference_engine.contract import generate_contract_error
@@ -107,6 +109,7 @@ from kora_trainer.reference_engine.generate_io import GenerateLimits, format_res
 from kora_trainer.reference_engine.inflight import InFlight
 from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
 from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenRequest
+from kora_trainer.reference_engine.record import CallRecord
 from kora_trainer.reference_engine.sampling import SamplingParams
 from kora_trainer.reference_engine.weight_sync import BucketMeta, WeightReceiver
 from kora_trainer.wire import engine_auth
@@ -137,8 +140,11 @@ class _AdapterStaging:
 class HFEngineServer:
     def __init__(self, engine: EngineModel, api_key: str | None = None, admin_api_key: str | None = None,
                  workers: int = 32, fast_sync: bool = True, max_body_bytes: int = MAX_BODY_BYTES,
-                 max_sequences: int = MAX_SEQUENCES_PER_CALL, body_timeout_s: float = BODY_TIMEOUT_S):
+                 max_sequences: int = MAX_SEQUENCES_PER_CALL, body_timeout_s: float = BODY_TIMEOUT_S,
+                 build: Build | None = None):
         self.engine = engine
+        self.build = build  # strict mode (strict.py): that SGLang build's routes and fields, no kora extension
+        fast_sync = fast_sync and build is None
         self.max_body_bytes, self.body_timeout_s = max_body_bytes, body_timeout_s
         self.limits = GenerateLimits(engine.vocab_size, engine.max_context, max_sequences)
         self.fast_sync = FastSyncRoutes(self) if fast_sync else None
@@ -156,6 +162,7 @@ class HFEngineServer:
         self._running.set()
         self._held = 0  # /generate calls waiting for /continue_generation (GET /kora/state)
         self.exit_at = ExitAt()  # test-only fault knob (faults.py); inert unless its env var is set
+        self.record = CallRecord()  # test-only record of every call (record.py); inert unless its env var is set
 
     # ---- app, auth --------------------------------------------------------------------------
 
@@ -163,6 +170,8 @@ class HFEngineServer:
         middlewares = [self._auth, self._bad_requests]
         if self.exit_at.target is not None:  # test-only (faults.py)
             middlewares.insert(0, self.exit_at.middleware)
+        if self.record.path is not None:  # test-only (record.py): outermost, so it sees every answer
+            middlewares.insert(0, self.record.middleware)
         app = web.Application(middlewares=middlewares, client_max_size=self.max_body_bytes)
         # who may call each route is wire/engine_auth.py's (SGLang's) rule, by path: one middleware checks it
         routes: list[tuple[str, str, Any]] = [
@@ -191,6 +200,8 @@ class HFEngineServer:
         if self.colocated is not None:
             routes += self.colocated.routes()
         for method, path, handler in routes:
+            if self.build is not None and not self.build.has(path):
+                continue  # strict: FastAPI's 404, as the build answers a route it does not have
             # SGLang serves these on GET|POST (flush_cache) or POST|PUT (generate); Starlette adds HEAD to every GET
             methods = (("GET", "POST") if path == "/flush_cache" else ("POST", "PUT")) if method == "*" else (method,)
             for m in methods + (("HEAD",) if "GET" in methods else ()):
@@ -248,7 +259,7 @@ class HFEngineServer:
         return rq.json_body(raw)
 
     async def _body(self, request: web.Request, model: type[rq.Body]) -> rq.Body:
-        return rq.parse(model, await self._json_body(request))
+        return rq.parse(model, strict.request_body(self.build, request.path, await self._json_body(request)))
 
     # ---- generate ---------------------------------------------------------------------------
 
@@ -321,7 +332,7 @@ class HFEngineServer:
             "has_image_understanding": False, "has_audio_understanding": False,
             "model_type": getattr(e.config, "model_type", None),
             "architectures": getattr(e.config, "architectures", None),
-            "kora_engine": "hf",
+            **({} if self.build is not None else {"kora_engine": "hf"}),
         })
 
     async def kora_state(self, request: web.Request) -> web.Response:
@@ -393,7 +404,7 @@ class HFEngineServer:
         except Exception as e:  # any failure is the route's {"success": false, "message"} (SGLang reports them so)
             log.exception("update_weights_from_distributed failed")
             return _json({"success": False, "message": str(e)}, 400)
-        return _json(out, 200 if out["success"] else 400)
+        return _json(strict.response_body(self.build, out), 200 if out["success"] else 400)
 
     def _update_from_tensor(self, b: rq.UpdateWeightsFromTensorReqInput) -> dict[str, Any]:
         payload = b.serialized_named_tensors[self.receiver.tp_rank]
@@ -415,7 +426,7 @@ class HFEngineServer:
         except Exception as e:  # a bad payload (unpickling, names, shapes) fails the call, not the server
             log.exception("update_weights_from_tensor failed")
             return _json({"success": False, "message": str(e)}, 400)
-        return _json(out)
+        return _json(strict.response_body(self.build, out))
 
     # ---- LoRA -------------------------------------------------------------------------------
 
@@ -426,7 +437,8 @@ class HFEngineServer:
             extra = await fn(b) or {}
         except Exception as e:  # SGLang answers every failed LoRA operation with success false + the message
             return _json(rq.lora_update_output(False, str(e), self.adapters.loaded()), 400)
-        return _json({**rq.lora_update_output(True, "", self.adapters.loaded()), **extra})
+        return _json({**rq.lora_update_output(True, "", self.adapters.loaded()),
+                      **strict.response_body(self.build, extra)})
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         async def do(b: rq.LoadLoRAAdapterReqInput) -> None:
@@ -475,6 +487,10 @@ class HFEngineServer:
         if staging.next_bucket < total:
             return {"weight_version": None, "checksum": None}
         del self._staging[name]
+        if self.build is not None and not b.upsert and self.adapters.get(name) is not None:
+            # sglang-miles refuses a loaded name without upsert (before its receive ⚠: here after, so the group
+            # stays in step with a trainer that broadcast anyway)
+            raise ValueError(f"Failed to load LoRA adapter {name} because it is already loaded")
         adapter = self.adapters.upsert(name, b.config_dict, staging.tensors, b.weight_version)
         return {"weight_version": adapter.version, "checksum": checksum(staging.tensors)}
 
@@ -572,6 +588,9 @@ def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None 
                    help="prompts x n one /generate call may ask for; more is a 400 (default: 65536)")
     p.add_argument("--body-timeout-s", type=float, default=BODY_TIMEOUT_S,
                    help="a request body not arrived whole within this many seconds is a 408 (default: 60)")
+    p.add_argument("--sglang-build", default=None, choices=strict.BUILD_NAMES,
+                   help="strict mode: only that SGLang build's routes and fields, kora's extensions off "
+                        "(config/sglang_builds.py; default: SGLang 0.5.23's routes plus kora's)")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
     environ = os.environ if environ is None else environ
@@ -585,7 +604,7 @@ async def _serve(args: argparse.Namespace) -> None:
     engine = EngineModel(args.model_path, args.device, args.dtype, args.max_loras_per_batch, args.max_lora_rank)
     server = HFEngineServer(engine, args.api_key, args.admin_api_key, fast_sync=not args.disable_fast_sync,
                             max_body_bytes=args.max_body_bytes, max_sequences=args.max_sequences_per_call,
-                            body_timeout_s=args.body_timeout_s)
+                            body_timeout_s=args.body_timeout_s, build=strict.build_named(args.sglang_build))
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)

@@ -69,6 +69,8 @@ def fast_path_off(sender: WeightSender, cfg: TrainerConfig) -> str | None:
         return f"the {getattr(sender.transport, 'kind', 'missing')} transport"
     if cfg.rollout.engine != Engine.HF:
         return f"{cfg.rollout.engine} engines"
+    if cfg.rollout.sglang_build is not None:  # the reference engine in a build's strict mode has no /kora/* routes
+        return f"rollout.sglangBuild {cfg.rollout.sglang_build.value} (SGLang's routes only)"
     return None
 
 

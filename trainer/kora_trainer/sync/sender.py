@@ -33,6 +33,7 @@ from torch import nn
 from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.config.engine_lora_limits import engine_lora_limits
 from kora_trainer.config.sections import POLICY_ADAPTER
+from kora_trainer.config.sglang_builds import effective_build, plan_for
 from kora_trainer.lora import adapter_parameters, adapter_tensors, peft_config_dict
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.fast import Entry, GatherSpec
@@ -129,6 +130,9 @@ class _Follow:
     def send(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
         return []
 
+    def send_tensors(self, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+        return []
+
     def close(self) -> None:
         pass
 
@@ -181,6 +185,8 @@ class WeightSender:
         self.adapter_name = POLICY_ADAPTER  # multi-LoRA (sync/slot_sender.py) pushes each adapter under its own
         self.gate_adapters = engine_lora_limits().gdn_gate_adapters  # the build hosts GDN b/a adapters
         self.adapter_config = self.make_adapter_config()
+        # a named SGLang build (config/sglang_builds.py): only its routes and fields, SGLang's per-tensor form
+        self.build = effective_build(cfg)
 
     # ---- what the policy is made of (the torch backend's HF model; backends/megatron/sync.py overrides) ----
 
@@ -237,7 +243,12 @@ class WeightSender:
         return SyncReport(mode=str(self.mode), transport=self._transport_kind(), pushed=True, bytes=nbytes,
                           ms=round(ms, 2), adapter_version=version,
                           checksum=checksum.hexdigest() if self.transport is not None else None, buckets=nbuckets,
-                          max_delta=None if first else delta, what=what)
+                          max_delta=None if first else delta, what=what, note=self._route_note() if first else "")
+
+    def _route_note(self) -> str:
+        """The named build's row of config/sglang_builds.py (which route carries the policy), for the sync line."""
+        plan = plan_for(self.cfg) if self.transport is not None else None
+        return plan.note if plan is not None else ""
 
     def _transport_kind(self) -> str:
         return self.transport.kind if self.transport is not None else "none"
@@ -271,6 +282,8 @@ class WeightSender:
         def tag(i: int, n: int) -> str | None:
             return str(version) if i == n - 1 else None
 
+        if isinstance(self.transport, DistributedTransport) and self.build is not None:
+            return self._push_weights_per_tensor(src, version, checksum, extra)
         if isinstance(self.transport, DistributedTransport):
             buckets = plan_buckets(src.groups, self.cap)
             for i, bucket in enumerate(buckets):
@@ -304,52 +317,107 @@ class WeightSender:
                 total += t.numel() * t.element_size()
         return total, len(name_buckets)
 
+    def _push_weights_per_tensor(self, src: Source, version: int, checksum: RunningChecksum,
+                                 extra: dict[str, Any]) -> tuple[int, int]:
+        """An SGLang build's /update_weights_from_distributed: whole tensors (a tensor is never split, so a bucket
+        holds at least one), each broadcast on its own (load_format null), the version on the last bucket."""
+        assert isinstance(self.transport, DistributedTransport)
+        name_buckets = colocated_buckets(src.groups, self.cap)
+        total = 0
+        for i, names in enumerate(name_buckets):
+            tensors = src.get(names)
+            named = [(n, tensors[n]) for n in names]
+            wv = str(version) if i == len(name_buckets) - 1 else None
+
+            def call(c: EngineClient, meta: dict[str, list], wv: str | None = wv) -> dict[str, Any]:  # type: ignore[type-arg]
+                return c.update_weights_from_distributed(meta, load_format=None, weight_version=wv, **extra)
+
+            self.transport.send_tensors(named, call)  # SGLang reports no checksum: nothing to compare
+            for n, t in named:
+                checksum.add(n, t)
+                total += t.numel() * t.element_size()
+        return total, len(name_buckets)
+
     # ---- the adapter through the LoRA routes ------------------------------------------------------
 
     def _push_adapter(self, src: Source, version: int, checksum: RunningChecksum) -> tuple[int, int]:
-        wv = str(version)
-        config, name = self.adapter_config, self.adapter_name
+        """The adapter: kora's bucketed route (the reference engine), a build's route over the group
+        (sglang-miles), or in memory (colocated; a stock build's engine on this node)."""
         tensors = src.get(src.names)
         named = [(n, tensors[n]) for n in src.names]
-        if isinstance(self.transport, DistributedTransport):
-            buckets = plan_buckets(src.groups, self.cap)
-            results: list[dict[str, Any]] = []
-            nb = len(buckets)
-            for i, bucket in enumerate(buckets):
-                def call(c: EngineClient, meta: dict[str, list], i: int = i) -> dict[str, Any]:  # type: ignore[type-arg]
-                    return c.load_lora_adapter_from_distributed(name, config, meta, bucket_index=i,
-                                                                num_buckets=nb, load_format=FLAT, weight_version=wv)
-
-                results = self.transport.send(bucket, tensors, call)
-            self._check(results, checksum, lambda: protocol_checksum(named))  # the engine hashes the whole adapter
-            nbytes, nbuckets = sum(b.nbytes for b in buckets), len(buckets)
+        distributed = isinstance(self.transport, DistributedTransport)
+        if distributed and self.build is None:
+            nbytes, nbuckets = self._adapter_buckets(src, tensors, named, str(version), checksum)
+        elif distributed and self.build is not None and self.build.adapter_over_group:
+            nbytes, nbuckets = self._adapter_over_group(named, str(version)), 1
         else:
-            assert isinstance(self.transport, ColocatedTransport)
-            # SGLang refuses to load a name that is loaded: replacing = unload, then load. Before our
-            # first push the engine may still hold the name from an earlier trainer (a restart).
-            first = name not in self._loaded
-
-            def replace_adapter(c: EngineClient, payload: str) -> dict[str, Any]:
-                try:
-                    c.unload_lora_adapter(name)
-                except EngineError as e:
-                    if not (first and "does not exist" in e.message):
-                        raise
-                out = c.load_lora_adapter_from_tensors(name, config, payload)
-                # SGLang's tensor route takes no version: label the new adapter's rollouts ourselves, after
-                # the load (a request in between shows the older version: a lag, never a false "current").
-                # The engine's one version serves one adapter only: multi-LoRA tags its rollouts itself.
-                if name == POLICY_ADAPTER:
-                    c.update_weight_version(wv)
-                return out
-
-            results = self.transport.send(named, replace_adapter)
-            self._check(results, checksum, lambda: protocol_checksum(named))
-            self._loaded.add(name)
-            nbytes, nbuckets = sum(t.numel() * t.element_size() for _, t in named), 1
+            nbytes, nbuckets = self._adapter_in_memory(named, str(version), checksum), 1
         for n, t in named:
             checksum.add(n, t)
         return nbytes, nbuckets
+
+    def _adapter_buckets(self, src: Source, tensors: dict[str, torch.Tensor], named: list[Named], wv: str,
+                         checksum: RunningChecksum) -> tuple[int, int]:
+        """kora's /load_lora_adapter_from_distributed: bucketed, upserted with its version after the last bucket."""
+        assert isinstance(self.transport, DistributedTransport)
+        config, name = self.adapter_config, self.adapter_name
+        buckets = plan_buckets(src.groups, self.cap)
+        results: list[dict[str, Any]] = []
+        nb = len(buckets)
+        for i, bucket in enumerate(buckets):
+            def call(c: EngineClient, meta: dict[str, list], i: int = i) -> dict[str, Any]:  # type: ignore[type-arg]
+                return c.load_lora_adapter_from_distributed(name, config, meta, bucket_index=i,
+                                                            num_buckets=nb, load_format=FLAT, weight_version=wv)
+
+            results = self.transport.send(bucket, tensors, call)
+        self._check(results, checksum, lambda: protocol_checksum(named))  # the engine hashes the whole adapter
+        return sum(b.nbytes for b in buckets), len(buckets)
+
+    def _adapter_over_group(self, named: list[Named], wv: str) -> int:
+        """sglang-miles' route: the whole adapter in one call (upsert), one broadcast per tensor."""
+        assert isinstance(self.transport, DistributedTransport)
+        config, name = self.adapter_config, self.adapter_name
+
+        def over_group(c: EngineClient, meta: dict[str, list]) -> dict[str, Any]:  # type: ignore[type-arg]
+            return c.load_lora_adapter_over_group(name, config, meta, upsert=True)
+
+        self.transport.send_tensors(named, over_group)
+        if name == POLICY_ADAPTER:  # the build's adapter route takes no version: label it after the load
+            for c in self.transport.clients:
+                c.update_weight_version(wv)
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    def _adapter_in_memory(self, named: list[Named], wv: str, checksum: RunningChecksum) -> int:
+        """/load_lora_adapter_from_tensors: a colocated engine, or (a build without an adapter route over the
+        group) an engine on this node, which config/sglang_builds.same_node_problem checked at start."""
+        hand = self.transport if isinstance(self.transport, ColocatedTransport) else \
+            ColocatedTransport(self.transport.clients if self.transport is not None else [])
+        name = self.adapter_name
+        results = hand.send(named, self._replace_adapter(name, self.adapter_config, wv))
+        self._check(results, checksum, lambda: protocol_checksum(named))
+        self._loaded.add(name)
+        return sum(t.numel() * t.element_size() for _, t in named)
+
+    def _replace_adapter(self, name: str, config: dict[str, Any], wv: str) -> Any:
+        # SGLang refuses to load a name that is loaded: replacing = unload, then load. Before our
+        # first push the engine may still hold the name from an earlier trainer (a restart).
+        first = name not in self._loaded
+
+        def replace_adapter(c: EngineClient, payload: str) -> dict[str, Any]:
+            try:
+                c.unload_lora_adapter(name)
+            except EngineError as e:
+                if not (first and "does not exist" in e.message):
+                    raise
+            out = c.load_lora_adapter_from_tensors(name, config, payload)
+            # SGLang's tensor route takes no version: label the new adapter's rollouts ourselves, after
+            # the load (a request in between shows the older version: a lag, never a false "current").
+            # The engine's one version serves one adapter only: multi-LoRA tags its rollouts itself.
+            if name == POLICY_ADAPTER:
+                c.update_weight_version(wv)
+            return out
+
+        return replace_adapter
 
     def _check(self, results: list[dict[str, Any]], checksum: RunningChecksum, expected: Any) -> None:
         """Each engine's reported checksum must equal what was sent (engines that report none pass).

@@ -23,7 +23,7 @@ import torch
 
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.group import WeightUpdateGroup, free_port, init_weight_update_group
-from kora_trainer.wire.protocol import Bucket, pack
+from kora_trainer.wire.protocol import Bucket, dtype_name, pack
 from kora_trainer.wire.serialize import serialize_named_tensors
 
 GROUP_NAME = "weight_update_group"
@@ -74,10 +74,26 @@ class DistributedTransport:
         self.group.broadcast(pack(bucket, tensors, self.group.device))
         return wait_all(futs, self.timeout_s)
 
+    def send_tensors(self, named: list[tuple[str, torch.Tensor]],
+                     call: Callable[[EngineClient, dict[str, list]], dict[str, Any]]) -> list[dict[str, Any]]:  # type: ignore[type-arg]
+        """SGLang's per-tensor form (what every build has; kora's flat bucket is the reference engine's): HTTP
+        names/dtypes/shapes to every engine, then one broadcast per tensor in that order from rank 0."""
+        meta = tensor_metadata(named)
+        futs = [c.submit(call, c, meta) for c in self.clients]
+        for _, t in named:
+            self.group.broadcast(t.detach().to(self.group.device).contiguous())
+        return wait_all(futs, self.timeout_s)
+
     def close(self) -> None:
         for c in self.clients:
             with contextlib.suppress(EngineError):  # an engine already gone has nothing to tear down
                 c.destroy_weights_update_group(GROUP_NAME)
+
+
+def tensor_metadata(named: list[tuple[str, torch.Tensor]]) -> dict[str, list]:  # type: ignore[type-arg]
+    """SGLang's names / dtypes (torch attribute names) / shapes of whole tensors."""
+    return {"names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
+            "shapes": [list(t.shape) for _, t in named]}
 
 
 def packed_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:

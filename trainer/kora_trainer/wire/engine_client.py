@@ -254,6 +254,17 @@ class EngineClient:
             body.pop("byte_ranges", None)
         return cast("dict[str, Any]", self.post("/load_lora_adapter_from_distributed", body))
 
+    def load_lora_adapter_over_group(self, name: str, config_dict: dict[str, Any], metadata: dict[str, list],  # type: ignore[type-arg]
+                                     group_name: str = DEFAULT_GROUP, upsert: bool = True,
+                                     pinned: bool = False) -> dict[str, Any]:
+        """sglang-miles' /load_lora_adapter_from_distributed (#27268, upsert #30913): the whole adapter in one
+        call, its tensors broadcast one by one in `metadata["names"]` order from rank 0 (submit() it, then
+        broadcast); `upsert` refreshes an adapter already loaded under `name` in place. Its body is the build's
+        struct exactly (IO:2048 @ 94949da7); the engine answers LoRAUpdateOutput, without a version."""
+        return cast("dict[str, Any]", self.post("/load_lora_adapter_from_distributed", {
+            "lora_name": name, "config_dict": config_dict, "names": metadata["names"], "dtypes": metadata["dtypes"],
+            "shapes": metadata["shapes"], "group_name": group_name, "pinned": pinned, "upsert": upsert}))
+
     def abort_request(self, rid: str, prefix: bool = False) -> None:
         """POST /abort_request {"rid"[, "prefix": true]}: the request with that rid, or (prefix, sglang-miles
         #30912 — a stock 0.5.23 ignores the flag and matches the rid exactly) every rid starting with it. The

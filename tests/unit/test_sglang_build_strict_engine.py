@@ -1,0 +1,146 @@
+"""The reference engine in each SGLang build's strict mode (`--sglang-build NAME`, reference_engine/strict.py), and
+the trainer's sender against it: the routes the build lacks are FastAPI's 404, kora's fields are ignored as SGLang
+ignores unknown keys, and every request body the sender makes in each mode and transport is one of the build's
+structs (recorded as the engine received it, checked against tests/sglang_buildkit.py's copies of the sources),
+while the engine still ends up serving exactly the trained policy.
+
+The reference engine stands in for SGLang, which cannot run here (no GPU); what it stands in for is the build's
+HTTP contract, cited per struct in sglang_buildkit.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from engine_helpers import ATOL, PROMPTS, logprob_gap, start_engine, stop_engine, trained_policy
+from kora_trainer.config import sglang_builds as sb
+from kora_trainer.config.sections import DeploymentMode, SGLangBuild, SyncMode
+from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
+from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
+from kora_trainer.wire.engine_client import EngineError
+from sglang_buildkit import MILES, STOCK, call_problems, read_calls
+from tinymodel import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module", params=[STOCK, MILES])
+def strict(request, model_dir, tmp_path_factory):
+    """(build name, engine, its call record) for one strict engine per build."""
+    logs = tmp_path_factory.mktemp(f"strict-{request.param}")
+    record = logs / "calls.jsonl"
+    proc = start_engine(model_dir, logs, "--max-lora-rank", "8", "--sglang-build", request.param,
+                        env={"KORA_ENGINE_RECORD": str(record)})
+    yield request.param, proc, record
+    stop_engine(proc)
+
+
+def post(url: str, body: object) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as r:
+            return r.status, json.loads(r.read() or b"null")
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def test_routes_the_build_lacks_are_404_as_in_that_build(strict):
+    build, engine, _ = strict
+    for path in ("/kora/fast_sync/plan", "/kora/colocated/plan"):
+        assert post(engine.url + path, {}) == (404, {"detail": "Not Found"})
+    assert get(engine.url + "/kora/state") == (404, {"detail": "Not Found"})
+    status, info = get(engine.url + "/model_info")
+    assert status == 200 and "kora_engine" not in info and "weight_version" in info  # SGLang's keys only
+    status, body = post(engine.url + "/load_lora_adapter_from_distributed", {"lora_name": "x"})
+    if build == STOCK:
+        assert (status, body) == (404, {"detail": "Not Found"})
+    else:  # sglang-miles has it: a body without its required fields is FastAPI's 400
+        assert status == 400 and "LoadLoRAAdapterFromDistributedReqInput" in body["message"]
+
+
+CASES = [("Merge", "distributed"), ("Merge", "colocated"), ("Adapter", "distributed"), ("Adapter", "colocated")]
+
+
+@pytest.mark.parametrize(("mode", "transport"), CASES)
+def test_the_sender_speaks_only_the_build_and_the_engine_serves_the_policy(strict, model_dir, mode, transport):
+    build, engine, record = strict
+    b = trained_policy(model_dir, mode, seed=len(mode) + len(transport), cap=24 * 1024)
+    b.cfg = b.cfg.model_copy(update={"rollout": b.cfg.rollout.model_copy(update={"sglang_build": SGLangBuild(build)})})
+    lora_path = POLICY_ADAPTER if mode == "Adapter" else None
+    record.write_text("")
+    with engine.client() as client:
+        t = DistributedTransport.connect([client], backend="gloo") if transport == "distributed" \
+            else ColocatedTransport([client])
+        sender = WeightSender(b.model, b.cfg, t)
+        try:
+            first = sender.sync(version=1)
+            assert first.pushed and first.note.endswith(f"[sglang {build}]")
+            assert logprob_gap(client, b, lora_path) < ATOL
+            if mode == "Adapter":  # a second push replaces the adapter under its one name
+                import torch
+
+                with torch.no_grad():
+                    for p in b.params:
+                        p.add_(0.05)
+                assert sender.sync(version=2).what == "adapter"
+                assert logprob_gap(client, b, lora_path) < ATOL
+            assert client.generate(PROMPTS[:1], {"max_new_tokens": 1}, lora_path=lora_path)[0].weight_version \
+                == ("2" if mode == "Adapter" else "1")
+        finally:
+            sender.close()
+    calls = read_calls(record)
+    assert call_problems(build, calls) == []
+    deployment = DeploymentMode.COLOCATE if transport == "colocated" else DeploymentMode.DISAGGREGATED
+    plan = sb.route_plan(sb.BUILDS[SGLangBuild(build)], SyncMode(mode), deployment, False)
+    used = {c["path"] for c in calls} - {"/generate", "/health"}
+    assert used <= set(plan.routes), f"routes outside the table's row: {used - set(plan.routes)}"
+    assert all(c["status"] == 200 for c in calls if c["path"] != "/unload_lora_adapter"), calls
+
+
+def test_kora_fields_are_ignored_as_sglang_ignores_unknown_keys(strict, model_dir):
+    """EngineMerge's lora_merge fields are kora's: a build's engine takes the lora_A/lora_B pairs for weights
+    and fails the push, as SGLang would (which is why the build refuses EngineMerge at the door)."""
+    _, engine, _ = strict
+    b = trained_policy(model_dir, "EngineMerge", seed=3, cap=24 * 1024)
+    with engine.client() as client:
+        sender = WeightSender(b.model, b.cfg, ColocatedTransport([client]))  # b.cfg: engine hf, kora's fields sent
+        with pytest.raises(SyncError, match="1 of 1 engines failed"):
+            sender.sync(version=1)
+
+
+def test_the_miles_adapter_route_refuses_a_loaded_name_without_upsert(strict, model_dir):
+    build, engine, _ = strict
+    if build != MILES:
+        pytest.skip("sglang-miles' route (the stock build has none: the 404 test above)")
+    b = trained_policy(model_dir, "Adapter", seed=9, cap=24 * 1024)
+    from kora_trainer.sync.sources import adapter_source
+
+    src = adapter_source(b.model)
+    named = list(src.get(src.names).items())
+    with engine.client() as client:
+        t = DistributedTransport.connect([client], backend="gloo")
+        try:
+            config = WeightSender(b.model, b.cfg, None).adapter_config
+            for upsert in (True, True):  # a fresh load, then an in-place refresh
+                t.send_tensors(named, lambda c, meta, u=upsert: c.load_lora_adapter_over_group("a", config, meta,
+                                                                                              upsert=u))
+            with pytest.raises(SyncError) as e:
+                t.send_tensors(named, lambda c, meta: c.load_lora_adapter_over_group("a", config, meta, upsert=False))
+            assert isinstance(e.value.__cause__, EngineError)
+            assert "Failed to load LoRA adapter a because it is already loaded" in e.value.__cause__.message
+        finally:
+            t.close()
