@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -299,19 +299,27 @@ class WeightSender:
                 for name in _completed(bucket):
                     checksum.add(name, tensors[name])
             return sum(b.nbytes for b in buckets), len(buckets)
-        assert isinstance(self.transport, ColocatedTransport)
+        transport = self.transport
+        assert isinstance(transport, ColocatedTransport)
+
+        def send_ipc(named: list[tuple[str, torch.Tensor]], wv: str | None) -> None:
+            def call_ipc(c: EngineClient, payload: str) -> dict[str, Any]:
+                return c.update_weights_from_tensor(payload, weight_version=wv, **extra)
+
+            self._check(transport.send(named, call_ipc), checksum, lambda: protocol_checksum(named))
+
+        return self._push_name_buckets(src, version, checksum, send_ipc)
+
+    def _push_name_buckets(self, src: Source, version: int, checksum: RunningChecksum,
+                           send: Callable[[list[tuple[str, torch.Tensor]], str | None], None]) -> tuple[int, int]:
+        """Whole tensors in buckets of up to the cap (a tensor is never split, so a bucket holds at least one), each
+        handed to `send` with the version on the last bucket only (see _push_weights); (bytes, buckets)."""
         name_buckets = colocated_buckets(src.groups, self.cap)
         total = 0
         for i, names in enumerate(name_buckets):
             tensors = src.get(names)
             named = [(n, tensors[n]) for n in names]
-            wv = tag(i, len(name_buckets))
-
-            def call_ipc(c: EngineClient, payload: str, wv: str | None = wv) -> dict[str, Any]:
-                return c.update_weights_from_tensor(payload, weight_version=wv, **extra)
-
-            results = self.transport.send(named, call_ipc)
-            self._check(results, checksum, lambda named=named: protocol_checksum(named))
+            send(named, str(version) if i == len(name_buckets) - 1 else None)
             for n, t in named:
                 checksum.add(n, t)
                 total += t.numel() * t.element_size()
@@ -321,22 +329,16 @@ class WeightSender:
                                  extra: dict[str, Any]) -> tuple[int, int]:
         """An SGLang build's /update_weights_from_distributed: whole tensors (a tensor is never split, so a bucket
         holds at least one), each broadcast on its own (load_format null), the version on the last bucket."""
-        assert isinstance(self.transport, DistributedTransport)
-        name_buckets = colocated_buckets(src.groups, self.cap)
-        total = 0
-        for i, names in enumerate(name_buckets):
-            tensors = src.get(names)
-            named = [(n, tensors[n]) for n in names]
-            wv = str(version) if i == len(name_buckets) - 1 else None
+        transport = self.transport
+        assert isinstance(transport, DistributedTransport)
 
-            def call(c: EngineClient, meta: dict[str, list], wv: str | None = wv) -> dict[str, Any]:  # type: ignore[type-arg]
+        def send(named: list[tuple[str, torch.Tensor]], wv: str | None) -> None:
+            def call(c: EngineClient, meta: dict[str, list[Any]]) -> dict[str, Any]:
                 return c.update_weights_from_distributed(meta, load_format=None, weight_version=wv, **extra)
 
-            self.transport.send_tensors(named, call)  # SGLang reports no checksum: nothing to compare
-            for n, t in named:
-                checksum.add(n, t)
-                total += t.numel() * t.element_size()
-        return total, len(name_buckets)
+            transport.send_tensors(named, call)  # SGLang reports no checksum: nothing to compare
+
+        return self._push_name_buckets(src, version, checksum, send)
 
     # ---- the adapter through the LoRA routes ------------------------------------------------------
 
