@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -81,7 +81,8 @@ def encode_batch(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def pretrain(model: Any, target: float, check_every: int, max_steps: int, batch: int, lr: float,
-             seed: int, loss_on: str = "answer", label_smoothing: float = 0.0, metric: str = "sampled") -> int:
+             seed: int, loss_on: Literal["answer", "all"] = "answer",
+             label_smoothing: float = 0.0, metric: Literal["sampled", "greedy"] = "sampled") -> int:
     """Next-token loss (on the answers, or on every token) until the accuracy `metric` (sampled at T=1, or
     greedy) reaches `target`; returns the steps taken."""
     gen = torch.Generator().manual_seed(seed)
