@@ -19,6 +19,7 @@ import torch
 from kora_trainer.wire.engine_client import EngineClient
 from kora_trainer.wire.group import WeightUpdateGroup, free_port, init_weight_update_group
 from kora_trainer.wire.protocol import FLAT, Bucket, pack, plan_buckets
+from kora_trainer.wire.serialize import serialize_named_tensors
 from localcluster import wait_for
 
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14], [1, 9, 9, 13, 9, 9, 14, 4]]
@@ -173,6 +174,31 @@ def push_weights(client: EngineClient, group: WeightUpdateGroup, named: list[tup
         broadcast_bucket(group, bucket, tensors, load_format)
         results.append(fut.result(timeout=60))
     return results
+
+
+def publish_adapter(client: EngineClient, group: WeightUpdateGroup, name: str, peft_model: torch.nn.Module,
+                    version: str) -> dict:
+    """The trainer's side of one adapter version over the group (one bucket): call, broadcast, wait."""
+    named = peft_tensors(peft_model)
+    bucket = plan_buckets([named], 1 << 22)[0]
+    fut = client.submit(client.load_lora_adapter_from_distributed, name, peft_config_dict(peft_model),
+                        bucket.metadata(), weight_version=version)
+    broadcast_bucket(group, bucket, dict(named), FLAT)
+    return fut.result(timeout=60)
+
+
+def serialize_adapter(peft_model: torch.nn.Module) -> str:
+    return serialize_named_tensors(peft_tensors(peft_model))
+
+
+def retire_and_reload(client: EngineClient, name: str, model: torch.nn.Module) -> None:
+    """What sync/slot_sender.SlotSender.retire sends (abort by the rid prefix, the in-flight count, unload), then
+    the next adapter's load under the freed name."""
+    client.abort_request(f"{name}::", prefix=True)
+    wait_for(lambda: f"{name}::" not in client.kora_state()["in_flight_by_rid_prefix"], timeout=30.0, interval=0.02,
+             what=f"no {name}:: request in flight")
+    client.unload_lora_adapter(name)
+    client.load_lora_adapter_from_tensors(name, peft_config_dict(model), serialize_adapter(model))
 
 
 def engine_vs_reference(client: EngineClient, reference: torch.nn.Module, lora_path: str | None = None,
