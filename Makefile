@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-full test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -25,6 +25,9 @@ demo: setup testbin  ## control plane + Ray + operator on 127.0.0.1; train the t
 
 test: setup testbin  ## unit + integration tests against a real local control plane
 	$(PY) -m pytest
+
+test-full: setup testbin  ## every case, the `full`-marked ones too (more modes, builds and sizes than CI runs)
+	$(PY) -m pytest -m ""
 
 test-unit: setup
 	$(PY) -m pytest tests/unit

@@ -5,18 +5,18 @@ own text parser and agrees with /status. W&B is offline (WANDB_MODE too): nothin
 
 from __future__ import annotations
 
-import contextlib
 import math
-import urllib.error
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from localcluster import wait_for
 from trackkit import STEP_TAGS, tensorboard_scalars, wandb_history
-from trainkit import TrainRun, wait_all
+from trainkit import TIMEOUT_S, TrainRun, wait_all
 
 STEPS = 3
+SAMPLES_PER_STEP = 32  # trainkit.TINY: 8 prompts x 4 samples
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -30,19 +30,30 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def at_step_1_checkpointed(status: dict | None) -> bool:
+    """Step 1 done and its checkpoint (written in the background) recorded."""
+    return bool(status) and status.get("phase") == "Running" and status.get("step") == 1 \
+        and (status.get("lastCheckpoint") or {}).get("step") == 1
+
+
 @pytest.mark.slow
 def test_tensorboard_wandb_and_metrics_on_a_toy_run(toy_dir, tmp_path):
+    # the reward holds the run after step 1's samples (toy_rewards.odd_first_digit_gated) until the test has read
+    # /status and /metrics of a running job, so that look does not race the job's last step
+    gate = tmp_path / "gate"
     run = TrainRun(toy_dir, tmp_path, f"algorithm.numSteps={STEPS}", "deployment.async=false",
                    "tracking.wandb.enabled=true", "tracking.klToBase=true", f"checkpoint.path={tmp_path / 'ckpt'}",
-                   "checkpoint.interval=1", env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
-    scrapes = []
-
-    def scrape_while_running(r: TrainRun) -> None:  # after each /status poll: /metrics, once a step is done
-        if r.seen and r.seen[-1].get("phase") == "Running" and r.seen[-1].get("step"):
-            with contextlib.suppress(urllib.error.URLError, OSError):  # it may have ended since the poll
-                scrapes.append(scrape(r.port))
-
-    wait_all([run], each=scrape_while_running)
+                   "checkpoint.interval=1", "data.customRewardPath=toy_rewards.odd_first_digit_gated",
+                   env={"WANDB_MODE": "offline", "WANDB_SILENT": "true", "KORA_TEST_GATE_FILE": str(gate),
+                        "KORA_TEST_GATE_AFTER": str(SAMPLES_PER_STEP)})
+    try:
+        wait_for(lambda: not run.running() or at_step_1_checkpointed(run.poll()), timeout=TIMEOUT_S, interval=0.2,
+                 what="the run Running at step 1, its checkpoint written")
+        assert run.running(), run.output[-3000:]
+        metrics = scrape(run.port)
+    finally:
+        gate.touch()
+    wait_all([run])
     summary = run.summary()
     assert summary["steps"] == STEPS
 
@@ -65,9 +76,7 @@ def test_tensorboard_wandb_and_metrics_on_a_toy_run(toy_dir, tmp_path):
         assert set(row) == STEP_TAGS, f"step {step}: {set(row) ^ STEP_TAGS}"
         assert all(math.isclose(row[k], tb[k][step], rel_tol=1e-6, abs_tol=1e-6) for k in row)
 
-    assert scrapes, "/metrics was never scraped while the job ran"
-    metrics = scrapes[-1]
-    assert metrics["kora_trainer_step"] >= 1 and metrics["kora_trainer_total_steps"] == STEPS
+    assert metrics["kora_trainer_step"] == 1 and metrics["kora_trainer_total_steps"] == STEPS
     assert metrics["kora_trainer_phase{phase=Running}"] == 1 and metrics["kora_trainer_phase{phase=Failed}"] == 0
     assert metrics["kora_trainer_last_sync_bytes"] > 0 and metrics["kora_trainer_last_sync_milliseconds"] > 0
     assert "kora_trainer_logp_gap_max" in metrics and "kora_trainer_reward_mean" in metrics

@@ -27,7 +27,8 @@ GAP_MAX = 1e-4  # fp32 engine vs trainer log-probs of the sampled tokens, as in 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["Merge", "Adapter", "EngineMerge"])
+@pytest.mark.parametrize("mode", ["Merge", pytest.param("Adapter", marks=pytest.mark.full),
+                                  pytest.param("EngineMerge", marks=pytest.mark.full)])
 def test_data_2_takes_the_steps_of_data_1(toy_dir, tmp_path, mode):
     layouts = {"data1": (1, "Disaggregated"), "colocate2": (2, "Colocate"), "disagg2": (2, "Disaggregated")}
     runs = {name: TrainRun(toy_dir, tmp_path / name, f"parallelism.data={d}", f"deployment.mode={dep}",

@@ -21,9 +21,9 @@ GAP_BOUND = 1e-3
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("mode", "deployment"), [("Merge", "Disaggregated"), ("Adapter", "Disaggregated"),
-                                                  ("Merge", "Colocate"), ("Adapter", "Colocate"),
-                                                  ("EngineMerge", "Colocate")])
+@pytest.mark.parametrize(("mode", "deployment"), [
+    pytest.param("Merge", "Disaggregated", marks=pytest.mark.full), ("Adapter", "Disaggregated"), ("Merge", "Colocate"),
+    pytest.param("Adapter", "Colocate", marks=pytest.mark.full), ("EngineMerge", "Colocate")])
 def test_fast_path_pushes_every_step_and_the_engine_serves_the_policy(toy_dir, tmp_path, mode, deployment):
     run = TrainRun(toy_dir, tmp_path, f"lora.syncMode={mode}", f"deployment.mode={deployment}", *ON_POLICY)
     wait_all([run], poll=False)

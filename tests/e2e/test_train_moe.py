@@ -29,7 +29,7 @@ def moe_dir(tmp_path_factory) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("mode", "targets"), [
-    ("Merge", "[linear_qkv,linear_fc1,linear_fc2]"),
+    pytest.param("Merge", "[linear_qkv,linear_fc1,linear_fc2]", marks=pytest.mark.full),
     ("Adapter", "[linear_qkv,linear_fc1,linear_fc2,router]"),
     ("EngineMerge", "[linear_qkv,linear_fc1,linear_fc2]"),
 ])

@@ -40,7 +40,7 @@ def test_train_command_runs_and_reports(toy_dir, tmp_path, mode, deployment):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_staleness", [0, 2])
+@pytest.mark.parametrize("max_staleness", [pytest.param(0, marks=pytest.mark.full), 2])
 def test_async_rollouts_lag_at_most_max_staleness(toy_dir, tmp_path, max_staleness):
     """deployment.async with maxStaleness k: the engines run up to k steps ahead of training, never more
     (k = 0 turns the overlap off). The lag is what the engines tagged their rollouts with."""

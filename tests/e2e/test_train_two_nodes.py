@@ -34,7 +34,7 @@ def workers_import_the_tests(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("two_node_ray", [{"cpus_per_node": 1}], indirect=True)
-@pytest.mark.parametrize("deployment", ["Colocate", "Disaggregated"])
+@pytest.mark.parametrize("deployment", ["Colocate", pytest.param("Disaggregated", marks=pytest.mark.full)])
 def test_data_2_trains_on_two_nodes(workers_import_the_tests, two_node_ray, toy_dir, tmp_path,  # noqa: F811
                                     deployment):
     c = two_node_ray
