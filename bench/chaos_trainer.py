@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The trainer under faults, in figures: >= 20 SIGKILLs of the whole trainer at random moments (a few during
-startup, most inside its steps, some the moment a checkpoint write starts), its engine dying mid-generate and
+startup, most inside its steps, some inside a checkpoint write), its engine dying mid-generate and
 mid-sync, checkpoint.path filling up; one job (the toy, checkpoint every step, deployment.async false) resumed
 after each, against the same job run uninterrupted beside it (the anchor: its losses, rewards and adapters).
 
@@ -34,7 +34,7 @@ ROWS = [  # (figure, what it counts)
     ("trainer_kills", "SIGKILLs of the trainer's whole session"),
     ("kills_startup", "  of them during startup (random moment in the first 25 s)"),
     ("kills_steps", "  inside the steps (random 0-2.5 s after ready)"),
-    ("kills_write", "  the moment a checkpoint write began"),
+    ("kills_write", "  inside a checkpoint write"),
     ("kills_during_checkpoint_write", "kills that left a checkpoint write unfinished"),
     ("torn_writes_seen_on_disk", "torn writes on disk at a restart"),
     ("torn_loaded", "restarts that loaded anything but the newest good checkpoint"),

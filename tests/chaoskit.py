@@ -8,8 +8,10 @@ Faults (what ends an attempt):
   first 25 s (loading, Ray start, the first push);
 - `steps`: SIGKILLed a random 0-2.5 s after it reported ready (inside some step: generate, update, sync or
   checkpoint write);
-- `write`: SIGKILLed the moment a checkpoint's temp dir appears (the ~50 ms the writer takes on the toy
-  cannot be hit by timing alone);
+- `write`: the checkpoint writer SIGKILLs itself inside its 1st-3rd write, with every file in the temp dir
+  or just after the rename, before `latest` moves (checkpoint/faults.py: the ~50 ms a write takes on the toy
+  cannot be hit from outside on a loaded machine), and the rest of the trainer is SIGKILLed the moment the
+  writer is seen dead;
 - `engine-generate` / `engine-sync`: the engine SIGKILLs itself on its n-th /generate or fast-path push
   (reference_engine/faults.py: exactly inside the call); the trainer must fail the attempt, naming the engine,
   within the bound, not hang;
@@ -39,6 +41,7 @@ import torch
 from safetensors.torch import load_file
 
 from kora_trainer.checkpoint import lora_only
+from kora_trainer.checkpoint.faults import KILL_AT_ENV, PHASES
 from kora_trainer.reference_engine.faults import EXIT_AT_ENV
 from tmpfskit import mounted_tmpfs, resize_tmpfs
 from trainkit import TrainRun, _session_pids
@@ -68,6 +71,7 @@ class Attempt:
     torn_before: list[str] = field(default_factory=list)  # torn writes on disk when it started (never loaded)
     loaded: bool = False  # it got as far as loading a checkpoint (or finding none)
     during_write: bool = False  # the kill left a checkpoint write unfinished (a temp dir, or `latest` not moved)
+    fault_at: str = ""  # an injected fault's setting (the engine's or the checkpoint writer's environment)
     notice_s: float | None = None  # engine faults: from the engine's death to the trainer's Failed phase
     message: str = ""  # what the attempt said when it failed (engine and disk faults)
     wall_s: float = 0.0
@@ -237,6 +241,8 @@ class Chaos:
         env: dict[str, str] = {}
         if fault == "engine-generate":
             env[EXIT_AT_ENV] = f"/generate:{self.rng.randint(2, 4)}"
+        elif fault == "write":
+            env[KILL_AT_ENV] = f"{self.rng.choice(PHASES)}:{self.rng.randint(1, 3)}"
         elif fault == "engine-sync":
             env[EXIT_AT_ENV] = f"/kora/fast_sync/push:{self.rng.randint(2, 4)}"
         elif fault == "disk":
@@ -244,6 +250,7 @@ class Chaos:
             if trouble:
                 a.problems.append(trouble)
                 a.fault = "disk-not-run"
+        a.fault_at = " ".join(f"{k}={v}" for k, v in env.items())
         t0 = time.monotonic()
         run = TrainRun(self.toy_dir, self.work / f"attempt-{a.index:02d}", *self.job(self.ckpt, KEEP), env=env)
         try:
@@ -282,11 +289,15 @@ class Chaos:
             if a.fault == "steps":
                 deadline = time.monotonic() + self.rng.uniform(0.0, 2.5)
                 _wait(lambda: time.monotonic() >= deadline, run, 5)
-            else:
-                _wait(lambda: any(self.ckpt.glob(".step_*.tmp-*")), run, 60, poll_s=0.0005)
-            if not run.running():
-                a.problems.append(f"exited before the kill (exit {run.proc.returncode})")
-                return
+                if not run.running():
+                    a.problems.append(f"exited before the kill (exit {run.proc.returncode})")
+                    return
+            else:  # the writer killed itself: the driver may have exited on the dead worker already
+                torn = _wait(lambda: _write_unfinished(self.ckpt) and any(_state(p) in "XZ" for p in pids),
+                             run, 120, poll_s=0.01)
+                if not torn:
+                    a.problems.append(f"the writer never died inside a write ({a.fault_at}; exit "
+                                      f"{run.proc.returncode})")
             _kill_now(run, pids)
             a.during_write = _write_unfinished(self.ckpt)
         elif a.fault.startswith("engine"):

@@ -1,9 +1,9 @@
-"""The trainer under faults, CI-sized (bench/chaos_trainer.py runs >= 20 trainer kills): one toy job with a
-checkpoint every step and deployment.async false, ended in turn by a SIGKILL of the whole trainer the moment a
-checkpoint write starts, one at a random moment of its steps, its engine dying mid-generate and mid-sync, and
+"""The trainer under faults, CI-sized (bench/chaos_trainer.py runs >= 20 trainer kills): one toy job with a checkpoint
+every step and deployment.async false, ended in turn by the checkpoint writer SIGKILLing itself inside a write (then
+the whole trainer SIGKILLed), one at a random moment of its steps, its engine dying mid-generate and mid-sync, and
 checkpoint.path's tmpfs filling up; then a last attempt runs to the end. Every attempt resumes from exactly the
-checkpoint the disk says it must (never a torn one), every step any attempt ran has the uninterrupted run's loss
-and reward, and the final adapter is the uninterrupted run's bit for bit (tests/chaoskit.py checks it all)."""
+checkpoint the disk says it must (never a torn one), every step any attempt ran has the uninterrupted run's loss and
+reward, and the final adapter is the uninterrupted run's bit for bit (tests/chaoskit.py checks it all)."""
 
 from __future__ import annotations
 

@@ -130,3 +130,42 @@ def test_lora_only_refuses_other_trainable_parameters():
     ck.check_lora_only(["model.layers.0.self_attn.q_proj.lora_A.weight", "x.lora_B.weight"])
     with pytest.raises(ck.CheckpointError, match=r"model\.norm\.weight"):
         ck.check_lora_only(["model.layers.0.self_attn.q_proj.lora_A.weight", "model.norm.weight"])
+
+
+KILLED_WRITER = """
+import sys, torch
+from kora_trainer.checkpoint import lora_only as ck
+for n in (1, 2):
+    ck.save(sys.argv[1], n, adapter={"lora_A": torch.full((2, 2), float(n))}, optimizer={}, scheduler=None)
+"""
+
+
+@pytest.mark.parametrize("phase,left", [("files", ".step_00000002.tmp-"), ("renamed", "step_00000002")])
+def test_a_writer_killed_inside_its_write_leaves_the_previous_checkpoint_newest(tmp_path: Path, phase, left):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from kora_trainer.checkpoint.faults import KILL_AT_ENV
+
+    env = {**os.environ, KILL_AT_ENV: f"{phase}:2"}
+    proc = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], env=env, capture_output=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert any(n.startswith(left) for n in names) and (tmp_path / ck.LATEST).read_text() == "step_00000001\n", names
+    c = ck.load_latest(tmp_path)
+    assert c is not None and c.step == 1 and torch.equal(c.adapter["lora_A"], torch.full((2, 2), 1.0))
+    model, opt, sched = make()
+    save(tmp_path, 2, model, opt, sched)  # the resumed run writes step 2 again: the torn leftovers go
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001", "step_00000002"]
+
+
+def test_a_malformed_kill_at_fails_the_write_naming_the_variable(tmp_path: Path, monkeypatch):
+    from kora_trainer.checkpoint.faults import KILL_AT_ENV
+
+    monkeypatch.setenv(KILL_AT_ENV, "midway:1")
+    model, opt, sched = make()
+    with pytest.raises(ValueError, match=KILL_AT_ENV):
+        save(tmp_path, 1, model, opt, sched)
+    assert ck.load_latest(tmp_path) is None

@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
+from kora_trainer.checkpoint.faults import KILL_AT
+
 LATEST = "latest"
 MANIFEST = "manifest.json"
 ADAPTER = "adapter.safetensors"
@@ -127,12 +129,14 @@ def save(root: Path, step: int, *, adapter: Mapping[str, torch.Tensor], optimize
     blobs = _serialize(step, adapter, optimizer, scheduler, rng, meta)
     needed = sum(len(b) for b in blobs.values())
     _check_room(root, step, needed)
+    KILL_AT.write_started()
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
     try:
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the checkpoint from other readers of the volume
         for name, data in blobs.items():
             _write(tmp / name, data, step, needed)
         _fsync(tmp)
+        KILL_AT.reached("files")
         if final.exists():  # re-saving a step (e.g. after a resume) replaces it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -140,6 +144,7 @@ def save(root: Path, step: int, *, adapter: Mapping[str, torch.Tensor], optimize
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    KILL_AT.reached("renamed")
     pointer = root / f".{LATEST}.tmp"
     try:
         _write(pointer, (final.name + "\n").encode(), step, needed)
