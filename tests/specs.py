@@ -33,6 +33,9 @@ def set_path(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     return doc
 
 
+# what makes valid_job a valid diffusion job: the diffusion section, on the reference diffusion engine
+DIFFUSION: dict[str, Any] = {"diffusion.kind": "image", "rollout.engine": "hf"}
+
 # rule id -> {dotted spec path: value} that violates exactly that rule
 VIOLATIONS: dict[str, dict[str, Any]] = {
     "adapter-dp-size": {"lora.syncMode": "Adapter", "rollout.dpSize": 2},
@@ -56,6 +59,17 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     "kuberay-gpus": {"parallelism.data": 16},
     "kuberay-gpus-per-node": {"resources.workers": 2, "resources.gpusPerWorker": 4, "parallelism.tensor": 8},
     "kuberay-cpu-engines": {"resources.gpusPerWorker": 0},
+    # a diffusion job (valid as DIFFUSION sets it), broken one way each
+    "diffusion-sync-mode": {**DIFFUSION, "lora.syncMode": "Adapter"},
+    "diffusion-colocate": {**DIFFUSION, "deployment.mode": "Disaggregated"},
+    "diffusion-guidance": {**DIFFUSION, "diffusion.guidanceScale": 4.5},
+    "diffusion-one-rank": {**DIFFUSION, "parallelism.data": 2},
+    "diffusion-one-engine": {**DIFFUSION, "rollout.numEngines": 2},
+    "diffusion-sync-rollouts": {**DIFFUSION, "deployment.async": True},
+    "diffusion-no-export": {**DIFFUSION, "checkpoint.exportHF": True, "checkpoint.path": "/tmp/ckpt"},
+    "diffusion-torch": {**DIFFUSION, "backend": "megatron"},
+    "diffusion-dropout": {**DIFFUSION, "lora.dropout": 0.1},
+    "diffusion-custom-reward": {**DIFFUSION, "diffusion.reward": "custom"},
 }
 
 

@@ -45,10 +45,12 @@ def poll_status(port: int, token: str) -> dict | None:
         return None
 
 
-def train_command(toy_dir: Path, port: int, run_dir: Path, *overrides: str, config: Path = TOY_YAML) -> list[str]:
+def train_command(toy_dir: Path, port: int, run_dir: Path, *overrides: str, config: Path = TOY_YAML,
+                  base: list[str] | None = None) -> list[str]:
+    """`base`: the overrides before the test's own (default: the LLM toy's paths and TINY)."""
+    first = base if base is not None else [f"model.path={toy_dir}", f"data.path={toy_dir}/train.parquet", *TINY]
     return [sys.executable, "-m", "kora_trainer.train", "--config", str(config), "--control-port", str(port),
-            "--run-dir", str(run_dir), f"model.path={toy_dir}", f"data.path={toy_dir}/train.parquet", *TINY,
-            *overrides]
+            "--run-dir", str(run_dir), *first, *overrides]
 
 
 def _session_pids(sid: int) -> list[int]:
@@ -71,10 +73,10 @@ class TrainRun:
     its output in `log`, its control plane on `port` with bearer `token`."""
 
     def __init__(self, toy_dir: Path, work: Path, *overrides: str, env: dict[str, str] | None = None,
-                 config: Path = TOY_YAML):
+                 config: Path = TOY_YAML, base: list[str] | None = None):
         work.mkdir(parents=True, exist_ok=True)
         self.port, self.token, self.log, self.run_dir = free_port(), "test-token", work / "out.log", work / "run"
-        cmd = train_command(toy_dir, self.port, self.run_dir, *overrides, config=config)
+        cmd = train_command(toy_dir, self.port, self.run_dir, *overrides, config=config, base=base)
         # the Ray workers of a local cluster inherit the driver's environment, PYTHONPATH included
         full_env = {**os.environ, "KORA_CONTROL_TOKEN": self.token,
                     "PYTHONPATH": os.pathsep.join([str(E2E), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),

@@ -187,6 +187,34 @@ def test_a_data_parallel_job_reaches_succeeded(cluster, ns, operator, head, toy_
     delete_job(cluster, "toy-dp2", ns)
 
 
+def test_a_diffusion_job_reaches_succeeded_with_its_progress(cluster, ns, operator, head, diffusion_toy_dir, tmp_path):
+    """manifests/samples/diffusion-toy-local.yaml (issue 23) through the operator: Flow-GRPO on the diffusion toy's
+    LoRA, its engine folding the pushed A/B pairs, to the last step; status shows the progress and the sync."""
+    steps, ckpt = 3, tmp_path / "ckpt"
+    doc = yaml.safe_load((ROOT / "manifests" / "samples" / "diffusion-toy-local.yaml").read_text())
+    spec = doc["spec"]
+    spec["runtime"]["address"] = head.dashboard_url
+    spec["model"]["path"] = str(diffusion_toy_dir)
+    spec["data"]["path"] = str(diffusion_toy_dir / "prompts.jsonl")
+    spec["algorithm"].update(numSteps=steps, rolloutBatchSize=4, nSamplesPerPrompt=4)
+    spec["diffusion"]["numInferenceSteps"] = 4
+    spec["checkpoint"].update(path=str(ckpt), interval=steps)
+    apply(cluster, doc, ns)
+    name = doc["metadata"]["name"]
+    uid = uid_of(cluster, name, ns)
+    s = wait_final(cluster, name, ns)
+    assert s.get("rayJobName"), s  # submitted: the operator took the job as valid
+    logs = ray_job_logs(head, f"kora-{uid}-0")
+    assert s["phase"] == "Succeeded", (s, logs[-3000:])
+    p = s["progress"]
+    assert p["step"] == p["totalSteps"] == steps and isinstance(p["rewardMean"], float), p
+    assert p["lastSync"]["mode"] == "EngineMerge" and p["lastSync"]["bytes"] > 0, p
+    assert p["lastCheckpoint"]["step"] == steps, p
+    assert step_lines(logs) == list(range(1, steps + 1)), logs[-3000:]
+    assert "LoRA IPC weight sync v1 [transformer]: pushed 30 lora tensors" in logs, logs[-3000:]
+    delete_job(cluster, name, ns)
+
+
 def test_a_killed_trainer_restarts_once_and_resumes_from_its_checkpoint(cluster, ns, operator, head, toy_dir,
                                                                          control_port, tmp_path):
     """SIGKILL the trainer after its first checkpoint: backoffLimit 1 resubmits it, the rerun resumes at

@@ -59,7 +59,7 @@ def test_a_new_adapter_leaves_the_base_policy_and_trains_only_itself(diffusion_t
 
 def test_a_target_that_matches_nothing_is_refused_with_the_names_to_use(diffusion_toy_dir):
     toy = load_diffusion_toy(diffusion_toy_dir)
-    with pytest.raises(ValueError, match=r"lora.targetModules \['q_proj'\] matched no nn.Linear.*to_out.0"):
+    with pytest.raises(ValueError, match=r"diffusion.targetModules \['q_proj'\] matched no nn.Linear.*to_out.0"):
         apply_diffusion_lora(toy.transformer, rank=4, alpha=8, targets=["to_q", "q_proj"])
     with pytest.raises(ValueError, match="lora init 'kaiming'"):
         apply_diffusion_lora(toy.transformer, rank=4, alpha=8, init="kaiming")

@@ -11,7 +11,7 @@ from kora_operator.api.rules import JOB_RULES
 from kora_operator.validation import validate_adapter, validate_job
 from kora_trainer.config import NO_SYNC_MODE_WARNING, SPEC_RULES, ParallelismSpec, TrainerConfig, adapter_problems
 from kora_trainer.config.layout import fix_data, parallel_problems
-from specs import MULTI_LORA_BUILD, VIOLATIONS, set_path, valid_job, violating_job
+from specs import DIFFUSION, MULTI_LORA_BUILD, VIOLATIONS, set_path, valid_job, violating_job
 
 
 def errors(doc, hf_config=None):
@@ -35,6 +35,48 @@ def test_rule_rejects_its_violation_alone(rule):
     # the message names the field it is about and says what to do
     assert rule.field.split(".")[-1] in found[0].message
     assert ":" in found[0].message
+
+
+def diffusion_job():
+    doc = valid_job()
+    for path, value in DIFFUSION.items():
+        doc = set_path(doc, path, value)
+    return doc
+
+
+@pytest.mark.parametrize("mode", ["Merge", "EngineMerge"])
+def test_a_diffusion_job_in_either_of_its_modes_is_valid(mode):
+    job, problems = validate_job(set_path(diffusion_job(), "lora.syncMode", mode))
+    assert problems == [] and job is not None and job.spec.diffusion.clip_eps == 1e-4
+
+
+@pytest.mark.parametrize("path,value,fix", [
+    ("algorithm.temperature", 0.8, "diffusion.noiseLevel"),
+    ("algorithm.clipEps", 0.28, "diffusion.clipEps"),
+    ("lora.targetModules", ["linear_qkv"], "diffusion.targetModules"),
+    ("data.rewardType", "deepscaler", "diffusion.reward"),
+])
+def test_a_language_model_field_set_on_a_diffusion_job_is_refused_naming_its_counterpart(path, value, fix):
+    found = errors(set_path(diffusion_job(), path, value))
+    assert [p.rule for p in found] == ["diffusion-unused"] and path in found[0].message and fix in found[0].message
+    assert errors(set_path(valid_job(), path, value)) == []  # on a language-model job the field is fine
+
+
+def test_a_diffusion_job_with_the_defaults_the_api_server_fills_in_is_valid():
+    """The CRD defaults every field: a diffusion job read back from the API server carries the language-model
+    fields at their defaults, which must not count as set."""
+    from kora_operator.api.job import LoRATrainingJobSpec
+
+    spec = LoRATrainingJobSpec.model_validate(diffusion_job()["spec"]).model_dump(by_alias=True, mode="json")
+    assert spec["algorithm"]["temperature"] == 1.0 and spec["sync"]["servedLogpGapMax"] == 0.25
+    doc = diffusion_job()
+    doc["spec"] = spec
+    assert errors(doc) == []
+
+
+def test_a_diffusion_section_without_its_kind_is_refused():
+    found = errors(set_path(valid_job(), "diffusion.noiseLevel", 0.5))
+    assert any("diffusion.kind" in p.message for p in found), found
 
 
 def test_rule2_no_mode_means_merge_with_warning():

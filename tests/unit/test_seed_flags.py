@@ -76,3 +76,37 @@ def test_rank_zero_is_explained():
 def test_bad_flag_value_is_a_config_error():
     with pytest.raises(ConfigError, match="cannot parse flags"):
         parse_seed_flags(["--lora-rank", "many"])
+
+
+DIFFUSION_BASE = {**BASE, "rollout": {"engine": "hf"}, "diffusion": {"kind": "image"}}
+
+
+def load_diffusion(argv):
+    return load_config(None, as_overrides(parse_seed_flags(argv)), base=DIFFUSION_BASE)
+
+
+def test_the_diffusion_seeds_recommended_block_ports_over():
+    """miles-diffusion's recipe flags, as its LoRA page gives them, plus the optional ones."""
+    cfg, warnings = load_diffusion(["--use-lora", "--lora-ipc-weight-sync", "--lora-rank", "32", "--lora-alpha", "64",
+                                    "--colocate", "--lora-init-weights", "gaussian", "--update-weight-buffer-size",
+                                    "2147483648", "--update-weight-target-module", "transformer",
+                                    "--lora-target-modules", "to_q", "to_k", "to_v", "to_out.0"])
+    assert warnings == [] and cfg.lora.sync_mode == "EngineMerge" and cfg.deployment.mode == "Colocate"
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.sync.buffer_size) == (32, 64, 2**31)
+    assert cfg.diffusion is not None and cfg.diffusion.lora_init == "gaussian"
+    assert [t.value for t in cfg.diffusion.target_modules] == ["to_q", "to_k", "to_v", "to_out.0"]
+    assert cfg.lora.target_modules == BASE_TARGETS  # the language-model list is left as it was
+
+
+BASE_TARGETS = load_config(None, [], base=BASE)[0].lora.target_modules
+
+
+def test_the_seeds_rule_ipc_merge_needs_colocate():
+    overrides = [*as_overrides(parse_seed_flags(["--lora-ipc-weight-sync"])), "deployment.mode=Disaggregated"]
+    with pytest.raises(ConfigError, match=r"set deployment\.mode Colocate \(the seed's --colocate\)"):
+        load_config(None, overrides, base=DIFFUSION_BASE)
+
+
+def test_target_modules_of_both_vocabularies_at_once_are_refused_naming_both():
+    with pytest.raises(ConfigError, match=r"--lora-target-modules linear_qkv to_q: give Megatron names .* diffusers"):
+        parse_seed_flags(["--lora-target-modules", "linear_qkv", "to_q"])

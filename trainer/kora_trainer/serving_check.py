@@ -24,6 +24,7 @@ class ServingCheck:
     threshold: float
     bad_steps_to_fail: int
     bad_steps: int = 0
+    field: str = "sync.servedLogpGapMax"  # where the threshold is set (a diffusion job's: diffusion.servedLogpGapMax)
 
     def observe(self, step: int, version: int, gap_max: float | None, gap_mean: float | None) -> dict[str, Any] | None:
         """The step's /status `servingCheck` (None when it measured no gap), the bad-step count moved on."""
@@ -41,8 +42,8 @@ class ServingCheck:
         mean = check["logpGapMean"]
         raise PolicyNotServed(
             f"the engines do not serve the trained policy: {self.bad_steps} consecutive steps (through step "
-            f"{check['step']}) had an engine-vs-trainer log-prob gap above sync.servedLogpGapMax {self.threshold:g} "
+            f"{check['step']}) had an engine-vs-trainer log-prob gap above {self.field} {self.threshold:g} "
             f"(last {check['logpGapMax']:.3g}, mean {'?' if mean is None else f'{mean:.3g}'}, at policy version "
             f"{check['version']}); likely the engine dropped or never loaded the adapter, the sync reached no LoRA "
             "tensor (target modules the engine does not map), or the engine serves another base: check the engine "
-            "logs and lora.targetModules; raise sync.servedLogpGapMax only if this gap is kernel noise (bf16)")
+            f"logs and the target modules; raise {self.field} only if this gap is kernel noise (bf16)")

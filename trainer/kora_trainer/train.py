@@ -192,6 +192,12 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
             print(f"model.path {cfg.model.path} does not exist: point model.path at an HF checkpoint directory, or "
                   "pass --make-toy to make the toy model and dataset there", file=sys.stderr)
             return None
+        if cfg.diffusion is not None:
+            from kora_trainer.diffusion.toy import make_diffusion_toy
+
+            print(f"making the diffusion toy in {cfg.model.path} (kora make-toy --diffusion)", flush=True)
+            make_diffusion_toy(cfg.model.path)
+            return cfg
         from kora_trainer.toy import make_toy
 
         print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)
@@ -268,6 +274,18 @@ def trackers(cfg: TrainerConfig, run_dir: Path) -> list[Any] | None:
     return sinks
 
 
+def summarize(cfg: TrainerConfig, rec: StepRecorder, job: Job | None, loop: Any) -> None:
+    """The summary line of a finished run: the multi-adapter loop's, a diffusion run's, or the single loop's."""
+    if loop is not None:
+        from kora_trainer.train_multi_lora import summary
+
+        summary(loop, rec)
+    elif cfg.diffusion is not None:
+        rec.summary("colocated", "torch")
+    else:
+        rec.summary(job.transport if job else None, job.info.get("backend") if job else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = load(args)
@@ -287,7 +305,9 @@ def main(argv: list[str] | None = None) -> int:
 
     run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
     multi = cfg.multi_lora.max_adapters > 0
-    serving = ServingCheck(cfg.sync.served_logp_gap_max, cfg.sync.served_bad_steps_to_fail)
+    serving = (ServingCheck(cfg.sync.served_logp_gap_max, cfg.sync.served_bad_steps_to_fail) if cfg.diffusion is None
+               else ServingCheck(cfg.diffusion.served_logp_gap_max, cfg.sync.served_bad_steps_to_fail,
+                                 field="diffusion.servedLogpGapMax"))
     sinks = trackers(cfg, run_dir)
     if sinks is None:
         return 2
@@ -314,27 +334,29 @@ def main(argv: list[str] | None = None) -> int:
     rec.say(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}")
     started_ray, temp_dir, job, ok, loop = False, None, None, False, None
     try:
-        started_ray, temp_dir = start_ray()  # imports Ray, after setting the environment Ray reads at import
-        job = launch(cfg, run_dir, threads=args.threads)
-        if registry is not None:
-            from kora_trainer.train_multi_lora import run
+        if cfg.diffusion is not None:  # one process and its engine: no Ray yet (train_diffusion.py)
+            from kora_trainer.train_diffusion import run as run_diffusion
 
-            loop = run(job, cfg, registry, rec, root, time_left(args.time_limit))
+            run_diffusion(cfg, rec, root, time_left(args.time_limit), run_dir, threads=args.threads)
         else:
-            train(job, cfg, rec, root, args.time_limit)
+            started_ray, temp_dir = start_ray()  # imports Ray, after setting the environment Ray reads at import
+            job = launch(cfg, run_dir, threads=args.threads)
+            if registry is not None:
+                from kora_trainer.train_multi_lora import run
+
+                loop = run(job, cfg, registry, rec, root, time_left(args.time_limit))
+            else:
+                train(job, cfg, rec, root, args.time_limit)
         rec.progress.update(phase="Succeeded")
         ok = True
     except BaseException as e:
         rec.failed(e)
         raise
     finally:
-        shutdown(job, started_ray, temp_dir)
-        if ok and loop is not None:
-            from kora_trainer.train_multi_lora import summary
-
-            summary(loop, rec)
-        elif ok:
-            rec.summary(job.transport if job else None, job.info.get("backend") if job else None)
+        if cfg.diffusion is None:
+            shutdown(job, started_ray, temp_dir)
+        if ok:
+            summarize(cfg, rec, job, loop)
         rec.close()
         if linger_s > 0:
             rec.say(f"control plane: serving the final status for up to {linger_s:g}s")

@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from kora_trainer.config.load import ConfigError
 from kora_trainer.config.rules import AdapterOrigin
-from kora_trainer.config.sections import ADAPTER_NAME, NamedAdapterRun
+from kora_trainer.config.sections import ADAPTER_NAME, DiffusionTarget, NamedAdapterRun, TargetModule
 
 MODE_FLAGS_EXCLUSIVE = (
     "--lora-merge-mode and --lora-adapter-mode are mutually exclusive: pass only one of them "
@@ -66,6 +66,9 @@ _VALUED: dict[str, tuple[str, Any]] = {
     "--multi-lora-n-adapters": ("multiLora.maxAdapters", int),
     "--multi-lora-max-adapter-global-batch-size": ("multiLora.maxAdapterGlobalBatchSize", int),
     "--multi-lora-max-coalesce-wait-s": ("multiLora.maxCoalesceWaitSeconds", float),
+    # the diffusion seed's (miles-diffusion): they set fields of the job's diffusion section
+    "--lora-init-weights": ("diffusion.loraInit", str),
+    "--update-weight-target-module": ("diffusion.engineModule", str),
 }
 _SWITCHES: dict[str, tuple[str, Any]] = {
     "--save-lora-only": ("checkpoint.loraOnly", True),
@@ -83,7 +86,10 @@ def add_seed_flags(parser: argparse.ArgumentParser) -> None:
     for flag, (field, kind) in _VALUED.items():
         group.add_argument(flag, type=kind, default=None, dest=_dest(flag), help=f"sets {field}")
     group.add_argument("--lora-target-modules", nargs="+", default=None, dest="lora_target_modules",
-                       help="sets lora.targetModules (Megatron names, space-separated)")
+                       help="sets lora.targetModules (Megatron names, space-separated), or diffusion.targetModules "
+                            "(diffusers names: to_q to_k ...)")
+    group.add_argument("--use-lora", action="store_true", help="the diffusion seed's switch for LoRA: kora trains "
+                       "LoRA adapters only, so it changes nothing (accepted so the seed's command lines run)")
     for flag, (field, value) in _SWITCHES.items():
         group.add_argument(flag, action="store_true", dest=_dest(flag), help=f"sets {field}={value}")
     group.add_argument("--lora-merge-mode", action="store_true", help="sets lora.syncMode=Merge")
@@ -110,7 +116,7 @@ def seed_flag_values(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             out[field] = value
     if args.lora_target_modules:
-        out["lora.targetModules"] = list(args.lora_target_modules)
+        out[_target_field(list(args.lora_target_modules))] = list(args.lora_target_modules)
     for flag, (field, value) in _SWITCHES.items():
         if getattr(args, _dest(flag), False):
             out[field] = value
@@ -126,6 +132,20 @@ def seed_flag_values(args: argparse.Namespace) -> dict[str, Any]:
         raise ConfigError(["--lora-rank 0 disables LoRA, and kora trains LoRA adapters only: "
                            "pass --lora-rank 1 or more"])
     return out
+
+
+def _target_field(names: list[str]) -> str:
+    """--lora-target-modules names Megatron modules (an LLM job's lora.targetModules) or diffusers ones (a diffusion
+    job's diffusion.targetModules); the two vocabularies do not overlap, so the names say which."""
+    megatron = {m.value for m in TargetModule}
+    diffusers = {m.value for m in DiffusionTarget}
+    if set(names) <= megatron:
+        return "lora.targetModules"
+    if set(names) <= diffusers:
+        return "diffusion.targetModules"
+    raise ConfigError([f"--lora-target-modules {' '.join(names)}: give Megatron names ({', '.join(sorted(megatron))}) "
+                       f"for a language model, or diffusers names ({', '.join(sorted(diffusers))}) for a diffusion "
+                       "job, not a mix or others"])
 
 
 def parse_seed_flags(argv: Sequence[str]) -> dict[str, Any]:

@@ -111,6 +111,65 @@ def _build_refused(c: TrainerConfig, mode: SyncMode | None = None) -> str | None
     return plan.refused if mode is None or c.lora.effective_sync_mode is mode else None
 
 
+# A diffusion job (docs/diffusion.md): what its path runs today. The seed's own rule (--lora-ipc-weight-sync needs
+# --colocate) holds for both its modes here: the weights go by same-host handles (update_weights_from_tensor).
+_P_ONE = " && ".join(f"{_P}.{f} == 1" for f in ("data", "tensor", "pipeline", "context", "expert", "expertTensor"))
+_DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], str], ...] = (
+    ("diffusion-sync-mode", "lora.syncMode",
+     "lora.syncMode Adapter is not a diffusion mode (sglang-diffusion engines have no LoRA layers to serve an "
+     "adapter with): use EngineMerge (IPC merge, the seed's --lora-ipc-weight-sync) or Merge (train-side merge)",
+     lambda c: c.lora.sync_mode is SyncMode.ADAPTER, "!has(self.lora.syncMode) || self.lora.syncMode != 'Adapter'"),
+    ("diffusion-colocate", "deployment.mode",
+     "a diffusion job pushes its weights to the engine by same-host handles (update_weights_from_tensor, as the "
+     "seed's CUDA IPC), so trainer and engine must share a host: set deployment.mode Colocate (the seed's --colocate)",
+     lambda c: c.deployment.mode is not DeploymentMode.COLOCATE, "self.deployment.mode == 'Colocate'"),
+    ("diffusion-guidance", "diffusion.guidanceScale",
+     "diffusion.guidanceScale > 1 (classifier-free guidance) is not built: the rollouts and their log-probs are "
+     "unguided; set diffusion.guidanceScale to 1",
+     lambda c: c.diffusion is not None and c.diffusion.guidance_scale != 1.0, "self.diffusion.guidanceScale == 1.0"),
+    ("diffusion-one-rank", "parallelism.data",
+     "a diffusion job trains on one rank (FSDP2 over data-parallel ranks is not built yet): set every "
+     "parallelism size (data, tensor, pipeline, context, expert, expertTensor) to 1",
+     lambda c: any(getattr(c.parallelism, f) != 1 for f in ("data", "tensor", "pipeline", "context", "expert",
+                                                            "expert_tensor")), _P_ONE),
+    ("diffusion-one-engine", "rollout.numEngines",
+     "a diffusion job rolls out on one engine, the reference diffusion engine beside the trainer: set "
+     "rollout.engine hf, rollout.numEngines 1, rollout.dpSize 1, rollout.distributedEngines 0 and leave "
+     "rollout.sglangBuild unset (launching sglang-diffusion is not built)",
+     lambda c: (c.rollout.engine != "hf" or c.rollout.num_engines != 1 or c.rollout.dp_size != 1
+                or c.rollout.distributed_engines != 0 or c.rollout.sglang_build is not None),
+     "self.rollout.engine == 'hf' && self.rollout.numEngines == 1 && self.rollout.dpSize == 1 && "
+     "self.rollout.distributedEngines == 0 && !has(self.rollout.sglangBuild)"),
+    ("diffusion-sync-rollouts", "deployment.async",
+     "deployment.async is not built for diffusion jobs (each step's images come from the policy just pushed): set "
+     "deployment.async to false",
+     lambda c: c.deployment.async_, "!self.deployment.async"),
+    ("diffusion-no-export", "checkpoint.exportHF",
+     "checkpoint.exportHF is not built for diffusion jobs yet (their LoRA-only checkpoints are): set "
+     "checkpoint.exportHF to false",
+     lambda c: c.checkpoint.export_hf, "!self.checkpoint.exportHF"),
+    ("diffusion-torch", "backend",
+     "backend megatron trains language models; a diffusion transformer trains on the torch backend: set backend to "
+     "torch or auto",
+     lambda c: c.backend == "megatron", "self.backend != 'megatron'"),
+    ("diffusion-dropout", "lora.dropout",
+     "lora.dropout > 0 would make the trainer's re-score of a denoising step differ from the rollout's log-prob "
+     "(Flow-GRPO's ratio needs the same policy twice): set lora.dropout to 0",
+     lambda c: c.lora.dropout != 0.0, "self.lora.dropout == 0.0"),
+    ("diffusion-custom-reward", "data.customRewardPath",
+     "diffusion.reward custom needs data.customRewardPath: set it to a dotted path such as mypkg.rewards.score (a "
+     "`def score(images, prompts, labels) -> tensor [B]`)",
+     lambda c: c.diffusion is not None and c.diffusion.reward == "custom" and c.data.custom_reward_path is None,
+     "self.diffusion.reward != 'custom' || has(self.data.customRewardPath)"),
+)
+def _on_diffusion(bad: Callable[[TrainerConfig], bool]) -> Callable[[Any], bool]:
+    return lambda c: c.diffusion is not None and bad(c)
+
+
+DIFFUSION_RULES = tuple(SpecRule(rid, fld, msg, _on_diffusion(bad), f"!has(self.diffusion) || ({cel})")
+                        for rid, fld, msg, bad, cel in _DIFFUSION_RULES)
+
+
 SPEC_RULES: tuple[SpecRule, ...] = (
     # SPEC rule 3
     SpecRule(
@@ -222,7 +281,39 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         cel_message=cel_format(PARALLEL_MESSAGE, [
             f"{_P}.expert", f"{_P}.expertTensor", f"{_P}.data", f"{_P}.tensor", f"{_P}.context", _STAGE, _FIX_DATA]),
     ),
+    *DIFFUSION_RULES,
 )
+
+
+# language-model fields that do nothing in a diffusion job: one set to anything but its default is refused, with
+# its diffusion counterpart named in the fix (the default itself is what the API server fills in for every job)
+_LANGUAGE_ONLY: tuple[tuple[str, str, str], ...] = (
+    ("lora", "target_modules", "set diffusion.targetModules (diffusers names: to_q, to_k, ...)"),
+    ("lora", "scope", "remove it (a diffusion transformer has one region)"),
+    ("algorithm", "clip_eps", "set diffusion.clipEps (Flow-GRPO's per-step clip, default 1e-4)"),
+    ("algorithm", "max_new_tokens", "set diffusion.numInferenceSteps (the denoising steps)"),
+    ("algorithm", "temperature", "set diffusion.noiseLevel (the SDE's exploration)"),
+    ("data", "reward_type", "set diffusion.reward (colour, or custom with data.customRewardPath)"),
+    ("sync", "served_logp_gap_max", "set diffusion.servedLogpGapMax (a denoising step's log-prob is a mean over "
+     "the latent's elements, far smaller than a token's)"),
+)
+
+
+def diffusion_unused_problems(cfg: TrainerConfig) -> list[Problem]:
+    """Language-model fields a diffusion job sets to other than their defaults, which its path never reads:
+    refused, not ignored (checked by `kora validate`, the operator and the trainer; not in the CRD's CEL)."""
+    if cfg.diffusion is None:
+        return []
+    out = []
+    for section, name, fix in _LANGUAGE_ONLY:
+        part = getattr(cfg, section)
+        info = type(part).model_fields[name]
+        if getattr(part, name) != info.get_default(call_default_factory=True):
+            alias = info.alias or name
+            out.append(Problem("diffusion-unused", f"{section}.{alias}",
+                               f"{section}.{alias} does nothing in a diffusion job: {fix}"))
+    return out
+
 
 # SPEC rule 2: not an error. Same words in the operator's Warning event and the trainer's log.
 NO_SYNC_MODE_WARNING = (
@@ -246,6 +337,7 @@ EXPERT_TENSOR_MESSAGE = (
 def spec_problems(cfg: TrainerConfig) -> list[Problem]:
     """Rules decidable from the spec alone (what the CRD's CEL also enforces), plus rule 2."""
     problems = [r.problem(cfg) for r in SPEC_RULES if r.violated(cfg)]
+    problems += diffusion_unused_problems(cfg)
     if cfg.lora.sync_mode is None:
         problems.append(Problem("no-sync-mode", "lora.syncMode", NO_SYNC_MODE_WARNING, "warning"))
     return problems

@@ -416,3 +416,88 @@ class ModelSpec(CamelModel):
 
     path: Annotated[str, Field(min_length=1)]
     """HF checkpoint directory (config.json, safetensors, tokenizer), inside the job's volume."""
+
+
+class DiffusionKind(StrEnum):
+    """What the diffusion transformer makes."""
+
+    IMAGE = "image"
+
+
+class DiffusionScheduler(StrEnum):
+    """The sampler the rollouts step with (Flow-GRPO's SDE is built on the flow-matching Euler step)."""
+
+    FLOW_MATCH_EULER = "FlowMatchEulerDiscrete"
+
+
+class DiffusionReward(StrEnum):
+    COLOUR = "colour"
+    CUSTOM = "custom"
+
+
+class DiffusionTarget(StrEnum):
+    """diffusers module names (PEFT's `target_modules` spelling; each matches every block's module of that name)."""
+
+    TO_Q = "to_q"
+    TO_K = "to_k"
+    TO_V = "to_v"
+    TO_OUT = "to_out.0"
+    ADD_Q_PROJ = "add_q_proj"
+    ADD_K_PROJ = "add_k_proj"
+    ADD_V_PROJ = "add_v_proj"
+    TO_ADD_OUT = "to_add_out"
+
+
+class LoRAInit(StrEnum):
+    GAUSSIAN = "gaussian"
+    DEFAULT = "default"
+
+
+class DiffusionModule(StrEnum):
+    """The pipeline component a sync updates on the engine (sglang-diffusion's `target_modules`)."""
+
+    TRANSFORMER = "transformer"
+
+
+# flow_grpo's SD3 list (scripts/train_sd3.py:419 @ ac4c86e8): attention of both streams
+SD3_DEFAULT_TARGETS = [DiffusionTarget.TO_Q, DiffusionTarget.TO_K, DiffusionTarget.TO_V, DiffusionTarget.TO_OUT,
+                       DiffusionTarget.ADD_Q_PROJ, DiffusionTarget.ADD_K_PROJ, DiffusionTarget.ADD_V_PROJ,
+                       DiffusionTarget.TO_ADD_OUT]
+
+
+class DiffusionSpec(CamelModel):
+    """A diffusion-model job: Flow-GRPO on a diffusion transformer's LoRA adapter (docs/diffusion.md). Present, the
+    job trains an image model: algorithm.rolloutBatchSize prompts of algorithm.nSamplesPerPrompt images per step,
+    the denoising steps playing the part of tokens; data.path is the prompts file (data.inputKey the prompt,
+    data.labelKey what the reward compares with)."""
+
+    kind: DiffusionKind
+    """What the model makes: image (video is not built)."""
+    scheduler: DiffusionScheduler = DiffusionScheduler.FLOW_MATCH_EULER
+    """The sampler; must be the checkpoint's own (its scheduler/scheduler_config.json)."""
+    num_inference_steps: Annotated[int, Field(ge=1, le=100)] = 10
+    """Denoising steps per image (T); each is one Gaussian policy step of the SDE sampler."""
+    noise_level: Annotated[float, Field(gt=0.0, le=2.0)] = 0.7
+    """The SDE's noise level a: s_t = a sqrt(t / (1 - t)). Higher explores more."""
+    guidance_scale: Annotated[float, Field(ge=1.0, le=30.0)] = 1.0
+    """Classifier-free guidance scale; 1 is no guidance (the only value built so far)."""
+    resolution: Annotated[int, Field(ge=8, le=4096)] | None = None
+    """Image side in pixels; unset: the model's own sample size (the only one the toy serves)."""
+    reward: DiffusionReward = DiffusionReward.COLOUR
+    """colour: minus the RMS distance of the image's mean colour to the prompt's target (data.labelKey); custom:
+    data.customRewardPath names `def reward(images, prompts, labels) -> tensor [B]`."""
+    clip_eps: Annotated[float, Field(gt=0.0, lt=1.0)] = 1e-4
+    """Flow-GRPO's ratio clip (per denoising step; tiny, as the paper's)."""
+    adv_clip: Annotated[float, Field(gt=0.0)] = 5.0
+    """Group-relative advantages are clipped to +-advClip."""
+    target_modules: Annotated[list[DiffusionTarget], Field(min_length=1, max_length=8)] = Field(
+        default_factory=lambda: list(SD3_DEFAULT_TARGETS), json_schema_extra={"x-kubernetes-list-type": "set"})
+    """diffusers modules to adapt (PEFT names); the default is both attention streams of every block."""
+    lora_init: LoRAInit = LoRAInit.GAUSSIAN
+    """lora_A's init: gaussian (N(0, 1/r), flow_grpo's) or default (PEFT's kaiming-uniform). lora_B starts at 0."""
+    engine_module: DiffusionModule = DiffusionModule.TRANSFORMER
+    """The pipeline component each sync updates on the engines."""
+    served_logp_gap_max: Annotated[float, Field(gt=0.0)] = 1e-3
+    """The serving check's threshold: the largest |trainer re-score - engine log-prob| of a denoising step (a mean
+    over the latent's elements) taken for the engine serving the trained policy. Measured: under 1e-5 when it
+    does (fp32, CPU); an engine a sync missed shows the adapter's whole effect, which grows as it trains."""

@@ -12,6 +12,7 @@ from kora_trainer.config.sections import (
     CheckpointSpec,
     DataSpec,
     DeploymentSpec,
+    DiffusionSpec,
     LoRASpec,
     ModelSpec,
     MultiLoRASpec,
@@ -53,6 +54,8 @@ class TrainerConfig(CamelModel):
     """Multi-adapter service settings (LoRAAdapter objects)."""
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     """TensorBoard and W&B logging of the per-step metrics."""
+    diffusion: DiffusionSpec | None = None
+    """Set: the job trains a diffusion model's adapter with Flow-GRPO (model.path a diffusers checkpoint)."""
     backend: Backend = Backend.AUTO
     """Training backend: torch (HF models; CPU and small GPU runs), megatron (megatron-core; GPU),
     or auto (megatron when a GPU is present and the model is large, torch otherwise)."""

@@ -9,6 +9,8 @@ would have drawn itself.
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
@@ -19,7 +21,7 @@ from kora_trainer.diffusion import flow_grpo
 from kora_trainer.diffusion.engine import trajectory_from_responses
 from kora_trainer.diffusion.lora_sync import LORA_MERGE, layer_groups, pack_pair_buckets, sync_log_line
 from kora_trainer.diffusion.toy import DiffusionToy
-from kora_trainer.lora.model import adapter_tensors
+from kora_trainer.lora.model import adapter_tensors, fold_targets
 from kora_trainer.wire.serialize import serialize_named_tensors
 
 
@@ -52,16 +54,28 @@ class EngineRollout:
                                     sigmas=trajs[0].sigmas, noise_level=self.noise_level)
 
 
+@dataclass(frozen=True)
+class Pushed:
+    """One sync: what went to the engine (bytes of the tensors handed over), in how many calls, how long it took."""
+
+    bytes: int
+    buckets: int
+    ms: float
+    what: str  # lora_pairs | folded
+    line: str = ""  # the seed's first-sync log line (IPC merge)
+
+
 class LoraMergeSync:
-    """Push the adapter's A/B pairs in buckets of whole pairs; the engine folds them into its pristine base.
-    The first two syncs print the seed's log line."""
+    """EngineMerge (the seed's IPC merge): push the adapter's A/B pairs in buckets of whole pairs; the engine folds
+    them into its pristine base. The first two syncs print the seed's log line."""
 
     def __init__(self, url: str, lora_rank: int, lora_alpha: float, buffer_bytes: int, module: str = "transformer"):
         self.url, self.rank, self.alpha = url.rstrip("/"), lora_rank, lora_alpha
         self.buffer_bytes, self.module, self.version = buffer_bytes, module, 0
         self.lines: list[str] = []
 
-    def __call__(self, model: torch.nn.Module) -> str:
+    def __call__(self, model: torch.nn.Module) -> Pushed:
+        t0 = time.perf_counter()
         groups, unmapped = layer_groups(adapter_tensors(model))
         if unmapped:
             raise ValueError(f"adapter tensors with no engine name: {unmapped[:3]}")
@@ -76,4 +90,37 @@ class LoraMergeSync:
         if self.version <= 2:
             print(line, flush=True)
         self.lines.append(line)
-        return line
+        ms = (time.perf_counter() - t0) * 1000
+        return Pushed(sum(g.nbytes for g in groups), len(buckets), ms, "lora_pairs", line)
+
+
+class FoldedSync:
+    """Merge (the seed's train-side merge): fold each adapted weight, W + (alpha/r) B A in fp32 rounded once, and
+    push those weights under the transformer's own names in buckets of at most `buffer_bytes` (a weight larger
+    than that goes alone). The engine takes them as full weights (`weight_update_mode` null); the weights no
+    adapter touches never change, so they are not sent."""
+
+    def __init__(self, url: str, buffer_bytes: int, module: str = "transformer"):
+        self.url, self.buffer_bytes, self.module = url.rstrip("/"), buffer_bytes, module
+
+    def __call__(self, model: torch.nn.Module) -> Pushed:
+        t0 = time.perf_counter()
+        total, calls, size = 0, 0, 0
+        bucket: list[tuple[str, torch.Tensor]] = []
+        for name, m in fold_targets(model).items():
+            t = m.folded_weight()
+            if bucket and size + t.numel() * t.element_size() > self.buffer_bytes:
+                self._push(bucket)
+                calls, bucket, size = calls + 1, [], 0
+            bucket.append((name, t))
+            size += t.numel() * t.element_size()
+            total += t.numel() * t.element_size()
+        if bucket:
+            self._push(bucket)
+            calls += 1
+        return Pushed(total, calls, (time.perf_counter() - t0) * 1000, "folded")
+
+    def _push(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        _post(f"{self.url}/update_weights_from_tensor", {
+            "serialized_named_tensors": [serialize_named_tensors(bucket)], "target_modules": [self.module],
+            "weight_update_mode": None})

@@ -31,7 +31,7 @@ def select_diffusion_targets(model: nn.Module, targets: Sequence[str]) -> list[s
               if isinstance(m, nn.Linear) and any(_matches(name, t) for t in targets)]
     unmatched = [t for t in targets if not any(_matches(n, t) for n in chosen)]
     if unmatched:  # training less than asked for, silently, is worse than refusing
-        raise ValueError(f"lora.targetModules {unmatched} matched no nn.Linear of this {type(model).__name__}; "
+        raise ValueError(f"diffusion.targetModules {unmatched} matched no nn.Linear of this {type(model).__name__}; "
                          f"use diffusers module names such as {list(SD3_TARGETS)}")
     return chosen
 

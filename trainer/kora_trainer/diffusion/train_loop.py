@@ -66,18 +66,27 @@ def evaluate(toy: DiffusionToy, settings: FlowGRPOSettings, samples_per_prompt: 
     return float(colour_reward(traj.images, toy.targets[ids]).mean())
 
 
-def _update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Trajectory, ids: torch.Tensor,
-            adv: torch.Tensor, opt: torch.optim.Optimizer) -> dict[str, float]:
+def update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Trajectory, ids: torch.Tensor,
+           adv: torch.Tensor, opt: torch.optim.Optimizer) -> dict[str, float]:
     """One pass over the batch in `minibatches` optimizer steps; each step's loss is accumulated over all T
-    denoising steps (one backward per step: memory holds one step's graph), as flow_grpo accumulates them."""
+    denoising steps (one backward per step: memory holds one step's graph), as flow_grpo accumulates them.
+
+    Besides the loss terms it measures the serving check: |trainer re-score - rollout log-prob| over every
+    (sample, step) of the first minibatch, before this batch's first optimizer step — 0 up to rounding when the
+    rollouts came from exactly the policy the trainer holds (`logp_gap_max`, `logp_gap_mean`)."""
     params = adapter_parameters(toy.transformer)
     batch, steps = adv.numel(), traj.num_steps
-    stats = {"clip_frac": 0.0, "kl": 0.0, "ratio_mean": 0.0}
-    for rows in torch.arange(batch).chunk(settings.minibatches):
+    stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0, "logp_gap_max": 0.0}
+    gap_sum, gap_n = 0.0, 0
+    for k, rows in enumerate(torch.arange(batch).chunk(settings.minibatches)):
         opt.zero_grad(set_to_none=True)
         velocity = velocity_fn(toy, ids, rows)
         for j in range(steps):
             log_prob, mean, std = flow_grpo.rescore(velocity, traj, j, rows)  # [b], [b, C, H, W], [b, 1, 1, 1]
+            if k == 0:
+                gap = (log_prob.detach() - traj.log_probs[rows, j]).abs()
+                stats["logp_gap_max"] = max(stats["logp_gap_max"], float(gap.max()))
+                gap_sum, gap_n = gap_sum + float(gap.sum()), gap_n + gap.numel()
             kl = None
             if settings.kl_coef > 0:
                 with torch.no_grad(), adapter_disabled(toy.transformer):
@@ -88,11 +97,14 @@ def _update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Traje
                                            num_terms=float(rows.numel() * steps))
             out.loss.backward()
             n = settings.minibatches * steps
+            stats["loss"] += float(out.loss.detach()) / settings.minibatches  # the minibatch's loss sums its steps
             stats["clip_frac"] += out.clip_frac / n
             stats["kl"] += out.kl / n
             stats["ratio_mean"] += out.ratio_mean / n
-        torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, settings.max_grad_norm)
+        stats["grad_norm"] += float(norm) / settings.minibatches
         opt.step()
+    stats["logp_gap_mean"] = gap_sum / max(gap_n, 1)
     return stats
 
 
@@ -134,11 +146,12 @@ def train_toy(toy_dir: str | Path, settings: FlowGRPOSettings, steps: int, time_
         traj = roll(toy, ids, step)
         rewards = colour_reward(traj.images, toy.targets[ids])  # [B]
         adv = flow_grpo.advantages(rewards, settings.samples_per_prompt, settings.adv_clip)
-        stats = _update(toy, settings, traj, ids, adv, opt)
+        stats = update(toy, settings, traj, ids, adv, opt)
         if sync is not None:
             sync(toy.transformer)
         history.append(StepStats(step=step, reward_mean=float(rewards.mean()), reward_std=float(rewards.std()),
-                                 elapsed_s=round(time.monotonic() - t0, 3), **stats))
+                                 elapsed_s=round(time.monotonic() - t0, 3), clip_frac=stats["clip_frac"],
+                                 kl=stats["kl"], ratio_mean=stats["ratio_mean"]))
         if on_step is not None:
             on_step(history[-1])
         if eval_every and (step + 1) % eval_every == 0:

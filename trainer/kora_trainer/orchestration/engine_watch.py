@@ -31,6 +31,11 @@ class EngineLost(RuntimeError):
     """An engine process exited while the job ran: the attempt fails; a retry resumes from the last checkpoint."""
 
 
+def exit_words(code: int) -> str:
+    """A Popen returncode as words: 'signal SIGKILL', 'exit code 1'."""
+    return f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+
+
 def dead_engines(engines: list[Any], urls: list[str]) -> list[str]:
     """'engine i (pid P, URL) exited with SIGKILL; log L' for each engine whose process is gone."""
     import ray
@@ -43,8 +48,7 @@ def dead_engines(engines: list[Any], urls: list[str]) -> list[str]:
             dead.append(f"engine {i} ({urls[i]}): its Ray worker is gone ({type(e).__name__})")
             continue
         if code is not None:
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            dead.append(f"engine {i} (pid {pid}, {urls[i]}) exited with {how}; its log: {log}")
+            dead.append(f"engine {i} (pid {pid}, {urls[i]}) exited with {exit_words(code)}; its log: {log}")
     return dead
 
 

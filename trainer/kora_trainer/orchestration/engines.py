@@ -77,6 +77,18 @@ class EngineProcess:
         return engine
 
     @classmethod
+    def launch(cls, argv: list[str], url: str, log_dir: Path, threads: int | None = None,
+               timeout_s: float = 180.0) -> EngineProcess:
+        """Run an engine command that needs no keys (the reference diffusion engine) and wait for its /health."""
+        engine = cls._spawn(argv, url, {}, log_dir, 0, threads)
+        try:
+            engine.wait_ready(timeout_s)
+        except BaseException:
+            engine.stop()
+            raise
+        return engine
+
+    @classmethod
     def _spawn(cls, argv: list[str], url: str, launch_env: dict[str, str], log_dir: Path, index: int,
                threads: int | None) -> EngineProcess:
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,79 @@
+"""The diffusion job's pieces the train command stands on (train_diffusion.py): the fields as Flow-GRPO's knobs,
+which rows a step takes, the rewards, and the refusals of a model or data the path cannot take."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from kora_trainer.config import TrainerConfig
+from kora_trainer.train_diffusion import (
+    DiffusionJobError,
+    load_model,
+    load_prompts,
+    reward_of,
+    settings_of,
+    step_rows,
+)
+
+
+def job(toy, data=None, **diffusion) -> TrainerConfig:
+    return TrainerConfig.model_validate({
+        "model": {"path": str(toy)}, "lora": {"rank": 8, "alpha": 16, "syncMode": "EngineMerge"},
+        "algorithm": {"rolloutBatchSize": 4, "nSamplesPerPrompt": 4, "globalBatchSize": 8, "lr": 0.01, "seed": 3},
+        "data": {"path": str(toy / "prompts.jsonl"), "labelKey": "target", **(data or {})},
+        "rollout": {"engine": "hf"},
+        "diffusion": {"kind": "image", "numInferenceSteps": 5, **diffusion}})
+
+
+def test_the_jobs_fields_become_the_loops_knobs(diffusion_toy_dir):
+    s = settings_of(job(diffusion_toy_dir, noiseLevel=0.5, clipEps=2e-4))
+    assert (s.prompts_per_step, s.samples_per_prompt, s.minibatches) == (4, 4, 2)  # 16 samples in batches of 8
+    assert (s.num_inference_steps, s.noise_level, s.clip_eps, s.lora_rank, s.lora_alpha, s.seed) == (
+        5, 0.5, 2e-4, 8, 16, 3)
+
+
+def test_a_steps_rows_are_a_function_of_seed_and_step():
+    assert torch.equal(step_rows(3, 7, 16, 8), step_rows(3, 7, 16, 8))  # a resumed run takes the same rows
+    assert not torch.equal(step_rows(3, 7, 16, 8), step_rows(3, 8, 16, 8))
+    assert step_rows(3, 7, 16, 8).unique().numel() == 8  # a permutation's prefix: no prompt twice
+    many = step_rows(3, 7, 5, 12)  # more rows than the data holds: every row, twice, then part of a third pass
+    assert many.numel() == 12 and torch.bincount(many, minlength=5).min() >= 2
+
+
+def test_the_colour_reward_reads_each_rows_target_and_a_custom_one_is_called_by_its_path(diffusion_toy_dir,
+                                                                                         tmp_path, monkeypatch):
+    cfg = job(diffusion_toy_dir)
+    toy = load_model(cfg)
+    prompts = load_prompts(cfg, toy)
+    assert len(prompts.labels[0]) == 4 and prompts.ids.tolist() == list(range(len(toy.prompts)))
+    rows = torch.tensor([2, 2, 5])
+    images = toy.targets[rows][:, :, None, None].expand(3, 4, 8, 8).clone()  # each the colour its prompt asks
+    assert torch.allclose(reward_of(cfg, prompts, 4)(images, rows), torch.zeros(3), atol=1e-6)
+    (tmp_path / "my_scores.py").write_text(
+        "import torch\n"
+        "def brightness(images, prompts, labels):\n"
+        "    assert len(prompts) == len(labels) == images.shape[0]\n"
+        "    return images.mean(dim=(1, 2, 3))\n"
+        "def wrong_shape(images, prompts, labels):\n"
+        "    return torch.zeros(2, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    custom = job(diffusion_toy_dir, {"customRewardPath": "my_scores.brightness"}, reward="custom")
+    assert torch.allclose(reward_of(custom, prompts, 4)(images, rows), images.mean(dim=(1, 2, 3)))
+    custom = job(diffusion_toy_dir, {"customRewardPath": "my_scores.wrong_shape"}, reward="custom")
+    with pytest.raises(DiffusionJobError, match=r"data.customRewardPath my_scores.wrong_shape returned shape \(2, 2\)"):
+        reward_of(custom, prompts, 4)(images, rows)
+    sys.modules.pop("my_scores", None)
+
+
+def test_a_model_or_data_the_path_cannot_take_is_refused_naming_the_field(diffusion_toy_dir, toy_dir, tmp_path):
+    with pytest.raises(DiffusionJobError, match=r"model.path .* is not a diffusion checkpoint.*--make-toy"):
+        load_model(job(toy_dir))  # the language-model toy
+    with pytest.raises(DiffusionJobError, match=r"diffusion.resolution 64: the model makes 8x8 images.*set "
+                                                r"diffusion.resolution to 8"):
+        load_model(job(diffusion_toy_dir, resolution=64))
+    cfg = job(diffusion_toy_dir, {"labelKey": "prompt"})
+    with pytest.raises(DiffusionJobError, match=r"data.labelKey prompt: diffusion.reward colour needs .* 4 numbers"):
+        reward_of(cfg, load_prompts(cfg, load_model(cfg)), 4)

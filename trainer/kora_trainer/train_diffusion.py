@@ -1,0 +1,333 @@
+"""The train command for a job with a `diffusion` section: Flow-GRPO on a diffusion transformer's LoRA adapter.
+
+What runs (docs/diffusion.md): this process trains (one rank, the torch backend), and the reference diffusion
+engine beside it (rollout.engine hf; deployment.mode Colocate: the weights go by same-host handles) serves the
+rollouts. The loop, as train.py's: start the engine, resume from the newest good LoRA-only checkpoint under
+checkpoint.path, push the (initial or restored) policy, then per step: the engine's images of rolloutBatchSize
+prompts x nSamplesPerPrompt (each with every denoising step's latent and log-prob) -> reward -> group advantages
+-> the trainer's re-score and clipped update -> sync (Merge: the adapted weights folded here, fp32 rounded once;
+EngineMerge: the A/B pairs, whole pairs per bucket, for the engine to fold into its pristine base) -> a checkpoint
+every checkpoint.interval steps. Everything goes through recorder.StepRecorder (events, /status, trackers, the
+serving check), so the operator and the tests read a diffusion run as they read a language-model one.
+
+Which prompts a step takes and every image's noise are functions of (algorithm.seed, step), so a resumed run
+repeats the uninterrupted run's steps exactly: it restores the adapter, the optimizer and the RNG, and pushes the
+restored policy first. Not built yet (refused by config/rules.py): Ray actors and FSDP2 over data-parallel ranks,
+launching sglang-diffusion, export, classifier-free guidance.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from kora_trainer.config import TrainerConfig
+    from kora_trainer.diffusion.engine_client import Pushed
+    from kora_trainer.diffusion.toy import DiffusionToy
+    from kora_trainer.diffusion.train_loop import FlowGRPOSettings
+    from kora_trainer.orchestration.engines import EngineProcess
+    from kora_trainer.recorder import StepRecorder
+    from kora_trainer.sync.sender import SyncReport
+
+ENGINE_READY_S = 180.0
+
+
+class DiffusionJobError(ValueError):
+    """The job cannot run on this model or data: the message names the field and the fix."""
+
+
+def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
+    """The job's fields as the Flow-GRPO loop's knobs (the one place they meet)."""
+    from kora_trainer.diffusion.train_loop import FlowGRPOSettings
+
+    d, a = cfg.diffusion, cfg.algorithm
+    assert d is not None
+    samples = a.rollout_batch_size * a.n_samples_per_prompt
+    return FlowGRPOSettings(
+        prompts_per_step=a.rollout_batch_size, samples_per_prompt=a.n_samples_per_prompt,
+        num_inference_steps=d.num_inference_steps, noise_level=d.noise_level, lr=a.lr, clip_eps=d.clip_eps,
+        kl_coef=a.kl_coef, adv_clip=d.adv_clip, minibatches=samples // a.effective_global_batch_size,
+        lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_init=str(d.lora_init), seed=a.seed)
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """data.path's rows: each row's prompt id in the model's prompt table, its text and its label."""
+
+    ids: torch.Tensor  # [P] long
+    texts: list[str]
+    labels: list[Any]
+
+
+def load_model(cfg: TrainerConfig) -> DiffusionToy:
+    """model.path as the diffusion path can load it today (a `kora make-toy --diffusion` checkpoint), checked
+    against diffusion.scheduler and diffusion.resolution."""
+    from kora_trainer.diffusion.toy import is_diffusion_toy, load_diffusion_toy
+
+    d = cfg.diffusion
+    assert d is not None
+    if not is_diffusion_toy(cfg.model.path):
+        raise DiffusionJobError(
+            f"model.path {cfg.model.path} is not a diffusion checkpoint kora can load: the diffusion path loads "
+            "`kora make-toy --diffusion` checkpoints (a transformer, its scheduler and a prompt-embedding table; "
+            "a text encoder and a VAE are not built yet): point model.path at one, or pass --make-toy")
+    toy = load_diffusion_toy(cfg.model.path)
+    have = type(toy.scheduler).__name__.removesuffix("Scheduler")
+    if have != d.scheduler.value:
+        raise DiffusionJobError(f"diffusion.scheduler {d.scheduler.value}: {cfg.model.path}/scheduler is a {have}: "
+                                f"set diffusion.scheduler to {have}")
+    side = toy.latent_shape[1]
+    if d.resolution is not None and d.resolution != side:
+        raise DiffusionJobError(f"diffusion.resolution {d.resolution}: the model makes {side}x{side} images (its "
+                                f"transformer's sample_size; it has no VAE): set diffusion.resolution to {side} or "
+                                "leave it unset")
+    return toy
+
+
+def load_prompts(cfg: TrainerConfig, toy: DiffusionToy) -> Prompts:
+    """data.path's prompts, each one the model's prompt table holds (the toy embeds prompts by table, not by a
+    text encoder)."""
+    from kora_trainer.orchestration.data import load_rows
+
+    rows = load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key)
+    table = {p: i for i, p in enumerate(toy.prompts)}
+    unknown = sorted({str(r.prompt) for r in rows if r.prompt not in table})
+    if not rows or unknown:
+        raise DiffusionJobError(
+            f"data.path {cfg.data.path}: " + (f"prompts {unknown[:3]} are not in {cfg.model.path}/prompts.jsonl"
+                                              if unknown else "no rows")
+            + f" (data.inputKey {cfg.data.input_key}): the model embeds prompts by its table (no text encoder yet), "
+            f"so each must be one of its {len(toy.prompts)}: e.g. data.path {cfg.model.path}/prompts.jsonl")
+    return Prompts(torch.tensor([table[r.prompt] for r in rows]), [str(r.prompt) for r in rows],
+                   [_value(r.label) for r in rows])
+
+
+def _value(label: str) -> Any:
+    """A label as the data file held it (load_rows gives text: a target colour comes back as a list)."""
+    for parse in (json.loads, ast.literal_eval):
+        with contextlib.suppress(ValueError, SyntaxError):
+            return parse(label)
+    return label
+
+
+RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images [B, C, H, W], rows [B]) -> rewards [B]
+
+
+def reward_of(cfg: TrainerConfig, prompts: Prompts, channels: int) -> RewardFn:
+    """diffusion.reward: colour (the labels are target colours, data.labelKey), or data.customRewardPath's
+    `fn(images, prompts, labels) -> [B]`."""
+    from kora_trainer.config.sections import DiffusionReward
+    from kora_trainer.diffusion.rewards import colour_reward
+
+    assert cfg.diffusion is not None
+    if cfg.diffusion.reward is DiffusionReward.COLOUR:
+        bad = [lab for lab in prompts.labels if not (isinstance(lab, list) and len(lab) == channels)]
+        if bad:
+            raise DiffusionJobError(f"data.labelKey {cfg.data.label_key}: diffusion.reward colour needs each row's "
+                                    f"label to be its target colour, {channels} numbers (one per latent channel), "
+                                    f"not {bad[0]!r}: point data.labelKey at that column (the toy's is target)")
+        targets = torch.tensor(prompts.labels, dtype=torch.float32)
+        return lambda images, rows: colour_reward(images, targets[rows])
+    from kora_trainer.algorithm.rewards import load_custom
+
+    assert cfg.data.custom_reward_path is not None
+    fn: Any = load_custom(cfg.data.custom_reward_path)
+
+    def custom(images: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.as_tensor(fn(images, [prompts.texts[i] for i in rows.tolist()],
+                                 [prompts.labels[i] for i in rows.tolist()]), dtype=torch.float32)
+        if out.shape != (images.shape[0],):
+            raise DiffusionJobError(f"data.customRewardPath {cfg.data.custom_reward_path} returned shape "
+                                    f"{tuple(out.shape)}: it must return one reward per image, [{images.shape[0]}]")
+        return out
+    return custom
+
+
+def step_rows(seed: int, step: int, n_rows: int, k: int) -> torch.Tensor:
+    """The k rows of data.path step `step` trains on: a permutation drawn from (seed, step) alone, so a resumed
+    run takes the same rows (more than n_rows: whole permutations, then part of one more)."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    perms = [torch.randperm(n_rows, generator=g) for _ in range(-(-k // n_rows))]
+    return torch.cat(perms)[:k]
+
+
+def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int) -> EngineProcess:
+    """The reference diffusion engine on 127.0.0.1, stopped by pid (orchestration/engines.EngineProcess)."""
+    from kora_trainer.orchestration.engines import EngineProcess
+    from kora_trainer.wire.group import free_port
+
+    port = free_port("127.0.0.1")
+    argv = [sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(Path(cfg.model.path).resolve()),
+            "--port", str(port), "--num-threads", str(threads)]
+    return EngineProcess.launch(argv, f"http://127.0.0.1:{port}", run_dir / "engines", threads, ENGINE_READY_S)
+
+
+@contextlib.contextmanager
+def engine_watched(engine: EngineProcess, doing: str, saved_step: int | None) -> Iterator[None]:
+    """A failure while the engine is dead becomes EngineLost naming it (orchestration/engine_watch.py: why the
+    attempt fails rather than restarting the engine)."""
+    from kora_trainer.orchestration.engine_watch import EngineLost, exit_words
+
+    try:
+        yield
+    except Exception as e:
+        code = engine.proc.poll()
+        if code is None:
+            raise
+        resume = f"step {saved_step}" if saved_step is not None else "none yet"
+        raise EngineLost(f"engine 0 (pid {engine.proc.pid}, {engine.url}) exited with {exit_words(code)}; its log: "
+                         f"{engine.log_path}; noticed during {doing} ({type(e).__name__}). The attempt stops here: a "
+                         f"retry resumes from the newest good checkpoint under checkpoint.path ({resume})") from e
+
+
+def sync_report(cfg: TrainerConfig, pushed: Pushed, version: int) -> SyncReport:
+    from kora_trainer.sync.sender import SyncReport
+
+    return SyncReport(mode=str(cfg.lora.effective_sync_mode), transport="colocated", pushed=True, bytes=pushed.bytes,
+                      ms=pushed.ms, adapter_version=version, checksum=None, buckets=pushed.buckets, what=pushed.what)
+
+
+class DiffusionTrainer:
+    """The policy being trained (the transformer with its adapter), its optimizer, and what feeds it."""
+
+    def __init__(self, cfg: TrainerConfig, toy: DiffusionToy, prompts: Prompts):
+        from kora_trainer.diffusion.lora import apply_diffusion_lora
+        from kora_trainer.lora.model import adapter_parameters
+
+        assert cfg.diffusion is not None
+        self.cfg, self.toy, self.prompts = cfg, toy, prompts
+        self.settings = settings_of(cfg)
+        self.reward = reward_of(cfg, prompts, toy.latent_shape[0])
+        toy.transformer.eval()  # no dropout: the re-score must see the rollout's policy
+        torch.manual_seed(self.settings.seed)  # the adapter's A init draws from the global stream
+        apply_diffusion_lora(toy.transformer, cfg.lora.rank, cfg.lora.alpha,
+                             [t.value for t in cfg.diffusion.target_modules], self.settings.lora_init)
+        self.opt = torch.optim.AdamW(adapter_parameters(toy.transformer), lr=self.settings.lr, weight_decay=0.0)
+
+    def step(self, step: int, rollout: Callable[..., Any], engine: EngineProcess, saved: int | None
+             ) -> tuple[Any, float]:
+        """Roll out, score, update: (StepMetrics, gen_ms)."""
+        from kora_trainer.backends.grpo_step import StepMetrics
+        from kora_trainer.diffusion import flow_grpo
+        from kora_trainer.diffusion.train_loop import update
+
+        s, alg = self.settings, self.cfg.algorithm
+        rows = step_rows(s.seed, step, len(self.prompts.ids), s.prompts_per_step).repeat_interleave(
+            s.samples_per_prompt)  # [B] a prompt's G samples adjacent
+        ids = self.prompts.ids[rows]
+        t0 = time.perf_counter()
+        with engine_watched(engine, f"step {step}'s rollouts", saved):
+            traj = rollout(self.toy, ids, step)
+        gen_ms = (time.perf_counter() - t0) * 1000
+        t1 = time.perf_counter()
+        rewards = self.reward(traj.images, rows)  # [B]
+        adv = flow_grpo.advantages(rewards, s.samples_per_prompt, s.adv_clip)
+        passes = [update(self.toy, s, traj, ids, adv, self.opt) for _ in range(alg.inner_epochs)]
+        first = passes[0]  # its gap is measured before any update of this batch
+        mean = {k: sum(p[k] for p in passes) / len(passes) for k in ("loss", "clip_frac", "kl", "ratio_mean",
+                                                                     "grad_norm")}
+        metrics = StepMetrics(
+            version=step, reward_mean=float(rewards.mean()), samples=int(rows.numel()),
+            updates=s.minibatches * alg.inner_epochs, loss=mean["loss"], clip_frac=mean["clip_frac"], kl=mean["kl"],
+            ratio=mean["ratio_mean"], grad_norm=mean["grad_norm"], response_len=float(traj.num_steps),
+            rollout_logp_gap_max=first["logp_gap_max"], rollout_logp_gap_mean=first["logp_gap_mean"],
+            rollout_version_lag=0, train_ms=(time.perf_counter() - t1) * 1000, reward_std=float(rewards.std()),
+            reward_min=float(rewards.min()), reward_max=float(rewards.max()),
+            response_len_max=traj.num_steps, response_len_min=traj.num_steps, kl_measured=s.kl_coef > 0, lr=s.lr)
+        return metrics, gen_ms
+
+    # ---- checkpoints: LoRA-only, as the language-model path's (checkpoint/lora_only.py) -------------------------
+
+    def save(self, root: str, step: int) -> Path:
+        from kora_trainer.checkpoint import lora_only
+        from kora_trainer.lora.model import adapter_tensors
+
+        lora_only.check_lora_only(n for n, p in self.toy.transformer.named_parameters() if p.requires_grad)
+        meta = {"kind": "diffusion", "data_position": step, "sync_mode": str(self.cfg.lora.effective_sync_mode),
+                "base_model": str(Path(self.cfg.model.path).resolve()), "seed": self.settings.seed}
+        adapter = {n: t.clone() for n, t in adapter_tensors(self.toy.transformer)}
+        return lora_only.save(Path(root), step, adapter=adapter, optimizer=self.opt.state_dict(), scheduler=None,
+                              rng=lora_only.capture_rng(), meta=meta, keep=self.cfg.checkpoint.keep)
+
+    def resume(self, root: str) -> dict[str, Any] | None:
+        """The newest good checkpoint under root restored (adapter, optimizer, RNG); None when there is none."""
+        from kora_trainer.checkpoint import lora_only
+        from kora_trainer.lora.model import adapter_tensors
+
+        ck = lora_only.load_latest(Path(root))
+        if ck is None:
+            return None
+        if ck.meta.get("kind") != "diffusion":
+            raise DiffusionJobError(f"checkpoint.path {root}: {ck.path} is a language-model checkpoint, not this "
+                                    "diffusion job's: point checkpoint.path at a new directory")
+        live = dict(adapter_tensors(self.toy.transformer))
+        if live.keys() != ck.adapter.keys():
+            raise DiffusionJobError(f"checkpoint.path {root}: {ck.path} adapts other modules than "
+                                    "diffusion.targetModules: set them as that run had, or point checkpoint.path at a "
+                                    "new directory")
+        with torch.no_grad():
+            for name, t in live.items():
+                t.copy_(ck.adapter[name])
+        self.opt.load_state_dict(ck.optimizer)
+        lora_only.restore_rng(ck.rng)
+        return {"step": ck.step, "path": str(ck.path), "skipped": ck.skipped}
+
+
+def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Callable[[], bool], run_dir: Path,
+        threads: int = 1) -> None:
+    """Start the engine, resume, push, then per step: roll out, train, sync; checkpoint as checkpoint.* says."""
+    from kora_trainer.diffusion.engine_client import EngineRollout, FoldedSync, LoraMergeSync
+
+    assert cfg.diffusion is not None
+    torch.set_num_threads(threads)
+    toy = load_model(cfg)
+    trainer = DiffusionTrainer(cfg, toy, load_prompts(cfg, toy))
+    s = trainer.settings
+
+    def checkpoint(step: int) -> None:
+        assert root is not None
+        t0 = time.monotonic()
+        path = trainer.save(root, step)
+        rec.checkpointed(step, str(path), (time.monotonic() - t0) * 1000)
+
+    engine = start_engine(cfg, run_dir, threads)
+    try:
+        if root:
+            info = trainer.resume(root)
+            if info is None:
+                rec.say(f"no checkpoint under {root}: starting at step 1")
+            else:
+                rec.resumed(info)
+        buffer = int(cfg.sync.buffer_size)
+        sync = (LoraMergeSync(engine.url, cfg.lora.rank, cfg.lora.alpha, buffer, cfg.diffusion.engine_module.value)
+                if cfg.lora.effective_sync_mode == "EngineMerge" else
+                FoldedSync(engine.url, buffer, cfg.diffusion.engine_module.value))
+        rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level)
+        with engine_watched(engine, "the first push of the policy", rec.run.saved_step):
+            first = sync_report(cfg, sync(toy.transformer), rec.run.start)
+        rec.started({"backend": "torch", "device": "cpu", "world": 1, "engine_urls": [engine.url]}, 1,
+                    "diffusion-reference", "colocated", first)
+        for step in range(rec.run.start + 1, rec.steps + 1):
+            if not time_left():
+                rec.stopped(f"time limit: stopping after step {step - 1}")
+                break
+            metrics, gen_ms = trainer.step(step, rollout, engine, rec.run.saved_step)
+            with engine_watched(engine, f"step {step}'s weight sync", rec.run.saved_step):
+                report = sync_report(cfg, sync(toy.transformer), step)
+            rec.stepped(step, metrics, {"gen_ms": gen_ms, "data_position": step}, report)
+            if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
+                checkpoint(step)
+        if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
+            checkpoint(rec.run.done)
+    finally:
+        engine.stop()
