@@ -66,7 +66,6 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     "diffusion-one-rank": {**DIFFUSION, "parallelism.data": 2},
     "diffusion-one-engine": {**DIFFUSION, "rollout.numEngines": 2},
     "diffusion-sync-rollouts": {**DIFFUSION, "deployment.async": True},
-    "diffusion-no-export": {**DIFFUSION, "checkpoint.exportHF": True, "checkpoint.path": "/tmp/ckpt"},
     "diffusion-torch": {**DIFFUSION, "backend": "megatron"},
     "diffusion-dropout": {**DIFFUSION, "lora.dropout": 0.1},
     "diffusion-custom-reward": {**DIFFUSION, "diffusion.reward": "custom"},

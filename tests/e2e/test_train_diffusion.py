@@ -6,7 +6,8 @@ reference diffusion engine beside the trainer, in both of the seed's LoRA sync m
   trainer's re-score (the serving check's gap, < 1e-5 in fp32), and the two modes train the same curve — the mode
   changes what goes over the wire (A/B pairs for EngineMerge, the adapted weights folded for Merge), not the run.
 - A run stopped after 2 steps and started again on its checkpoint.path resumes from step 2 and runs steps 3-4 with
-  the uninterrupted run's losses and rewards exactly, ending on its adapter bit for bit.
+  the uninterrupted run's losses and rewards exactly, ending on its adapter bit for bit; checkpoint.exportHF writes
+  the adapter as diffusers' own LoRA file.
 - The job's shape is checked before anything starts: a prompt the model's table lacks is refused naming data.path.
 (The reward's rise is shown by tests/unit/test_diffusion_train.py -m slow; these runs are 4 steps.)
 """
@@ -49,7 +50,7 @@ def uninterrupted(diffusion_toy_dir, tmp_path_factory):
     """EngineMerge, 4 steps, a checkpoint every step."""
     work = tmp_path_factory.mktemp("diffusion-engine-merge")
     r = run(diffusion_toy_dir, work, "lora.syncMode=EngineMerge", f"algorithm.numSteps={STEPS}",
-            "checkpoint.interval=1", f"checkpoint.path={work / 'ckpt'}")
+            "checkpoint.interval=1", f"checkpoint.path={work / 'ckpt'}", "checkpoint.exportHF=true")
     wait_all([r])
     return r, work / "ckpt"
 
@@ -78,6 +79,11 @@ def test_both_modes_train_the_same_curve_and_the_engine_serves_every_pushed_poli
     for (_, loss_a, reward_a), (_, loss_b, reward_b) in zip(want, got, strict=True):
         assert abs(reward_a - reward_b) < 1e-5 and abs(loss_a - loss_b) < 1e-6, (want, got)
     assert want[-1][2] != want[0][2]  # it trained: the rewards moved
+    # the export (checkpoint.exportHF): diffusers' LoRA file of the final adapter, 15 layers' A and B
+    export = engine_merge.events("export")
+    assert export and export[0]["step"] == STEPS, export
+    exported = load_file(str(Path(export[0]["path"]) / "pytorch_lora_weights.safetensors"))
+    assert len(exported) == 30 and all(k.startswith("transformer.transformer_blocks.") for k in exported)
 
 
 def test_a_restarted_run_resumes_and_repeats_the_uninterrupted_steps_exactly(uninterrupted, diffusion_toy_dir,

@@ -12,8 +12,9 @@ serving check), so the operator and the tests read a diffusion run as they read 
 
 Which prompts a step takes and every image's noise are functions of (algorithm.seed, step), so a resumed run
 repeats the uninterrupted run's steps exactly: it restores the adapter, the optimizer and the RNG, and pushes the
-restored policy first. Not built yet (refused by config/rules.py): Ray actors and FSDP2 over data-parallel ranks,
-launching sglang-diffusion, export, classifier-free guidance.
+restored policy first. With checkpoint.exportHF the adapter goes out at the end as diffusers' own LoRA file
+(diffusion/export.py). Not built yet (refused by config/rules.py): Ray actors and FSDP2 over data-parallel ranks
+(diffusion/fsdp.py has the sharding), launching sglang-diffusion, classifier-free guidance.
 """
 
 from __future__ import annotations
@@ -259,6 +260,16 @@ class DiffusionTrainer:
         return lora_only.save(Path(root), step, adapter=adapter, optimizer=self.opt.state_dict(), scheduler=None,
                               rng=lora_only.capture_rng(), meta=meta, keep=self.cfg.checkpoint.keep)
 
+    def export(self, root: str, step: int) -> Path:
+        """`<root>/lora_adapter/`: the adapter as diffusers' own LoRA file (diffusion/export.py)."""
+        from kora_trainer.diffusion.export import export_diffusers_lora, lora_config
+
+        assert self.cfg.diffusion is not None
+        config = lora_config(self.cfg.lora.rank, self.cfg.lora.alpha,
+                             [t.value for t in self.cfg.diffusion.target_modules], self.settings.lora_init)
+        meta = {"step": step, "base_model": str(Path(self.cfg.model.path).resolve()), "seed": self.settings.seed}
+        return export_diffusers_lora(Path(root), self.toy.transformer, config, meta)
+
     def resume(self, root: str) -> dict[str, Any] | None:
         """The newest good checkpoint under root restored (adapter, optimizer, RNG); None when there is none."""
         from kora_trainer.checkpoint import lora_only
@@ -329,5 +340,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
                 checkpoint(step)
         if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
             checkpoint(rec.run.done)
+        if root and cfg.checkpoint.export_hf:
+            rec.exported(str(trainer.export(root, rec.run.done)))
     finally:
         engine.stop()

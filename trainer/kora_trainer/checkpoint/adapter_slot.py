@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from kora_trainer.checkpoint.swap_dir import swapped_in
 
 CHECKPOINT_DIR = "checkpoint"
 
@@ -29,9 +29,7 @@ def save_slot(root: str | Path, name: str, state: dict[str, Any], data_position:
               meta: dict[str, Any]) -> Path:
     """Write `state` (MultiLoRATrainer.state: tensors, optimizer, step, rng) atomically; returns the directory."""
     home = adapter_root(root, name)
-    home.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{CHECKPOINT_DIR}.tmp-", dir=home))
-    try:
+    with swapped_in(home, CHECKPOINT_DIR) as tmp:  # the previous checkpoint stays whole until the new one is in
         save_file({k: v.contiguous() for k, v in state["tensors"].items()}, str(tmp / "adapter.safetensors"))
         torch.save({"optimizer": state["optimizer"], "step": state["step"], "rng": state["rng"],
                     "data_position": data_position}, tmp / "state.pt")
@@ -40,17 +38,7 @@ def save_slot(root: str | Path, name: str, state: dict[str, Any], data_position:
         for f in tmp.iterdir():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        final = home / CHECKPOINT_DIR
-        old = home / f".{CHECKPOINT_DIR}.old"
-        if final.exists():  # the previous checkpoint stays whole until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return home / CHECKPOINT_DIR
 
 
 def load_slot(root: str | Path, name: str) -> tuple[dict[str, Any], int] | None:

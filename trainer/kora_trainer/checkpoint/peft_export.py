@@ -7,15 +7,14 @@ save). Atomic like the checkpoints: a temp dir renamed into place.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
+
+from kora_trainer.checkpoint.swap_dir import swapped_in
 
 EXPORT_DIR = "lora_adapter"
 META_FILE = "kora_lora_meta.json"
@@ -48,25 +47,9 @@ def export_peft(checkpoint_root: Path, tensors: Mapping[str, torch.Tensor], conf
     bad = [k for k in tensors if not k.startswith(PEFT_PREFIX) or not k.endswith((".lora_A.weight", ".lora_B.weight"))]
     if bad:
         raise ValueError(f"not HF-PEFT adapter names: {bad[:3]}")
-    root = Path(checkpoint_root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{EXPORT_DIR}.tmp-", dir=root))
-    try:
-        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the adapter from a server reading the volume as another user
+    with swapped_in(Path(checkpoint_root), EXPORT_DIR) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
                   str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(dict(config), indent=2) + "\n")
         (tmp / META_FILE).write_text(json.dumps(dict(meta), indent=2) + "\n")
-        final = root / EXPORT_DIR
-        old = None
-        if final.exists():  # swap: the previous export stays whole until the new one is in place
-            old = root / f".{EXPORT_DIR}.old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final, old)
-        os.replace(tmp, final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return Path(checkpoint_root) / EXPORT_DIR

@@ -144,10 +144,6 @@ _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], st
      "deployment.async is not built for diffusion jobs (each step's images come from the policy just pushed): set "
      "deployment.async to false",
      lambda c: c.deployment.async_, "!self.deployment.async"),
-    ("diffusion-no-export", "checkpoint.exportHF",
-     "checkpoint.exportHF is not built for diffusion jobs yet (their LoRA-only checkpoints are): set "
-     "checkpoint.exportHF to false",
-     lambda c: c.checkpoint.export_hf, "!self.checkpoint.exportHF"),
     ("diffusion-torch", "backend",
      "backend megatron trains language models; a diffusion transformer trains on the torch backend: set backend to "
      "torch or auto",

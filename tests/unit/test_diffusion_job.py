@@ -77,3 +77,30 @@ def test_a_model_or_data_the_path_cannot_take_is_refused_naming_the_field(diffus
     cfg = job(diffusion_toy_dir, {"labelKey": "prompt"})
     with pytest.raises(DiffusionJobError, match=r"data.labelKey prompt: diffusion.reward colour needs .* 4 numbers"):
         reward_of(cfg, load_prompts(cfg, load_model(cfg)), 4)
+
+
+def test_the_export_is_diffusers_own_lora_file_and_loads_into_the_trained_policy(diffusion_toy_dir, tmp_path):
+    """diffusers' `load_lora_adapter` (what an SD3 pipeline's `load_lora_weights` calls for its transformer) reads
+    the export into a fresh transformer that computes exactly what the trainer's adapted one does."""
+    from kora_trainer.diffusion.export import WEIGHT_NAME, export_diffusers_lora, lora_config
+    from kora_trainer.diffusion.lora import SD3_TARGETS, apply_diffusion_lora
+    from kora_trainer.diffusion.policy import velocity_fn
+    from kora_trainer.diffusion.toy import load_diffusion_toy
+    from kora_trainer.lora.model import lora_modules
+
+    trained, fresh, base = (load_diffusion_toy(diffusion_toy_dir) for _ in range(3))
+    torch.manual_seed(0)
+    apply_diffusion_lora(trained.transformer, 4, 8.0, SD3_TARGETS)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # B off zero: the adapter changes the output
+        for m in lora_modules(trained.transformer).values():
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=g) * 0.05)
+    out = export_diffusers_lora(tmp_path, trained.transformer, lora_config(4, 8.0, SD3_TARGETS, "gaussian"),
+                                {"step": 3})
+    assert sorted(p.name for p in out.iterdir()) == ["kora_lora_meta.json", WEIGHT_NAME]
+    fresh.transformer.load_lora_adapter(str(out), weight_name=WEIGHT_NAME, adapter_name="kora")
+    ids, x, t = torch.tensor([0, 3]), torch.randn(2, 4, 8, 8), torch.tensor([500.0, 500.0])
+    with torch.no_grad():
+        want, got, plain = (velocity_fn(toy, ids)(x, t) for toy in (trained, fresh, base))
+    assert float((want - plain).abs().max()) > 1e-2  # the adapter matters
+    assert torch.equal(want, got)
