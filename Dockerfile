@@ -49,7 +49,7 @@ WORKDIR /sgl-workspace/sglang
 RUN git fetch origin sglang-miles && git checkout -f "${SGLANG_MILES_COMMIT}" \
     && SGLANG_BUILD_RUST_EXTS=none pip install --no-cache-dir --no-deps -e "python[all]"
 
-# --- trainer: the named SGLang build + megatron-core + kora[trainer] -----------------------------------
+# --- trainer: the named SGLang build + megatron-core + kora[trainer] (+ diffusion: a diffusion job runs in it) ---
 # hadolint ignore=DL3006
 FROM sglang-${SGLANG_BUILD} AS trainer
 ARG SGLANG_BUILD
@@ -59,7 +59,7 @@ ENV PYTHONUNBUFFERED=1
 COPY --from=wheel /dist/kora-${KORA_VERSION}-py3-none-any.whl /tmp/
 # torch and sglang come with the base image; pip keeps them when they satisfy kora's ranges
 RUN pip install --no-cache-dir "megatron-core==${MEGATRON_CORE_VERSION}" \
-        "/tmp/kora-${KORA_VERSION}-py3-none-any.whl[trainer,wandb]" \
+        "/tmp/kora-${KORA_VERSION}-py3-none-any.whl[trainer,wandb,diffusion]" \
     && rm /tmp/kora-${KORA_VERSION}-py3-none-any.whl
 # the image must hold the build it is named for (the trainer checks the same at start); SGLANG_CHECK=false only
 # for a CPU image without SGLang (hack/e2e_kind.py: its toy runs kora's reference engine, rollout.engine hf)
