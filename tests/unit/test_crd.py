@@ -75,7 +75,7 @@ def test_defaults_enums_bounds_and_rules_are_in_the_schema():
 def test_immutable_sections_are_every_spec_field_but_the_mutable_ones():
     assert set(IMMUTABLE_SECTIONS) == {
         "model", "lora", "algorithm", "data", "rollout", "parallelism", "deployment", "sync", "multiLora", "tracking",
-        "backend", "runtime", "image", "resources", "queueName"}
+        "diffusion", "backend", "runtime", "image", "resources", "queueName"}
     # the lifecycle fields are the ones the operator passes on to the RayJob, and they stay mutable
     job = LoRATrainingJob.model_validate(valid_job("immut"))
     lifecycle = set(mutable_spec(job))
