@@ -28,7 +28,7 @@ def start_reference_engine(model_dir: str, device: torch.device) -> tuple[Any, A
 
     from kora_trainer.reference_engine.model import EngineModel
     from kora_trainer.reference_engine.server import HFEngineServer
-    from kora_trainer.wire.group import free_port
+    from kora_trainer.wire.ports import free_port
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)
     t0 = time.perf_counter()

@@ -438,7 +438,7 @@ STATE: dict[str, Any] = {"res": None, "engines": []}  # TP rank 0's results so f
 def run(args: argparse.Namespace, rank: int = 0) -> dict[str, Any]:
     """The whole bench on TP rank `rank` (every TP rank runs it; rank 0 starts and drives the engines and
     returns the results, the other ranks take part in the collectives and their numbers are dropped)."""
-    from kora_trainer.wire.group import free_port
+    from kora_trainer.wire.ports import free_port
 
     tp_size, n_eng = args.tp, (0 if args.no_engine else args.engines)
     leader = rank == 0
@@ -507,7 +507,8 @@ def _start_engines(args: argparse.Namespace, res: dict[str, Any], engines: list[
 def _weight_update_groups(leader: bool, n_eng: int, fast_ports: dict[int, int], backend: str) -> dict[int, Any]:
     """TP rank 0's weight-update groups {TP rank 0, engines 0..k-1}, k = 1..N; without an engine (one GPU) a
     group of one (key 0), so that the packing paths run and can be timed alone. Other TP ranks: none."""
-    from kora_trainer.wire.group import free_port, init_weight_update_group
+    from kora_trainer.wire.group import init_weight_update_group
+    from kora_trainer.wire.ports import free_port
 
     groups: dict[int, Any] = {}
     if leader and n_eng:
@@ -1121,7 +1122,7 @@ def follower_main(rank: int, args: argparse.Namespace) -> None:
 
 def start_followers(args: argparse.Namespace) -> list[Any]:
     """TP ranks 1..T-1 in their own processes (torchrun's environment for megatron's process group)."""
-    from kora_trainer.wire.group import free_port
+    from kora_trainer.wire.ports import free_port
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(args.tp), RANK="0",
                       LOCAL_RANK="0")

@@ -33,7 +33,8 @@ from kora_trainer.sync.sender import WeightSender, colocated_buckets
 from kora_trainer.sync.sources import adapter_source, base_source, merged_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
 from kora_trainer.wire.engine_client import EngineClient
-from kora_trainer.wire.group import free_port, init_weight_update_group
+from kora_trainer.wire.group import init_weight_update_group
+from kora_trainer.wire.ports import free_port
 from kora_trainer.wire.protocol import plan_buckets
 
 MODES = ("Merge", "Adapter", "EngineMerge")

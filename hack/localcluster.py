@@ -35,7 +35,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -154,17 +153,11 @@ def provide_binaries(stream: bool = False) -> Path:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct free TCP ports on 127.0.0.1 (all bound at once, then released)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+    """`n` distinct free TCP ports on 127.0.0.1, outside the kernel's ephemeral range (kora_trainer/wire/ports.py
+    says why)."""
+    from kora_trainer.wire.ports import free_ports as pick
+
+    return pick(n)
 
 
 def _proc_stat(pid: int) -> list[str] | None:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from kora_trainer.wire.engine_client import EngineClient
-from kora_trainer.wire.group import WeightUpdateGroup, free_port, init_weight_update_group
+from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
+from kora_trainer.wire.ports import free_port
 from kora_trainer.wire.protocol import FLAT, Bucket, pack, plan_buckets
 from kora_trainer.wire.serialize import serialize_named_tensors
 from localcluster import wait_for

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kora_trainer.recorder import read_events
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 E2E = REPO / "tests" / "e2e"  # toy_rewards.py: the runs' custom reward

@@ -21,7 +21,7 @@ from test_megatron_model import ALPHA, PROMPT, RESPONSES, REWARDS, TARGETS, R, r
 from engine_helpers import PROMPTS, start_engine, stop_engine
 from kora_trainer.backends.megatron import megatron_available
 from kora_trainer.wire.engine_client import EngineClient
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 
 pytestmark = [
     pytest.mark.gpu,

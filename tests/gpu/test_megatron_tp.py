@@ -29,7 +29,7 @@ from test_megatron_model import (
 
 from gpukit import megatron_marks
 from kora_trainer.backends.megatron.convert import FC1, QKV, adapter_modules
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 from tinymodel import make_tiny_model
 
 TP = 2

@@ -18,7 +18,7 @@ import torch
 from test_megatron_model import PROMPT, RESPONSES, REWARDS, TARGETS, _cfg, random_hf_adapter
 
 from gpukit import megatron_marks
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 from tinymodel import make_tiny_model
 
 TP = 2

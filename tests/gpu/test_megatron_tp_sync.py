@@ -25,7 +25,7 @@ from test_megatron_sync import ATOL, _cfg
 
 from engine_helpers import PROMPTS, start_engine, stop_engine
 from gpukit import megatron_marks
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 
 pytestmark = megatron_marks(gpus=2)
 TP = 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput, applied_checksum, error_message
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 from kora_trainer.wire.protocol import checksum, plan_buckets
 
 

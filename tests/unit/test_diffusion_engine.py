@@ -24,7 +24,7 @@ from kora_trainer.diffusion.policy import velocity_fn
 from kora_trainer.diffusion.toy import load_diffusion_toy
 from kora_trainer.diffusion.train_loop import FlowGRPOSettings, train_toy
 from kora_trainer.lora.model import adapter_tensors, base_state, folded_state
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 from kora_trainer.wire.serialize import serialize_named_tensors
 from localcluster import wait_for
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 
 PROMPTS, GROUP, STEPS, PASSES = 4, 4, 4, 2
 TOLERANCE = 1e-7  # max |a - b| over every A/B element after the passes (measured 3.7e-9; the move is ~1e-3)

@@ -128,7 +128,8 @@ def _pair_of_groups():
     """Trainer rank 0 and engine rank 1 of a gloo weight-update group, each made on its own thread."""
     import threading
 
-    from kora_trainer.wire.group import free_port, init_weight_update_group
+    from kora_trainer.wire.group import init_weight_update_group
+    from kora_trainer.wire.ports import free_port
 
     port, out = free_port(), {}
     t = threading.Thread(target=lambda: out.setdefault(1, init_weight_update_group("127.0.0.1", port, 1, 2, "t")))

@@ -22,7 +22,7 @@ from kora_trainer.orchestration.engines import EngineProcess
 from kora_trainer.orchestration.rollout_manager import Rollout, RolloutError
 from kora_trainer.wire.engine_auth import new_admin_key
 from kora_trainer.wire.engine_client import EngineClient
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 from localcluster import wait_for
 from tinymodel import make_tiny_model
 

@@ -20,7 +20,8 @@ from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
 from kora_trainer.wire.engine_client import EngineClient
-from kora_trainer.wire.group import free_port, init_weight_update_group
+from kora_trainer.wire.group import init_weight_update_group
+from kora_trainer.wire.ports import free_port
 from tinymodel import make_tiny_model
 
 TIMEOUT_S = 120

@@ -130,7 +130,8 @@ def set_adapter(model: nn.Module, adapter: dict[str, torch.Tensor], rank: int) -
 
 def groups(n: int) -> list[Any]:
     """n ranks of a gloo WeightUpdateGroup, each made on its own thread."""
-    from kora_trainer.wire.group import free_port, init_weight_update_group
+    from kora_trainer.wire.group import init_weight_update_group
+    from kora_trainer.wire.ports import free_port
 
     port, out = free_port(), {}
     threads = [threading.Thread(target=lambda r=r: out.setdefault(r, init_weight_update_group(

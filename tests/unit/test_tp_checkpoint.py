@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kora_trainer.backends.megatron.tp_checkpoint import TensorShards, split_shard
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 
 WORLD = 2
 

@@ -165,7 +165,7 @@ def step_rows(seed: int, step: int, n_rows: int, k: int) -> torch.Tensor:
 def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int) -> EngineProcess:
     """The reference diffusion engine on 127.0.0.1, stopped by pid (orchestration/engines.EngineProcess)."""
     from kora_trainer.orchestration.engines import EngineProcess
-    from kora_trainer.wire.group import free_port
+    from kora_trainer.wire.ports import free_port
 
     port = free_port("127.0.0.1")
     argv = [sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(Path(cfg.model.path).resolve()),

@@ -26,7 +26,7 @@ from kora_trainer.config import TrainerConfig
 from kora_trainer.orchestration.sglang_launcher import engine_command
 from kora_trainer.wire.engine_auth import KEY_ENVS
 from kora_trainer.wire.engine_client import EngineClient
-from kora_trainer.wire.group import free_port
+from kora_trainer.wire.ports import free_port
 
 _PR_SET_PDEATHSIG = 1
 

@@ -46,7 +46,7 @@ class TrainWorker:
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: this node's address (127.0.0.1 on a one-node cluster) and a port free on it."""
         from kora_trainer.orchestration.addresses import node_address
-        from kora_trainer.wire.group import free_port
+        from kora_trainer.wire.ports import free_port
 
         host = node_address()
         return host, free_port(host)

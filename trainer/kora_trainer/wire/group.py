@@ -13,11 +13,9 @@ group: the delta-skip's MAX and the fast path's shard gathers run over it).
 from __future__ import annotations
 
 import ipaddress
-import random
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import TypedDict
 
 import torch
@@ -57,39 +55,6 @@ def local_address_towards(host: str) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))
         return str(s.getsockname()[0])
-
-
-PORT_FLOOR = 20000  # Ray's workers listen on 10002-19999 by default (min/max_worker_port)
-
-
-def _ephemeral_range() -> tuple[int, int]:
-    try:
-        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
-        return int(lo), int(hi)
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port free now on `host`, for a server that binds it later (an engine binds after loading its model).
-
-    Outside the kernel's ephemeral range: a port from bind(0) is one an outgoing connection may take as its local
-    port before the server binds it (a run's Ray workers open many), which failed an engine start with EADDRINUSE.
-    A random port below that range (above Ray's worker ports), else above it, checked by binding it."""
-    lo, hi = _ephemeral_range()
-    span = range(PORT_FLOOR, lo) if lo - PORT_FLOOR >= 1000 else range(hi + 1, 65536)
-    rng = random.SystemRandom()
-    for _ in range(100):
-        port = rng.choice(span)
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # every try taken: the kernel's choice
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

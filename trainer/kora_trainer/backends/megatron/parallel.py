@@ -17,7 +17,7 @@ def init_parallel(tensor: int = 1, seed: int = 0, backend: str = "nccl") -> None
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        from kora_trainer.wire.group import free_port
+        from kora_trainer.wire.ports import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
