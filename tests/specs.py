@@ -34,7 +34,7 @@ def set_path(doc: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
 
 
 # what makes valid_job a valid diffusion job: the diffusion section, on the reference diffusion engine
-DIFFUSION: dict[str, Any] = {"diffusion.kind": "image", "rollout.engine": "hf"}
+DIFFUSION: dict[str, Any] = {"diffusion.kind": "image", "rollout.engine": "hf", "rollout.gpusPerEngine": 0}
 
 # rule id -> {dotted spec path: value} that violates exactly that rule
 VIOLATIONS: dict[str, dict[str, Any]] = {

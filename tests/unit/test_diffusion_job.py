@@ -104,3 +104,35 @@ def test_the_export_is_diffusers_own_lora_file_and_loads_into_the_trained_policy
         want, got, plain = (velocity_fn(toy, ids)(x, t) for toy in (trained, fresh, base))
     assert float((want - plain).abs().max()) > 1e-2  # the adapter matters
     assert torch.equal(want, got)
+
+
+def test_tracking_kl_to_base_measures_the_kl_without_adding_it_to_the_loss(diffusion_toy_dir):
+    """tracking.klToBase on a diffusion job: the step's KL to the adapter-off base is computed (B moved, so it is
+    > 0) and the loss is the one without it."""
+    from dataclasses import replace
+
+    from kora_trainer.diffusion import flow_grpo
+    from kora_trainer.diffusion.lora import apply_diffusion_lora
+    from kora_trainer.diffusion.train_loop import local_rollout, update
+    from kora_trainer.lora.model import adapter_parameters, lora_modules
+
+    cfg = TrainerConfig.model_validate({**job(diffusion_toy_dir).model_dump(by_alias=True),
+                                        "tracking": {"klToBase": True}})
+    s = settings_of(cfg)
+    assert s.measure_kl and s.kl_coef == 0
+
+    def one_pass(settings):
+        toy = load_model(cfg)
+        torch.manual_seed(0)
+        apply_diffusion_lora(toy.transformer, 4, 8.0)
+        with torch.no_grad():
+            for m in lora_modules(toy.transformer).values():
+                m.lora_B.weight.fill_(0.01)
+        ids = torch.arange(4).repeat_interleave(4)
+        traj = local_rollout(settings)(toy, ids, 0)
+        adv = flow_grpo.advantages(torch.arange(16.0), 4)
+        opt = torch.optim.SGD(adapter_parameters(toy.transformer), lr=0.0)
+        return update(toy, settings, traj, ids, adv, opt)
+
+    measured, plain = one_pass(s), one_pass(replace(s, measure_kl=False))
+    assert measured["kl"] > 0 and plain["kl"] == 0 and measured["loss"] == plain["loss"]

@@ -78,7 +78,7 @@ def test_bad_flag_value_is_a_config_error():
         parse_seed_flags(["--lora-rank", "many"])
 
 
-DIFFUSION_BASE = {**BASE, "rollout": {"engine": "hf"}, "diffusion": {"kind": "image"}}
+DIFFUSION_BASE = {**BASE, "rollout": {"engine": "hf", "gpusPerEngine": 0}, "diffusion": {"kind": "image"}}
 
 
 def load_diffusion(argv):

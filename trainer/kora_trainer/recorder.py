@@ -216,9 +216,9 @@ class StepRecorder:
         self.say(f"checkpoint step {step} -> {path} ({ms:.0f} ms)")
         self.event("checkpoint", step=step, path=path, ms=round(ms, 1))
 
-    def exported(self, path: str) -> None:
+    def exported(self, path: str, form: str = "HF-PEFT") -> None:
         self.run.export = path
-        self.say(f"exported the adapter (HF-PEFT, step {self.run.done}) -> {path}")
+        self.say(f"exported the adapter ({form}, step {self.run.done}) -> {path}")
         self.event("export", step=self.run.done, path=path)
 
     def stopped(self, why: str) -> None:

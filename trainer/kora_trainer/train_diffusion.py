@@ -57,7 +57,8 @@ def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
     return FlowGRPOSettings(
         prompts_per_step=a.rollout_batch_size, samples_per_prompt=a.n_samples_per_prompt,
         num_inference_steps=d.num_inference_steps, noise_level=d.noise_level, lr=a.lr, clip_eps=d.clip_eps,
-        kl_coef=a.kl_coef, adv_clip=d.adv_clip, minibatches=samples // a.effective_global_batch_size,
+        kl_coef=a.kl_coef, measure_kl=cfg.tracking.kl_to_base, adv_clip=d.adv_clip,
+        minibatches=samples // a.effective_global_batch_size,
         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_init=str(d.lora_init), seed=a.seed)
 
 
@@ -244,7 +245,8 @@ class DiffusionTrainer:
             rollout_logp_gap_max=first["logp_gap_max"], rollout_logp_gap_mean=first["logp_gap_mean"],
             rollout_version_lag=0, train_ms=(time.perf_counter() - t1) * 1000, reward_std=float(rewards.std()),
             reward_min=float(rewards.min()), reward_max=float(rewards.max()),
-            response_len_max=traj.num_steps, response_len_min=traj.num_steps, kl_measured=s.kl_coef > 0, lr=s.lr)
+            response_len_max=traj.num_steps, response_len_min=traj.num_steps,
+            kl_measured=s.kl_coef > 0 or s.measure_kl, lr=s.lr)
         return metrics, gen_ms
 
     # ---- checkpoints: LoRA-only, as the language-model path's (checkpoint/lora_only.py) -------------------------
@@ -341,6 +343,6 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
         if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
             checkpoint(rec.run.done)
         if root and cfg.checkpoint.export_hf:
-            rec.exported(str(trainer.export(root, rec.run.done)))
+            rec.exported(str(trainer.export(root, rec.run.done)), "diffusers LoRA")
     finally:
         engine.stop()

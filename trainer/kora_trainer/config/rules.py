@@ -133,13 +133,14 @@ _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], st
      lambda c: any(getattr(c.parallelism, f) != 1 for f in ("data", "tensor", "pipeline", "context", "expert",
                                                             "expert_tensor")), _P_ONE),
     ("diffusion-one-engine", "rollout.numEngines",
-     "a diffusion job rolls out on one engine, the reference diffusion engine beside the trainer: set "
-     "rollout.engine hf, rollout.numEngines 1, rollout.dpSize 1, rollout.distributedEngines 0 and leave "
-     "rollout.sglangBuild unset (launching sglang-diffusion is not built)",
-     lambda c: (c.rollout.engine != "hf" or c.rollout.num_engines != 1 or c.rollout.dp_size != 1
-                or c.rollout.distributed_engines != 0 or c.rollout.sglang_build is not None),
-     "self.rollout.engine == 'hf' && self.rollout.numEngines == 1 && self.rollout.dpSize == 1 && "
-     "self.rollout.distributedEngines == 0 && !has(self.rollout.sglangBuild)"),
+     "a diffusion job rolls out on one engine, the reference diffusion engine beside the trainer, on CPU: set "
+     "rollout.engine hf, rollout.numEngines 1, rollout.gpusPerEngine 0, rollout.dpSize 1, "
+     "rollout.distributedEngines 0 and leave rollout.sglangBuild unset (launching sglang-diffusion and a GPU "
+     "engine are not built)",
+     lambda c: (c.rollout.engine != "hf" or c.rollout.num_engines != 1 or c.rollout.gpus_per_engine != 0
+                or c.rollout.dp_size != 1 or c.rollout.distributed_engines != 0 or c.rollout.sglang_build is not None),
+     "self.rollout.engine == 'hf' && self.rollout.numEngines == 1 && self.rollout.gpusPerEngine == 0 && "
+     "self.rollout.dpSize == 1 && self.rollout.distributedEngines == 0 && !has(self.rollout.sglangBuild)"),
     ("diffusion-sync-rollouts", "deployment.async",
      "deployment.async is not built for diffusion jobs (each step's images come from the policy just pushed): set "
      "deployment.async to false",

@@ -62,7 +62,6 @@ class Pushed:
     buckets: int
     ms: float
     what: str  # lora_pairs | folded
-    line: str = ""  # the seed's first-sync log line (IPC merge)
 
 
 class LoraMergeSync:
@@ -91,7 +90,7 @@ class LoraMergeSync:
             print(line, flush=True)
         self.lines.append(line)
         ms = (time.perf_counter() - t0) * 1000
-        return Pushed(sum(g.nbytes for g in groups), len(buckets), ms, "lora_pairs", line)
+        return Pushed(sum(g.nbytes for g in groups), len(buckets), ms, "lora_pairs")
 
 
 class FoldedSync:

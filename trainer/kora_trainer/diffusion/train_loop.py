@@ -34,7 +34,8 @@ class FlowGRPOSettings:
     noise_level: float = 0.7  # a in s_t = a sqrt(t / (1 - t))
     lr: float = 5e-3
     clip_eps: float = 1e-4
-    kl_coef: float = 0.0  # beta: KL to the adapter-off base per step (0: not computed)
+    kl_coef: float = 0.0  # beta: KL to the adapter-off base per step
+    measure_kl: bool = False  # compute that KL with kl_coef 0 too (tracking.klToBase); else only when kl_coef > 0
     adv_clip: float = 5.0
     max_grad_norm: float = 1.0
     minibatches: int = 1  # optimizer steps per rollout batch (the samples split evenly)
@@ -88,7 +89,7 @@ def update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Trajec
                 stats["logp_gap_max"] = max(stats["logp_gap_max"], float(gap.max()))
                 gap_sum, gap_n = gap_sum + float(gap.sum()), gap_n + gap.numel()
             kl = None
-            if settings.kl_coef > 0:
+            if settings.kl_coef > 0 or settings.measure_kl:
                 with torch.no_grad(), adapter_disabled(toy.transformer):
                     _, ref_mean, _ = flow_grpo.rescore(velocity, traj, j, rows)
                 kl = flow_grpo.gaussian_kl(mean, ref_mean, std).unsqueeze(1)  # [b, 1]
