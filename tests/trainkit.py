@@ -8,6 +8,7 @@ Runs use the toy (tests/conftest.py's `toy_dir`) with TINY steps, scored by test
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -41,7 +42,7 @@ def poll_status(port: int, token: str) -> dict | None:
     try:
         with urllib.request.urlopen(req, timeout=2) as resp:
             return json.loads(resp.read())
-    except (urllib.error.URLError, OSError):
+    except (urllib.error.URLError, OSError, http.client.HTTPException):  # not up yet, or exiting
         return None
 
 

@@ -18,6 +18,7 @@ policy was checked against, pushed or skipped), which then counts instead of ada
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.request
@@ -69,9 +70,10 @@ def call(base_url: str, path: str, token: str, timeout: float, method: str = "GE
             raise ProgressUnavailable(f"the trainer at {url} answered {e.code}") from None
         try:
             return e.code, json.loads(e.read())
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):
             raise ProgressUnavailable(f"the trainer at {url} answered {e.code}") from None
-    except (urllib.error.URLError, OSError, ValueError) as e:
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:  # HTTPException: an
+        # answer cut short (the trainer exiting while it wrote)
         raise ProgressUnavailable(f"cannot read {url}: {getattr(e, 'reason', e)}") from None
 
 

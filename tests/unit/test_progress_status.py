@@ -3,6 +3,9 @@ the WeightsSynced / Checkpointed conditions; fetched from the trainer's REAL con
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 
 from kora_operator.api.job import LoRATrainingJob
@@ -121,6 +124,23 @@ def test_fetch_from_nowhere():
     with pytest.raises(ProgressUnavailable, match="cannot read") as e:
         fetch(url, "t", timeout=2)
     assert not e.value.unauthorized
+
+
+def test_an_answer_cut_short_is_unavailable_not_a_crash():
+    """A trainer that exits while it writes /status: the headers came, the body did not. The operator's poll
+    says the trainer cannot be read (and tries again later) instead of raising http.client's IncompleteRead."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        def cut_short() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 705\r\n\r\n")
+        t = threading.Thread(target=cut_short, daemon=True)
+        t.start()
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(ProgressUnavailable, match=r"cannot read .*IncompleteRead"):
+            fetch(url, "t", timeout=5)
+        t.join(timeout=5)
 
 
 def test_kuberay_control_url_is_the_head_service():

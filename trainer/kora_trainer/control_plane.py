@@ -183,6 +183,9 @@ class _Handler(BaseHTTPRequestHandler):
     connection closes, so the client gets the answer and not a reset."""
 
     plane: ControlPlane
+    # buffered, so an answer's headers and body leave in one write: a trainer that exits while a poller reads
+    # cuts the connection before the answer or after it, never between its headers and its body
+    wbufsize = 1 << 16
 
     def log_message(self, *args: Any) -> None:  # the operator polls; keep the trainer's log clean
         pass

@@ -13,6 +13,7 @@ CLI does ($RAY_AUTH_TOKEN, the file $RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token).
 from __future__ import annotations
 
 import datetime as dt
+import http.client
 import json
 import os
 import urllib.error
@@ -123,7 +124,7 @@ class RayJobsClient:
                 raise RayUnavailable(f"the Ray Jobs API at {self.address} answered {e.code}: "
                                      f"{_last_line(text)}") from None
             return int(e.code), text
-        except (urllib.error.URLError, OSError) as e:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as e:  # HTTPException: an answer cut short
             reason = getattr(e, "reason", e)
             raise RayUnavailable(f"cannot reach the Ray Jobs API at {self.address}: {reason}") from None
 
