@@ -8,6 +8,7 @@ the first 10), the whole command's seconds, and the median phase times, so a slo
 
   python bench/toy_seeds.py --out bench/results/toy_seeds_$(date +%F).json           # 3 modes x 3 seeds, one at a time
   python bench/toy_seeds.py --parallel 8 --cores-per-run 2 ...                       # a many-core box: taskset each run
+  python bench/toy_seeds.py --parallel 2 --cores-per-run 2 --first-core 4 --set ...   # one of several recipes side by side
 
 On a box with more cores than one run needs, `--parallel N --cores-per-run C` runs N at once, each pinned to its own C
 cores (taskset), to stand in for N machines of C cores; say so when quoting its times.
@@ -90,6 +91,8 @@ def main() -> None:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more config overrides for every run")
     p.add_argument("--parallel", type=int, default=1)
     p.add_argument("--cores-per-run", type=int, default=0, help="with --parallel: pin each run to this many cores")
+    p.add_argument("--first-core", type=int, default=0, help="with --cores-per-run: the first core to pin to (so "
+                   "several invocations, one recipe each, share a box without sharing cores)")
     p.add_argument("--work", default=None, help="where the run directories go (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     p.add_argument("--out", default=None)
@@ -103,8 +106,9 @@ def main() -> None:
 
         make_toy(toy)
     jobs = [(m, int(s)) for s in args.seeds.split(",") for m in args.modes.split(",")]
-    slots = [list(range(i * args.cores_per_run, (i + 1) * args.cores_per_run)) if args.cores_per_run else None
-             for i in range(args.parallel)]
+    first = args.first_core
+    slots = [list(range(first + i * args.cores_per_run, first + (i + 1) * args.cores_per_run))
+             if args.cores_per_run else None for i in range(args.parallel)]
     free = list(range(args.parallel))
 
     def go(job: tuple[str, int]) -> dict[str, Any]:

@@ -22,12 +22,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
+from kora_trainer.algorithm.lr_schedule import lr_at
 from kora_trainer.algorithm.rewards import Sample
-from trainkit import TIMEOUT_S, TrainRun, wait_all
+from kora_trainer.config.sections import AlgorithmSpec
+from trainkit import TIMEOUT_S, TOY_YAML, TrainRun, wait_all
 
 STEPS, INTERVAL, SAMPLES_PER_STEP = 6, 2, 32
+LR = yaml.safe_load(TOY_YAML.read_text())["algorithm"]["lr"]  # the runs' rate after the warmup
 HOLD_ENV = "KORA_TEST_HOLD_AFTER_SAMPLES"
 _scored = 0
 
@@ -43,7 +47,9 @@ def held_odd_first_digit(sample: Sample) -> float:
     return 1.0 if sample.response[:1] in ("1", "3", "5", "7", "9") else 0.0
 
 
-JOB = [f"algorithm.numSteps={STEPS}", "deployment.async=false", f"checkpoint.interval={INTERVAL}",
+# a warmup then a cosine decay: the resumed steps' rates are the uninterrupted run's (the schedule is the step's)
+SCHEDULE = ["algorithm.lrDecayStyle=cosine", "algorithm.lrWarmupSteps=2", "algorithm.minLr=1e-4"]
+JOB = [f"algorithm.numSteps={STEPS}", *SCHEDULE, "deployment.async=false", f"checkpoint.interval={INTERVAL}",
        "checkpoint.keep=2", "sync.deltaSkipThreshold=0", "data.customRewardPath=test_resume.held_odd_first_digit"]
 
 
@@ -90,6 +96,12 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(toy_dir, tmp_path):
     assert sorted(p.name for p in ck_b.glob("step_*")) == ["step_00000002", "step_00000004"]  # keep 2
 
     want = a.summary()
+    rates = [e["lr"] for e in a.events("step")]
+    alg = AlgorithmSpec.model_validate({"lr": LR, "numSteps": STEPS, "lrDecayStyle": "cosine", "lrWarmupSteps": 2,
+                                        "minLr": 1e-4})
+    assert rates == pytest.approx([lr_at(alg, i) for i in range(STEPS)], rel=1e-12)
+    assert rates[0] == pytest.approx(LR / 2) and rates[1] == pytest.approx(LR) == rates[2]
+    assert rates[-1] == pytest.approx(1e-4)  # the last step trains at minLr
     assert want["steps"] == STEPS and len(want["loss_curve"]) == STEPS and want["resumed_from_step"] is None
     assert final_status(a)["resumedFromStep"] is None
     assert sorted(p.name for p in ck_a.glob("step_*")) == ["step_00000004", "step_00000006"]
@@ -117,6 +129,7 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(toy_dir, tmp_path):
         # exact: the same floats, not close ones
         assert got["loss_curve"] == want["loss_curve"][k:], (got["loss_curve"], want["loss_curve"])
         assert got["reward_curve"] == want["reward_curve"][k:]
+        assert [e["lr"] for e in run.events("step")] == rates[k:]
         final_a, final_b = adapter(ck_a, STEPS), adapter(ckpt, STEPS)
         assert final_a.keys() == final_b.keys()
         assert all(torch.equal(final_a[n], final_b[n]) for n in final_a), "final adapters differ"

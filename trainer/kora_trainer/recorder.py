@@ -7,7 +7,7 @@ with `event` and `wall_s` (seconds since the command started):
   initial (or restored) policy;
 - `resume`: the step and checkpoint resumed from, and every newer checkpoint refused (`refused`, reasons);
 - `step`: step, total, reward_mean, loss, clip_frac, train_ms (of it: logprob_ms, dp_allreduce_ms), gen_ms,
-  tokens (prompt + response), samples, response_len, rollout_version_lag, rollout_logp_gap_max, and the step's
+  tokens (prompt + response), samples, response_len, rollout_version_lag, rollout_logp_gap_max, lr, and the step's
   `sync` report (pushed, bytes, ms, adapter_version, path, note);
 - `checkpoint`: step, path, ms;  `export`: step, path;  `stopped`: why the loop ended early;
 - `summary`: the same object printed as the last line of stdout.
@@ -177,7 +177,7 @@ class StepRecorder:
         if report.note:
             self.say(f"sync: {report.note}")
         keys = ("reward_mean", "loss", "clip_frac", "train_ms", "dp_allreduce_ms", "logprob_ms", "tokens",
-                "samples", "response_len", "rollout_version_lag", "rollout_logp_gap_max")
+                "samples", "response_len", "rollout_version_lag", "rollout_logp_gap_max", "lr")
         self.event("step", step=step, total=self.steps, gen_ms=rstats["gen_ms"], sync=report.as_dict(),
                    **{k: getattr(metrics, k) for k in keys})
         if self.serving is not None:  # last: a PolicyNotServed leaves the step recorded

@@ -219,6 +219,7 @@ class DiffusionTrainer:
     def step(self, step: int, rollout: Callable[..., Any], engine: EngineProcess, saved: int | None
              ) -> tuple[Any, float]:
         """Roll out, score, update: (StepMetrics, gen_ms)."""
+        from kora_trainer.algorithm.lr_schedule import lr_at
         from kora_trainer.backends.grpo_step import StepMetrics
         from kora_trainer.diffusion import flow_grpo
         from kora_trainer.diffusion.train_loop import update
@@ -232,6 +233,9 @@ class DiffusionTrainer:
             traj = rollout(self.toy, ids, step)
         gen_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
+        lr = lr_at(alg, step - 1)  # `step` counts from 1
+        for group in self.opt.param_groups:
+            group["lr"] = lr
         rewards = self.reward(traj.images, rows)  # [B]
         adv = flow_grpo.advantages(rewards, s.samples_per_prompt, s.adv_clip)
         passes = [update(self.toy, s, traj, ids, adv, self.opt) for _ in range(alg.inner_epochs)]
@@ -246,7 +250,7 @@ class DiffusionTrainer:
             rollout_version_lag=0, train_ms=(time.perf_counter() - t1) * 1000, reward_std=float(rewards.std()),
             reward_min=float(rewards.min()), reward_max=float(rewards.max()),
             response_len_max=traj.num_steps, response_len_min=traj.num_steps,
-            kl_measured=s.kl_coef > 0 or s.measure_kl, lr=s.lr)
+            kl_measured=s.kl_coef > 0 or s.measure_kl, lr=lr)
         return metrics, gen_ms
 
     # ---- checkpoints: LoRA-only, as the language-model path's (checkpoint/lora_only.py) -------------------------

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
+from kora_trainer.algorithm.lr_schedule import lr_at
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.backends.data_parallel import DataParallel
 from kora_trainer.config import TrainerConfig
@@ -127,6 +128,9 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
                               "grad_norm": 0.0}
     gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
     updates, reduce_s = 0, 0.0
+    lr = lr_at(alg, owner.version)  # this step's rate (the schedule is a function of the step: resume-exact)
+    for group in owner.optimizer.param_groups:
+        group["lr"] = lr
     owner.model.train()  # LoRA dropout on
     for _ in range(alg.inner_epochs):
         # shuffle whole groups, so a minibatch holds complete groups (and their shared prompts)
@@ -185,5 +189,5 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
         reward_std=float(rewards.std()) if n > 1 else 0.0, reward_min=float(rewards.min()),
         reward_max=float(rewards.max()), response_len_max=int(lengths.max()), response_len_min=int(lengths.min()),
         kl_measured=ref is not None, entropy=float(-(old * mask).sum() / mask.sum().clamp(min=1.0)),
-        lr=float(owner.optimizer.param_groups[0]["lr"]),
+        lr=lr,
     )

@@ -21,6 +21,7 @@ from kora_trainer.config.layout import FIX_DATA_SEARCH, PARALLEL_MESSAGE, parall
 from kora_trainer.config.sections import (
     CheckpointDType,
     DeploymentMode,
+    LrDecayStyle,
     SGLangBuild,
     SyncMode,
     TargetModule,
@@ -113,6 +114,7 @@ def _build_refused(c: TrainerConfig, mode: SyncMode | None = None) -> str | None
 
 # A diffusion job (docs/diffusion.md): what its path runs today. The seed's own rule (--lora-ipc-weight-sync needs
 # --colocate) holds for both its modes here: the weights go by same-host handles (update_weights_from_tensor).
+_CONSTANT_LR = "(!has(self.algorithm.lrDecayStyle) || self.algorithm.lrDecayStyle == 'constant')"
 _P_ONE = " && ".join(f"{_P}.{f} == 1" for f in ("data", "tensor", "pipeline", "context", "expert", "expertTensor"))
 _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], str], ...] = (
     ("diffusion-sync-mode", "lora.syncMode",
@@ -246,6 +248,42 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         "lora.syncMode Adapter: set lora.syncMode to Adapter, or multiLora.maxAdapters to 0",
         lambda c: c.multi_lora.max_adapters > 0 and not _adapter(c),
         f"self.multiLora.maxAdapters == 0 || {_ADAPTER}",
+    ),
+    # the learning-rate schedule (algorithm/lr_schedule.py)
+    SpecRule(
+        "lr-decay-steps", "algorithm.lrDecaySteps",
+        "algorithm.lrDecayStyle linear or cosine needs the step its decay ends at: set algorithm.lrDecaySteps "
+        "(or algorithm.numSteps, its default), or set lrDecayStyle constant",
+        lambda c: c.algorithm.lr_decay_style is not LrDecayStyle.CONSTANT and c.algorithm.num_steps is None
+        and c.algorithm.lr_decay_steps is None,
+        f"{_CONSTANT_LR} || has(self.algorithm.numSteps) || has(self.algorithm.lrDecaySteps)",
+    ),
+    SpecRule(
+        "min-lr", "algorithm.minLr",
+        "algorithm.minLr is above algorithm.lr, so the decay would raise the rate: set minLr at most lr",
+        lambda c: c.algorithm.min_lr > c.algorithm.lr,
+        "!has(self.algorithm.minLr) || self.algorithm.minLr <= self.algorithm.lr",
+    ),
+    SpecRule(
+        "lr-warmup-steps", "algorithm.lrWarmupSteps",
+        "algorithm.lrWarmupSteps must end before the decay does (lrDecaySteps, default numSteps): lower "
+        "lrWarmupSteps or raise lrDecaySteps",
+        lambda c: c.algorithm.lr_decay_style is not LrDecayStyle.CONSTANT
+        and (c.algorithm.lr_decay_steps or c.algorithm.num_steps or c.algorithm.lr_warmup_steps + 1)
+        <= c.algorithm.lr_warmup_steps,
+        f"{_CONSTANT_LR} || !has(self.algorithm.lrWarmupSteps) || self.algorithm.lrWarmupSteps < "
+        "(has(self.algorithm.lrDecaySteps) ? self.algorithm.lrDecaySteps : (has(self.algorithm.numSteps) ? "
+        "self.algorithm.numSteps : self.algorithm.lrWarmupSteps + 1))",
+    ),
+    SpecRule(
+        "lr-schedule-multi-lora", "algorithm.lrDecayStyle",
+        "a multi-adapter job trains each adapter at its own constant rate (its LoRAAdapter's lr; a schedule per "
+        "adapter is not built): set algorithm.lrDecayStyle constant and algorithm.lrWarmupSteps 0, or "
+        "multiLora.maxAdapters 0",
+        lambda c: c.multi_lora.max_adapters > 0 and (c.algorithm.lr_decay_style is not LrDecayStyle.CONSTANT
+                                                     or c.algorithm.lr_warmup_steps > 0),
+        f"self.multiLora.maxAdapters == 0 || ({_CONSTANT_LR} && (!has(self.algorithm.lrWarmupSteps) || "
+        "self.algorithm.lrWarmupSteps == 0))",
     ),
     # the named SGLang build (config/sglang_builds.py's table): what it has no route for
     SpecRule(

@@ -91,6 +91,12 @@ class Algorithm(StrEnum):
     GRPO = "GRPO"
 
 
+class LrDecayStyle(StrEnum):
+    CONSTANT = "constant"
+    LINEAR = "linear"
+    COSINE = "cosine"
+
+
 
 # Upper bounds on the batch and length integers: far past any real job, and below what would make the trainer
 # allocate without end or torch's generators overflow (a seed must fit in 64 bits), so a typo is refused at
@@ -111,7 +117,16 @@ class AlgorithmSpec(CamelModel):
     name: Algorithm = Algorithm.GRPO
     """The policy-gradient algorithm. GRPO: group-relative advantages, clipped ratio, optional KL."""
     lr: Annotated[float, Field(gt=0, le=1.0)] = 1e-5
-    """Adapter learning rate (AdamW)."""
+    """Adapter learning rate (AdamW): the rate after the warmup, where the decay starts."""
+    lr_decay_style: LrDecayStyle = LrDecayStyle.CONSTANT
+    """constant, linear or cosine: how the rate falls from lr to minLr over lrDecaySteps (Megatron's
+    --lr-decay-style)."""
+    min_lr: Annotated[float, Field(ge=0, le=1.0)] = 0.0
+    """The rate a linear or cosine decay ends at (at most lr)."""
+    lr_warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] = 0
+    """Steps over which the rate rises linearly to lr before the decay starts."""
+    lr_decay_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
+    """The step at which a decay reaches minLr (it stays there after); default numSteps."""
     num_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
     """Optimizer steps to train. Exclusive with numEpochs; neither set means one epoch."""
     num_epochs: Annotated[int, Field(ge=1, le=MAX_EPOCHS)] | None = None
