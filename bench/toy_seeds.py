@@ -8,7 +8,7 @@ the first 10), the whole command's seconds, and the median phase times, so a slo
 
   python bench/toy_seeds.py --out bench/results/toy_seeds_$(date +%F).json           # 3 modes x 3 seeds, one at a time
   python bench/toy_seeds.py --parallel 8 --cores-per-run 2 ...                       # a many-core box: taskset each run
-  python bench/toy_seeds.py --parallel 2 --cores-per-run 2 --first-core 4 --set ...   # one of several recipes side by side
+  python bench/toy_seeds.py --parallel 2 --cores-per-run 2 --first-core 4 --set ...  # recipes side by side
 
 On a box with more cores than one run needs, `--parallel N --cores-per-run C` runs N at once, each pinned to its own C
 cores (taskset), to stand in for N machines of C cores; say so when quoting its times.
