@@ -32,8 +32,10 @@ def _merge(args: argparse.Namespace) -> int:
 
 def register_merge(sub: Any) -> None:
     p = sub.add_parser("merge", help="fold an HF-PEFT adapter into a base checkpoint, one shard at a time")
-    p.add_argument("--base", required=True, help="HF checkpoint directory (safetensors, sharded or not)")
-    p.add_argument("--adapter", required=True, help="HF-PEFT adapter directory (adapter_config.json + safetensors)")
+    p.add_argument("--base", required=True,
+                   help="HF checkpoint directory (safetensors, sharded or not), or a diffusers pipeline directory")
+    p.add_argument("--adapter", required=True, help="HF-PEFT adapter directory (adapter_config.json + safetensors), "
+                   "or a diffusion job's export (diffusers' pytorch_lora_weights.safetensors)")
     p.add_argument("--out", required=True, help="new directory for the merged checkpoint")
     p.add_argument("--force", action="store_true", help="replace --out if it exists")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

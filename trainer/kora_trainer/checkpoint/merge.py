@@ -5,6 +5,10 @@ load a multimodal checkpoint as its text-only class (dropping the vision tower o
 cannot see grouped experts stored as 3-D tensors. Here each shard is streamed tensor by tensor
 (peak memory ~ the largest folded tensor), names and layout are kept, config/tokenizer/other files
 are copied verbatim, and the index is rewritten from what was written.
+
+A diffusion job's export (diffusers' `pytorch_lora_weights.safetensors`, its tensors under `transformer.`) folds
+into a diffusers pipeline directory's `transformer/` (`diffusion_pytorch_model*.safetensors`); the pipeline's other
+components and files are copied as they are, so `from_pretrained` loads the merged directory like the base.
 """
 
 from __future__ import annotations
@@ -19,10 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from kora_trainer.checkpoint.peft_adapter import AdapterError, fold, load_adapter, pair_with_base
-from kora_trainer.checkpoint.safetensors_io import StreamWriter, iter_shards, read_array, read_header
-
-INDEX = "model.safetensors.index.json"
+from kora_trainer.checkpoint.peft_adapter import AdapterError, diffusers_component, fold, load_adapter, pair_with_base
+from kora_trainer.checkpoint.safetensors_io import StreamWriter, index_file, iter_shards, read_array, read_header
 
 
 @dataclass(frozen=True)
@@ -44,51 +46,65 @@ def _check_dirs(base: Path, adapter: Path, out: Path, force: bool) -> None:
         raise AdapterError(f"--out {out}: exists and is not empty; choose a new directory or pass --force")
 
 
+def weights_dir(base: Path, adapter: Path) -> Path:
+    """Where in `base` the adapter's weights are: the base itself, or for a diffusers LoRA file its component's
+    directory in a pipeline (`base/transformer`; `base` may also be that component directory itself)."""
+    component = diffusers_component(adapter)
+    if component is None or not (base / component).is_dir():
+        return base
+    return base / component
+
+
 def merge(base: Path, adapter: Path, out: Path, *, force: bool = False, progress: bool = True) -> MergeReport:
     t0 = time.perf_counter()
     base, adapter, out = Path(base), Path(adapter), Path(out)
     _check_dirs(base, adapter, out, force)
     config, tensors = load_adapter(adapter)
-    headers = [read_header(s) for s in iter_shards(base)]
+    src = weights_dir(base, adapter)
+    index = index_file(src)
+    shards = list(iter_shards(src))
+    headers = [read_header(s) for s in shards]
     shapes = {name: e.shape for h in headers for name, e in h.entries.items()}
     pairs = pair_with_base(config, tensors, shapes)  # every error surfaces before any byte is written
     total = sum(e.nbytes for h in headers for e in h.entries.values())
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    dst = tmp / src.relative_to(base)
     folded = written = 0
     weight_map: dict[str, str] = {}
     try:
+        # config.json, tokenizer, generation config, code, a pipeline's other components: all but the weights
+        skip = {p.resolve() for p in shards} | ({index.resolve()} if index is not None else set())
+        shutil.copytree(base, tmp, dirs_exist_ok=True,
+                        ignore=lambda d, names: [n for n in names if (Path(d) / n).resolve() in skip])
         with _progress(progress, total) as advance:
             for h in headers:
                 ordered = sorted(h.entries.values(), key=lambda e: e.start)
                 layout = [(e.name, e.dtype, e.shape, e.nbytes) for e in ordered]
-                writer = StreamWriter(tmp / h.path.name, layout, h.metadata)
-                with h.path.open("rb") as src:
+                writer = StreamWriter(dst / h.path.name, layout, h.metadata)
+                with h.path.open("rb") as f:
                     for e in ordered:
                         if e.name in pairs:
-                            writer.write_array(e.name, fold(read_array(src, e), e.dtype, pairs[e.name]))
+                            writer.write_array(e.name, fold(read_array(f, e), e.dtype, pairs[e.name]))
                             folded += 1
                         else:
-                            writer.copy_bytes(e.name, src, e)
+                            writer.copy_bytes(e.name, f, e)
                         weight_map[e.name] = h.path.name
                         written += e.nbytes
                         advance(e.nbytes)
                 writer.close()
-        for item in base.iterdir():  # config.json, tokenizer, generation config, code, ...
-            if item.name.endswith(".safetensors") or item.name == INDEX:
-                continue
-            (shutil.copytree if item.is_dir() else shutil.copy2)(item, tmp / item.name)
-        if (base / INDEX).exists():
-            index = json.loads((base / INDEX).read_text())
-            index["metadata"] = {**index.get("metadata", {}), "total_size": total}
-            index["weight_map"] = weight_map
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        if index is not None:
+            doc = json.loads(index.read_text())
+            doc["metadata"] = {**doc.get("metadata", {}), "total_size": total}
+            doc["weight_map"] = weight_map
+            (dst / index.name).write_text(json.dumps(doc, indent=2) + "\n")
         (tmp / "kora_merge.json").write_text(
             json.dumps(
                 {
                     "base": str(base.resolve()),
                     "adapter": str(adapter.resolve()),
+                    "folded_into": str(src.relative_to(base)),
                     "folded_tensors": folded,
                     "lora_alpha": config.get("lora_alpha"),
                     "r": config.get("r"),

@@ -27,6 +27,8 @@ import numpy as np
 from kora_trainer.checkpoint.safetensors_io import read_array, read_header
 
 PREFIX = "base_model.model."
+DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+DIFFUSERS_METADATA = "lora_adapter_metadata"  # diffusers' LORA_ADAPTER_METADATA_KEY: the peft config, per component
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 
@@ -42,24 +44,66 @@ class LoRAPair:
     scaling: float
 
 
+def diffusers_component(adapter_dir: Path) -> str | None:
+    """The pipeline component a diffusers LoRA file adapts (`transformer` for a diffusion job's export: its tensors
+    are `transformer.<module>.lora_A.weight`, its peft config the file's `lora_adapter_metadata`), or None for an
+    HF-PEFT adapter directory."""
+    weights = adapter_dir / DIFFUSERS_WEIGHTS
+    if not weights.exists() or (adapter_dir / "adapter_config.json").exists():
+        return None
+    names = read_header(weights).entries
+    components = {name.split(".", 1)[0] for name in names}
+    if len(components) != 1:
+        raise AdapterError(f"{weights}: adapts {sorted(components)}; kora merge folds one component's adapter "
+                           "(the transformer of a diffusion job's export)")
+    return components.pop()
+
+
+def _diffusers_adapter(adapter_dir: Path, component: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A diffusers LoRA file as (peft config, tensors) under the component's own module names."""
+    weights = adapter_dir / DIFFUSERS_WEIGHTS
+    header = read_header(weights)
+    raw = (header.metadata or {}).get(DIFFUSERS_METADATA)
+    if raw is None:
+        raise AdapterError(f"{weights}: no {DIFFUSERS_METADATA} in its metadata, so its rank and alpha are unknown "
+                           "(save it with diffusers' save_lora_weights and transformer_lora_adapter_metadata)")
+    prefix = f"{component}."
+    config = {k.removeprefix(prefix): v for k, v in json.loads(raw).items()}
+    with weights.open("rb") as f:
+        tensors = {PREFIX + name.removeprefix(prefix): to_float32(read_array(f, e), e.dtype)
+                   for name, e in header.entries.items()}
+    return config, tensors
+
+
 def load_adapter(adapter_dir: Path) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """adapter_config.json and every adapter tensor as fp32 numpy arrays (adapters are small)."""
+    """adapter_config.json and every adapter tensor as fp32 numpy arrays (adapters are small); a diffusers LoRA
+    file (`diffusers_component`) the same way, its names made PEFT's."""
     cfg_path = adapter_dir / "adapter_config.json"
     weights = adapter_dir / "adapter_model.safetensors"
+    component = diffusers_component(adapter_dir)
+    if component is not None:
+        from_diffusers = _diffusers_adapter(adapter_dir, component)
+        _check_plain_lora(from_diffusers[0], adapter_dir / DIFFUSERS_WEIGHTS)
+        return from_diffusers
     if not cfg_path.exists() or not weights.exists():
         raise AdapterError(
             f"{adapter_dir}: expected adapter_config.json and adapter_model.safetensors "
-            "(an HF-PEFT adapter directory, e.g. a kora checkpoint's lora_adapter/)"
+            "(an HF-PEFT adapter directory, e.g. a kora checkpoint's lora_adapter/), or diffusers' "
+            f"{DIFFUSERS_WEIGHTS}"
         )
     config: dict[str, Any] = json.loads(cfg_path.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"{cfg_path}: peft_type {config.get('peft_type')!r}; kora merge folds LoRA adapters only")
-    if config.get("use_dora"):
-        raise AdapterError(f"{cfg_path}: DoRA adapters are not plain low-rank updates; merge them with peft")
+    _check_plain_lora(config, cfg_path)
     header = read_header(weights)
     with weights.open("rb") as f:
         tensors = {name: to_float32(read_array(f, e), e.dtype) for name, e in header.entries.items()}
     return config, tensors
+
+
+def _check_plain_lora(config: dict[str, Any], cfg_path: Path) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise AdapterError(f"{cfg_path}: peft_type {config.get('peft_type')!r}; kora merge folds LoRA adapters only")
+    if config.get("use_dora"):
+        raise AdapterError(f"{cfg_path}: DoRA adapters are not plain low-rank updates; merge them with peft")
 
 
 def _scaling(config: dict[str, Any], module: str, rank: int) -> float:

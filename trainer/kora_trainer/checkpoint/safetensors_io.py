@@ -136,17 +136,30 @@ class StreamWriter:
         self._f.close()
 
 
+# a checkpoint directory's weights: transformers' file names, then diffusers' (a pipeline component's directory)
+WEIGHT_STEMS = ("model", "diffusion_pytorch_model")
+
+
+def index_file(model_dir: Path) -> Path | None:
+    """The shard index of a checkpoint directory (`model.safetensors.index.json` or diffusers' name), if any."""
+    return next((model_dir / f"{stem}.safetensors.index.json" for stem in WEIGHT_STEMS
+                 if (model_dir / f"{stem}.safetensors.index.json").exists()), None)
+
+
 def iter_shards(model_dir: Path) -> Iterator[Path]:
-    """The safetensors shards of an HF checkpoint directory, in index order."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
+    """The safetensors shards of an HF (or diffusers component) checkpoint directory, in index order."""
+    index = index_file(model_dir)
+    if index is not None:
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
         seen: list[str] = []
         for shard in weight_map.values():
             if shard not in seen:
                 seen.append(shard)
         yield from (model_dir / s for s in seen)
-    elif (model_dir / "model.safetensors").exists():
-        yield model_dir / "model.safetensors"
-    else:
-        raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json")
+        return
+    for stem in WEIGHT_STEMS:
+        if (model_dir / f"{stem}.safetensors").exists():
+            yield model_dir / f"{stem}.safetensors"
+            return
+    raise FileNotFoundError(f"{model_dir}: no model.safetensors or model.safetensors.index.json (nor diffusers' "
+                            "diffusion_pytorch_model.safetensors)")

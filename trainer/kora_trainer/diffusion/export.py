@@ -19,11 +19,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from kora_trainer.checkpoint.peft_adapter import DIFFUSERS_WEIGHTS
 from kora_trainer.checkpoint.peft_export import EXPORT_DIR, META_FILE, PEFT_PREFIX
 from kora_trainer.checkpoint.swap_dir import swapped_in
 from kora_trainer.lora.model import adapter_tensors
 
-WEIGHT_NAME = "pytorch_lora_weights.safetensors"  # diffusers' LORA_WEIGHT_NAME_SAFE
+WEIGHT_NAME = DIFFUSERS_WEIGHTS
 
 
 def lora_layers(model: nn.Module) -> dict[str, torch.Tensor]:
