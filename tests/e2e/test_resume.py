@@ -101,7 +101,7 @@ def test_kill_and_resume_reproduce_the_uninterrupted_run(toy_dir, tmp_path):
                                         "minLr": 1e-4})
     assert rates == pytest.approx([lr_at(alg, i) for i in range(STEPS)], rel=1e-12)
     assert rates[0] == pytest.approx(LR / 2) and rates[1] == pytest.approx(LR) == rates[2]
-    assert rates[-1] == pytest.approx(1e-4)  # the last step trains at minLr
+    assert 1e-4 < rates[-1] < rates[-2]  # decaying towards minLr, which the step after the last would reach
     assert want["steps"] == STEPS and len(want["loss_curve"]) == STEPS and want["resumed_from_step"] is None
     assert final_status(a)["resumedFromStep"] is None
     assert sorted(p.name for p in ck_a.glob("step_*")) == ["step_00000004", "step_00000006"]

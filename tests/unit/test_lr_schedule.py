@@ -29,9 +29,10 @@ def test_warmup_rises_to_lr_then_holds():
 
 @pytest.mark.parametrize("style", ["linear", "cosine"])
 def test_a_decay_falls_from_lr_to_min_lr_at_decay_steps_and_stays(style):
-    a = alg(lrDecayStyle=style, minLr=1e-4)
+    a = alg(lrDecayStyle=style, minLr=1e-4, numSteps=100)
     rates = [lr_at(a, i) for i in range(101)]
     assert rates[0] == 1e-3 and rates[100] == pytest.approx(1e-4)
+    assert rates[99] > 1e-4  # the run's last step (index 99) still trains: Megatron's convention
     assert all(x > y for x, y in itertools.pairwise(rates))  # strictly falling
     assert lr_at(a, 500) == pytest.approx(1e-4)
     half = 1e-4 + 0.9e-3 * (0.5 if style == "linear" else 0.5 * (1 + math.cos(math.pi / 2)))
@@ -39,9 +40,9 @@ def test_a_decay_falls_from_lr_to_min_lr_at_decay_steps_and_stays(style):
 
 
 def test_lr_decay_steps_overrides_num_steps_and_the_warmup_comes_first():
-    a = alg(lrDecayStyle="cosine", lrWarmupSteps=10, lrDecaySteps=61)
+    a = alg(lrDecayStyle="cosine", lrWarmupSteps=10, lrDecaySteps=60)
     assert lr_at(a, 9) == pytest.approx(1e-3) and lr_at(a, 10) == pytest.approx(1e-3)
-    assert lr_at(a, 35) == pytest.approx(0.5e-3)  # half way from the warmup's end (index 10) to step 61 (index 60)
+    assert lr_at(a, 35) == pytest.approx(0.5e-3)  # half way from the warmup's end (index 10) to index 60
     assert lr_at(a, 60) == pytest.approx(0.0) and lr_at(a, 100) == pytest.approx(0.0)
 
 

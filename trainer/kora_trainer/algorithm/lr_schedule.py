@@ -21,14 +21,15 @@ def decay_steps(alg: AlgorithmSpec) -> int:
 
 def lr_at(alg: AlgorithmSpec, step: int) -> float:
     """The learning rate of 0-based step `step`: lr x (step+1)/lrWarmupSteps during the warmup, then lr at the
-    first step after it, decayed along lrDecayStyle to minLr at the lrDecaySteps-th step (the last step of a run
-    whose lrDecaySteps is numSteps trains at minLr), and minLr after it."""
+    first step after it, decayed along lrDecayStyle to reach minLr at step index lrDecaySteps, minLr after it.
+    As in Megatron, the last step of a run whose lrDecaySteps is numSteps trains just above minLr, never at it:
+    a step at a rate of 0 would change nothing (and its push would be skipped as unchanged)."""
     warmup = alg.lr_warmup_steps
     if step < warmup:
         return alg.lr * (step + 1) / warmup
     if alg.lr_decay_style is LrDecayStyle.CONSTANT:
         return alg.lr
-    span = max(decay_steps(alg) - 1 - warmup, 1)
+    span = max(decay_steps(alg) - warmup, 1)
     ratio = min(max(step - warmup, 0) / span, 1.0)
     linear = alg.lr_decay_style is LrDecayStyle.LINEAR
     coeff = 1.0 - ratio if linear else 0.5 * (1.0 + math.cos(math.pi * ratio))
