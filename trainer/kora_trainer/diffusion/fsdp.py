@@ -2,7 +2,8 @@
 mesh: gloo on CPU, NCCL on GPU), each rank training on its share of a step's prompt groups.
 
 How a step splits: its B = prompts x G samples go to the ranks in whole prompt groups, contiguous (rank r takes
-groups r*n .. (r+1)*n - 1), so each rank's group-relative advantages are the whole batch's. Each rank's loss is
+groups r*n .. (r+1)*n - 1; with several optimizer steps a step, that share of each step's groups: rank_rows), and
+the group-relative advantages are the whole batch's (the train command's driver computes them). Each rank's loss is
 the mean over its own (sample, denoising step) terms (train_loop.update normalises by its rows), and FSDP2
 averages the gradients over the ranks in its reduce-scatter; with equal shares the mean of the ranks' means is
 the whole batch's mean, so the update is the one-rank update of the whole batch, up to the order of float sums
