@@ -112,3 +112,15 @@ def test_a_batch_that_does_not_split_into_whole_groups_per_rank_is_refused():
     with pytest.raises(ValueError, match=r"rolloutBatchSize 3 prompt groups do not split evenly over "
                                          r"parallelism.data 2 ranks"):
         rank_rows(12, 4, 0, 2)
+
+
+def test_with_several_optimizer_steps_a_rank_takes_its_share_of_each_steps_prompt_groups():
+    """4 groups of 4, two optimizer steps (globalBatchSize 8): step k's rows are 8k..8k+7, one group per rank."""
+    from kora_trainer.diffusion.fsdp import rank_rows
+
+    assert rank_rows(16, 4, 0, 2, minibatches=2).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
+    assert rank_rows(16, 4, 1, 2, minibatches=2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]
+    with pytest.raises(ValueError, match=r"globalBatchSize 4 samples per optimizer step do not split into whole "
+                                         r"prompt groups of 4 over parallelism.data 2 ranks: make globalBatchSize a "
+                                         r"multiple of nSamplesPerPrompt x parallelism.data = 8"):
+        rank_rows(16, 4, 0, 2, minibatches=4)

@@ -50,6 +50,16 @@ def test_a_diffusion_job_in_either_of_its_modes_is_valid(mode):
     assert problems == [] and job is not None and job.spec.diffusion.clip_eps == 1e-4
 
 
+def test_a_diffusion_job_on_data_parallel_ranks_is_valid_when_its_prompt_groups_split_evenly():
+    """parallelism.data 2: rolloutBatchSize 4 of groups of 4 splits 2 + 2; with globalBatchSize 8 (two optimizer
+    steps of 2 groups) each step's 2 groups split 1 + 1; globalBatchSize 4 (1 group a step) cannot split."""
+    doc = set_path(set_path(diffusion_job(), "parallelism.data", 2), "algorithm.rolloutBatchSize", 4)
+    doc = set_path(doc, "algorithm.nSamplesPerPrompt", 4)
+    assert errors(doc) == []
+    assert errors(set_path(doc, "algorithm.globalBatchSize", 8)) == []
+    assert [p.rule for p in errors(set_path(doc, "algorithm.globalBatchSize", 4))] == ["diffusion-data-split"]
+
+
 @pytest.mark.parametrize("path,value,fix", [
     ("algorithm.temperature", 0.8, "diffusion.noiseLevel"),
     ("algorithm.clipEps", 0.28, "diffusion.clipEps"),

@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     rec.say(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}")
     started_ray, temp_dir, job, ok, loop = False, None, None, False, None
     try:
-        if cfg.diffusion is not None:  # one process and its engine: no Ray yet (train_diffusion.py)
+        if cfg.diffusion is not None:  # its engine, and this process or Ray ranks (train_diffusion.py)
             from kora_trainer.train_diffusion import run as run_diffusion
 
             run_diffusion(cfg, rec, root, time_left(args.time_limit), run_dir, threads=args.threads)

@@ -13,8 +13,15 @@ serving check), so the operator and the tests read a diffusion run as they read 
 Which prompts a step takes and every image's noise are functions of (algorithm.seed, step), so a resumed run
 repeats the uninterrupted run's steps exactly: it restores the adapter, the optimizer and the RNG, and pushes the
 restored policy first. With checkpoint.exportHF the adapter goes out at the end as diffusers' own LoRA file
-(diffusion/export.py). Not built yet (refused by config/rules.py): Ray actors and FSDP2 over data-parallel ranks
-(diffusion/fsdp.py has the sharding), launching sglang-diffusion, classifier-free guidance.
+(diffusion/export.py).
+
+Ranks: at parallelism.data 1 this process trains (no Ray); at N > 1 it starts a private Ray head (or joins
+RAY_ADDRESS's cluster) and N rank actors (orchestration/diffusion_ranks.py), each holding the transformer
+FSDP2-sharded over the ranks; this process keeps the engine and the rollouts and hands each rank its rows. Both
+hold the policy as diffusion/actor.DiffusionPolicy, so a step is the same update on the same rows (FSDP2 averages
+the ranks' gradients) and a checkpoint (the optimizer state gathered whole) resumes at any rank count. Not built
+yet (refused by config/rules.py): tensor / pipeline / context / expert parallelism, launching sglang-diffusion,
+classifier-free guidance.
 """
 
 from __future__ import annotations
@@ -31,35 +38,20 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+# the policy's side of the job (diffusion/actor.py, which the Ray ranks import too); tests and bench/ import them here
+from kora_trainer.diffusion.actor import DiffusionJobError, load_model, settings_of
+
 if TYPE_CHECKING:
     from kora_trainer.config import TrainerConfig
+    from kora_trainer.diffusion.actor import Batch
     from kora_trainer.diffusion.engine_client import Pushed
     from kora_trainer.diffusion.toy import DiffusionToy
-    from kora_trainer.diffusion.train_loop import FlowGRPOSettings
+    from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
     from kora_trainer.orchestration.engines import EngineProcess
     from kora_trainer.recorder import StepRecorder
     from kora_trainer.sync.sender import SyncReport
 
 ENGINE_READY_S = 180.0
-
-
-class DiffusionJobError(ValueError):
-    """The job cannot run on this model or data: the message names the field and the fix."""
-
-
-def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
-    """The job's fields as the Flow-GRPO loop's knobs (the one place they meet)."""
-    from kora_trainer.diffusion.train_loop import FlowGRPOSettings
-
-    d, a = cfg.diffusion, cfg.algorithm
-    assert d is not None
-    samples = a.rollout_batch_size * a.n_samples_per_prompt
-    return FlowGRPOSettings(
-        prompts_per_step=a.rollout_batch_size, samples_per_prompt=a.n_samples_per_prompt,
-        num_inference_steps=d.num_inference_steps, noise_level=d.noise_level, lr=a.lr, clip_eps=d.clip_eps,
-        kl_coef=a.kl_coef, measure_kl=cfg.tracking.kl_to_base, adv_clip=d.adv_clip,
-        minibatches=samples // a.effective_global_batch_size,
-        lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_init=str(d.lora_init), seed=a.seed)
 
 
 @dataclass(frozen=True)
@@ -69,31 +61,6 @@ class Prompts:
     ids: torch.Tensor  # [P] long
     texts: list[str]
     labels: list[Any]
-
-
-def load_model(cfg: TrainerConfig) -> DiffusionToy:
-    """model.path as the diffusion path can load it today (a `kora make-toy --diffusion` checkpoint), checked
-    against diffusion.scheduler and diffusion.resolution."""
-    from kora_trainer.diffusion.toy import is_diffusion_toy, load_diffusion_toy
-
-    d = cfg.diffusion
-    assert d is not None
-    if not is_diffusion_toy(cfg.model.path):
-        raise DiffusionJobError(
-            f"model.path {cfg.model.path} is not a diffusion checkpoint kora can load: the diffusion path loads "
-            "`kora make-toy --diffusion` checkpoints (a transformer, its scheduler and a prompt-embedding table; "
-            "a text encoder and a VAE are not built yet): point model.path at one, or pass --make-toy")
-    toy = load_diffusion_toy(cfg.model.path)
-    have = type(toy.scheduler).__name__.removesuffix("Scheduler")
-    if have != d.scheduler.value:
-        raise DiffusionJobError(f"diffusion.scheduler {d.scheduler.value}: {cfg.model.path}/scheduler is a {have}: "
-                                f"set diffusion.scheduler to {have}")
-    side = toy.latent_shape[1]
-    if d.resolution is not None and d.resolution != side:
-        raise DiffusionJobError(f"diffusion.resolution {d.resolution}: the model makes {side}x{side} images (its "
-                                f"transformer's sample_size; it has no VAE): set diffusion.resolution to {side} or "
-                                "leave it unset")
-    return toy
 
 
 def load_prompts(cfg: TrainerConfig, toy: DiffusionToy) -> Prompts:
@@ -199,30 +166,67 @@ def sync_report(cfg: TrainerConfig, pushed: Pushed, version: int) -> SyncReport:
                       ms=pushed.ms, adapter_version=version, checksum=None, buckets=pushed.buckets, what=pushed.what)
 
 
-class DiffusionTrainer:
-    """The policy being trained (the transformer with its adapter), its optimizer, and what feeds it."""
+class LocalPolicy:
+    """parallelism.data 1: the policy in this process (no Ray), pushed from its own transformer."""
+
+    def __init__(self, cfg: TrainerConfig, toy: DiffusionToy, engine_url: str):
+        from kora_trainer.diffusion.actor import DiffusionPolicy, make_sync
+
+        self.cfg, self.policy, self.push = cfg, DiffusionPolicy(cfg, toy), make_sync(cfg, engine_url)
+
+    def train(self, step: int, batch: Batch) -> list[list[dict[str, float]]]:
+        return [self.policy.train(step, batch)]
+
+    def sync(self) -> Pushed:
+        pushed: Pushed = self.push(self.policy.toy.transformer)
+        return pushed
+
+    def save(self, root: str, step: int) -> Path:
+        path = self.policy.save(root, step)
+        assert path is not None  # rank 0 writes
+        return path
+
+    def resume(self, root: str) -> dict[str, Any] | None:
+        return self.policy.resume(root)
+
+    def export(self, root: str, step: int) -> Path:
+        from kora_trainer.diffusion.actor import export
+
+        return export(self.cfg, root, step, self.policy.toy.transformer)
+
+    def close(self) -> None:
+        pass
+
+
+def combine(per_rank: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Each pass's stats over the ranks (rank order; one rank: its own): equal shares, so the means of the ranks'
+    means are the batch's means; the largest gap is the largest rank's; clip_grad_norm_ reduced the norm over the
+    shards, so every rank has the whole one."""
+    out = []
+    for passes in zip(*per_rank, strict=True):
+        n = len(passes)
+        mean = {k: sum(p[k] for p in passes) / n for k in ("loss", "clip_frac", "kl", "ratio_mean", "logp_gap_mean")}
+        out.append({**mean, "logp_gap_max": max(p["logp_gap_max"] for p in passes),
+                    "grad_norm": passes[0]["grad_norm"]})
+    return out
+
+
+class DiffusionSteps:
+    """What the driver does of a step whatever the rank count: the step's rows, the engine's rollouts of them, the
+    reward and the group advantages; then the trainer's update and the step's metrics."""
 
     def __init__(self, cfg: TrainerConfig, toy: DiffusionToy, prompts: Prompts):
-        from kora_trainer.diffusion.lora import apply_diffusion_lora
-        from kora_trainer.lora.model import adapter_parameters
-
-        assert cfg.diffusion is not None
         self.cfg, self.toy, self.prompts = cfg, toy, prompts
         self.settings = settings_of(cfg)
         self.reward = reward_of(cfg, prompts, toy.latent_shape[0])
-        toy.transformer.eval()  # no dropout: the re-score must see the rollout's policy
-        torch.manual_seed(self.settings.seed)  # the adapter's A init draws from the global stream
-        apply_diffusion_lora(toy.transformer, cfg.lora.rank, cfg.lora.alpha,
-                             [t.value for t in cfg.diffusion.target_modules], self.settings.lora_init)
-        self.opt = torch.optim.AdamW(adapter_parameters(toy.transformer), lr=self.settings.lr, weight_decay=0.0)
 
-    def step(self, step: int, rollout: Callable[..., Any], engine: EngineProcess, saved: int | None
-             ) -> tuple[Any, float]:
+    def step(self, step: int, rollout: Callable[..., Any], trainer: LocalPolicy | DiffusionRanks,
+             engine: EngineProcess, saved: int | None) -> tuple[Any, float]:
         """Roll out, score, update: (StepMetrics, gen_ms)."""
         from kora_trainer.algorithm.lr_schedule import lr_at
         from kora_trainer.backends.grpo_step import StepMetrics
         from kora_trainer.diffusion import flow_grpo
-        from kora_trainer.diffusion.train_loop import update
+        from kora_trainer.diffusion.actor import Batch
 
         s, alg = self.settings, self.cfg.algorithm
         rows = step_rows(s.seed, step, len(self.prompts.ids), s.prompts_per_step).repeat_interleave(
@@ -233,12 +237,9 @@ class DiffusionTrainer:
             traj = rollout(self.toy, ids, step)
         gen_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
-        lr = lr_at(alg, step - 1)  # `step` counts from 1
-        for group in self.opt.param_groups:
-            group["lr"] = lr
         rewards = self.reward(traj.images, rows)  # [B]
         adv = flow_grpo.advantages(rewards, s.samples_per_prompt, s.adv_clip)
-        passes = [update(self.toy, s, traj, ids, adv, self.opt) for _ in range(alg.inner_epochs)]
+        passes = combine(trainer.train(step, Batch(ids, traj, adv)))
         first = passes[0]  # its gap is measured before any update of this batch
         mean = {k: sum(p[k] for p in passes) / len(passes) for k in ("loss", "clip_frac", "kl", "ratio_mean",
                                                                      "grad_norm")}
@@ -250,103 +251,78 @@ class DiffusionTrainer:
             rollout_version_lag=0, train_ms=(time.perf_counter() - t1) * 1000, reward_std=float(rewards.std()),
             reward_min=float(rewards.min()), reward_max=float(rewards.max()),
             response_len_max=traj.num_steps, response_len_min=traj.num_steps,
-            kl_measured=s.kl_coef > 0 or s.measure_kl, lr=lr)
+            kl_measured=s.kl_coef > 0 or s.measure_kl, lr=lr_at(alg, step - 1))
         return metrics, gen_ms
 
-    # ---- checkpoints: LoRA-only, as the language-model path's (checkpoint/lora_only.py) -------------------------
 
-    def save(self, root: str, step: int) -> Path:
-        from kora_trainer.checkpoint import lora_only
-        from kora_trainer.lora.model import adapter_tensors
+@contextlib.contextmanager
+def trainer_of(cfg: TrainerConfig, toy: DiffusionToy, engine: EngineProcess, threads: int
+               ) -> Iterator[LocalPolicy | DiffusionRanks]:
+    """parallelism.data 1: the policy here (LocalPolicy, on `toy` itself); N: N Ray rank actors, on a private Ray
+    head (or RAY_ADDRESS's cluster), stopped at the end."""
+    if cfg.parallelism.data == 1:
+        yield LocalPolicy(cfg, toy, engine.url)
+        return
+    from kora_trainer.orchestration.cluster import shutdown, start_ray
+    from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
 
-        lora_only.check_lora_only(n for n, p in self.toy.transformer.named_parameters() if p.requires_grad)
-        meta = {"kind": "diffusion", "data_position": step, "sync_mode": str(self.cfg.lora.effective_sync_mode),
-                "base_model": str(Path(self.cfg.model.path).resolve()), "seed": self.settings.seed}
-        adapter = {n: t.clone() for n, t in adapter_tensors(self.toy.transformer)}
-        return lora_only.save(Path(root), step, adapter=adapter, optimizer=self.opt.state_dict(), scheduler=None,
-                              rng=lora_only.capture_rng(), meta=meta, keep=self.cfg.checkpoint.keep)
-
-    def export(self, root: str, step: int) -> Path:
-        """`<root>/lora_adapter/`: the adapter as diffusers' own LoRA file (diffusion/export.py)."""
-        from kora_trainer.diffusion.export import export_diffusers_lora, lora_config
-
-        assert self.cfg.diffusion is not None
-        config = lora_config(self.cfg.lora.rank, self.cfg.lora.alpha,
-                             [t.value for t in self.cfg.diffusion.target_modules], self.settings.lora_init)
-        meta = {"step": step, "base_model": str(Path(self.cfg.model.path).resolve()), "seed": self.settings.seed}
-        return export_diffusers_lora(Path(root), self.toy.transformer, config, meta)
-
-    def resume(self, root: str) -> dict[str, Any] | None:
-        """The newest good checkpoint under root restored (adapter, optimizer, RNG); None when there is none."""
-        from kora_trainer.checkpoint import lora_only
-        from kora_trainer.lora.model import adapter_tensors
-
-        ck = lora_only.load_latest(Path(root))
-        if ck is None:
-            return None
-        if ck.meta.get("kind") != "diffusion":
-            raise DiffusionJobError(f"checkpoint.path {root}: {ck.path} is a language-model checkpoint, not this "
-                                    "diffusion job's: point checkpoint.path at a new directory")
-        live = dict(adapter_tensors(self.toy.transformer))
-        if live.keys() != ck.adapter.keys():
-            raise DiffusionJobError(f"checkpoint.path {root}: {ck.path} adapts other modules than "
-                                    "diffusion.targetModules: set them as that run had, or point checkpoint.path at a "
-                                    "new directory")
-        with torch.no_grad():
-            for name, t in live.items():
-                t.copy_(ck.adapter[name])
-        self.opt.load_state_dict(ck.optimizer)
-        lora_only.restore_rng(ck.rng)
-        return {"step": ck.step, "path": str(ck.path), "skipped": ck.skipped}
+    started, temp_dir = start_ray()
+    ranks = None
+    try:
+        ranks = DiffusionRanks(cfg, engine.url, threads)
+        yield ranks
+    finally:
+        if ranks is not None:
+            ranks.close()
+        shutdown(None, started, temp_dir)
 
 
 def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Callable[[], bool], run_dir: Path,
         threads: int = 1) -> None:
-    """Start the engine, resume, push, then per step: roll out, train, sync; checkpoint as checkpoint.* says."""
-    from kora_trainer.diffusion.engine_client import EngineRollout, FoldedSync, LoraMergeSync
+    """Start the engine and the trainer, resume, push, then per step: roll out, train, sync; checkpoint as
+    checkpoint.* says."""
+    from kora_trainer.diffusion.engine_client import EngineRollout
 
     assert cfg.diffusion is not None
     torch.set_num_threads(threads)
     toy = load_model(cfg)
-    trainer = DiffusionTrainer(cfg, toy, load_prompts(cfg, toy))
-    s = trainer.settings
-
-    def checkpoint(step: int) -> None:
-        assert root is not None
-        t0 = time.monotonic()
-        path = trainer.save(root, step)
-        rec.checkpointed(step, str(path), (time.monotonic() - t0) * 1000)
-
+    steps = DiffusionSteps(cfg, toy, load_prompts(cfg, toy))
+    s = steps.settings
     engine = start_engine(cfg, run_dir, threads)
     try:
-        if root:
-            info = trainer.resume(root)
-            if info is None:
-                rec.say(f"no checkpoint under {root}: starting at step 1")
-            else:
-                rec.resumed(info)
-        buffer = int(cfg.sync.buffer_size)
-        sync = (LoraMergeSync(engine.url, cfg.lora.rank, cfg.lora.alpha, buffer, cfg.diffusion.engine_module.value)
-                if cfg.lora.effective_sync_mode == "EngineMerge" else
-                FoldedSync(engine.url, buffer, cfg.diffusion.engine_module.value))
-        rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level)
-        with engine_watched(engine, "the first push of the policy", rec.run.saved_step):
-            first = sync_report(cfg, sync(toy.transformer), rec.run.start)
-        rec.started({"backend": "torch", "device": "cpu", "world": 1, "engine_urls": [engine.url]}, 1,
-                    "diffusion-reference", "colocated", first)
-        for step in range(rec.run.start + 1, rec.steps + 1):
-            if not time_left():
-                rec.stopped(f"time limit: stopping after step {step - 1}")
-                break
-            metrics, gen_ms = trainer.step(step, rollout, engine, rec.run.saved_step)
-            with engine_watched(engine, f"step {step}'s weight sync", rec.run.saved_step):
-                report = sync_report(cfg, sync(toy.transformer), step)
-            rec.stepped(step, metrics, {"gen_ms": gen_ms, "data_position": step}, report)
-            if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
-                checkpoint(step)
-        if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
-            checkpoint(rec.run.done)
-        if root and cfg.checkpoint.export_hf:
-            rec.exported(str(trainer.export(root, rec.run.done)), "diffusers LoRA")
+        with trainer_of(cfg, toy, engine, threads) as trainer:
+            def checkpoint(step: int) -> None:
+                assert root is not None
+                t0 = time.monotonic()
+                path = trainer.save(root, step)
+                rec.checkpointed(step, str(path), (time.monotonic() - t0) * 1000)
+
+            if root:
+                info = trainer.resume(root)
+                if info is None:
+                    rec.say(f"no checkpoint under {root}: starting at step 1")
+                else:
+                    rec.resumed(info)
+            rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level)
+            with engine_watched(engine, "the first push of the policy", rec.run.saved_step):
+                first = sync_report(cfg, trainer.sync(), rec.run.start)
+            ranks = getattr(trainer, "ranks", None)  # where each Ray rank runs (N > 1)
+            rec.started({"backend": "torch", "device": "cpu", "world": cfg.parallelism.data,
+                         "engine_urls": [engine.url], **({"ranks": ranks} if ranks else {})}, 1,
+                        "diffusion-reference", "colocated", first)
+            for step in range(rec.run.start + 1, rec.steps + 1):
+                if not time_left():
+                    rec.stopped(f"time limit: stopping after step {step - 1}")
+                    break
+                metrics, gen_ms = steps.step(step, rollout, trainer, engine, rec.run.saved_step)
+                with engine_watched(engine, f"step {step}'s weight sync", rec.run.saved_step):
+                    report = sync_report(cfg, trainer.sync(), step)
+                rec.stepped(step, metrics, {"gen_ms": gen_ms, "data_position": step}, report)
+                if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
+                    checkpoint(step)
+            if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
+                checkpoint(rec.run.done)
+            if root and cfg.checkpoint.export_hf:
+                rec.exported(str(trainer.export(root, rec.run.done)), "diffusers LoRA")
     finally:
         engine.stop()

@@ -115,7 +115,8 @@ def _build_refused(c: TrainerConfig, mode: SyncMode | None = None) -> str | None
 # A diffusion job (docs/diffusion.md): what its path runs today. The seed's own rule (--lora-ipc-weight-sync needs
 # --colocate) holds for both its modes here: the weights go by same-host handles (update_weights_from_tensor).
 _CONSTANT_LR = "(!has(self.algorithm.lrDecayStyle) || self.algorithm.lrDecayStyle == 'constant')"
-_P_ONE = " && ".join(f"{_P}.{f} == 1" for f in ("data", "tensor", "pipeline", "context", "expert", "expertTensor"))
+_NOT_DATA = ("tensor", "pipeline", "context", "expert", "expert_tensor")  # the parallelism a diffusion job refuses
+_P_ONE = " && ".join(f"{_P}.{f} == 1" for f in ("tensor", "pipeline", "context", "expert", "expertTensor"))
 _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], str], ...] = (
     ("diffusion-sync-mode", "lora.syncMode",
      "lora.syncMode Adapter is not a diffusion mode (sglang-diffusion engines have no LoRA layers to serve an "
@@ -129,11 +130,19 @@ _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], st
      "diffusion.guidanceScale > 1 (classifier-free guidance) is not built: the rollouts and their log-probs are "
      "unguided; set diffusion.guidanceScale to 1",
      lambda c: c.diffusion is not None and c.diffusion.guidance_scale != 1.0, "self.diffusion.guidanceScale == 1.0"),
-    ("diffusion-one-rank", "parallelism.data",
-     "a diffusion job trains on one rank (FSDP2 over data-parallel ranks is not built yet): set every "
-     "parallelism size (data, tensor, pipeline, context, expert, expertTensor) to 1",
-     lambda c: any(getattr(c.parallelism, f) != 1 for f in ("data", "tensor", "pipeline", "context", "expert",
-                                                            "expert_tensor")), _P_ONE),
+    ("diffusion-data-parallel", "parallelism.tensor",
+     "a diffusion job's ranks are data-parallel only (FSDP2 shards the transformer over parallelism.data; "
+     "tensor, pipeline, context and expert parallelism are not built for it): set parallelism tensor, pipeline, "
+     "context, expert and expertTensor to 1 and scale with parallelism.data",
+     lambda c: any(getattr(c.parallelism, f) != 1 for f in _NOT_DATA), _P_ONE),
+    ("diffusion-data-split", "algorithm.rolloutBatchSize",
+     "a diffusion job splits each optimizer step's prompt groups evenly over its parallelism.data ranks: make "
+     "algorithm.rolloutBatchSize (or, when set, algorithm.globalBatchSize / nSamplesPerPrompt) a multiple of "
+     "parallelism.data",
+     lambda c: c.algorithm.effective_global_batch_size % (c.algorithm.n_samples_per_prompt * c.parallelism.data) != 0,
+     f"{_P}.data == 1 || (has(self.algorithm.globalBatchSize) ? self.algorithm.globalBatchSize : "
+     f"self.algorithm.rolloutBatchSize * self.algorithm.nSamplesPerPrompt) % (self.algorithm.nSamplesPerPrompt * "
+     f"{_P}.data) == 0"),
     ("diffusion-one-engine", "rollout.numEngines",
      "a diffusion job rolls out on one engine, the reference diffusion engine beside the trainer, on CPU: set "
      "rollout.engine hf, rollout.numEngines 1, rollout.gpusPerEngine 0, rollout.dpSize 1, "

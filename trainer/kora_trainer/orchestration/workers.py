@@ -27,6 +27,16 @@ def transport_kind(cfg: TrainerConfig) -> str:
     return "distributed"
 
 
+def rendezvous_address() -> tuple[str, int]:
+    """Rank 0's: this node's address (127.0.0.1 on a one-node cluster) and a port free on it, where the trainer
+    ranks' process group meets."""
+    from kora_trainer.orchestration.addresses import node_address
+    from kora_trainer.wire.ports import free_port
+
+    host = node_address()
+    return host, free_port(host)
+
+
 class TrainWorker:
     """One trainer rank. Made in two steps, so that rank 0's node address and port (where the ranks' process
     group meets) are known before any rank builds its backend: `rendezvous()` on rank 0, then `setup()` on every
@@ -44,12 +54,7 @@ class TrainWorker:
         return self._backend
 
     def rendezvous(self) -> tuple[str, int]:
-        """Rank 0: this node's address (127.0.0.1 on a one-node cluster) and a port free on it."""
-        from kora_trainer.orchestration.addresses import node_address
-        from kora_trainer.wire.ports import free_port
-
-        host = node_address()
-        return host, free_port(host)
+        return rendezvous_address()
 
     def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
         """Join the trainer's process group and build the backend (torch or megatron: backends/select.py);

@@ -16,7 +16,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TypedDict
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -103,6 +103,32 @@ class WeightUpdateGroup:
         self.pg.gather([outs] if self.rank == dst and outs is not None else [], [tensor], opts).wait()
 
 
+def _store(master_address: str, master_port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's TCP store: rank 0 serves it on `master_address` only, the others connect."""
+    return dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
+                         **_listen_on(master_address, master_port) if rank == 0 else {})
+
+
+def gloo_options(master_address: str, timeout: timedelta) -> Any:
+    """gloo's default device resolves the machine's hostname (DNS where /etc/hosts lacks it) and binds its address:
+    bind the address the master is reached from instead (loopback when all members are local)."""
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub calls it Options
+    options._timeout = timeout
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
+    return options
+
+
+def init_default_group(master_address: str, master_port: int, rank: int, world_size: int,
+                       timeout_s: float = 120.0) -> None:
+    """torch's default process group (gloo) for a process of its own, e.g. a Ray actor per rank: what FSDP2's
+    device mesh and torch.distributed.checkpoint's state dicts run over. Reached as the weight-update group is
+    (the store and gloo bound to `master_address`'s side of the route only)."""
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", store=_store(master_address, master_port, rank, world_size, timeout),
+                            rank=rank, world_size=world_size, timeout=timeout,
+                            pg_options=gloo_options(master_address, timeout))
+
+
 def init_weight_update_group(
     master_address: str,
     master_port: int,
@@ -114,16 +140,11 @@ def init_weight_update_group(
 ) -> WeightUpdateGroup:
     """Join (rank 0: create) the group. Blocks until all `world_size` members have joined."""
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout,
-                          **_listen_on(master_address, master_port) if rank == 0 else {})
+    store = _store(master_address, master_port, rank, world_size, timeout)
     prefixed = dist.PrefixStore(group_name, store)
     pg: dist.ProcessGroup
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # the stub calls it Options
-        options._timeout = timeout
-        # gloo's default device resolves the machine's hostname (DNS where /etc/hosts lacks it) and binds its
-        # address: bind the address the master is reached from instead (loopback when all members are local)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname=local_address_towards(master_address))]
+        options = gloo_options(master_address, timeout)
         # a Backend has ProcessGroup's collectives (broadcast/allreduce/gather) at runtime; its stub lists none
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, options)  # type: ignore[assignment]
     elif backend == "nccl":
