@@ -32,3 +32,14 @@ def diffusion_toy_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("diffusion-toy") / "toy"
     make_diffusion_toy(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def vl_toy_dir(tmp_path_factory):
+    """The vision-language toy (kora make-toy --vl), briefly pretrained as the command makes it (~10 s); tests only
+    read it."""
+    from kora_trainer.vl_toy import make_vl_toy
+
+    out = tmp_path_factory.mktemp("vl_toy") / "vl_toy"
+    make_vl_toy(out)
+    return out

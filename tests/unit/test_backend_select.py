@@ -134,3 +134,15 @@ def test_auto_keeps_a_model_megatron_does_not_map_on_torch_and_megatron_refuses_
     assert resolve_backend(cfg(), cuda=True, megatron=True, model_bytes=big, model_type="qwen3") is Backend.MEGATRON
     with pytest.raises(ConfigError, match=r"backend: megatron maps model_type .*not 'qwen3_5_text'.*backend: torch"):
         resolve_backend(cfg("backend=megatron"), cuda=True, megatron=True, model_bytes=big, model_type="qwen3_5_text")
+
+
+def test_a_vision_language_model_is_refused_on_megatron_at_start_whatever_the_machine():
+    big = 10 * LARGE_MODEL_BYTES
+    # auto keeps it on torch even where megatron would take a text model of its type
+    assert resolve_backend(cfg(), cuda=True, megatron=True, model_bytes=big, model_type="qwen3",
+                           vision=True) is Backend.TORCH
+    for cuda, megatron in ((True, True), (False, False)):  # refused first: no GPU is needed to know
+        with pytest.raises(ConfigError, match=r"backend: megatron has no vision tower .* model_type 'qwen3_5'.*"
+                                              r"set backend: torch"):
+            resolve_backend(cfg("backend=megatron"), cuda=cuda, megatron=megatron, model_bytes=big,
+                            model_type="qwen3_5", vision=True)

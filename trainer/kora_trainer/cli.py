@@ -21,6 +21,9 @@ def register_make_toy(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--diffusion", action="store_true",
                    help="write the diffusion toy instead: a tiny SD3 transformer on 8x8 latents, its scheduler, "
                         "prompt embeddings and colour targets (kora_trainer/diffusion/toy.py)")
+    p.add_argument("--vl", action="store_true",
+                   help="write the vision-language toy instead: a tiny Qwen3.5 with a vision tower naming the colour "
+                        "of a generated image, its tokenizer, image processor and dataset (kora_trainer/vl_toy.py)")
     p.set_defaults(func=_make_toy)
 
 
@@ -32,6 +35,13 @@ def _make_toy(args: argparse.Namespace) -> int:
         from kora_trainer.diffusion.toy import make_diffusion_toy
 
         print(json.dumps({"dir": args.dir, **make_diffusion_toy(args.dir)}))
+        return 0
+    if args.vl:
+        if args.diffusion:
+            raise SystemExit("kora make-toy: --vl and --diffusion are two toys; pass one")
+        from kora_trainer.vl_toy import make_vl_toy
+
+        print(json.dumps({"dir": args.dir, **make_vl_toy(args.dir, target=args.target, threads=args.threads)}))
         return 0
     from kora_trainer.toy import make_toy
 

@@ -198,6 +198,12 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
             print(f"making the diffusion toy in {cfg.model.path} (kora make-toy --diffusion)", flush=True)
             make_diffusion_toy(cfg.model.path)
             return cfg
+        if cfg.data.image_key is not None:  # a job with image prompts: the vision-language toy
+            from kora_trainer.vl_toy import make_vl_toy
+
+            print(f"making the vision-language toy in {cfg.model.path} (kora make-toy --vl)", flush=True)
+            make_vl_toy(cfg.model.path, threads=args.threads)
+            return cfg
         from kora_trainer.toy import make_toy
 
         print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)

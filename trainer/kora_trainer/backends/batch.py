@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kora_trainer.wire.vision import ImageInputs
+
 
 @dataclass
 class RolloutBatch:
@@ -21,6 +23,8 @@ class RolloutBatch:
     rewards: list[float]  # [B]
     group_size: int
     weight_versions: list[str | None] = field(default_factory=list)  # [B] what the engine served
+    # [B] each sample's images as its prompt's forward takes them (a VL model), or [] (text-only: no images at all)
+    images: list[ImageInputs | None] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -33,15 +37,17 @@ class Padded:
     response_ids: torch.Tensor  # [B, R] right-padded with pad_id
     response_mask: torch.Tensor  # [B, R] 1.0 on real response tokens
     rollout_logp: torch.Tensor  # [B, R] the engine's log-probs, 0 on padding
+    images: list[ImageInputs | None] = field(default_factory=list)  # [B] or [] (see RolloutBatch.images)
 
     def select(self, idx: torch.Tensor) -> Padded:
         rows = idx.tolist()
         return Padded([self.prompts[i] for i in rows], [self.responses[i] for i in rows], self.response_ids[idx],
-                      self.response_mask[idx], self.rollout_logp[idx])
+                      self.response_mask[idx], self.rollout_logp[idx],
+                      [self.images[i] for i in rows] if self.images else [])
 
 
 def pad(prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: list[list[float]] | None = None,
-        pad_id: int = 0) -> Padded:
+        pad_id: int = 0, images: list[ImageInputs | None] | None = None) -> Padded:
     b = len(prompts)
     width = max(1, max(len(r) for r in responses))
     ids = torch.full((b, width), pad_id, dtype=torch.long)
@@ -56,4 +62,4 @@ def pad(prompts: list[list[int]], responses: list[list[int]], rollout_logprobs: 
             if len(rollout_logprobs[i]) != len(r):
                 raise ValueError(f"sample {i}: {len(r)} response tokens but {len(rollout_logprobs[i])} log-probs")
             old[i, :len(r)] = torch.tensor(rollout_logprobs[i])
-    return Padded(list(prompts), list(responses), ids, mask, old)
+    return Padded(list(prompts), list(responses), ids, mask, old, list(images or []))

@@ -105,7 +105,7 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
     t0 = time.monotonic()
     alg = owner.cfg.algorithm
     device = owner.device
-    p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, owner.pad_id)
+    p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, owner.pad_id, batch.images)
     mask = p.response_mask.to(device)  # [B, R]
     adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(device)  # [B]
     temperature = alg.temperature if alg.temperature > 0 else 1.0

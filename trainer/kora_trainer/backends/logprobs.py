@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kora_trainer.backends.batch import Padded
+from kora_trainer.wire.vision import forward_inputs, is_vision_language
 
 
 def _gather(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -46,7 +47,12 @@ def sequence_logp(model: nn.Module, p: Padded, pad_id: int, temperature: float =
         ids[i, n:n + r] = p.response_ids[i]
         attn[i, :n] = 1
         attn[i, n:n + r] = p.response_mask[i].long()
-    logits = model(input_ids=ids.to(device), attention_mask=attn.to(device)).logits  # [B, W, V]
+    ids, attn = ids.to(device), attn.to(device)
+    inputs: dict[str, object] = {"input_ids": ids}
+    if any(im is not None for im in p.images):  # a VL batch: the images through the tower, multimodal RoPE
+        image_token = int(getattr(model, "config").image_token_id)  # noqa: B009 (nn.Module types no config)
+        inputs, _ = forward_inputs(model, ids, attn, p.images, image_token, lens)
+    logits = model(attention_mask=attn, **inputs).logits  # [B, W, V]
     # response token j sits at position n+j and is predicted by the logits at n+j-1
     pos = torch.tensor(lens).unsqueeze(1) - 1 + torch.arange(r).unsqueeze(0)  # [B, R]
     picked = logits.gather(1, pos.to(device).unsqueeze(-1).expand(-1, -1, logits.shape[-1]))  # [B, R, V]
@@ -62,8 +68,13 @@ def cache_kwarg(model: nn.Module) -> str:
 def prefix_shareable(model: nn.Module) -> bool:
     """Whether `shared_prefix_logp` can differentiate through this model's cache. Not for GDN / linear-attention
     layers: transformers 5 writes their recurrent state into the cache in place (cache_utils.py
-    `LinearAttentionLayer.update_recurrent_state`: `copy_`), which the prompt's autograd graph still needs."""
-    types = getattr(getattr(model, "config", None), "layer_types", None) or []
+    `LinearAttentionLayer.update_recurrent_state`: `copy_`), which the prompt's autograd graph still needs. Not for a
+    vision-language model either: the continuation's positions here are 1-D text positions, and such a model needs
+    its multimodal RoPE rows and the images (sequence_logp passes them)."""
+    config = getattr(model, "config", None)
+    if config is not None and is_vision_language(config):
+        return False
+    types = getattr(config, "layer_types", None) or []
     return "linear_attention" not in types
 
 

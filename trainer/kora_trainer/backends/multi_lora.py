@@ -96,7 +96,7 @@ class MultiLoRATrainer:
         if len(batch) != s.global_batch_size:
             raise ValueError(f"adapter {s.name}: a train batch of {len(batch)} samples, not its "
                              f"rolloutBatchSize x nSamplesPerPrompt = {s.global_batch_size}")
-        p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, b.pad_id)
+        p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, b.pad_id, batch.images)
         mask = p.response_mask.to(b.device)  # [B, R]
         adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(b.device)  # [B]
         temperature = alg.temperature if alg.temperature > 0 else 1.0

@@ -64,11 +64,20 @@ def weights_bytes(path: str | Path) -> int:
 MEGATRON_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "qwen3_moe"})
 
 
+VISION_ON_MEGATRON = (
+    "backend: megatron has no vision tower (the megatron backend builds a text-only GPTModel), and model.path "
+    "{path} is a vision-language model (its config.json declares vision_config, model_type {model_type!r}): set "
+    "backend: torch (or auto, which trains a VL model on torch)")
+
+
 def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_bytes: int,
-                    model_type: str | None = None) -> Backend:
+                    model_type: str | None = None, vision: bool = False) -> Backend:
     """torch or megatron for this job on this machine; an explicit choice that cannot run is an error. `model_type`:
-    the checkpoint's config.json model_type (None: unread); auto keeps a model megatron does not map on torch."""
-    mapped = model_type is None or model_type in MEGATRON_MODEL_TYPES
+    the checkpoint's config.json model_type (None: unread); auto keeps a model megatron does not map on torch;
+    `vision`: config.json declares a vision tower (megatron is refused first, whatever the machine)."""
+    mapped = (model_type is None or model_type in MEGATRON_MODEL_TYPES) and not vision
+    if cfg.backend is Backend.MEGATRON and vision:
+        raise ConfigError([VISION_ON_MEGATRON.format(path=cfg.model.path, model_type=model_type)])
     if cfg.backend is Backend.MEGATRON:
         missing = [what for what, ok in (("a CUDA GPU", cuda), ("megatron-core (pip install 'kora[gpu]')", megatron))
                    if not ok]
@@ -115,7 +124,8 @@ def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankConte
     cuda = torch.cuda.is_available()
     hf = read_hf_config(cfg.model.path) or {}
     backend = resolve_backend(cfg, cuda=cuda, megatron=cuda and megatron_available(),
-                              model_bytes=weights_bytes(cfg.model.path), model_type=hf.get("model_type"))
+                              model_bytes=weights_bytes(cfg.model.path), model_type=hf.get("model_type"),
+                              vision=bool(hf.get("vision_config")))
     check_actor_layout(cfg, backend)
     if backend is Backend.MEGATRON:
         from kora_trainer.backends.megatron.backend import MegatronBackend

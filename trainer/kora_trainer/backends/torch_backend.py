@@ -35,6 +35,7 @@ from kora_trainer.lora import (
     peft_config_dict,
 )
 from kora_trainer.lora.gdn import pin_gate_rows
+from kora_trainer.wire.vision import ImageInputs
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -45,7 +46,9 @@ class TorchBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, device: str | None = None, threads: int | None = None,
                  micro_batch_size: int = 256, max_grad_norm: float = 1.0, shared_prefix: bool = True,
                  rank: RankContext | None = None):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
+
+        from kora_trainer.wire.vision import load_policy_model
 
         if threads:
             torch.set_num_threads(threads)
@@ -55,8 +58,8 @@ class TorchBackend(ShuffleState):
         self.dp = DataParallel(rank.rank, rank.world, self.group) if rank else DataParallel()
         torch.manual_seed(cfg.algorithm.seed)  # the same LoRA init on every rank
         self.cfg = cfg
-        # transformers wraps .to with functools.wraps(nn.Module.to): typeshed's _Wrapped does not bind self
-        self.model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype="auto").to(self.device)  # type: ignore[arg-type]
+        # a VL checkpoint with its vision tower, the class the engine serves (wire/vision.py)
+        self.model = load_policy_model(cfg.model.path, dtype="auto").to(self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.wrapped = apply_lora(self.model, cfg.lora)
@@ -108,9 +111,10 @@ class TorchBackend(ShuffleState):
         return fn(self.model, p, self.pad_id, temperature)
 
     @torch.no_grad()
-    def logprobs(self, prompts: list[list[int]], responses: list[list[int]], adapter: bool = True) -> list[list[float]]:
-        """Raw (T=1) log-probs of each response token, as an engine reports them."""
-        p = pad(prompts, responses, pad_id=self.pad_id)
+    def logprobs(self, prompts: list[list[int]], responses: list[list[int]], adapter: bool = True,
+                 images: list[ImageInputs | None] | None = None) -> list[list[float]]:
+        """Raw (T=1) log-probs of each response token, as an engine reports them (`images`: a VL batch's)."""
+        p = pad(prompts, responses, pad_id=self.pad_id, images=images)
         if adapter:
             lp = self._token_logp(p)
         else:

@@ -52,6 +52,14 @@ MEGATRON_TO_HF: dict[TargetModule, tuple[str, ...]] = {
     TargetModule.IN_PROJ: ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
     TargetModule.OUT_PROJ: ("out_proj",),
 }
+# Inside a vision tower the same Megatron names wrap other HF leaves (Qwen2.5-VL / Qwen3-VL / Qwen3.5 vision
+# blocks: a fused `attn.qkv`, `attn.proj`; Qwen3.5's vision MLP and patch merger keep Megatron's own fc names).
+VISION_MEGATRON_TO_HF: dict[TargetModule, tuple[str, ...]] = {
+    TargetModule.LINEAR_QKV: ("qkv",),
+    TargetModule.LINEAR_PROJ: ("proj",),
+    TargetModule.LINEAR_FC1: ("linear_fc1",),
+    TargetModule.LINEAR_FC2: ("linear_fc2",),
+}
 # SGLang fuses the GDN input projection into one module; everything else matches HF.
 MEGATRON_TO_SGLANG: dict[TargetModule, tuple[str, ...]] = {
     **MEGATRON_TO_HF,
@@ -170,6 +178,9 @@ class DataSpec(CamelModel):
     """Column holding the prompt."""
     label_key: Annotated[str, Field(min_length=1)] = "label"
     """Column holding the reference answer the reward compares against."""
+    image_key: Annotated[str, Field(min_length=1)] | None = None
+    """Column holding each row's image(s), for a vision-language model: PNG/JPEG bytes, a path relative to the data
+    file, a {bytes, path} struct (HF datasets' Image), or a list of these. Unset: text-only prompts."""
     reward_type: RewardType = RewardType.MATH
     """math (final-answer match), deepscaler (boxed-answer style), or custom (see customRewardPath)."""
     custom_reward_path: Annotated[str, Field(pattern=r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+$")] | None = None

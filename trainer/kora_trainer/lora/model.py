@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kora_trainer.config import LoRASpec, Scope
+from kora_trainer.config import LoRASpec
 from kora_trainer.lora.layer import LoRALinear
 from kora_trainer.lora.params import LoRAParam
 from kora_trainer.lora.targets import in_non_language_region, select_param_targets, select_targets
@@ -148,8 +148,9 @@ def _target_param(name: str, m: nn.Module) -> str:
 def peft_config_dict(model: nn.Module, spec: LoRASpec, base_model_path: str | None) -> dict[str, Any]:
     """adapter_config.json contents that `peft.LoraConfig` (and SGLang's loader) accept.
 
-    target_modules are leaf names when they match exactly the wrapped set; with a scope that
-    excludes part of the model (a vision tower) they must be full paths, or PEFT would re-target it.
+    target_modules are leaf names when they match exactly the wrapped set; on a model with a vision / audio
+    region they are full paths: with a scope that excludes it, PEFT would re-target it, and with scope all the
+    tower's leaves (`qkv`, `proj`, `linear_fc1`) are other names than the language model's.
     """
     wrapped = list(lora_modules(model, LoRALinear))
     params = peft_target_parameters(model)
@@ -157,7 +158,8 @@ def peft_config_dict(model: nn.Module, spec: LoRASpec, base_model_path: str | No
         params += [f"{n}.weight" for n in wrapped if ".mlp." in n]
         wrapped = [n for n in wrapped if ".mlp." not in n]
     leaves = sorted({n.rsplit(".", 1)[-1] for n in wrapped})
-    if spec.scope is not Scope.ALL and any(in_non_language_region(n) for n, _ in model.named_modules()):
+    if any(in_non_language_region(n) for n, _ in model.named_modules()):
+        # a VL / omni model, whatever the scope: a leaf name would also match (or miss) modules of the other region
         targets: list[str] = wrapped
     else:
         targets = leaves

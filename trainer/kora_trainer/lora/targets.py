@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from kora_trainer.config import MEGATRON_TO_HF, Scope, TargetModule
+from kora_trainer.config import MEGATRON_TO_HF, VISION_MEGATRON_TO_HF, Scope, TargetModule
 
 # Module-path components that mark a vision / audio region (HF VL and omni models: Qwen2.5-VL `visual`,
 # LLaVA `vision_tower` + `multi_modal_projector`, Qwen2.5-Omni `audio_tower`, Gemma3 `vision_model`, ...).
@@ -24,10 +24,13 @@ NON_LANGUAGE_PARTS = frozenset({
 })
 
 
-def hf_leaf_names(target_modules: Iterable[TargetModule | str]) -> list[str]:
+def hf_leaf_names(target_modules: Iterable[TargetModule | str], vision: bool = False) -> list[str]:
+    """The HF leaf names the targets wrap; `vision`: inside a vision tower, where they also name its own leaves
+    (VISION_MEGATRON_TO_HF)."""
     out: list[str] = []
     for t in target_modules:
-        for leaf in MEGATRON_TO_HF[TargetModule(t)]:
+        extra = VISION_MEGATRON_TO_HF.get(TargetModule(t), ()) if vision else ()
+        for leaf in (*MEGATRON_TO_HF[TargetModule(t)], *extra):
             if leaf not in out:
                 out.append(leaf)
     return out
@@ -40,13 +43,15 @@ def in_non_language_region(module_name: str) -> bool:
 def select_targets(model: nn.Module, target_modules: Iterable[TargetModule | str],
                    scope: Scope | str = Scope.ALL) -> list[str]:
     """Full names of the nn.Linear modules to wrap, in model order."""
-    leaves = set(hf_leaf_names(target_modules))
+    targets = list(target_modules)
+    leaves, vision_leaves = set(hf_leaf_names(targets)), set(hf_leaf_names(targets, vision=True))
     scope = Scope(scope)
     chosen = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in leaves:
-            continue
         other_region = in_non_language_region(name)
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in (vision_leaves if other_region
+                                                                                else leaves):
+            continue
         if (scope is Scope.LANGUAGE and other_region) or (scope is Scope.VISION and not other_region):
             continue
         chosen.append(name)

@@ -50,6 +50,7 @@ from kora_trainer.orchestration.data import Row, batches, load_rows
 from kora_trainer.orchestration.sglang_launcher import reproducible_rollouts
 from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput
+from kora_trainer.wire.vision import ImageInputs
 
 ADAPTER_SWAP_RETRIES = 5
 CHUNKS_PER_ENGINE = 8  # a step is split into about this many calls per engine (the unit of balancing)
@@ -64,6 +65,44 @@ def sampling_seed(seed: int, step: int, prompt: int, sample: int) -> int:
     return int.from_bytes(digest, "little") & SEED_MASK
 
 
+class Prompts:
+    """Rows -> prompt token ids, as the engines and the trainer both take them. Text: the tokenizer (bos added). A VL
+    job (`data.imageKey`): the chat template with the row's images first, each placeholder expanded to its image's
+    token count (wire/vision.py), plus the images for the trainer's forward and the engines' image_data."""
+
+    def __init__(self, cfg: TrainerConfig, tokenizer: Any):
+        from transformers import AutoConfig
+
+        self.tokenizer = tokenizer
+        self.vl = cfg.data.image_key is not None
+        if self.vl:
+            from kora_trainer.wire.vision import VisionTokens, is_vision_language, load_image_processor
+
+            config = AutoConfig.from_pretrained(cfg.model.path)
+            if not is_vision_language(config):
+                raise ValueError(f"data.imageKey {cfg.data.image_key!r} is set but model.path {cfg.model.path} is not "
+                                 "a vision-language model (its config.json has no vision_config): unset data.imageKey "
+                                 "or point model.path at a VL checkpoint")
+            self.tokens = VisionTokens.of(config)
+            self.image_processor = load_image_processor(cfg.model.path)
+
+    def build(self, rows: list[Row]) -> tuple[list[list[int]], list[ImageInputs | None] | None,
+                                             list[list[str]] | None]:
+        """(prompt ids, each prompt's images or None for a text job, each prompt's image_data or None)."""
+        if not self.vl:
+            return [self.tokenizer(r.prompt)["input_ids"] for r in rows], None, None
+        from kora_trainer.wire.vision import image_item, images_from_bytes, prompt_ids
+
+        images: list[ImageInputs | None] = []
+        ids: list[list[int]] = []
+        for r in rows:
+            im = images_from_bytes(self.image_processor, r.images) if r.images else None
+            images.append(im)
+            ids.append(prompt_ids(self.tokenizer, self.tokens, r.prompt, im) if im is not None
+                       else self.tokenizer(r.prompt)["input_ids"])
+        return ids, images, [[image_item(b) for b in r.images] for r in rows]
+
+
 class RolloutError(RuntimeError):
     """A step's rollouts could not be generated: no engine left, a request refused, or out of time."""
 
@@ -74,6 +113,7 @@ class _Chunk:
 
     ids: list[list[int]]
     params: list[dict[str, Any]]
+    images: list[list[str]] | None = None  # each request's image_data (a VL job), else None
 
 
 @dataclass
@@ -100,7 +140,8 @@ class Rollout:
             raise ValueError("the rollout manager needs at least one engine URL")
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
-        self.rows = load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key)
+        self.rows = load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key, cfg.data.image_key)
+        self.prompts = Prompts(cfg, self.tokenizer)
         self._batches = batches(self.rows, cfg.algorithm.rollout_batch_size, cfg.algorithm.seed)
         self.position = 0  # batches taken from self._batches (one per generated step)
         self.reward = reward_fn(cfg.data)
@@ -128,12 +169,14 @@ class Rollout:
         alg = self.cfg.algorithm
         rows = next(self._batches)
         self.position += 1
-        prompts = [self.tokenizer(r.prompt)["input_ids"] for r in rows]  # [N] token ids (bos added)
+        prompts, images, image_data = self.prompts.build(rows)  # [N] token ids (a VL prompt's placeholders expanded)
         g = alg.n_samples_per_prompt
         ids, params = self.requests(prompts, g, alg.seed, step)
-        outs, out_engines = self.spread(step, ids, params, g)
+        outs, out_engines = self.spread(step, ids, params, g, image_data=image_data)
         gen_s = time.monotonic() - t0
         batch = self.scored(rows, prompts, outs, g, self.reward, [o.weight_version for o in outs])
+        if images is not None:
+            batch.images = [images[k // g] for k in range(len(outs))]  # a group's samples share its images
         stats = {"gen_ms": round(gen_s * 1000, 1), "rollout_ms": round((time.monotonic() - t0) * 1000, 1),
                  "weight_versions": sorted({v or "" for v in batch.weight_versions}),
                  "data_position": self.position,  # batches taken up to and including this step's
@@ -169,12 +212,16 @@ class Rollout:
 
     # ---- spreading a step over the engines ---------------------------------------------------------------
 
-    def _chunks(self, ids: list[list[int]], params: list[dict[str, Any]], g: int, engines: int) -> list[_Chunk]:
+    def _chunks(self, ids: list[list[int]], params: list[dict[str, Any]], g: int, engines: int,
+                image_data: list[list[str]] | None = None) -> list[_Chunk]:
         """The step's prompts in consecutive runs, about `chunks_per_engine` per engine (one call per engine when
-        there is one: nothing to balance, and the engine batches the whole step)."""
+        there is one: nothing to balance, and the engine batches the whole step); `image_data`: per prompt."""
         n_prompts = len(ids) // g
         per = -(-n_prompts // (engines * self.chunks_per_engine)) if engines > 1 else n_prompts
-        return [_Chunk(ids[p * g:(p + per) * g], params[p * g:(p + per) * g]) for p in range(0, n_prompts, per)]
+        return [_Chunk(ids[p * g:(p + per) * g], params[p * g:(p + per) * g],
+                       None if image_data is None else [image_data[k // g] for k in range(p * g, (p + per) * g)
+                                                        if k < len(ids)])
+                for p in range(0, n_prompts, per)]
 
     def _health(self) -> dict[int, str]:
         """GET /health on every engine at once: those that fail it, with why."""
@@ -183,19 +230,20 @@ class Rollout:
                 if not f.result()}
 
     def spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int,
-               lora_path: str | None = None, rid_prefix: str | None = None
-               ) -> tuple[list[GenerateOutput], dict[str, str]]:
+               lora_path: str | None = None, rid_prefix: str | None = None,
+               image_data: list[list[str]] | None = None) -> tuple[list[GenerateOutput], dict[str, str]]:
         """Every request answered, in order. Each call goes to the healthy engine holding the fewest requests
         that has room (`in_flight` calls); an engine that fails /health or a call is out for the step and its
         calls go to the others; a refused request (4xx) or no engine left fails the step. `lora_path`: the
         adapter (default: the job's, kora-policy in Adapter mode); `rid_prefix`: request ids
-        `<rid_prefix><uuid>` (multi-LoRA: `<adapter>::`, so one adapter's requests abort by prefix)."""
+        `<rid_prefix><uuid>` (multi-LoRA: `<adapter>::`, so one adapter's requests abort by prefix); `image_data`:
+        each prompt's images as SGLang's image_data items (wire/vision.py), for a VL model."""
         lora_path = lora_path or self.lora_path
         down = self._health()
         alive = [e for e in range(len(self.clients)) if e not in down]
         if not alive:
             raise RolloutError(self._none_left(step, down))
-        chunks = self._chunks(ids, params, g, len(alive))
+        chunks = self._chunks(ids, params, g, len(alive), image_data)
         results: list[list[GenerateOutput] | None] = [None] * len(chunks)
         queue = deque(range(len(chunks)))
         running: dict[Future[list[GenerateOutput]], tuple[int, int]] = {}  # call -> (chunk, engine)
@@ -214,8 +262,8 @@ class Rollout:
                 calls[e] += 1
                 load.outstanding[e] += n
                 load.queued -= n
-                running[self._pool.submit(self._generate, self.clients[e], chunks[c].ids, chunks[c].params,
-                                          lora_path, rid_prefix)] = (c, e)
+                running[self._pool.submit(self._generate, self.clients[e], chunks[c], lora_path,
+                                          rid_prefix)] = (c, e)
             done, _ = wait(running, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
             if not done:
                 raise RolloutError(f"step {step}: {len(running)} /generate calls unanswered after "
@@ -246,14 +294,15 @@ class Rollout:
         why = "; ".join(f"{self.urls[e]}: {reason}" for e, reason in sorted(down.items()))
         return f"step {step}: no rollout engine left ({why})"
 
-    def _generate(self, client: EngineClient, prompts: list[list[int]], params: list[dict[str, Any]],
-                  lora_path: str | None, rid_prefix: str | None) -> list[GenerateOutput]:
+    def _generate(self, client: EngineClient, chunk: _Chunk, lora_path: str | None,
+                  rid_prefix: str | None) -> list[GenerateOutput]:
         """One engine's share. A colocated Adapter-mode sync replaces the adapter by unload + load (SGLang
         has no replace); a request that lands in between is refused, so retry a few times (bounded)."""
-        rids = None if rid_prefix is None else [f"{rid_prefix}{uuid.uuid4().hex}" for _ in prompts]
+        rids = None if rid_prefix is None else [f"{rid_prefix}{uuid.uuid4().hex}" for _ in chunk.ids]
         for attempt in range(ADAPTER_SWAP_RETRIES + 1):
             try:
-                return client.generate(prompts, params, lora_path=lora_path, rid=rids)
+                return client.generate(chunk.ids, chunk.params, lora_path=lora_path, rid=rids,
+                                       image_data=chunk.images)
             except EngineError as e:
                 swapping = lora_path is not None and lora_path in e.message and e.status == 400
                 if not swapping or attempt == ADAPTER_SWAP_RETRIES:

@@ -4,7 +4,9 @@ the response built in `TokenizerManager._handle_batch_output`, TM:2480).
 In: `text` or `input_ids` (one prompt, or a list = a batch), `sampling_params` (one dict for all,
 or one per prompt), `n` samples per prompt (the n samples of prompt i are adjacent in the
 response), per-prompt or shared `return_logprob` / `logprob_start_len` / `top_logprobs_num`,
-`lora_path` (an adapter *name*; a list gives one per prompt, null = base model), `rid`.
+`lora_path` (an adapter *name*; a list gives one per prompt, null = base model), `rid`, and for a
+vision-language model `image_data` (io_struct.py `GenerateReqInput.image_data`: one image or a list for a single
+prompt, one entry per prompt for a batch, each an image or a list of images; base64 only here: wire/vision.py).
 
 Out: one object for a single prompt with n = 1, else a list in input order:
 `{"text", "output_ids", "meta_info": {id, finish_reason, prompt_tokens, completion_tokens,
@@ -23,6 +25,9 @@ from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
 from kora_trainer.reference_engine.model import GenRequest, GenResult
 from kora_trainer.reference_engine.request_bodies import GenerateReqInput, parse
 from kora_trainer.reference_engine.sampling import SamplingParams
+from kora_trainer.wire.vision import ImageInputs, VisionTokens, expand_placeholders
+
+ImagesOf = Callable[[list[Any]], ImageInputs]  # image_data items of one prompt -> what the vision tower takes
 
 
 @dataclass
@@ -128,11 +133,45 @@ def _sampling(body: dict[str, Any], n_prompts: int, limits: GenerateLimits) -> t
     return params, explicit
 
 
+def _per_prompt_images(image_data: Any, n_prompts: int, batched: bool) -> list[list[Any]]:
+    """SGLang's image_data shapes -> the items of each prompt (MultimodalDataInputFormat: an item, a list of items,
+    or a list of lists)."""
+    if not batched:
+        return [list(image_data) if isinstance(image_data, list) else [image_data]]
+    if not isinstance(image_data, list) or len(image_data) != n_prompts:
+        raise ValueError(f"image_data: a batch of {n_prompts} prompts takes a list of {n_prompts} entries (an "
+                         "image, a list of images, or null per prompt)")
+    return [[] if d is None else list(d) if isinstance(d, list) else [d] for d in image_data]
+
+
+def _images(body: dict[str, Any], prompts: list[list[int]], batched: bool, images_of: ImagesOf | None,
+            tokens: VisionTokens | None) -> list[ImageInputs | None]:
+    """Each prompt's images (None: none), its input_ids' placeholders expanded in place to their token counts."""
+    image_data = body.get("image_data")
+    if image_data is None or image_data == []:
+        return [None] * len(prompts)
+    if images_of is None or tokens is None:
+        raise ValueError("image_data: this engine's model has no vision tower (its config.json has no "
+                         "vision_config): send text-only prompts, or serve a vision-language model")
+    out: list[ImageInputs | None] = []
+    for i, items in enumerate(_per_prompt_images(image_data, len(prompts), batched)):
+        if not items:
+            out.append(None)
+            continue
+        images = images_of(items)
+        prompts[i][:] = expand_placeholders(prompts[i], tokens, images.tokens(tokens.merge))
+        out.append(images)
+    return out
+
+
 def parse_generate(body: dict[str, Any], tokenize: Callable[[str], list[int]],
                    resolve_adapter: Callable[[str | None], LoRAAdapter | None],
-                   limits: GenerateLimits) -> ParsedGenerate:
-    """Raises ValueError with SGLang's messages; the contract gate has already checked JSON types."""
+                   limits: GenerateLimits, images_of: ImagesOf | None = None,
+                   vision_tokens: VisionTokens | None = None) -> ParsedGenerate:
+    """Raises ValueError with SGLang's messages; the contract gate has already checked JSON types. `images_of` /
+    `vision_tokens`: a VL model's image processing and special tokens (None: image_data is refused)."""
     prompts, batched = _prompts(body, tokenize, limits)
+    images = _images(body, prompts, batched, images_of, vision_tokens)
     params, explicit = _sampling(body, len(prompts), limits)
     n = params[0].n if params else 1
     _count_check(len(prompts) * n, f"{len(prompts)} prompts x n={n}", limits)
@@ -151,7 +190,7 @@ def parse_generate(body: dict[str, Any], tokenize: Callable[[str], list[int]],
             base_rid = f"{rid}_{i}" if batched else rid
         for j in range(n):
             requests.append(GenRequest(
-                input_ids=prompt, params=params[i], adapter=adapter,
+                input_ids=prompt, params=params[i], adapter=adapter, images=images[i],
                 rid=(base_rid if n == 1 else f"{base_rid}_{j}") if base_rid else uuid.uuid4().hex,
                 return_logprob=bool(_per_item(body.get("return_logprob"), i, False)),
                 logprob_start_len=int(_per_item(body.get("logprob_start_len"), i, -1)),

@@ -41,6 +41,17 @@ from kora_trainer.reference_engine.sampling import (
     needs_processing,
     sample_rows,
 )
+from kora_trainer.wire.vision import (
+    ImageInputs,
+    VisionTokens,
+    decode_image_item,
+    decode_positions,
+    forward_inputs,
+    is_vision_language,
+    load_image_processor,
+    load_policy_model,
+    process_images,
+)
 
 DEFAULT_WEIGHT_VERSION = "default"  # SGLang's ServerArgs.weight_version default
 
@@ -63,6 +74,7 @@ class GenRequest:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    images: ImageInputs | None = None  # a VL prompt's images (its input_ids hold their expanded placeholders)
     aborted: bool = field(default=False, compare=False)  # set by /abort_request (inflight.py); read per step
 
 
@@ -138,21 +150,23 @@ def _dtype(name: str, config_dtype: Any) -> torch.dtype:
 class EngineModel:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_loras_per_batch: int = 8,
                  max_lora_rank: int | None = None):
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.model_path = model_path
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(model_path)
         self.dtype = _dtype(dtype, getattr(config, "dtype", None) or getattr(config, "torch_dtype", None))
-        # transformers wraps .to with functools.wraps(nn.Module.to): typeshed's _Wrapped does not bind self
-        self.model: nn.Module = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=self.dtype).to(self.device)  # type: ignore[arg-type]
+        # a VL checkpoint loads with its vision tower (the class the trainer loads: wire/vision.py)
+        self.model: nn.Module = load_policy_model(model_path, dtype=self.dtype).to(self.device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.config = self.model.config
-        self.max_context = int(getattr(self.config, "max_position_embeddings", 1 << 30))
+        self.vision_tokens = VisionTokens.of(self.config) if is_vision_language(self.config) else None
+        self.image_processor = load_image_processor(model_path) if self.vision_tokens else None
+        text_config = getattr(self.config, "text_config", None) or self.config  # a VL config nests the LM's
+        self.max_context = int(getattr(text_config, "max_position_embeddings", 1 << 30))
         # the ids the embedding can look up (SGLang checks model_config.vocab_size, the same number for HF models)
-        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.vocab_size = int(cast(Any, self.model).get_input_embeddings().weight.shape[0])
         self.max_loras_per_batch = max_loras_per_batch
         self.max_lora_rank = max_lora_rank
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -257,22 +271,40 @@ class EngineModel:
                 keys.append({key})
         return chunks
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
-                 last_only: bool = True) -> torch.Tensor:
-        kwargs: dict[str, Any] = {self._cache_kw: cache}
+    def image_inputs(self, items: list[Any]) -> ImageInputs:
+        """One prompt's image_data items -> what the vision tower takes (ValueError naming image_data otherwise)."""
+        if self.image_processor is None:
+            raise ValueError("image_data: this engine's model has no vision tower")
+        return process_images(self.image_processor, [decode_image_item(x) for x in items])
+
+    def _forward(self, ids: torch.Tensor | None, mask: torch.Tensor, pos: torch.Tensor, cache: Any,
+                 last_only: bool = True, **extra: Any) -> torch.Tensor:
+        """`ids` None: `extra` holds inputs_embeds (a VL prefill's, the image features in)."""
+        kwargs: dict[str, Any] = {self._cache_kw: cache, "position_ids": pos, **extra}
+        if ids is not None:
+            kwargs["input_ids"] = ids
         if last_only and self._keep_kw:
             kwargs["logits_to_keep"] = 1  # the lm_head for the last position only
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kwargs)
+        out = self.model(attention_mask=mask, use_cache=True, **kwargs)
         return cast(torch.Tensor, out.logits)  # [B, T, V]
 
-    def _prefill(self, seq: torch.Tensor, mask: torch.Tensor, all_logits: bool = False) -> tuple[Any, torch.Tensor]:
-        """A fresh KV cache over seq [B, T]; logits [B, T, V] (all_logits) or [B, 1, V]."""
+    def _prefill(self, seq: torch.Tensor, mask: torch.Tensor, all_logits: bool = False,
+                 images: list[ImageInputs | None] | None = None, prompt_width: int = 0
+                 ) -> tuple[Any, torch.Tensor, torch.Tensor | None]:
+        """A fresh KV cache over seq [B, T] (left-padded prompts in columns < prompt_width, then generated tokens);
+        logits [B, T, V] (all_logits) or [B, 1, V]; for a VL model the rope deltas [B, 1] its decode steps continue
+        from (else None)."""
         from transformers import DynamicCache
 
         # per layer type: a GDN layer keeps its conv / recurrent state
         cache = DynamicCache(config=getattr(self.model, "config", None))
+        if self.vision_tokens is not None:  # multimodal RoPE, the images through the tower (wire/vision.py)
+            kwargs, deltas = forward_inputs(self.model, seq, mask, images or [None] * seq.shape[0],
+                                            self.vision_tokens.image, [prompt_width or seq.shape[1]] * seq.shape[0])
+            pos, ids = kwargs.pop("position_ids"), kwargs.pop("input_ids", None)
+            return cache, self._forward(ids, mask, pos, cache, last_only=not all_logits, **kwargs), deltas
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]: left padding keeps real positions 0..len-1
-        return cache, self._forward(seq, mask, pos, cache, last_only=not all_logits)
+        return cache, self._forward(seq, mask, pos, cache, last_only=not all_logits), None
 
     def _left_padded(self, lens: list[int], reqs: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """The prompts left-padded into seq [B, L] and its attention mask [B, L]."""
@@ -306,9 +338,10 @@ class EngineModel:
         width = max(lens)
         seq, mask = self._left_padded(lens, reqs)
         adapters = [r.adapter for r in reqs]
+        images = [r.images for r in reqs]
         want_input = any(r.return_logprob and r.logprob_start_len >= 0 for r in reqs)
         with self.hooks.rows(adapters, self.device):
-            cache, logits = self._prefill(seq, mask, all_logits=want_input)  # [B, L or 1, V]
+            cache, logits, deltas = self._prefill(seq, mask, want_input, images, width)  # [B, L or 1, V]
         if want_input:
             for i, res in enumerate(results):
                 self._input_logprobs(res, logits[i, width - lens[i]:], lens[i])
@@ -347,14 +380,20 @@ class EngineModel:
             # retract, or a weight write let in: the KV cache is dropped and recomputed under today's weights
             if self._pause_point(results) or self._yield_to_writers(results):
                 with self.hooks.rows(adapters, self.device):
-                    cache, logits = self._prefill(seq, mask)
+                    cache, logits, deltas = self._prefill(seq, mask, images=images, prompt_width=width)
                 next_logits = logits[:, -1, :].float()
                 continue
-            pos = mask.sum(-1, keepdim=True) - 1  # [B, 1]
+            pos = self._step_positions(mask, deltas)
             with self.hooks.rows(adapters, self.device):
                 next_logits = self._forward(chosen, mask, pos, cache)[:, -1, :].float()
         for res in results:
             self._finish(res)
+
+    @staticmethod
+    def _step_positions(mask: torch.Tensor, deltas: torch.Tensor | None) -> torch.Tensor:
+        """A decode step's positions: [B, 1], or [4, B, 1] for a VL model (its rope deltas: wire/vision.py)."""
+        pos = mask.sum(-1, keepdim=True) - 1  # [B, 1]
+        return pos if deltas is None else decode_positions(pos, deltas)
 
     def _pause_point(self, results: list[GenResult]) -> bool:
         """While paused in place / retract: let weight updates in (release the lock) until continued."""

@@ -271,7 +271,8 @@ class HFEngineServer:
         engine = self.engine
         try:
             parsed = parse_generate(body, lambda t: engine.tokenizer(t)["input_ids"], self.adapters.resolve,
-                                    self.limits)
+                                    self.limits, engine.image_inputs if engine.vision_tokens else None,
+                                    engine.vision_tokens)
             # tracked from here, so /abort_request reaches a request a pause holds too (sglang-miles #30912)
             with self.inflight.track(parsed.requests):
                 if await self._admitted():  # it waited out a pause: it gets the adapters served now
@@ -329,7 +330,7 @@ class HFEngineServer:
             "model_path": e.model_path, "served_model_name": e.model_path, "tokenizer_path": e.model_path,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": e.weight_version,
             "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None, "disaggregation_mode": "null",
-            "has_image_understanding": False, "has_audio_understanding": False,
+            "has_image_understanding": e.vision_tokens is not None, "has_audio_understanding": False,
             "model_type": getattr(e.config, "model_type", None),
             "architectures": getattr(e.config, "architectures", None),
             **({} if self.build is not None else {"kora_engine": "hf"}),

@@ -162,13 +162,16 @@ class EngineClient:
 
     def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: dict[str, Any] | list[dict[str, Any]] | None
                  = None, lora_path: str | Sequence[str | None] | None = None, return_logprob: bool = True,
-                 rid: str | Sequence[str] | None = None, **extra: Any) -> list[GenerateOutput]:
+                 rid: str | Sequence[str] | None = None, image_data: Sequence[Sequence[str]] | None = None,
+                 **extra: Any) -> list[GenerateOutput]:
         """A batch of token-id prompts; returns len(input_ids) × n outputs in order.
 
         `lora_path` is an adapter *name* (one for all, or one per prompt; None = base model).
         `rid` names the requests (SGLang's GenerateReqInput.rid: one per prompt, or one string that becomes
         f"{rid}_{i}" per prompt; absent: the engine mints uuid4 hex ids) — the handle `abort_request` takes;
         multi-LoRA rollouts use `<adapter>::<uuid>` so one adapter's requests abort by prefix.
+        `image_data`: each prompt's images (a list per prompt: SGLang's "list of lists of images"), base64 items
+        (wire/vision.image_item), with the placeholders in its input_ids (wire/vision.py says which form).
         `extra` passes other GenerateReqInput fields through (e.g. logprob_start_len).
         Prefer one call per rollout batch; concurrent calls also work (SGLang batches them; the hf
         engine merges the calls that queue while a batch runs).
@@ -180,6 +183,8 @@ class EngineClient:
             body["lora_path"] = lora_path if isinstance(lora_path, str) else list(lora_path)
         if rid is not None:
             body["rid"] = rid if isinstance(rid, str) else list(rid)
+        if image_data is not None:
+            body["image_data"] = [list(items) for items in image_data]
         out = self.post("/generate", body)
         return [GenerateOutput.from_json(item) for item in (out if isinstance(out, list) else [out])]
 
