@@ -56,7 +56,7 @@ def test_two_adapter_flags_give_two_adapters_with_the_seed_keys_mapped(tmp_path)
     assert (gsm8k.num_steps, gsm8k.num_epochs) == (400, None)
     assert gsm8k.data.model_dump(by_alias=True) == {"path": "/root/datasets/gsm8k/train.parquet",
                                                     "inputKey": "messages", "labelKey": "label",
-                                                    "rewardType": "math", "customRewardPath": None}
+                                                    "rewardType": "math", "customRewardPath": None, "imageKey": None}
     assert (dapo_math.name, dapo_math.num_epochs, dapo_math.lr, dapo_math.seed) == ("dapo-math", 2, 1e-4, 7)
     assert dapo_math.data.reward_type == "deepscaler" and dapo_math.alpha is None  # the job's lora.alpha
     # a relative data path is taken from the adapter.yaml's directory
