@@ -50,6 +50,8 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
                              "algorithm.globalBatchSize": 5},
     "custom-reward-path": {"data.rewardType": "custom"},
     "multi-lora-needs-adapter": {"multiLora.maxAdapters": 2},
+    "multi-lora-images": {"lora.syncMode": "Adapter", "rollout.sglangBuild": "sglang-miles-94949da7",
+                          "multiLora.maxAdapters": 2, "data.imageKey": "image"},
     # valid_job sets no numSteps (one epoch)
     "lr-decay-steps": {"algorithm.lrDecayStyle": "cosine"},
     "min-lr": {"algorithm.lr": 1e-4, "algorithm.minLr": 2e-4},

@@ -172,3 +172,12 @@ def test_the_trainer_exits_2_with_the_message(tmp_path, capsys):
 def test_append_override_needs_a_list():
     with pytest.raises(ConfigError, match=r"\+= appends a list to a list"):
         load_config(None, ["multiLora.adapters+={name: a}"], base=BASE)
+
+
+def test_an_adapter_with_images_is_refused_naming_the_field():
+    from pydantic import ValidationError
+
+    from kora_trainer.config.sections import AdapterRunConfig
+
+    with pytest.raises(ValidationError, match="data.imageKey is not read for an adapter"):
+        AdapterRunConfig.model_validate({"rank": 8, "data": {"path": "d.parquet", "imageKey": "image"}})

@@ -258,6 +258,13 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         lambda c: c.multi_lora.max_adapters > 0 and not _adapter(c),
         f"self.multiLora.maxAdapters == 0 || {_ADAPTER}",
     ),
+    SpecRule(
+        "multi-lora-images", "data.imageKey",
+        "data.imageKey is not read by a multi-adapter job (its rollouts are text-only): remove data.imageKey, or set "
+        "multiLora.maxAdapters to 0",
+        lambda c: c.multi_lora.max_adapters > 0 and c.data.image_key is not None,
+        "self.multiLora.maxAdapters == 0 || !has(self.data.imageKey)",
+    ),
     # the learning-rate schedule (algorithm/lr_schedule.py)
     SpecRule(
         "lr-decay-steps", "algorithm.lrDecaySteps",
