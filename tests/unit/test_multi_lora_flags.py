@@ -179,5 +179,5 @@ def test_an_adapter_with_images_is_refused_naming_the_field():
 
     from kora_trainer.config.sections import AdapterRunConfig
 
-    with pytest.raises(ValidationError, match="data.imageKey is not read for an adapter"):
+    with pytest.raises(ValidationError, match=r"data\.imageKey is not read for an adapter"):
         AdapterRunConfig.model_validate({"rank": 8, "data": {"path": "d.parquet", "imageKey": "image"}})

@@ -368,8 +368,8 @@ POLICY_ADAPTER = "kora-policy"  # SPEC's fixed name of the one adapter a single-
 
 
 # multi-adapter rollouts build text prompts only (orchestration/adapter_rollout.py)
-ADAPTER_IMAGE_MESSAGE = ("data.imageKey is not read for an adapter of a multi-adapter job (its rollouts are text-only): "
-                         "remove data.imageKey, or train the image job alone (multiLora.maxAdapters 0)")
+ADAPTER_IMAGE_MESSAGE = ("data.imageKey is not read for an adapter of a multi-adapter job (its rollouts are "
+                         "text-only): remove data.imageKey, or train the image job alone (multiLora.maxAdapters 0)")
 
 
 class AdapterRunConfig(CamelModel):
