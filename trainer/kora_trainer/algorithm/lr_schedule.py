@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from kora_trainer.config.sections import AlgorithmSpec, LrDecayStyle
 
 
@@ -34,3 +36,11 @@ def lr_at(alg: AlgorithmSpec, step: int) -> float:
     linear = alg.lr_decay_style is LrDecayStyle.LINEAR
     coeff = 1.0 - ratio if linear else 0.5 * (1.0 + math.cos(math.pi * ratio))
     return alg.min_lr + (alg.lr - alg.min_lr) * coeff
+
+
+def apply_lr(optimizer: torch.optim.Optimizer, alg: AlgorithmSpec, step: int) -> float:
+    """Set every parameter group of `optimizer` to 0-based step `step`'s rate; return it."""
+    lr = lr_at(alg, step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
-from kora_trainer.algorithm.lr_schedule import lr_at
+from kora_trainer.algorithm.lr_schedule import apply_lr
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.backends.data_parallel import DataParallel
 from kora_trainer.config import TrainerConfig
@@ -128,9 +128,7 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
                               "grad_norm": 0.0}
     gap_max, gap_sum, gap_n = 0.0, 0.0, 0.0
     updates, reduce_s = 0, 0.0
-    lr = lr_at(alg, owner.version)  # this step's rate (the schedule is a function of the step: resume-exact)
-    for group in owner.optimizer.param_groups:
-        group["lr"] = lr
+    lr = apply_lr(owner.optimizer, alg, owner.version)  # a function of the step: resume-exact
     owner.model.train()  # LoRA dropout on
     for _ in range(alg.inner_epochs):
         # shuffle whole groups, so a minibatch holds complete groups (and their shared prompts)

@@ -115,12 +115,10 @@ class DiffusionPolicy:
     def train(self, step: int, batch: Batch) -> list[dict[str, float]]:
         """algorithm.innerEpochs passes of train_loop.update over this rank's rows at step's learning rate; each
         pass's stats (this rank's means over its rows)."""
-        from kora_trainer.algorithm.lr_schedule import lr_at
+        from kora_trainer.algorithm.lr_schedule import apply_lr
         from kora_trainer.diffusion.train_loop import update
 
-        lr = lr_at(self.cfg.algorithm, step - 1)  # `step` counts from 1
-        for group in self.opt.param_groups:
-            group["lr"] = lr
+        apply_lr(self.opt, self.cfg.algorithm, step - 1)  # `step` counts from 1
         return [update(self.toy, self.settings, batch.traj, batch.ids, batch.adv, self.opt)
                 for _ in range(self.cfg.algorithm.inner_epochs)]
 
