@@ -92,8 +92,12 @@ def test_the_engine_serves_image_prompts_and_its_logprobs_are_the_trainers(vl_to
         info = c.model_info()
         greedy = c.generate(ids, {"max_new_tokens": 2, "temperature": 0.0},
                             image_data=[[image_item(b) for b in r.images] for r in rows])
-        # sampled at T=2, 6 tokens past <eos>: responses of every kind, a sampled <|image_pad|> among them
-        sampled = c.generate(ids * 4, {"max_new_tokens": 6, "temperature": 2.0, "ignore_eos": True},
+        # sampled at T=2, 6 tokens past <eos>, each sample its own sampling_seed, <|image_pad|> favoured by a
+        # logit_bias (log-probs are the raw model's: the bias only steers the draw): responses of every kind,
+        # sampled <|image_pad|> tokens among them on every run
+        sampled = c.generate(ids * 4, [{"max_new_tokens": 6, "temperature": 2.0, "ignore_eos": True,
+                                        "logit_bias": {str(TOKENS.image): 4.0}, "sampling_seed": seed}
+                                       for seed in range(4 * len(ids))],
                              image_data=[[image_item(b) for b in r.images] for r in rows] * 4)
     assert info["has_image_understanding"] is True
     # the pretrained toy reads every colour greedily (vl_toy.py: toy.json's greedy_accuracy)
