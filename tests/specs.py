@@ -74,6 +74,8 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     "diffusion-data-parallel": {**DIFFUSION, "parallelism.tensor": 2},
     "diffusion-data-split": {**DIFFUSION, "parallelism.data": 2, "algorithm.rolloutBatchSize": 3},
     "diffusion-one-engine": {**DIFFUSION, "rollout.numEngines": 2},
+    "diffusion-gpu-ranks": {**DIFFUSION, "rollout.gpusPerEngine": 1, "parallelism.data": 2,
+                            "algorithm.rolloutBatchSize": 4, "algorithm.nSamplesPerPrompt": 4},
     "diffusion-sync-rollouts": {**DIFFUSION, "deployment.async": True},
     "diffusion-torch": {**DIFFUSION, "backend": "megatron"},
     "diffusion-dropout": {**DIFFUSION, "lora.dropout": 0.1},

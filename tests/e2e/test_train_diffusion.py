@@ -112,3 +112,12 @@ def test_a_prompt_the_model_does_not_know_is_refused_naming_data_path(diffusion_
     assert r.proc.returncode != 0
     assert "data.path" in r.output and "a red fox" in r.output and "prompts.jsonl" in r.output, r.output[-2000:]
     assert r.seen and r.seen[-1]["phase"] == "Failed", r.seen[-1:]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU: the job would run on it")
+def test_a_gpu_job_on_a_host_without_one_is_refused_naming_the_field(diffusion_toy_dir, tmp_path):
+    r = run(diffusion_toy_dir, tmp_path, "rollout.gpusPerEngine=1", "algorithm.numSteps=1")
+    wait_all([r])
+    assert r.proc.returncode != 0
+    assert "rollout.gpusPerEngine 1" in r.output and "no CUDA device" in r.output, r.output[-2000:]
+    assert r.seen and r.seen[-1]["phase"] == "Failed", r.seen[-1:]

@@ -77,3 +77,17 @@ def test_make_toy_diffusion_refuses_the_llm_toys_target(tmp_path):
     with pytest.raises(SystemExit, match="--target"):
         main(["make-toy", "--diffusion", "--target", "0.2", str(tmp_path / "other")])
     assert not (tmp_path / "other").exists()
+
+
+def test_the_cli_makes_a_toy_of_another_latent_side_and_refuses_an_unknown_shape(tmp_path):
+    """`kora make-toy --diffusion --sample-size 16`: a 16x16 latent the trainer and engine load as such (the GPU
+    bench's SD3-medium shape is the same maker with another transformer config: 2B parameters, too big to write
+    here); an unknown --diffusion-shape is refused by argparse naming the choices."""
+    out = subprocess.run([sys.executable, "-m", "kora_cli.main", "make-toy", "--diffusion", "--sample-size", "16",
+                          str(tmp_path / "toy16")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    toy = load_diffusion_toy(tmp_path / "toy16")
+    assert toy.latent_shape == (4, 16, 16) and json.loads(out.stdout)["shape"] == "toy"
+    bad = subprocess.run([sys.executable, "-m", "kora_cli.main", "make-toy", "--diffusion", "--diffusion-shape", "sd9",
+                          str(tmp_path / "bad")], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "sd3-medium" in bad.stderr

@@ -50,6 +50,15 @@ def test_a_diffusion_job_in_either_of_its_modes_is_valid(mode):
     assert problems == [] and job is not None and job.spec.diffusion.clip_eps == 1e-4
 
 
+def test_a_diffusion_job_on_one_gpu_is_valid_and_a_bigger_engine_is_refused_naming_the_field():
+    """rollout.gpusPerEngine 1: the engine and the one trainer rank share the job's GPU; 2 is an engine of
+    several GPUs (not built)."""
+    doc = set_path(diffusion_job(), "rollout.gpusPerEngine", 1)
+    assert errors(doc) == []
+    found = errors(set_path(doc, "rollout.gpusPerEngine", 2))
+    assert [p.rule for p in found] == ["diffusion-one-engine"] and "gpusPerEngine 0 or 1" in found[0].message
+
+
 def test_a_diffusion_job_on_data_parallel_ranks_is_valid_when_its_prompt_groups_split_evenly():
     """parallelism.data 2: rolloutBatchSize 4 of groups of 4 splits 2 + 2; with globalBatchSize 8 (two optimizer
     steps of 2 groups) each step's 2 groups split 1 + 1; globalBatchSize 4 (1 group a step) cannot split."""

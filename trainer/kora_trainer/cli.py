@@ -21,6 +21,11 @@ def register_make_toy(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--diffusion", action="store_true",
                    help="write the diffusion toy instead: a tiny SD3 transformer on 8x8 latents, its scheduler, "
                         "prompt embeddings and colour targets (kora_trainer/diffusion/toy.py)")
+    p.add_argument("--diffusion-shape", default="toy", choices=["toy", "sd3-medium"],
+                   help="with --diffusion: the transformer's shape, the CPU toy's or SD3-medium's (2B parameters, "
+                        "random init: for a GPU)")
+    p.add_argument("--sample-size", type=int, default=None,
+                   help="with --diffusion: the latent side (default: the shape's own, 8 for the toy)")
     p.add_argument("--vl", action="store_true",
                    help="write the vision-language toy instead: a tiny Qwen3.5 with a vision tower naming the colour "
                         "of a generated image, its tokenizer, image processor and dataset (kora_trainer/vl_toy.py)")
@@ -34,7 +39,8 @@ def _make_toy(args: argparse.Namespace) -> int:
                              "pretrained (drop --target or --diffusion)")
         from kora_trainer.diffusion.toy import make_diffusion_toy
 
-        print(json.dumps({"dir": args.dir, **make_diffusion_toy(args.dir)}))
+        info = make_diffusion_toy(args.dir, shape=args.diffusion_shape, sample_size=args.sample_size)
+        print(json.dumps({"dir": args.dir, **info}))
         return 0
     if args.vl:
         if args.diffusion:

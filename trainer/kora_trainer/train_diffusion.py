@@ -21,7 +21,10 @@ FSDP2-sharded over the ranks; this process keeps the engine and the rollouts and
 hold the policy as diffusion/actor.DiffusionPolicy, so a step is the same update on the same rows (FSDP2 averages
 the ranks' gradients) and a checkpoint (the optimizer state gathered whole) resumes at any rank count. Not built
 yet (refused by config/rules.py): tensor / pipeline / context / expert parallelism, launching sglang-diffusion,
-classifier-free guidance.
+classifier-free guidance, data-parallel ranks on GPUs.
+
+Device: rollout.gpusPerEngine 1 puts the engine and this process's policy on the same GPU (diffusion/actor.device_of),
+a push then hands the engine CUDA IPC handles; 0 keeps both on the CPU.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 # the policy's side of the job (diffusion/actor.py, which the Ray ranks import too); tests and bench/ import them here
-from kora_trainer.diffusion.actor import DiffusionJobError, load_model, settings_of
+from kora_trainer.diffusion.actor import DiffusionJobError, device_of, load_model, settings_of
 
 if TYPE_CHECKING:
     from kora_trainer.config import TrainerConfig
@@ -130,14 +133,14 @@ def step_rows(seed: int, step: int, n_rows: int, k: int) -> torch.Tensor:
     return torch.cat(perms)[:k]
 
 
-def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int) -> EngineProcess:
-    """The reference diffusion engine on 127.0.0.1, stopped by pid (orchestration/engines.EngineProcess)."""
+def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int, device: torch.device) -> EngineProcess:
+    """The reference diffusion engine on 127.0.0.1 and `device`, stopped by pid (orchestration/engines.EngineProcess)"""
     from kora_trainer.orchestration.engines import EngineProcess
     from kora_trainer.wire.ports import free_port
 
     port = free_port("127.0.0.1")
     argv = [sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(Path(cfg.model.path).resolve()),
-            "--port", str(port), "--num-threads", str(threads)]
+            "--port", str(port), "--num-threads", str(threads), "--device", device.type]
     return EngineProcess.launch(argv, f"http://127.0.0.1:{port}", run_dir / "engines", threads, ENGINE_READY_S)
 
 
@@ -261,7 +264,7 @@ def trainer_of(cfg: TrainerConfig, toy: DiffusionToy, engine: EngineProcess, thr
     """parallelism.data 1: the policy here (LocalPolicy, on `toy` itself); N: N Ray rank actors, on a private Ray
     head (or RAY_ADDRESS's cluster), stopped at the end."""
     if cfg.parallelism.data == 1:
-        yield LocalPolicy(cfg, toy, engine.url)
+        yield LocalPolicy(cfg, toy.to(device_of(cfg)), engine.url)
         return
     from kora_trainer.orchestration.cluster import shutdown, start_ray
     from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
@@ -285,10 +288,11 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
 
     assert cfg.diffusion is not None
     torch.set_num_threads(threads)
+    device = device_of(cfg)
     toy = load_model(cfg)
     steps = DiffusionSteps(cfg, toy, load_prompts(cfg, toy))
     s = steps.settings
-    engine = start_engine(cfg, run_dir, threads)
+    engine = start_engine(cfg, run_dir, threads, device)
     try:
         with trainer_of(cfg, toy, engine, threads) as trainer:
             def checkpoint(step: int) -> None:
@@ -307,7 +311,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
             with engine_watched(engine, "the first push of the policy", rec.run.saved_step):
                 first = sync_report(cfg, trainer.sync(), rec.run.start)
             ranks = getattr(trainer, "ranks", None)  # where each Ray rank runs (N > 1)
-            rec.started({"backend": "torch", "device": "cpu", "world": cfg.parallelism.data,
+            rec.started({"backend": "torch", "device": device.type, "world": cfg.parallelism.data,
                          "engine_urls": [engine.url], **({"ranks": ranks} if ranks else {})}, 1,
                         "diffusion-reference", "colocated", first)
             for step in range(rec.run.start + 1, rec.steps + 1):

@@ -144,14 +144,20 @@ _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], st
      f"self.algorithm.rolloutBatchSize * self.algorithm.nSamplesPerPrompt) % (self.algorithm.nSamplesPerPrompt * "
      f"{_P}.data) == 0"),
     ("diffusion-one-engine", "rollout.numEngines",
-     "a diffusion job rolls out on one engine, the reference diffusion engine beside the trainer, on CPU: set "
-     "rollout.engine hf, rollout.numEngines 1, rollout.gpusPerEngine 0, rollout.dpSize 1, "
-     "rollout.distributedEngines 0 and leave rollout.sglangBuild unset (launching sglang-diffusion and a GPU "
-     "engine are not built)",
-     lambda c: (c.rollout.engine != "hf" or c.rollout.num_engines != 1 or c.rollout.gpus_per_engine != 0
+     "a diffusion job rolls out on one engine, the reference diffusion engine beside the trainer, on the CPU "
+     "(rollout.gpusPerEngine 0) or on the trainer's GPU (1): set rollout.engine hf, rollout.numEngines 1, "
+     "rollout.gpusPerEngine 0 or 1, rollout.dpSize 1, rollout.distributedEngines 0 and leave rollout.sglangBuild "
+     "unset (launching sglang-diffusion and engines of several GPUs are not built)",
+     lambda c: (c.rollout.engine != "hf" or c.rollout.num_engines != 1 or c.rollout.gpus_per_engine > 1
                 or c.rollout.dp_size != 1 or c.rollout.distributed_engines != 0 or c.rollout.sglang_build is not None),
-     "self.rollout.engine == 'hf' && self.rollout.numEngines == 1 && self.rollout.gpusPerEngine == 0 && "
+     "self.rollout.engine == 'hf' && self.rollout.numEngines == 1 && self.rollout.gpusPerEngine <= 1 && "
      "self.rollout.dpSize == 1 && self.rollout.distributedEngines == 0 && !has(self.rollout.sglangBuild)"),
+    ("diffusion-gpu-ranks", "rollout.gpusPerEngine",
+     "rollout.gpusPerEngine 1 runs a diffusion job on one GPU, its engine and one trainer rank sharing it; "
+     "data-parallel ranks on GPUs (NCCL, a rank per GPU) are not built: set parallelism.data 1, or "
+     "rollout.gpusPerEngine 0 to run the ranks on CPUs",
+     lambda c: c.rollout.gpus_per_engine > 0 and c.parallelism.data > 1,
+     f"self.rollout.gpusPerEngine == 0 || {_P}.data == 1"),
     ("diffusion-sync-rollouts", "deployment.async",
      "deployment.async is not built for diffusion jobs (each step's images come from the policy just pushed): set "
      "deployment.async to false",

@@ -43,6 +43,18 @@ def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_init=str(d.lora_init), seed=a.seed)
 
 
+def device_of(cfg: TrainerConfig) -> torch.device:
+    """Where the job's transformer runs, in the trainer and the engine alike: rollout.gpusPerEngine 1 puts both on
+    the GPU (deployment Colocate: the same one; a push is CUDA IPC handles), 0 on the CPU."""
+    if cfg.rollout.gpus_per_engine == 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise DiffusionJobError(f"rollout.gpusPerEngine {cfg.rollout.gpus_per_engine} puts the diffusion engine and "
+                                "its trainer on the GPU, and this host has no CUDA device: run the job where one is "
+                                "(resources.gpusPerWorker 1), or set rollout.gpusPerEngine 0 to run on the CPU")
+    return torch.device("cuda")
+
+
 def load_model(cfg: TrainerConfig) -> DiffusionToy:
     """model.path as the diffusion path can load it today (a `kora make-toy --diffusion` checkpoint), checked
     against diffusion.scheduler and diffusion.resolution."""

@@ -1,4 +1,4 @@
-"""A reference diffusion rollout engine for the toy: sglang-diffusion's rollout route, on CPU, on 127.0.0.1.
+"""A reference diffusion rollout engine for the toy: sglang-diffusion's rollout route, on CPU or a GPU, on 127.0.0.1.
 
 `python -m kora_trainer.diffusion.engine --toy DIR --port P` serves
   GET  /health                       200 once the toy is loaded
@@ -21,6 +21,8 @@ Refused with 400 and the field named, not silently ignored: another SDE type tha
 The update request's fields are io_struct.py's `UpdateWeightFromTensorReqInput` (same commit); its answer's shape
 is the LLM routes' {"success", "message"} (sglang-diffusion's own answer was not read). Not built yet:
 `load_format="flattened_bucket"`, `/get_weights_checksum`, the admin key, a weight_version.
+On a GPU (`--device cuda`) a push's tensors arrive as CUDA IPC handles of the trainer's memory on the same GPU
+(wire/serialize.py): the engine folds and copies from them on the device and synchronizes before it answers.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class ToyEngine:
         with torch.no_grad():
             for n, t in weights.items():
                 self.params[n].copy_(t)
+        if self.toy.device.type == "cuda":  # the pushed tensors are the trainer's memory: done with them first
+            torch.cuda.synchronize(self.toy.device)
         return f"Updated {len(weights)} transformer weights ({req.weight_update_mode or 'full'})."
 
 
@@ -171,7 +175,7 @@ def rollout(toy: DiffusionToy, req: RolloutRequest, default_steps: int = 10) -> 
     timesteps, sigmas = flow_grpo.schedule(toy.scheduler, req.num_inference_steps or default_steps)
     t0 = time.monotonic()
     traj = flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, req.rollout_noise_level,
-                            [torch.Generator().manual_seed(seed + i) for i in range(n)])
+                            [torch.Generator().manual_seed(seed + i) for i in range(n)], toy.device)
     elapsed = time.monotonic() - t0
     request_id = uuid.uuid4().hex
     # the final latent's entry closes the trajectory at t = 0 (sglang appends it as step T)
@@ -231,9 +235,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--num-threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (the GPU the trainer shares: deployment Colocate)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.num_threads)
-    toy = load_diffusion_toy(args.toy)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: this host has no CUDA device (rollout.gpusPerEngine 0 runs on the CPU)")
+    toy = load_diffusion_toy(args.toy).to(args.device)
     toy.transformer.eval()
     web.run_app(make_app(toy), host=args.host, port=args.port, print=None)
 

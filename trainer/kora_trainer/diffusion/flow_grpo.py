@@ -84,6 +84,12 @@ class Trajectory:
     def num_steps(self) -> int:
         return int(self.timesteps.numel())
 
+    def to(self, device: torch.device) -> Trajectory:
+        """The same trajectory on `device` (the engine's answer arrives on the CPU; the trainer scores on its own)."""
+        return Trajectory(latents=self.latents.to(device), log_probs=self.log_probs.to(device),
+                          timesteps=self.timesteps.to(device), sigmas=self.sigmas.to(device),
+                          noise_level=self.noise_level)
+
 
 def schedule(scheduler: object, num_steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A diffusers FlowMatchEulerDiscreteScheduler's schedule for `num_steps`: (timesteps [T], sigmas [T+1])."""
@@ -98,19 +104,24 @@ def _randn(shape: Sequence[int], generators: Sequence[torch.Generator]) -> torch
 
 @torch.no_grad()
 def sample(velocity: VelocityFn, latent_shape: Sequence[int], timesteps: torch.Tensor, sigmas: torch.Tensor,
-           noise_level: float, generators: Sequence[torch.Generator]) -> Trajectory:
+           noise_level: float, generators: Sequence[torch.Generator], device: torch.device | None = None
+           ) -> Trajectory:
     """Roll out B = len(generators) samples with the SDE, recording all T+1 latents and each step's log-prob.
 
-    Sample i's initial noise and step noises come from generators[i] (so a sample is reproducible alone).
+    Sample i's initial noise and step noises come from generators[i] (so a sample is reproducible alone); the
+    generators are CPU ones whatever `device` the model runs on (the draws are the same on any device), and the
+    trajectory is on `device` (default: the CPU).
     """
+    dev = device or torch.device("cpu")
     sigma_max = float(sigmas[1]) if sigmas.numel() > 1 else float(sigmas[0])
-    x = _randn(latent_shape, generators)  # [B, C, H, W] x at sigma 1
+    timesteps, sigmas = timesteps.to(dev), sigmas.to(dev)
+    x = _randn(latent_shape, generators).to(dev)  # [B, C, H, W] x at sigma 1
     batch = x.shape[0]
     latents, log_probs = [x], []
     for j in range(timesteps.numel()):
         v = velocity(x, timesteps[j].expand(batch))  # [B, C, H, W]
         mean, std = sde_step(v, x, sigmas[j].expand(batch), sigmas[j + 1].expand(batch), sigma_max, noise_level)
-        x = mean + std * _randn(latent_shape, generators)  # [B, C, H, W]
+        x = mean + std * _randn(latent_shape, generators).to(dev)  # [B, C, H, W]
         log_probs.append(step_log_prob(x, mean, std))  # [B]
         latents.append(x)
     return Trajectory(latents=torch.stack(latents, dim=1), log_probs=torch.stack(log_probs, dim=1),

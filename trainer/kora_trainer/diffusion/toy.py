@@ -32,8 +32,18 @@ TRANSFORMER = {
     "joint_attention_dim": 32, "caption_projection_dim": 64,  # caption_projection_dim = heads x head dim (SD3's rule)
     "pooled_projection_dim": 32, "pos_embed_max_size": 8,
 }
+# SD3-medium's transformer (stabilityai/stable-diffusion-3-medium-diffusers transformer/config.json: 24 joint blocks
+# of 24 heads x 64, 16 latent channels, 2.03B parameters), random init: the realistic shape the GPU bench pushes
+# (bench/diffusion_gpu.py). Its sample_size is set when the toy is made (the latent side: push bytes do not depend
+# on it, rollout time does).
+SD3_MEDIUM = {
+    "sample_size": 128, "patch_size": 2, "in_channels": 16, "out_channels": 16, "num_layers": 24,
+    "attention_head_dim": 64, "num_attention_heads": 24, "joint_attention_dim": 4096, "caption_projection_dim": 1536,
+    "pooled_projection_dim": 2048, "pos_embed_max_size": 192,
+}
+SHAPES = {"toy": TRANSFORMER, "sd3-medium": SD3_MEDIUM}
 SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
-PROMPT_TOKENS = 4
+PROMPT_TOKENS = {"toy": 4, "sd3-medium": 77}  # the embedding table's tokens a prompt (CLIP's 77 for the SD3 shape)
 NUM_PROMPTS = 16
 TARGET_RANGE = 0.5  # targets uniform in [-0.5, 0.5] per channel: reachable from the base's colours (std ~0.1-0.2)
 SEED = 0
@@ -55,33 +65,50 @@ class DiffusionToy:
         cfg = self.transformer.config
         return int(cfg.in_channels), int(cfg.sample_size), int(cfg.sample_size)
 
+    @property
+    def device(self) -> torch.device:
+        return self.encoder_hidden_states.device
 
-def make_diffusion_toy(out_dir: str | Path, num_prompts: int = NUM_PROMPTS, seed: int = SEED) -> dict[str, Any]:
-    """Write the toy to `out_dir`; return what toy.json records."""
+    def to(self, device: str | torch.device) -> DiffusionToy:
+        """Move the transformer and the prompt tables to `device` (in place; returns self). The targets stay on the
+        CPU with the rewards."""
+        self.transformer.to(device)
+        self.encoder_hidden_states = self.encoder_hidden_states.to(device)
+        self.pooled_projections = self.pooled_projections.to(device)
+        return self
+
+
+def make_diffusion_toy(out_dir: str | Path, num_prompts: int = NUM_PROMPTS, seed: int = SEED, shape: str = "toy",
+                       sample_size: int | None = None) -> dict[str, Any]:
+    """Write the toy to `out_dir`; return what toy.json records. `shape`: the transformer's (SHAPES: the CPU toy,
+    or SD3-medium's for a GPU); `sample_size`: the latent side, when not the shape's own."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
     from safetensors.torch import save_file
 
+    if shape not in SHAPES:
+        raise ValueError(f"diffusion toy shape {shape!r}: one of {sorted(SHAPES)}")
+    config = {**SHAPES[shape], **({"sample_size": sample_size} if sample_size else {})}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     # diffusers' lazy-import module makes mypy see a class without its mixins' methods: Any
-    transformer: Any = SD3Transformer2DModel(**TRANSFORMER)
+    transformer: Any = SD3Transformer2DModel(**config)
     transformer.save_pretrained(out / "transformer")
     scheduler: Any = FlowMatchEulerDiscreteScheduler(**SCHEDULER)
     scheduler.save_pretrained(out / "scheduler")
     gen = torch.Generator().manual_seed(seed + 1)
     embeds = {
-        "encoder_hidden_states": torch.randn(num_prompts, PROMPT_TOKENS, TRANSFORMER["joint_attention_dim"],
+        "encoder_hidden_states": torch.randn(num_prompts, PROMPT_TOKENS[shape], config["joint_attention_dim"],
                                              generator=gen),
-        "pooled_projections": torch.randn(num_prompts, TRANSFORMER["pooled_projection_dim"], generator=gen),
+        "pooled_projections": torch.randn(num_prompts, config["pooled_projection_dim"], generator=gen),
     }
     save_file(embeds, str(out / "prompt_embeds.safetensors"))
-    targets = (torch.rand(num_prompts, TRANSFORMER["in_channels"], generator=gen) * 2 - 1) * TARGET_RANGE
+    targets = (torch.rand(num_prompts, config["in_channels"], generator=gen) * 2 - 1) * TARGET_RANGE
     rows = [{"prompt_id": i, "prompt": f"colour-{i:02d}", "target": [round(float(v), 4) for v in targets[i]]}
             for i in range(num_prompts)]
     (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     info = {"kind": KIND, "params": sum(p.numel() for p in transformer.parameters()), "prompts": num_prompts,
-            "seed": seed, "transformer": TRANSFORMER, "scheduler": SCHEDULER}
+            "seed": seed, "shape": shape, "transformer": config, "scheduler": SCHEDULER}
     (out / "toy.json").write_text(json.dumps(info, indent=2) + "\n")
     return info
 

@@ -63,8 +63,8 @@ def evaluate(toy: DiffusionToy, settings: FlowGRPOSettings, samples_per_prompt: 
     ids = torch.arange(len(toy.prompts)).repeat_interleave(samples_per_prompt)
     timesteps, sigmas = flow_grpo.schedule(toy.scheduler, settings.num_inference_steps)
     traj = flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, settings.noise_level,
-                            generators(seed, 0, ids.numel()))
-    return float(colour_reward(traj.images, toy.targets[ids]).mean())
+                            generators(seed, 0, ids.numel()), toy.device)
+    return float(colour_reward(traj.images.cpu(), toy.targets[ids]).mean())
 
 
 def update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Trajectory, ids: torch.Tensor,
@@ -76,6 +76,7 @@ def update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Trajec
     (sample, step) of the first minibatch, before this batch's first optimizer step — 0 up to rounding when the
     rollouts came from exactly the policy the trainer holds (`logp_gap_max`, `logp_gap_mean`)."""
     params = adapter_parameters(toy.transformer)
+    traj, adv = traj.to(toy.device), adv.to(toy.device)  # rollouts arrive on the CPU; the policy may be on a GPU
     batch, steps = adv.numel(), traj.num_steps
     stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0, "logp_gap_max": 0.0}
     gap_sum, gap_n = 0.0, 0
@@ -118,7 +119,7 @@ def local_rollout(settings: FlowGRPOSettings) -> RolloutFn:
     def roll(toy: DiffusionToy, ids: torch.Tensor, step: int) -> flow_grpo.Trajectory:
         timesteps, sigmas = flow_grpo.schedule(toy.scheduler, settings.num_inference_steps)
         return flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, settings.noise_level,
-                                generators(settings.seed, step, ids.numel()))
+                                generators(settings.seed, step, ids.numel()), toy.device).to(torch.device("cpu"))
     return roll
 
 
