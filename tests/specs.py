@@ -70,7 +70,6 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     # a diffusion job (valid as DIFFUSION sets it), broken one way each
     "diffusion-sync-mode": {**DIFFUSION, "lora.syncMode": "Adapter"},
     "diffusion-colocate": {**DIFFUSION, "deployment.mode": "Disaggregated"},
-    "diffusion-guidance": {**DIFFUSION, "diffusion.guidanceScale": 4.5},
     "diffusion-data-parallel": {**DIFFUSION, "parallelism.tensor": 2},
     "diffusion-data-split": {**DIFFUSION, "parallelism.data": 2, "algorithm.rolloutBatchSize": 3},
     "diffusion-one-engine": {**DIFFUSION, "rollout.numEngines": 2},

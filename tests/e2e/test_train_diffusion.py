@@ -121,3 +121,17 @@ def test_a_gpu_job_on_a_host_without_one_is_refused_naming_the_field(diffusion_t
     assert r.proc.returncode != 0
     assert "rollout.gpusPerEngine 1" in r.output and "no CUDA device" in r.output, r.output[-2000:]
     assert r.seen and r.seen[-1]["phase"] == "Failed", r.seen[-1:]
+
+
+def test_a_guided_job_rolls_out_and_rescores_with_the_same_guidance(uninterrupted, diffusion_toy_dir, tmp_path):
+    """diffusion.guidanceScale 4.5: the engine's guided steps are what the trainer re-scores (the serving check's
+    gap stays at rounding; a trainer re-scoring without guidance would miss by > 1e-3, test_diffusion_engine.py),
+    and the guidance changes the images: step 1's rewards are not the unguided run's."""
+    guided = run(diffusion_toy_dir, tmp_path, "lora.syncMode=EngineMerge", "algorithm.numSteps=2",
+                 "diffusion.guidanceScale=4.5")
+    wait_all([guided])
+    steps = guided.events("step")
+    assert guided.proc.returncode == 0 and len(steps) == 2, guided.output[-2000:]
+    assert all(e["rollout_logp_gap_max"] < 1e-5 for e in steps), [e["rollout_logp_gap_max"] for e in steps]
+    unguided = uninterrupted[0].events("step")[0]
+    assert abs(steps[0]["reward_mean"] - unguided["reward_mean"]) > 1e-4, (steps[0], unguided)

@@ -75,9 +75,31 @@ def test_the_engines_rollout_log_probs_equal_the_trainers_rescore(engine_url, di
     assert torch.equal(again.latents, traj.latents) and not torch.equal(traj.images[0], traj.images[1])
 
 
+def test_a_guided_rollout_is_what_the_trainer_rescores_with_the_same_guidance(engine_url, diffusion_toy_dir):
+    """guidance_scale 4.5 (CFG): every step's log-prob is the trainer's re-score with the guided velocity to
+    rounding, the unguided re-score misses it, and the images differ from the unguided ones of the same seed."""
+    body = {"prompt": "colour-05", "seed": 3, "num_inference_steps": 6, "num_outputs_per_prompt": 2,
+            "rollout_return_dit_trajectory": True}
+    guided = trajectory_from_responses(msgpack.unpackb(_generate(engine_url, **body, guidance_scale=4.5,
+                                                                 negative_prompt="").content), noise_level=0.7)
+    plain = trajectory_from_responses(msgpack.unpackb(_generate(engine_url, **body, guidance_scale=1.0).content),
+                                      noise_level=0.7)
+    toy = load_diffusion_toy(diffusion_toy_dir)
+    toy.transformer.eval()
+    ids = torch.full((2,), 5)
+
+    def gap(guidance):
+        with torch.no_grad():
+            return max(float((flow_grpo.rescore(velocity_fn(toy, ids, guidance=guidance), guided, j)[0]
+                              - guided.log_probs[:, j]).abs().max()) for j in range(guided.num_steps))
+    assert gap(4.5) < 1e-5, gap(4.5)
+    assert gap(1.0) > 1e-3, gap(1.0)
+    assert not torch.allclose(guided.images, plain.images, atol=1e-3)
+
+
 @pytest.mark.parametrize(("body", "field"), [
     ({"prompt": "a cat"}, "prompt"),
-    ({"prompt": "colour-01", "guidance_scale": 4.5}, "guidance_scale"),
+    ({"prompt": "colour-01", "guidance_scale": 4.5, "negative_prompt": "blurry"}, "negative_prompt"),
     ({"prompt": "colour-01", "rollout_sde_type": "cps"}, "rollout_sde_type"),
     ({"prompt": "colour-01", "width": 512}, "width/height"),
     ({"prompt": "colour-01", "num_outputs_per_prompt": 10_000}, "num_outputs_per_prompt"),

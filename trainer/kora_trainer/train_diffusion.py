@@ -21,7 +21,7 @@ FSDP2-sharded over the ranks; this process keeps the engine and the rollouts and
 hold the policy as diffusion/actor.DiffusionPolicy, so a step is the same update on the same rows (FSDP2 averages
 the ranks' gradients) and a checkpoint (the optimizer state gathered whole) resumes at any rank count. Not built
 yet (refused by config/rules.py): tensor / pipeline / context / expert parallelism, launching sglang-diffusion,
-classifier-free guidance, data-parallel ranks on GPUs.
+data-parallel ranks on GPUs.
 
 Device: rollout.gpusPerEngine 1 puts the engine and this process's policy on the same GPU (diffusion/actor.device_of),
 a push then hands the engine CUDA IPC handles; 0 keeps both on the CPU.
@@ -307,7 +307,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
                     rec.say(f"no checkpoint under {root}: starting at step 1")
                 else:
                     rec.resumed(info)
-            rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level)
+            rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level, s.guidance_scale)
             with engine_watched(engine, "the first push of the policy", rec.run.saved_step):
                 first = sync_report(cfg, trainer.sync(), rec.run.start)
             ranks = getattr(trainer, "ranks", None)  # where each Ray rank runs (N > 1)

@@ -126,10 +126,6 @@ _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], st
      "a diffusion job pushes its weights to the engine by same-host handles (update_weights_from_tensor, as the "
      "seed's CUDA IPC), so trainer and engine must share a host: set deployment.mode Colocate (the seed's --colocate)",
      lambda c: c.deployment.mode is not DeploymentMode.COLOCATE, "self.deployment.mode == 'Colocate'"),
-    ("diffusion-guidance", "diffusion.guidanceScale",
-     "diffusion.guidanceScale > 1 (classifier-free guidance) is not built: the rollouts and their log-probs are "
-     "unguided; set diffusion.guidanceScale to 1",
-     lambda c: c.diffusion is not None and c.diffusion.guidance_scale != 1.0, "self.diffusion.guidanceScale == 1.0"),
     ("diffusion-data-parallel", "parallelism.tensor",
      "a diffusion job's ranks are data-parallel only (FSDP2 shards the transformer over parallelism.data; "
      "tensor, pipeline, context and expert parallelism are not built for it): set parallelism tensor, pipeline, "

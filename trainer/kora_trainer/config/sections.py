@@ -518,7 +518,9 @@ class DiffusionSpec(CamelModel):
     noise_level: Annotated[float, Field(gt=0.0, le=2.0)] = 0.7
     """The SDE's noise level a: s_t = a sqrt(t / (1 - t)). Higher explores more."""
     guidance_scale: Annotated[float, Field(ge=1.0, le=30.0)] = 1.0
-    """Classifier-free guidance scale; 1 is no guidance (the only value built so far)."""
+    """Classifier-free guidance scale; 1 is no guidance. Above 1 every denoising step of the rollouts and of the
+    trainer's re-score uses the guided velocity v_uncond + g (v_cond - v_uncond), v_uncond from the model's
+    unconditional (empty negative prompt) embedding: two transformer passes a step."""
     resolution: Annotated[int, Field(ge=8, le=4096)] | None = None
     """Image side in pixels; unset: the model's own sample size (the only one the toy serves)."""
     reward: DiffusionReward = DiffusionReward.COLOUR

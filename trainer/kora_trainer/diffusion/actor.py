@@ -37,7 +37,8 @@ def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
     samples = a.rollout_batch_size * a.n_samples_per_prompt
     return FlowGRPOSettings(
         prompts_per_step=a.rollout_batch_size, samples_per_prompt=a.n_samples_per_prompt,
-        num_inference_steps=d.num_inference_steps, noise_level=d.noise_level, lr=a.lr, clip_eps=d.clip_eps,
+        num_inference_steps=d.num_inference_steps, noise_level=d.noise_level, guidance_scale=d.guidance_scale,
+        lr=a.lr, clip_eps=d.clip_eps,
         kl_coef=a.kl_coef, measure_kl=cfg.tracking.kl_to_base, adv_clip=d.adv_clip,
         minibatches=samples // a.effective_global_batch_size,
         lora_rank=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_init=str(d.lora_init), seed=a.seed)
@@ -72,6 +73,10 @@ def load_model(cfg: TrainerConfig) -> DiffusionToy:
     if have != d.scheduler.value:
         raise DiffusionJobError(f"diffusion.scheduler {d.scheduler.value}: {cfg.model.path}/scheduler is a {have}: "
                                 f"set diffusion.scheduler to {have}")
+    if d.guidance_scale > 1 and toy.negative is None:
+        raise DiffusionJobError(f"diffusion.guidanceScale {d.guidance_scale}: {cfg.model.path}/"
+                                "prompt_embeds.safetensors has no unconditional embedding (negative_*; the toy "
+                                "was made before guidance was built): remake it with `kora make-toy --diffusion`, or set diffusion.guidanceScale 1")
     side = toy.latent_shape[1]
     if d.resolution is not None and d.resolution != side:
         raise DiffusionJobError(f"diffusion.resolution {d.resolution}: the model makes {side}x{side} images (its "

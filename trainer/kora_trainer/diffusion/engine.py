@@ -17,7 +17,8 @@ utils.py @ 067e8f42c478f654f149497429caddd0b28d3490 (`{"__tensor__": true, "data
 "dtype"}`). The toy's prompt is its name in prompts.jsonl (`colour-03`); output i draws from its own generator
 seeded `seed + i` (kora's rule: sglang's per-output seeding was not checked).
 Refused with 400 and the field named, not silently ignored: another SDE type than "sde", `rollout_log_prob_no_const`,
-`guidance_scale` > 1 (no CFG: the toy has no negative prompt), a width/height other than the toy's, step filters.
+a `negative_prompt` other than the empty one (the toy's unconditional embedding; `guidance_scale` > 1 guides every
+step with it, v = v_uncond + g (v_cond - v_uncond)), a width/height other than the toy's, step filters.
 The update request's fields are io_struct.py's `UpdateWeightFromTensorReqInput` (same commit); its answer's shape
 is the LLM routes' {"success", "message"} (sglang-diffusion's own answer was not read). Not built yet:
 `load_format="flattened_bucket"`, `/get_weights_checksum`, the admin key, a weight_version.
@@ -153,8 +154,12 @@ def _refusal(req: RolloutRequest, toy: DiffusionToy) -> str | None:
                                         f"({toy.prompts[0]} ... {toy.prompts[-1]})"),
         (req.rollout_sde_type != "sde", f"rollout_sde_type {req.rollout_sde_type!r}: only 'sde' is built"),
         (req.rollout_log_prob_no_const, "rollout_log_prob_no_const: only the full log-prob is built; send false"),
-        (req.guidance_scale is not None and req.guidance_scale > 1, "guidance_scale > 1: no CFG in the toy engine "
-                                                                    "(no negative prompt); send 1 or omit it"),
+        (req.guidance_scale is not None and req.guidance_scale > 1 and toy.negative is None,
+         "guidance_scale > 1: this toy has no unconditional embedding (made before guidance was built): remake it "
+         "with `kora make-toy --diffusion`, or send 1"),
+        (req.negative_prompt not in (None, ""), f"negative_prompt {req.negative_prompt!r}: the toy's only "
+                                                "negative is its unconditional embedding (the empty prompt); omit it "
+                                                "or send \"\""),
         (any(v not in (None, size) for v in (req.width, req.height)), f"width/height: the toy's images are "
                                                                       f"{size}x{size}; omit them or send {size}"),
         (req.rollout_sde_step_indices is not None or req.rollout_return_step_indices is not None,
@@ -170,11 +175,13 @@ def _refusal(req: RolloutRequest, toy: DiffusionToy) -> str | None:
 def rollout(toy: DiffusionToy, req: RolloutRequest, default_steps: int = 10) -> list[dict[str, Any]]:
     """Serve one request: num_outputs_per_prompt SDE samples of the prompt, each sliced into its own response."""
     n = req.num_outputs_per_prompt or 1
+    guidance = req.guidance_scale if req.guidance_scale is not None and req.guidance_scale > 1 else 1.0  # SGLang's
     seed = req.seed if req.seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
     ids = torch.full((n,), toy.prompts.index(req.prompt), dtype=torch.long)
     timesteps, sigmas = flow_grpo.schedule(toy.scheduler, req.num_inference_steps or default_steps)
     t0 = time.monotonic()
-    traj = flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, req.rollout_noise_level,
+    traj = flow_grpo.sample(velocity_fn(toy, ids, guidance=guidance), toy.latent_shape, timesteps,
+                            sigmas, req.rollout_noise_level,
                             [torch.Generator().manual_seed(seed + i) for i in range(n)], toy.device)
     elapsed = time.monotonic() - t0
     request_id = uuid.uuid4().hex

@@ -35,9 +35,9 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> requests.Re
 class EngineRollout:
     """A train_loop.RolloutFn that asks the engine: one request per prompt, its G outputs adjacent."""
 
-    def __init__(self, url: str, seed: int, num_inference_steps: int, noise_level: float):
+    def __init__(self, url: str, seed: int, num_inference_steps: int, noise_level: float, guidance_scale: float = 1.0):
         self.url, self.seed = url.rstrip("/"), seed
-        self.steps, self.noise_level = num_inference_steps, noise_level
+        self.steps, self.noise_level, self.guidance = num_inference_steps, noise_level, guidance_scale
 
     def __call__(self, toy: DiffusionToy, ids: torch.Tensor, step: int) -> flow_grpo.Trajectory:
         prompts, counts = torch.unique_consecutive(ids, return_counts=True)
@@ -45,7 +45,8 @@ class EngineRollout:
         for p, n in zip(prompts.tolist(), counts.tolist(), strict=True):
             body = {"prompt": toy.prompts[p], "seed": self.seed * 1_000_003 + step * 10_007 + first,
                     "num_inference_steps": self.steps, "num_outputs_per_prompt": n,
-                    "rollout_noise_level": self.noise_level, "rollout_return_dit_trajectory": True}
+                    "rollout_noise_level": self.noise_level, "rollout_return_dit_trajectory": True,
+                    "guidance_scale": self.guidance}
             trajs.append(trajectory_from_responses(msgpack.unpackb(_post(f"{self.url}/rollout/generate", body).content),
                                                    self.noise_level))
             first += n

@@ -5,7 +5,8 @@
                             2 joint blocks, 4 heads x 16, patch 2 (16 image tokens), 285k parameters
   DIR/scheduler/            FlowMatchEulerDiscreteScheduler (scheduler_config.json), shift 3 as SD3's
   DIR/prompt_embeds.safetensors  the "text encoder": a fixed random embedding per prompt id
-                            (encoder_hidden_states [P, 4, 32], pooled_projections [P, 32])
+                            (encoder_hidden_states [P, 4, 32], pooled_projections [P, 32]) and one unconditional
+                            embedding for classifier-free guidance (negative_*: [1, 4, 32], [1, 32])
   DIR/prompts.jsonl         {"prompt_id", "prompt", "target"}: the colour (one value per latent channel) the
                             built-in reward wants the prompt's image to have (rewards.colour_reward)
   DIR/toy.json              how it was made
@@ -59,6 +60,9 @@ class DiffusionToy:
     pooled_projections: torch.Tensor  # [P, pooled_projection_dim]
     targets: torch.Tensor  # [P, C] the colour each prompt's image should have
     prompts: list[str]
+    # the unconditional (empty negative prompt) embedding for classifier-free guidance: [1, L, D], [1, Dp]; None in
+    # a toy made before guidance was built
+    negative: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def latent_shape(self) -> tuple[int, int, int]:
@@ -75,6 +79,8 @@ class DiffusionToy:
         self.transformer.to(device)
         self.encoder_hidden_states = self.encoder_hidden_states.to(device)
         self.pooled_projections = self.pooled_projections.to(device)
+        if self.negative is not None:
+            self.negative = (self.negative[0].to(device), self.negative[1].to(device))
         return self
 
 
@@ -102,8 +108,13 @@ def make_diffusion_toy(out_dir: str | Path, num_prompts: int = NUM_PROMPTS, seed
                                              generator=gen),
         "pooled_projections": torch.randn(num_prompts, config["pooled_projection_dim"], generator=gen),
     }
-    save_file(embeds, str(out / "prompt_embeds.safetensors"))
     targets = (torch.rand(num_prompts, config["in_channels"], generator=gen) * 2 - 1) * TARGET_RANGE
+    # the unconditional embedding classifier-free guidance contrasts each prompt with (a real pipeline encodes the
+    # empty negative prompt; drawn after the targets so the prompts and targets are those of toys made before it)
+    embeds["negative_encoder_hidden_states"] = torch.randn(1, PROMPT_TOKENS[shape], config["joint_attention_dim"],
+                                                           generator=gen)
+    embeds["negative_pooled_projections"] = torch.randn(1, config["pooled_projection_dim"], generator=gen)
+    save_file(embeds, str(out / "prompt_embeds.safetensors"))
     rows = [{"prompt_id": i, "prompt": f"colour-{i:02d}", "target": [round(float(v), 4) for v in targets[i]]}
             for i in range(num_prompts)]
     (out / "prompts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -137,4 +148,6 @@ def load_diffusion_toy(path: str | Path) -> DiffusionToy:
                         encoder_hidden_states=embeds["encoder_hidden_states"],
                         pooled_projections=embeds["pooled_projections"],
                         targets=torch.tensor([r["target"] for r in rows], dtype=torch.float32),
-                        prompts=[r["prompt"] for r in rows])
+                        prompts=[r["prompt"] for r in rows],
+                        negative=((embeds["negative_encoder_hidden_states"], embeds["negative_pooled_projections"])
+                                  if "negative_encoder_hidden_states" in embeds else None))

@@ -32,6 +32,7 @@ class FlowGRPOSettings:
     samples_per_prompt: int = 8  # G, the group size
     num_inference_steps: int = 6  # T (the recipe: 10)
     noise_level: float = 0.7  # a in s_t = a sqrt(t / (1 - t))
+    guidance_scale: float = 1.0  # classifier-free guidance (1: none); rollouts and re-scores use the guided velocity
     lr: float = 5e-3
     clip_eps: float = 1e-4
     kl_coef: float = 0.0  # beta: KL to the adapter-off base per step
@@ -62,8 +63,8 @@ def evaluate(toy: DiffusionToy, settings: FlowGRPOSettings, samples_per_prompt: 
     training): the number a reward-rise claim is made on."""
     ids = torch.arange(len(toy.prompts)).repeat_interleave(samples_per_prompt)
     timesteps, sigmas = flow_grpo.schedule(toy.scheduler, settings.num_inference_steps)
-    traj = flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, settings.noise_level,
-                            generators(seed, 0, ids.numel()), toy.device)
+    traj = flow_grpo.sample(velocity_fn(toy, ids, guidance=settings.guidance_scale), toy.latent_shape, timesteps,
+                            sigmas, settings.noise_level, generators(seed, 0, ids.numel()), toy.device)
     return float(colour_reward(traj.images.cpu(), toy.targets[ids]).mean())
 
 
@@ -82,7 +83,7 @@ def update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Trajec
     gap_sum, gap_n = 0.0, 0
     for k, rows in enumerate(torch.arange(batch).chunk(settings.minibatches)):
         opt.zero_grad(set_to_none=True)
-        velocity = velocity_fn(toy, ids, rows)
+        velocity = velocity_fn(toy, ids, rows, settings.guidance_scale)
         for j in range(steps):
             log_prob, mean, std = flow_grpo.rescore(velocity, traj, j, rows)  # [b], [b, C, H, W], [b, 1, 1, 1]
             if k == 0:
@@ -118,8 +119,9 @@ def local_rollout(settings: FlowGRPOSettings) -> RolloutFn:
     """Roll out in the trainer's own process with the policy being trained."""
     def roll(toy: DiffusionToy, ids: torch.Tensor, step: int) -> flow_grpo.Trajectory:
         timesteps, sigmas = flow_grpo.schedule(toy.scheduler, settings.num_inference_steps)
-        return flow_grpo.sample(velocity_fn(toy, ids), toy.latent_shape, timesteps, sigmas, settings.noise_level,
-                                generators(settings.seed, step, ids.numel()), toy.device).to(torch.device("cpu"))
+        return flow_grpo.sample(velocity_fn(toy, ids, guidance=settings.guidance_scale), toy.latent_shape, timesteps,
+                                sigmas, settings.noise_level, generators(settings.seed, step, ids.numel()),
+                                toy.device).to(torch.device("cpu"))
     return roll
 
 
