@@ -76,7 +76,8 @@ def load_model(cfg: TrainerConfig) -> DiffusionToy:
     if d.guidance_scale > 1 and toy.negative is None:
         raise DiffusionJobError(f"diffusion.guidanceScale {d.guidance_scale}: {cfg.model.path}/"
                                 "prompt_embeds.safetensors has no unconditional embedding (negative_*; the toy "
-                                "was made before guidance was built): remake it with `kora make-toy --diffusion`, or set diffusion.guidanceScale 1")
+                                "was made before guidance was built): remake it with `kora make-toy --diffusion`, "
+                                "or set diffusion.guidanceScale 1")
     side = toy.latent_shape[1]
     if d.resolution is not None and d.resolution != side:
         raise DiffusionJobError(f"diffusion.resolution {d.resolution}: the model makes {side}x{side} images (its "
