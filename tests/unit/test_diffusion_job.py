@@ -136,3 +136,36 @@ def test_tracking_kl_to_base_measures_the_kl_without_adding_it_to_the_loss(diffu
 
     measured, plain = one_pass(s), one_pass(replace(s, measure_kl=False))
     assert measured["kl"] > 0 and plain["kl"] == 0 and measured["loss"] == plain["loss"]
+
+
+def test_timestep_fraction_trains_the_first_steps_only(diffusion_toy_dir):
+    """diffusion.timestepFraction 0.4 of 5 steps: the update is the one of the trajectory cut after its first 2
+    steps (flow_grpo's int(T x fraction)), bit for bit, and not the whole trajectory's."""
+    from dataclasses import replace
+
+    from kora_trainer.diffusion import flow_grpo
+    from kora_trainer.diffusion.lora import apply_diffusion_lora
+    from kora_trainer.diffusion.train_loop import local_rollout, trained_steps, update
+    from kora_trainer.lora.model import adapter_parameters, adapter_tensors
+
+    s = settings_of(job(diffusion_toy_dir, timestepFraction=0.4))
+    assert s.timestep_fraction == 0.4 and trained_steps(5, 0.4) == 2 and trained_steps(5, 0.01) == 1
+
+    def adapter_after(settings, cut=None):
+        toy = load_model(job(diffusion_toy_dir))
+        torch.manual_seed(0)
+        apply_diffusion_lora(toy.transformer, 4, 8.0)
+        ids = torch.arange(4).repeat_interleave(4)
+        traj = local_rollout(replace(settings, timestep_fraction=1.0))(toy, ids, 0)
+        if cut is not None:
+            traj = flow_grpo.Trajectory(latents=traj.latents[:, :cut + 1], log_probs=traj.log_probs[:, :cut],
+                                        timesteps=traj.timesteps[:cut], sigmas=traj.sigmas[:cut + 1],
+                                        noise_level=traj.noise_level)
+        opt = torch.optim.SGD(adapter_parameters(toy.transformer), lr=0.1)
+        update(toy, settings, traj, ids, flow_grpo.advantages(torch.arange(16.0), 4), opt)
+        return dict(adapter_tensors(toy.transformer))
+
+    part, cut, whole = adapter_after(s), adapter_after(replace(s, timestep_fraction=1.0), cut=2), \
+        adapter_after(replace(s, timestep_fraction=1.0))
+    assert all(torch.equal(part[k], cut[k]) for k in part)
+    assert not all(torch.equal(part[k], whole[k]) for k in part)

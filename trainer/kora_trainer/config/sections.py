@@ -528,6 +528,10 @@ class DiffusionSpec(CamelModel):
     data.customRewardPath names `def reward(images, prompts, labels) -> tensor [B]`."""
     clip_eps: Annotated[float, Field(gt=0.0, lt=1.0)] = 1e-4
     """Flow-GRPO's ratio clip (per denoising step; tiny, as the paper's)."""
+    timestep_fraction: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    """The share of each image's denoising steps the update trains on: the first max(1, int(numInferenceSteps x
+    timestepFraction)) steps (flow_grpo's train.timestep_fraction); the rollouts still take every step. Below 1 a
+    step's training costs that share of the re-score's passes."""
     adv_clip: Annotated[float, Field(gt=0.0)] = 5.0
     """Group-relative advantages are clipped to +-advClip."""
     target_modules: Annotated[list[DiffusionTarget], Field(min_length=1, max_length=8)] = Field(

@@ -38,6 +38,7 @@ def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
     return FlowGRPOSettings(
         prompts_per_step=a.rollout_batch_size, samples_per_prompt=a.n_samples_per_prompt,
         num_inference_steps=d.num_inference_steps, noise_level=d.noise_level, guidance_scale=d.guidance_scale,
+        timestep_fraction=d.timestep_fraction,
         lr=a.lr, clip_eps=d.clip_eps,
         kl_coef=a.kl_coef, measure_kl=cfg.tracking.kl_to_base, adv_clip=d.adv_clip,
         minibatches=samples // a.effective_global_batch_size,

@@ -33,6 +33,7 @@ class FlowGRPOSettings:
     num_inference_steps: int = 6  # T (the recipe: 10)
     noise_level: float = 0.7  # a in s_t = a sqrt(t / (1 - t))
     guidance_scale: float = 1.0  # classifier-free guidance (1: none); rollouts and re-scores use the guided velocity
+    timestep_fraction: float = 1.0  # train on the first max(1, int(T x this)) denoising steps of each image
     lr: float = 5e-3
     clip_eps: float = 1e-4
     kl_coef: float = 0.0  # beta: KL to the adapter-off base per step
@@ -68,17 +69,23 @@ def evaluate(toy: DiffusionToy, settings: FlowGRPOSettings, samples_per_prompt: 
     return float(colour_reward(traj.images.cpu(), toy.targets[ids]).mean())
 
 
+def trained_steps(num_steps: int, fraction: float) -> int:
+    """How many of a trajectory's first denoising steps the update trains on (flow_grpo: int(T x fraction))."""
+    return max(1, int(num_steps * fraction))
+
+
 def update(toy: DiffusionToy, settings: FlowGRPOSettings, traj: flow_grpo.Trajectory, ids: torch.Tensor,
            adv: torch.Tensor, opt: torch.optim.Optimizer) -> dict[str, float]:
-    """One pass over the batch in `minibatches` optimizer steps; each step's loss is accumulated over all T
-    denoising steps (one backward per step: memory holds one step's graph), as flow_grpo accumulates them.
+    """One pass over the batch in `minibatches` optimizer steps; each step's loss is accumulated over the trained
+    denoising steps, all T or the first trained_steps(T, timestep_fraction) (one backward per step: memory holds
+    one step's graph), as flow_grpo accumulates them.
 
     Besides the loss terms it measures the serving check: |trainer re-score - rollout log-prob| over every
-    (sample, step) of the first minibatch, before this batch's first optimizer step — 0 up to rounding when the
+    (sample, trained step) of the first minibatch, before this batch's first optimizer step — 0 up to rounding when the
     rollouts came from exactly the policy the trainer holds (`logp_gap_max`, `logp_gap_mean`)."""
     params = adapter_parameters(toy.transformer)
     traj, adv = traj.to(toy.device), adv.to(toy.device)  # rollouts arrive on the CPU; the policy may be on a GPU
-    batch, steps = adv.numel(), traj.num_steps
+    batch, steps = adv.numel(), trained_steps(traj.num_steps, settings.timestep_fraction)
     stats = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "ratio_mean": 0.0, "grad_norm": 0.0, "logp_gap_max": 0.0}
     gap_sum, gap_n = 0.0, 0
     for k, rows in enumerate(torch.arange(batch).chunk(settings.minibatches)):
