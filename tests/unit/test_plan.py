@@ -87,3 +87,46 @@ def test_train_dry_run_prints_the_plan_and_names_the_fix_for_a_layout_it_would_r
     assert json.loads(ok.stdout)["world"] == 2
     refused = subprocess.run([*base, "parallelism.tensor=2"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "needs backend: megatron" in refused.stderr
+
+
+# A sample the trainer would stop at start plans (where it would run) and says it would not start: the plan's
+# start_refusals, printed as "REFUSED at start by the trainer". Only the recipe that keeps expert parallelism has one.
+REFUSED_AT_START = {"moe-adapter-mode.yaml": "parallelism expert 4: the trainer runs data and tensor parallelism"}
+
+
+@pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)
+def test_every_sample_plan_says_whether_the_trainer_would_start_it(sample):
+    plan = json.loads(kora("plan", "--json", str(sample)).stdout)
+    expected = REFUSED_AT_START.get(sample.name)
+    if expected is None:
+        assert plan["start_refusals"] == [], plan["start_refusals"]
+    else:
+        assert len(plan["start_refusals"]) == 1 and expected in plan["start_refusals"][0]
+        assert "REFUSED at start by the trainer" in kora("plan", str(sample)).stdout
+        assert yaml.safe_load(sample.read_text())["spec"]["parallelism"]["expert"] > 1
+
+
+def test_the_vl_samples_start_checks_pass_on_a_tiny_model_of_their_architecture(tmp_path):
+    """The Qwen3.6 samples against a real config.json of their architecture (the MoE VL toy's
+    Qwen3_5MoeConfig, vision_config and all): every rule passes, the VL model is kept off megatron, the layout
+    starts on torch; the same sample in Adapter mode with scope all is refused by SPEC rule 4, read from it."""
+    from kora_operator.validation import validate_job
+    from kora_trainer.backends.select import check_actor_layout, resolve_backend
+    from kora_trainer.vl_toy import moe_model_config
+
+    moe_model_config().save_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf["model_type"] == "qwen3_5_moe" and hf["vision_config"]
+    for name in ("vl-merge-mode.yaml", "qwen36-moe-vl-adapter-mode.yaml"):
+        doc = yaml.safe_load((REPO / "manifests" / "samples" / name).read_text())
+        doc["spec"]["model"] = {"path": str(tmp_path)}
+        job, problems = validate_job(doc)
+        assert job is not None and [p for p in problems if p.severity == "error"] == [], (name, problems)
+        backend = resolve_backend(job.spec, cuda=True, megatron=True, model_bytes=70 << 30,
+                                  model_type=hf["model_type"], vision=True)
+        assert backend.value == "torch"
+        check_actor_layout(job.spec, backend)
+        doc["spec"]["lora"] = {**doc["spec"]["lora"], "syncMode": "Adapter", "scope": "all"}
+        _, problems = validate_job(doc)
+        assert [p.rule for p in problems] == ["adapter-vision-scope"], (name, problems)
+        assert f"{tmp_path}/config.json declares vision_config" in problems[0].message

@@ -29,6 +29,8 @@ def register_make_toy(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     p.add_argument("--vl", action="store_true",
                    help="write the vision-language toy instead: a tiny Qwen3.5 with a vision tower naming the colour "
                         "of a generated image, its tokenizer, image processor and dataset (kora_trainer/vl_toy.py)")
+    p.add_argument("--moe", action="store_true",
+                   help="with --vl: the Qwen3.5-MoE variant (fused experts, router, shared expert in each layer)")
     p.set_defaults(func=_make_toy)
 
 
@@ -42,12 +44,15 @@ def _make_toy(args: argparse.Namespace) -> int:
         info = make_diffusion_toy(args.dir, shape=args.diffusion_shape, sample_size=args.sample_size)
         print(json.dumps({"dir": args.dir, **info}))
         return 0
+    if args.moe and not args.vl:
+        raise SystemExit("kora make-toy: --moe is a variant of the vision-language toy; pass it with --vl")
     if args.vl:
         if args.diffusion:
             raise SystemExit("kora make-toy: --vl and --diffusion are two toys; pass one")
         from kora_trainer.vl_toy import make_vl_toy
 
-        print(json.dumps({"dir": args.dir, **make_vl_toy(args.dir, target=args.target, threads=args.threads)}))
+        print(json.dumps({"dir": args.dir, **make_vl_toy(args.dir, target=args.target, threads=args.threads,
+                                                              moe=args.moe)}))
         return 0
     from kora_trainer.toy import make_toy
 

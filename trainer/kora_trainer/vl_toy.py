@@ -95,6 +95,27 @@ def model_config() -> Any:
                          vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True, dtype="float32")
 
 
+# The MoE variant (`kora make-toy --vl --moe`, issue 20 item 3): the same text shape with each layer's MLP swapped
+# for transformers 5's fused 3-D experts + a bare router weight + a shared expert, as Qwen3.6-35B-A3B has them, so
+# expert LoRA, the tower and GDN meet in one model. Everything else (tower, tokens, data) is the dense toy's.
+MOE_TEXT = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                router_aux_loss_coef=0.0)
+
+
+def moe_model_config() -> Any:
+    from transformers import Qwen3_5MoeConfig
+
+    dense = model_config()
+    text = {k: v for k, v in dense.text_config.to_dict().items()
+            if k not in ("intermediate_size", "model_type", "architectures", "transformers_version", "dtype")}
+    vision = {k: v for k, v in dense.vision_config.to_dict().items()
+              if k not in ("model_type", "architectures", "transformers_version", "dtype")}
+    return Qwen3_5MoeConfig(text_config={**text, **MOE_TEXT}, vision_config=vision,
+                            image_token_id=dense.image_token_id, video_token_id=dense.video_token_id,
+                            vision_start_token_id=dense.vision_start_token_id,
+                            vision_end_token_id=dense.vision_end_token_id, tie_word_embeddings=True, dtype="float32")
+
+
 def image_png(colour: int, variant: int) -> bytes:
     """A SIDE x SIDE PNG of PALETTE[colour], brightness shifted by a jitter fixed by (colour, variant)."""
     from PIL import Image
@@ -185,25 +206,26 @@ def write_dataset(out: Path) -> int:
     return len(rows)
 
 
-def make_vl_toy(out_dir: str | Path, target: float | None = None, threads: int = 1,
+def make_vl_toy(out_dir: str | Path, target: float | None = None, threads: int = 1, moe: bool = False,
                 **pretrain_overrides: Any) -> dict[str, Any]:
-    """Write the VL toy model, tokenizer, image processor and dataset to `out_dir`; return what toy.json records."""
-    from transformers import Qwen3_5ForConditionalGeneration
+    """Write the VL toy model, tokenizer, image processor and dataset to `out_dir`; return what toy.json records.
+    `moe`: the Qwen3_5MoeForConditionalGeneration variant (MOE_TEXT)."""
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(threads)
     torch.manual_seed(PRETRAIN["seed"])
     t0 = time.monotonic()
-    config = model_config()
-    model = Qwen3_5ForConditionalGeneration(config)
+    config = moe_model_config() if moe else model_config()
+    model = (Qwen3_5MoeForConditionalGeneration if moe else Qwen3_5ForConditionalGeneration)(config)
     tokenizer, image_processor = make_tokenizer(), make_image_processor()
     enc = _Encoder(tokenizer, image_processor, config)
     params: dict[str, Any] = dict(PRETRAIN, **pretrain_overrides)
     params["target"] = params["target"] if target is None else target
     steps = pretrain(model, enc, **params)
     info = {
-        "architecture": "Qwen3_5ForConditionalGeneration",
+        "architecture": type(model).__name__,
         "params": sum(p.numel() for p in model.parameters()),
         "vision_params": sum(p.numel() for p in model.model.visual.parameters()),
         "pretrain": {**params, "steps": steps},

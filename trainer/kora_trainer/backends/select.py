@@ -21,7 +21,7 @@ import torch
 
 from kora_trainer.backends.data_parallel import RankContext
 from kora_trainer.config import Backend, ConfigError, TrainerConfig, read_hf_config
-from kora_trainer.config.layout import parallel_problems
+from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES, actor_layout_problems
 
 if TYPE_CHECKING:
     from kora_trainer.backends.grpo_step import StepMetrics
@@ -59,11 +59,6 @@ def weights_bytes(path: str | Path) -> int:
     return sum(f.stat().st_size for f in root.iterdir() if f.suffix in WEIGHT_SUFFIXES)
 
 
-# The HF model types the megatron backend maps onto a GPTModel (backends/megatron/model.py `check_supported`); a
-# Qwen3.5 hybrid (GDN linear-attention layers, model_type qwen3_5*) is not one of them.
-MEGATRON_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "qwen3_moe"})
-
-
 VISION_ON_MEGATRON = (
     "backend: megatron has no vision tower (the megatron backend builds a text-only GPTModel), and model.path "
     "{path} is a vision-language model (its config.json declares vision_config, model_type {model_type!r}): set "
@@ -94,25 +89,9 @@ def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_byt
 
 
 def check_actor_layout(cfg: TrainerConfig, backend: Backend) -> None:
-    """Refuse, at start, a layout this trainer would not train as asked. Data parallelism runs on both backends
-    (one Ray actor per rank); tensor parallelism on megatron's layers (every TP rank a Ray actor of one node);
-    pipeline, context and expert parallelism are not launched yet."""
-    p = cfg.parallelism
-    problems = parallel_problems(p)
-    split = {name: size for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("context", p.context),
-                                           ("expert", p.expert), ("expertTensor", p.expert_tensor)) if size > 1}
-    if split and backend is Backend.TORCH:
-        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())} needs backend: megatron "
-                        "(megatron-core's parallel layers, on GPUs); the torch backend splits the data only: set "
-                        "backend: megatron on a GPU cluster, or those sizes to 1 and raise parallelism.data")
-    elif unlaunched := {k: v for k, v in split.items() if k != "tensor"}:
-        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in unlaunched.items())}: the trainer runs data "
-                        "and tensor parallelism so far (pipeline, context and expert parallelism are not launched "
-                        "yet): set them to 1 and spread the GPUs over parallelism.tensor and parallelism.data")
-    if cfg.multi_lora.max_adapters > 0 and backend is Backend.MEGATRON:
-        problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters}: multi-LoRA trains on the torch backend "
-                        "so far (adapter slots on an HF model), not megatron: set backend: torch")
-    if problems:
+    """Refuse, at start, a layout this trainer would not train as asked (config/start_layout.py: `kora plan` says
+    the same lines)."""
+    if problems := actor_layout_problems(cfg, backend):
         raise ConfigError(problems)
 
 

@@ -29,9 +29,10 @@ from kora_trainer.config.layout import (
     parallel_problems,
     world_size,
 )
-from kora_trainer.config.load import ConfigError
+from kora_trainer.config.load import ConfigError, read_hf_config
 from kora_trainer.config.sections import Engine
 from kora_trainer.config.sglang_builds import effective_build, plan_for, same_node_problem
+from kora_trainer.config.start_layout import planned_start_problems
 from kora_trainer.config.trainer import TrainerConfig
 
 CPU_SHARES = {"trainer": 0.5, "rollout": 0.1, "engine": 0.2}
@@ -168,6 +169,9 @@ class JobPlan:
     weight_update_group: list[str]  # its members in rank order (empty when colocated)
     nodes: list[Node]
     sync: str = ""  # which routes carry the policy on the job's SGLang build (config/sglang_builds.py)
+    # what the trainer would refuse at start (config/start_layout.py): the plan shows where it would run, and this
+    # says that it would not, so a sample that plans is not taken for one that trains
+    start_refusals: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -190,6 +194,7 @@ class JobPlan:
                        f"{', '.join(self.weight_update_group)}")
         if self.sync:
             out.append(f"  sync: {self.sync}")
+        out += [f"  REFUSED at start by the trainer: {line}" for line in self.start_refusals]
         return out
 
 
@@ -218,7 +223,8 @@ def plan_job(cfg: TrainerConfig, nodes: list[Node], check_build: bool = True) ->
     routes = plan_for(cfg)
     sync = routes.note if routes is not None else "kora's routes (the reference engine with its extensions)"
     plan = JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes,
-                   sync)
+                   sync, planned_start_problems(cfg, read_hf_config(cfg.model.path),
+                                                          any(n.gpus for n in nodes)))
     if check_build and (away := build_node_problem(cfg, plan)):
         raise ConfigError([away])
     return plan

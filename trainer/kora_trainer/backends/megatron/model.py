@@ -29,7 +29,7 @@ from kora_trainer.backends.megatron.convert import (
     to_megatron_shard,
 )
 from kora_trainer.backends.megatron.parallel import gather_tp, tp_rank_size
-from kora_trainer.backends.select import MEGATRON_MODEL_TYPES
+from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES
 
 
 def rope_theta(cfg: Any) -> float:

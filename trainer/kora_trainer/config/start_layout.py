@@ -1,0 +1,57 @@
+"""What the trainer refuses at start about a job's layout, as a pure function of the config, so `kora plan` can say
+it before a cluster is asked for (backends/select.check_actor_layout raises the same lines at start).
+
+Data parallelism runs on both backends (one Ray actor per rank); tensor parallelism on megatron's layers (every TP
+rank a Ray actor of one node); pipeline, context and expert parallelism are not launched yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kora_trainer.config.layout import parallel_problems
+from kora_trainer.config.trainer import Backend, TrainerConfig
+
+# The HF model types the megatron backend maps onto a GPTModel (backends/megatron/model.py `check_supported`); a
+# Qwen3.5 hybrid (GDN linear-attention layers, model_type qwen3_5*) is not one of them.
+MEGATRON_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "qwen3_moe"})
+
+
+def actor_layout_problems(cfg: TrainerConfig, backend: Backend) -> list[str]:
+    """One line per layout this trainer would not train as asked on `backend` (empty: it starts)."""
+    p = cfg.parallelism
+    problems = parallel_problems(p)
+    split = {name: size for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("context", p.context),
+                                           ("expert", p.expert), ("expertTensor", p.expert_tensor)) if size > 1}
+    if split and backend is Backend.TORCH:
+        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())} needs backend: megatron "
+                        "(megatron-core's parallel layers, on GPUs); the torch backend splits the data only: set "
+                        "backend: megatron on a GPU cluster, or those sizes to 1 and raise parallelism.data")
+    elif unlaunched := {k: v for k, v in split.items() if k != "tensor"}:
+        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in unlaunched.items())}: the trainer runs data "
+                        "and tensor parallelism so far (pipeline, context and expert parallelism are not launched "
+                        "yet): set them to 1 and spread the GPUs over parallelism.tensor and parallelism.data")
+    if cfg.multi_lora.max_adapters > 0 and backend is Backend.MEGATRON:
+        problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters}: multi-LoRA trains on the torch backend "
+                        "so far (adapter slots on an HF model), not megatron: set backend: torch")
+    return problems
+
+
+def planned_backend(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpus: bool) -> Backend:
+    """The backend a job planned on nodes with (`gpus`) or without GPUs would get (backends/select.resolve_backend):
+    `auto` keeps a CPU job, a VL model, or a model type megatron does not map, on torch; a model not readable here
+    is taken as one megatron maps (its size threshold is left out: a job planned for GPUs is taken as large)."""
+    if cfg.backend is not Backend.AUTO:
+        return cfg.backend
+    if not gpus:
+        return Backend.TORCH
+    hf = hf_config or {}
+    mapped = hf.get("model_type") in MEGATRON_MODEL_TYPES if hf else True
+    return Backend.MEGATRON if mapped and not hf.get("vision_config") else Backend.TORCH
+
+
+def planned_start_problems(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpus: bool) -> list[str]:
+    """What the trainer would refuse at start, on the backend it would pick (`planned_backend`)."""
+    backend = planned_backend(cfg, hf_config, gpus)
+    return [f"backend {backend}: {line}" for line in actor_layout_problems(cfg, backend)]
