@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,38 @@ def curve(events: list[dict[str, Any]], target: float) -> dict[str, Any]:
             "curve_per_100_steps": per100}
 
 
+def run_pool(jobs: list[Any], slots: list[Any], one: Callable[[Any, Any], dict[str, Any]], hide: str) -> list[Any]:
+    """`one(job, slot)` for every job, len(slots) at a time, each run holding a slot (its cores) while it runs; each
+    result printed as it lands (less its `hide` key), the results returned in the jobs' order."""
+    free = list(slots)
+
+    def go(job: Any) -> dict[str, Any]:
+        slot = free.pop()
+        try:
+            r = one(job, slot)
+        finally:
+            free.append(slot)
+        print(json.dumps({k: v for k, v in r.items() if k != hide}), flush=True)
+        return r
+
+    with ThreadPoolExecutor(len(slots)) as pool:
+        return list(pool.map(go, jobs))
+
+
+def add_output_args(p: argparse.ArgumentParser) -> None:
+    """Where runs and the report go (shared with bench/vl_seeds.py)."""
+    p.add_argument("--work", default=None, help="where the run directories go (default: a temp dir)")
+    p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--out", default=None)
+
+
+def toy_path(config: str) -> Path:
+    """The toy directory a job config names (model.path, relative to the repository)."""
+    import yaml
+
+    return ROOT / yaml.safe_load(Path(ROOT, config).read_text())["model"]["path"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--config", default="trainer/examples/toy.yaml")
@@ -93,14 +126,10 @@ def main() -> None:
     p.add_argument("--cores-per-run", type=int, default=0, help="with --parallel: pin each run to this many cores")
     p.add_argument("--first-core", type=int, default=0, help="with --cores-per-run: the first core to pin to (so "
                    "several invocations, one recipe each, share a box without sharing cores)")
-    p.add_argument("--work", default=None, help="where the run directories go (default: a temp dir)")
-    p.add_argument("--keep", action="store_true", help="keep the run directories")
-    p.add_argument("--out", default=None)
+    add_output_args(p)
     args = p.parse_args()
     args.work = args.work or tempfile.mkdtemp(prefix="toy-seeds-")
-    import yaml
-
-    toy = ROOT / yaml.safe_load(Path(ROOT, args.config).read_text())["model"]["path"]
+    toy = toy_path(args.config)
     if not toy.exists():  # made once, before the timed runs, as `kora make-toy` would
         from kora_trainer.toy import make_toy
 
@@ -109,19 +138,7 @@ def main() -> None:
     first = args.first_core
     slots = [list(range(first + i * args.cores_per_run, first + (i + 1) * args.cores_per_run))
              if args.cores_per_run else None for i in range(args.parallel)]
-    free = list(range(args.parallel))
-
-    def go(job: tuple[str, int]) -> dict[str, Any]:
-        slot = free.pop()
-        try:
-            r = run_one(*job, args, slots[slot])
-        finally:
-            free.append(slot)
-        print(json.dumps({k: v for k, v in r.items() if k != "curve_per_100_steps"}), flush=True)
-        return r
-
-    with ThreadPoolExecutor(args.parallel) as pool:
-        runs = list(pool.map(go, jobs))
+    runs = run_pool(jobs, slots, lambda job, cores: run_one(*job, args, cores), hide="curve_per_100_steps")
     ok = [r for r in runs if "rise" in r]
     summary = {"runs": len(runs), "reached_target_within_limit": sum(r["rise"] >= args.target for r in ok),
                "rise_min": min((r["rise"] for r in ok), default=None),
