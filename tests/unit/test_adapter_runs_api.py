@@ -78,6 +78,8 @@ def test_bad_configs_are_400_with_the_field_and_the_fix(job):
          "rolloutBatchSize 1 must be a multiple of 2"),
         ({"name": "a", "config": adapter(data, rolloutBatchSize=64)}, "exceeds the job's cap 64"),
         ({"name": "a", "config": adapter("/nowhere.jsonl")}, "data.path /nowhere.jsonl is not a file"),
+        ({"name": "a", "config": {**adapter(data), "data": {**adapter(data)["data"], "imageKey": "image"}}},
+         "data.imageKey image: the job's model"),
         ({"name": "a", "config": adapter(data, numEpochs=2)}, "numSteps and numEpochs are both set"),
         ({"name": "Bad_Name", "config": adapter(data)}, "name: String should match pattern"),
         ({"name": "kora-policy", "config": adapter(data)}, "pick another name"),

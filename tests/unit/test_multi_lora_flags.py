@@ -174,10 +174,10 @@ def test_append_override_needs_a_list():
         load_config(None, ["multiLora.adapters+={name: a}"], base=BASE)
 
 
-def test_an_adapter_with_images_is_refused_naming_the_field():
-    from pydantic import ValidationError
-
+def test_an_adapter_takes_an_image_key():
+    """data.imageKey on an adapter: its rollouts carry its rows' images (a text model's job refuses it at
+    registration: test_adapter_runs_api.py)."""
     from kora_trainer.config.sections import AdapterRunConfig
 
-    with pytest.raises(ValidationError, match=r"data\.imageKey is not read for an adapter"):
-        AdapterRunConfig.model_validate({"rank": 8, "data": {"path": "d.parquet", "imageKey": "image"}})
+    config = AdapterRunConfig.model_validate({"rank": 8, "data": {"path": "d.parquet", "imageKey": "image"}})
+    assert config.data.image_key == "image"

@@ -33,6 +33,7 @@ from kora_trainer.config.adapter_runs import (
     AdapterSettings,
     resolve,
 )
+from kora_trainer.config.load import read_hf_config
 from kora_trainer.config.sections import POLICY_ADAPTER, AdapterRunConfig
 from kora_trainer.config.status import CheckpointProgress, SyncProgress, rfc3339
 
@@ -84,6 +85,10 @@ class AdapterRegistry:
         if not Path(config.data.path).is_file():
             raise RegistryError(400, f"data.path {config.data.path} is not a file the trainer can read: point it "
                                      "at a .parquet or .jsonl file inside the job's volume")
+        if config.data.image_key is not None and not (read_hf_config(self.cfg.model.path) or {}).get("vision_config"):
+            raise RegistryError(400, f"data.imageKey {config.data.image_key}: the job's model {self.cfg.model.path} "
+                                     "is not a vision-language model (its config.json has no vision_config): unset "
+                                     "data.imageKey, or register the adapter on a job of a VL model")
         with self._lock:
             old = self._runs.get(name)
             if old is not None and AdapterPhase(old.state["phase"]) not in FINISHED:

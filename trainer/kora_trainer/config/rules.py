@@ -262,8 +262,9 @@ SPEC_RULES: tuple[SpecRule, ...] = (
     ),
     SpecRule(
         "multi-lora-images", "data.imageKey",
-        "data.imageKey is not read by a multi-adapter job (its rollouts are text-only): remove data.imageKey, or set "
-        "multiLora.maxAdapters to 0",
+        "data.imageKey is not read by a multi-adapter job (each adapter rolls out its own data): set data.imageKey on "
+        "each adapter that has images (its LoRAAdapter's spec.data.imageKey, or multiLora.adapters[].data.imageKey), "
+        "or set multiLora.maxAdapters to 0",
         lambda c: c.multi_lora.max_adapters > 0 and c.data.image_key is not None,
         "self.multiLora.maxAdapters == 0 || !has(self.data.imageKey)",
     ),

@@ -367,11 +367,6 @@ ADAPTER_NAME = r"^[a-z0-9]([-a-z0-9.]{0,61}[a-z0-9])?$"  # a DNS label (dots all
 POLICY_ADAPTER = "kora-policy"  # SPEC's fixed name of the one adapter a single-adapter Adapter-mode job serves
 
 
-# multi-adapter rollouts build text prompts only (orchestration/adapter_rollout.py)
-ADAPTER_IMAGE_MESSAGE = ("data.imageKey is not read for an adapter of a multi-adapter job (its rollouts are "
-                         "text-only): remove data.imageKey, or train the image job alone (multiLora.maxAdapters 0)")
-
-
 class AdapterRunConfig(CamelModel):
     """One adapter of a multi-adapter job: its shape, optimizer, data and length. Unset fields take the job's
     (lora.alpha, algorithm.lr / rolloutBatchSize / nSamplesPerPrompt / seed); the rank must be set.
@@ -384,15 +379,8 @@ class AdapterRunConfig(CamelModel):
             {"rule": "self.data.rewardType != 'custom' || has(self.data.customRewardPath)",
              "message": "data.rewardType custom needs data.customRewardPath: set it to a dotted path "
                         "such as mypkg.rewards.reward", "fieldPath": ".data.customRewardPath"},
-            {"rule": "!has(self.data.imageKey)", "message": ADAPTER_IMAGE_MESSAGE, "fieldPath": ".data.imageKey"},
         ]}
     }
-
-    @model_validator(mode="after")
-    def _no_images(self) -> AdapterRunConfig:
-        if self.data.image_key is not None:  # the CRD's CEL says the same; this covers POST /adapter_runs
-            raise ValueError(ADAPTER_IMAGE_MESSAGE)
-        return self
 
     rank: Annotated[int, Field(ge=1, le=4096)]
     """LoRA rank; at most the job's lora.rank (the largest a slot holds)."""

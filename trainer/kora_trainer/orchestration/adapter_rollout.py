@@ -27,7 +27,7 @@ from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.config.sglang_builds import effective_build
 from kora_trainer.orchestration.data import Row, batches, load_rows
-from kora_trainer.orchestration.rollout_manager import Rollout
+from kora_trainer.orchestration.rollout_manager import Prompts, Rollout
 from kora_trainer.orchestration.workers import transport_kind
 from kora_trainer.sync.slot_sender import rid_prefix
 
@@ -38,6 +38,7 @@ class _Adapter:
     rows: list[Row]
     batches: Iterator[list[Row]]
     reward: RewardFn
+    prompts: Prompts  # its rows -> prompt ids (and images, when its data.imageKey is set)
     position: int = 0  # batches taken
     version: int = 0  # the version last published (set by the driver)
 
@@ -54,8 +55,10 @@ class AdapterRollouts:
     def add(self, settings: AdapterSettings, position: int = 0, version: int = 0) -> int:
         """Its data loaded and fast-forwarded to `position` batches (a checkpoint's); returns its row count."""
         d = settings.data
-        rows = load_rows(d.path, d.input_key, d.label_key)
-        a = _Adapter(settings, rows, batches(rows, settings.rollout_batch_size, settings.seed), reward_fn(d),
+        rows = load_rows(d.path, d.input_key, d.label_key, d.image_key)
+        prompts = Prompts(self.rollout.cfg.model.path, d.image_key, self.rollout.tokenizer,
+                          f"adapter {settings.name}'s data.imageKey")
+        a = _Adapter(settings, rows, batches(rows, settings.rollout_batch_size, settings.seed), reward_fn(d), prompts,
                      version=version)
         while a.position < position:
             next(a.batches)
@@ -80,10 +83,11 @@ class AdapterRollouts:
         rows = next(a.batches)
         a.position += 1
         version = a.version  # before the requests go out (see the module docstring)
-        prompts = [r.tokenizer(row.prompt)["input_ids"] for row in rows]
+        prompts, images, image_data = a.prompts.build(rows)  # a VL adapter's placeholders expanded
         g = s.n_samples_per_prompt
         ids, params = r.requests(prompts, g, s.seed, step)
-        outs, out_engines = r.spread(step, ids, params, g, lora_path=name, rid_prefix=rid_prefix(name))
+        outs, out_engines = r.spread(step, ids, params, g, lora_path=name, rid_prefix=rid_prefix(name),
+                                     image_data=image_data)
         stats = {"adapter": name, "gen_ms": round((time.monotonic() - t0) * 1000, 1), "data_position": a.position,
                  "engines_out": out_engines}
         if any((o.finish_reason or {}).get("type") == "abort" for o in outs):
@@ -91,4 +95,6 @@ class AdapterRollouts:
         engine = [o.weight_version if self.engine_tags else None for o in outs]
         tags: list[str | None] = [v if v is not None and v.isdigit() else str(version) for v in engine]
         batch = r.scored(rows, prompts, outs, g, a.reward, tags)
+        if images is not None:
+            batch.images = [images[k // g] for k in range(len(outs))]  # a group's samples share its images
         return batch, stats

@@ -70,21 +70,22 @@ class Prompts:
     job (`data.imageKey`): the chat template with the row's images first, each placeholder expanded to its image's
     token count (wire/vision.py), plus the images for the trainer's forward and the engines' image_data."""
 
-    def __init__(self, cfg: TrainerConfig, tokenizer: Any):
+    def __init__(self, model_path: str, image_key: str | None, tokenizer: Any, what: str = "data.imageKey"):
+        """`image_key`: the data's image column (the job's data.imageKey, or an adapter's: `what` names it)."""
         from transformers import AutoConfig
 
         self.tokenizer = tokenizer
-        self.vl = cfg.data.image_key is not None
+        self.vl = image_key is not None
         if self.vl:
             from kora_trainer.wire.vision import VisionTokens, is_vision_language, load_image_processor
 
-            config = AutoConfig.from_pretrained(cfg.model.path)
+            config = AutoConfig.from_pretrained(model_path)
             if not is_vision_language(config):
-                raise ValueError(f"data.imageKey {cfg.data.image_key!r} is set but model.path {cfg.model.path} is not "
-                                 "a vision-language model (its config.json has no vision_config): unset data.imageKey "
-                                 "or point model.path at a VL checkpoint")
+                raise ValueError(f"{what} {image_key!r} is set but model.path {model_path} is not a vision-language "
+                                 "model (its config.json has no vision_config): unset data.imageKey or point "
+                                 "model.path at a VL checkpoint")
             self.tokens = VisionTokens.of(config)
-            self.image_processor = load_image_processor(cfg.model.path)
+            self.image_processor = load_image_processor(model_path)
 
     def build(self, rows: list[Row]) -> tuple[list[list[int]], list[ImageInputs | None] | None,
                                              list[list[str]] | None]:
@@ -141,7 +142,7 @@ class Rollout:
         self.cfg = cfg
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         self.rows = load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key, cfg.data.image_key)
-        self.prompts = Prompts(cfg, self.tokenizer)
+        self.prompts = Prompts(cfg.model.path, cfg.data.image_key, self.tokenizer)
         self._batches = batches(self.rows, cfg.algorithm.rollout_batch_size, cfg.algorithm.seed)
         self.position = 0  # batches taken from self._batches (one per generated step)
         self.reward = reward_fn(cfg.data)
