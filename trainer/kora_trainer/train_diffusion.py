@@ -264,7 +264,7 @@ def trainer_of(cfg: TrainerConfig, toy: DiffusionToy, engine: EngineProcess, thr
     """parallelism.data 1: the policy here (LocalPolicy, on `toy` itself); N: N Ray rank actors, on a private Ray
     head (or RAY_ADDRESS's cluster), stopped at the end."""
     if cfg.parallelism.data == 1:
-        yield LocalPolicy(cfg, toy.to(device_of(cfg)), engine.url)
+        yield LocalPolicy(cfg, toy, engine.url)
         return
     from kora_trainer.orchestration.cluster import shutdown, start_ray
     from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
@@ -288,8 +288,8 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
 
     assert cfg.diffusion is not None
     torch.set_num_threads(threads)
-    device = device_of(cfg)
-    toy = load_model(cfg)
+    device = device_of(cfg)  # a GPU only at data 1 (rule diffusion-gpu-ranks): the ranks load their own CPU copies
+    toy = load_model(cfg).to(device)
     steps = DiffusionSteps(cfg, toy, load_prompts(cfg, toy))
     s = steps.settings
     engine = start_engine(cfg, run_dir, threads, device)

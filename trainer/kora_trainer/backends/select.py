@@ -21,7 +21,7 @@ import torch
 
 from kora_trainer.backends.data_parallel import RankContext
 from kora_trainer.config import Backend, ConfigError, TrainerConfig, read_hf_config
-from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES, actor_layout_problems
+from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES, actor_layout_problems, megatron_maps
 
 if TYPE_CHECKING:
     from kora_trainer.backends.grpo_step import StepMetrics
@@ -70,7 +70,7 @@ def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_byt
     """torch or megatron for this job on this machine; an explicit choice that cannot run is an error. `model_type`:
     the checkpoint's config.json model_type (None: unread); auto keeps a model megatron does not map on torch;
     `vision`: config.json declares a vision tower (megatron is refused first, whatever the machine)."""
-    mapped = (model_type is None or model_type in MEGATRON_MODEL_TYPES) and not vision
+    mapped = megatron_maps(model_type, vision)
     if cfg.backend is Backend.MEGATRON and vision:
         raise ConfigError([VISION_ON_MEGATRON.format(path=cfg.model.path, model_type=model_type)])
     if cfg.backend is Backend.MEGATRON:

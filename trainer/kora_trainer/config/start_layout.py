@@ -18,6 +18,11 @@ from kora_trainer.config.trainer import Backend, TrainerConfig
 MEGATRON_MODEL_TYPES = frozenset({"qwen3", "qwen2", "llama", "qwen3_moe"})
 
 
+def megatron_maps(model_type: str | None, vision: bool) -> bool:
+    """Whether the megatron backend can build this checkpoint (model_type None: unread, taken as mapped)."""
+    return (model_type is None or model_type in MEGATRON_MODEL_TYPES) and not vision
+
+
 def actor_layout_problems(cfg: TrainerConfig, backend: Backend) -> list[str]:
     """One line per layout this trainer would not train as asked on `backend` (empty: it starts)."""
     p = cfg.parallelism
@@ -47,8 +52,7 @@ def planned_backend(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpu
     if not gpus:
         return Backend.TORCH
     hf = hf_config or {}
-    mapped = hf.get("model_type") in MEGATRON_MODEL_TYPES if hf else True
-    return Backend.MEGATRON if mapped and not hf.get("vision_config") else Backend.TORCH
+    return Backend.MEGATRON if megatron_maps(hf.get("model_type"), bool(hf.get("vision_config"))) else Backend.TORCH
 
 
 def planned_start_problems(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpus: bool) -> list[str]:

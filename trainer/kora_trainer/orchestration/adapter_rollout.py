@@ -94,7 +94,5 @@ class AdapterRollouts:
             return None, {**stats, "aborted": True}
         engine = [o.weight_version if self.engine_tags else None for o in outs]
         tags: list[str | None] = [v if v is not None and v.isdigit() else str(version) for v in engine]
-        batch = r.scored(rows, prompts, outs, g, a.reward, tags)
-        if images is not None:
-            batch.images = [images[k // g] for k in range(len(outs))]  # a group's samples share its images
+        batch = r.scored(rows, prompts, outs, g, a.reward, tags, images)
         return batch, stats

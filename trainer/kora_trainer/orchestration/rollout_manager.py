@@ -175,9 +175,7 @@ class Rollout:
         ids, params = self.requests(prompts, g, alg.seed, step)
         outs, out_engines = self.spread(step, ids, params, g, image_data=image_data)
         gen_s = time.monotonic() - t0
-        batch = self.scored(rows, prompts, outs, g, self.reward, [o.weight_version for o in outs])
-        if images is not None:
-            batch.images = [images[k // g] for k in range(len(outs))]  # a group's samples share its images
+        batch = self.scored(rows, prompts, outs, g, self.reward, [o.weight_version for o in outs], images)
         stats = {"gen_ms": round(gen_s * 1000, 1), "rollout_ms": round((time.monotonic() - t0) * 1000, 1),
                  "weight_versions": sorted({v or "" for v in batch.weight_versions}),
                  "data_position": self.position,  # batches taken up to and including this step's
@@ -196,9 +194,13 @@ class Rollout:
         return ids, params
 
     def scored(self, rows: list[Row], prompts: list[list[int]], outs: list[GenerateOutput], g: int,
-               reward: RewardFn, versions: list[str | None]) -> RolloutBatch:
-        """The step's samples as a batch, each scored by `reward` and tagged with its version."""
+               reward: RewardFn, versions: list[str | None], images: list[ImageInputs | None] | None = None
+               ) -> RolloutBatch:
+        """The step's samples as a batch, each scored by `reward` and tagged with its version (`images`: each
+        prompt's, for a VL batch: a group's samples share them)."""
         batch = RolloutBatch([], [], [], [], g)
+        if images is not None:
+            batch.images = [images[k // g] for k in range(len(outs))]
         for k, out in enumerate(outs):
             row = rows[k // g]
             batch.prompt_ids.append(prompts[k // g])
