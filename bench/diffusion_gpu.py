@@ -9,7 +9,8 @@ short: a push's bytes depend on the weights, not on the image size. Each run is 
 `rollout.gpusPerEngine=1`: the engine and the trainer share the GPU, a push is CUDA IPC handles). Per mode it reports
 the push's bytes and buckets, its median time over the steps (the events' sync.ms: serialize, the HTTP calls, the
 engine's fold / copy and its synchronize), the anchor — the median time of one device-to-device copy of the same
-number of bytes (`torch.Tensor.copy_`, the device synchronised around it) — and their ratio, with the step's other
+number of bytes (`torch.Tensor.copy_`, the device synchronised around it) — and their ratio (for EngineMerge also
+against one copy of its A/B bytes plus the adapted weights' bytes, which its engine rewrites), with the step's other
 phases and the engine-vs-trainer log-prob gap (the engine served every pushed policy when it is ~0).
 
     python bench/diffusion_gpu.py --out bench/results/diffusion_gpu_$(date +%F).json
@@ -108,6 +109,11 @@ def main() -> None:
         r = run_one(mode, model, work, args)
         print(json.dumps(r), flush=True)
         runs.append(r)
+    by_mode = {r["mode"]: r for r in runs if r["rc"] == 0}
+    if "EngineMerge" in by_mode and "Merge" in by_mode:  # IPC merge's own floor: its A/B bytes + the weights it folds
+        em, weights = by_mode["EngineMerge"], by_mode["Merge"]["sync_bytes"]
+        em["copy_ab_plus_weights_ms_p50"] = round(copy_ms(em["sync_bytes"] + weights, args.reps), 3)
+        em["ratio_vs_ab_plus_weights"] = round(em["push_ms_p50"] / em["copy_ab_plus_weights_ms_p50"], 2)
     import torch
 
     record = {"bench": "diffusion_gpu", "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

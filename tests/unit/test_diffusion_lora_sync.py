@@ -98,6 +98,22 @@ def test_the_engines_fold_into_its_pristine_base_equals_the_trainers_fp32_fold(d
                               live["transformer_blocks.0.attn.to_q.weight"])
 
 
+def test_the_engines_in_place_fold_equals_the_trainers_and_a_bad_bucket_changes_no_weight(diffusion_toy_dir):
+    toy = toy_with_moved_adapter(diffusion_toy_dir)  # rank 4, alpha 8
+    pristine = {n: t.clone() for n, t in base_state(toy.transformer)}
+    live = {n: t.clone() for n, t in pristine.items()}
+    groups, _ = layer_groups(adapter_tensors(toy.transformer))
+    trainer = dict(folded_state(toy.transformer))
+    written = fold_from_pristine(pristine, _named([groups])[0], lora_alpha=8, lora_rank=4, into=live)
+    assert len(written) == len(groups) and all(written[k] is live[k] for k in written)  # the live tensors, in place
+    assert all(torch.equal(live[n], trainer[n]) for n in trainer)  # bit-equal to the trainer's fold
+    before = {n: t.clone() for n, t in live.items()}
+    wrong = [(f"{groups[1].prefix}.lora_A", groups[1].a), (f"{groups[1].prefix}.lora_B", groups[1].b[:, :2])]
+    with pytest.raises(ValueError, match=r"does not fold into its weight"):
+        fold_from_pristine(pristine, [*groups[0].named(), *wrong], lora_alpha=0.0, lora_rank=4, into=live)
+    assert all(torch.equal(live[n], before[n]) for n in live)  # the good first pair was not written either
+
+
 def test_a_bf16_base_folds_in_fp32_and_rounds_once():
     gen = torch.Generator().manual_seed(4)
     w0 = torch.randn(32, 16, generator=gen).to(torch.bfloat16)

@@ -5,7 +5,8 @@
   POST /rollout/generate             a JSON `RolloutRequest` -> a msgpack list of `RolloutResponse`, one per output
   POST /update_weights_from_tensor   `serialized_named_tensors` (wire/serialize.py: same-host handles, one entry; the
                                      payload is unpickled, so the engine binds 127.0.0.1 and trusts its trainer),
-                                     `load_format` (null only), `target_modules` (["transformer"] or null),
+                                     `load_format` (null, or "flattened_bucket": wire/flat_bucket.py),
+                                     `target_modules` (["transformer"] or null),
                                      `weight_update_mode`: null = full weights by name, "lora_merge" = A/B pairs
                                      (`lora_alpha`, `lora_rank`) folded into the pristine base kept at load, fp32
                                      (lora_sync.fold_from_pristine) -> {"success", "message"}
@@ -21,7 +22,7 @@ a `negative_prompt` other than the empty one (the toy's unconditional embedding;
 step with it, v = v_uncond + g (v_cond - v_uncond)), a width/height other than the toy's, step filters.
 The update request's fields are io_struct.py's `UpdateWeightFromTensorReqInput` (same commit); its answer's shape
 is the LLM routes' {"success", "message"} (sglang-diffusion's own answer was not read). Not built yet:
-`load_format="flattened_bucket"`, `/get_weights_checksum`, the admin key, a weight_version.
+`/get_weights_checksum`, the admin key, a weight_version.
 On a GPU (`--device cuda`) a push's tensors arrive as CUDA IPC handles of the trainer's memory on the same GPU
 (wire/serialize.py): the engine folds and copies from them on the device and synchronizes before it answers.
 """
@@ -44,7 +45,9 @@ from kora_trainer.diffusion import flow_grpo
 from kora_trainer.diffusion.lora_sync import LORA_MERGE, fold_from_pristine
 from kora_trainer.diffusion.policy import velocity_fn
 from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
-from kora_trainer.wire.serialize import deserialize_named_tensors
+from kora_trainer.wire import flat_bucket
+from kora_trainer.wire.protocol import FLAT
+from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
 
 MAX_OUTPUTS = 64
 MAX_STEPS = 100
@@ -95,31 +98,40 @@ class ToyEngine:
         self.pristine = {n: p.detach().clone() for n, p in self.params.items()}
 
     def update(self, req: UpdateWeightsFromTensorRequest) -> str:
-        """Apply one update; ValueError (-> 400) names the field for what it cannot take."""
-        if req.load_format is not None:
-            raise ValueError(f"load_format {req.load_format!r}: only null (a list of named tensors) is built")
+        """Apply one update; ValueError (-> 400) names the field for what it cannot take. A refused update changes
+        no weight."""
         if req.target_modules not in (None, ["transformer"]):
             raise ValueError(f"target_modules {req.target_modules}: the toy's only module is 'transformer'")
         if len(req.serialized_named_tensors) != 1:
             raise ValueError("serialized_named_tensors: one entry (the toy engine has one rank)")
-        named = deserialize_named_tensors(req.serialized_named_tensors[0])
-        if req.weight_update_mode == LORA_MERGE:
-            if req.lora_alpha is None or req.lora_rank is None or req.lora_rank < 1:
-                raise ValueError("lora_merge needs lora_alpha and lora_rank >= 1")
-            weights = fold_from_pristine(self.pristine, named, req.lora_alpha, req.lora_rank, fp32=True)
-        elif req.weight_update_mode is None:
-            weights = dict(named)
+        t0 = time.perf_counter()
+        if req.load_format == FLAT:
+            named = flat_bucket.unflatten(deserialize_payload(req.serialized_named_tensors[0]))
+        elif req.load_format is None:
+            named = deserialize_named_tensors(req.serialized_named_tensors[0])
         else:
-            raise ValueError(f"weight_update_mode {req.weight_update_mode!r}: null or {LORA_MERGE!r}")
-        unknown = [n for n, t in weights.items() if n not in self.params or self.params[n].shape != t.shape]
-        if unknown:
-            raise ValueError(f"no transformer weight of that name and shape: {unknown[:3]}")
+            raise ValueError(f"load_format {req.load_format!r}: null (a list of named tensors) or {FLAT!r}")
+        t1 = time.perf_counter()
         with torch.no_grad():
-            for n, t in weights.items():
-                self.params[n].copy_(t)
+            if req.weight_update_mode == LORA_MERGE:
+                if req.lora_alpha is None or req.lora_rank is None or req.lora_rank < 1:
+                    raise ValueError("lora_merge needs lora_alpha and lora_rank >= 1")
+                n = len(fold_from_pristine(self.pristine, named, req.lora_alpha, req.lora_rank, fp32=True,
+                                           into=self.params))
+            elif req.weight_update_mode is None:
+                unknown = [m for m, t in named if m not in self.params or self.params[m].shape != t.shape]
+                if unknown:
+                    raise ValueError(f"no transformer weight of that name and shape: {unknown[:3]}")
+                for m, t in named:
+                    self.params[m].copy_(t)
+                n = len(named)
+            else:
+                raise ValueError(f"weight_update_mode {req.weight_update_mode!r}: null or {LORA_MERGE!r}")
         if self.toy.device.type == "cuda":  # the pushed tensors are the trainer's memory: done with them first
             torch.cuda.synchronize(self.toy.device)
-        return f"Updated {len(weights)} transformer weights ({req.weight_update_mode or 'full'})."
+        t2 = time.perf_counter()
+        return (f"Updated {n} transformer weights ({req.weight_update_mode or 'full'}): received in "
+                f"{(t1 - t0) * 1e3:.2f} ms, applied in {(t2 - t1) * 1e3:.2f} ms.")
 
 
 def encode_tensor(t: torch.Tensor) -> dict[str, Any]:

@@ -22,7 +22,9 @@ from kora_trainer.diffusion.engine import trajectory_from_responses
 from kora_trainer.diffusion.lora_sync import LORA_MERGE, layer_groups, pack_pair_buckets, sync_log_line
 from kora_trainer.diffusion.toy import DiffusionToy
 from kora_trainer.lora.model import adapter_tensors, fold_targets
-from kora_trainer.wire.serialize import serialize_named_tensors
+from kora_trainer.wire import flat_bucket
+from kora_trainer.wire.protocol import FLAT
+from kora_trainer.wire.serialize import serialize_payload
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> requests.Response:
@@ -80,11 +82,9 @@ class LoraMergeSync:
         if unmapped:
             raise ValueError(f"adapter tensors with no engine name: {unmapped[:3]}")
         buckets = pack_pair_buckets(groups, self.buffer_bytes)
-        for bucket in buckets:  # the factors stay alive (the model's own) until each call returns: same-host handles
-            _post(f"{self.url}/update_weights_from_tensor", {
-                "serialized_named_tensors": [serialize_named_tensors([t for g in bucket for t in g.named()])],
-                "target_modules": [self.module], "weight_update_mode": LORA_MERGE,
-                "lora_alpha": self.alpha, "lora_rank": self.rank})
+        for bucket in buckets:
+            _push_flat(self.url, [t for g in bucket for t in g.named()], self.module,
+                       {"weight_update_mode": LORA_MERGE, "lora_alpha": self.alpha, "lora_rank": self.rank})
         self.version += 1
         line = sync_log_line(self.version, self.module, buckets, len(unmapped))
         if self.version <= 2:
@@ -121,6 +121,13 @@ class FoldedSync:
         return Pushed(total, calls, (time.perf_counter() - t0) * 1000, "folded")
 
     def _push(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        _post(f"{self.url}/update_weights_from_tensor", {
-            "serialized_named_tensors": [serialize_named_tensors(bucket)], "target_modules": [self.module],
-            "weight_update_mode": None})
+        _push_flat(self.url, bucket, self.module, {"weight_update_mode": None})
+
+
+def _push_flat(url: str, named: list[tuple[str, torch.Tensor]], module: str, fields: dict[str, Any]) -> None:
+    """One `/update_weights_from_tensor` call carrying `named` as ONE flattened bucket (wire/flat_bucket.py): on a
+    GPU the engine opens one CUDA IPC handle per call, not one per tensor. `bucket` (the flat copy) lives until the
+    engine has answered: the engine reads the trainer's memory through the handle."""
+    bucket = flat_bucket.flatten(named)
+    _post(f"{url}/update_weights_from_tensor", {"serialized_named_tensors": [serialize_payload(bucket)],
+                                                "load_format": FLAT, "target_modules": [module], **fields})

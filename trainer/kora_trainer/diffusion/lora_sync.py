@@ -14,8 +14,7 @@ What is matched (the seed ../shared/seeds/miles-diffusion-lora-sync.txt §3, and
   accumulate; in fp32 when the forward is fp32 (`SGLANG_DIFFUSION_LORA_MERGE_FP32=1`), else in the weight's dtype.
 - the first-sync log line: `LoRA IPC weight sync v1 [transformer]: pushed N lora tensors, M layer prefixes in K
   buckets (unmapped=0)`.
-Not built yet: the transport (CUDA IPC / the in-memory colocated handoff) and the HTTP route that carries a bucket
-(docs/diffusion.md).
+The transport is diffusion/engine_client.py's (one flattened bucket per call: wire/flat_bucket.py).
 """
 
 from __future__ import annotations
@@ -110,25 +109,42 @@ def sync_log_line(version: int, module: str, buckets: Sequence[Sequence[LayerGro
 
 
 def fold_from_pristine(pristine: Mapping[str, torch.Tensor], bucket: Iterable[Named], lora_alpha: float,
-                       lora_rank: int, fp32: bool = True) -> dict[str, torch.Tensor]:
+                       lora_rank: int, fp32: bool = True,
+                       into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """The engine's lora_merge of one bucket: {'<layer>.weight': W0 + (alpha / r) B A} from the pristine copy.
 
-    `pristine` holds each base weight as loaded ([out, in]); the result replaces the live weight. fp32: the sum
-    formed in fp32 and rounded once to W0's dtype; otherwise formed in W0's dtype (the seed's fp16 merge).
+    `pristine` holds each base weight as loaded ([out, in]). fp32: the sum formed in fp32 and rounded once to W0's
+    dtype; otherwise formed in W0's dtype (the seed's fp16 merge). `into` (the engine's live weights): each result
+    is written into its tensor there and those tensors are returned — the whole bucket is checked before the first
+    write, so a bad bucket changes nothing. The ops are the trainer's `folded_weight` ones, in its order (B A, then
+    the scaling, then the sum): an fp32 fold here is bit-equal to the trainer's.
     """
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in bucket:
         prefix, _, factor = name.rpartition(".")
         halves.setdefault(prefix, {})[factor] = t
-    scaling = lora_alpha / lora_rank
-    out: dict[str, torch.Tensor] = {}
     for prefix, h in halves.items():
         if set(h) != {"lora_A", "lora_B"}:
             raise ValueError(f"bucket holds {sorted(h)} for {prefix}: a lora_merge bucket carries whole A/B pairs")
         key = f"{prefix}.weight"
-        if key not in pristine:
+        if key not in pristine or (into is not None and key not in into):
             raise KeyError(f"{key}: the engine's transformer has no such weight (unmapped LoRA target)")
+        (out_dim, in_dim), a, b = pristine[key].shape, h["lora_A"], h["lora_B"]
+        if b.shape[0] != out_dim or a.shape[1] != in_dim or a.shape[0] != b.shape[1]:
+            raise ValueError(f"{prefix}: lora_B {list(b.shape)} @ lora_A {list(a.shape)} does not fold into its weight "
+                             f"[{out_dim}, {in_dim}]")
+    scaling = lora_alpha / lora_rank
+    out: dict[str, torch.Tensor] = {}
+    for prefix, h in halves.items():
+        key = f"{prefix}.weight"
         w0 = pristine[key]
         work = torch.float32 if fp32 else w0.dtype
-        out[key] = (w0.to(work) + scaling * (h["lora_B"].to(work) @ h["lora_A"].to(work))).to(w0.dtype)
+        delta = h["lora_B"].to(work) @ h["lora_A"].to(work)  # [out, r] @ [r, in]
+        delta.mul_(scaling)
+        target = None if into is None else into[key]
+        if target is not None and w0.dtype == work:  # one pass: the sum lands in the live weight
+            out[key] = torch.add(w0, delta, out=target)
+        else:
+            folded = (w0.to(work) + delta).to(w0.dtype)
+            out[key] = folded if target is None else target.copy_(folded)
     return out

@@ -112,7 +112,7 @@ from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenReq
 from kora_trainer.reference_engine.record import CallRecord
 from kora_trainer.reference_engine.sampling import SamplingParams
 from kora_trainer.reference_engine.weight_sync import BucketMeta, WeightReceiver
-from kora_trainer.wire import engine_auth
+from kora_trainer.wire import engine_auth, flat_bucket
 from kora_trainer.wire.protocol import FLAT, checksum
 from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
 
@@ -411,7 +411,7 @@ class HFEngineServer:
         payload = b.serialized_named_tensors[self.receiver.tp_rank]
         if b.load_format == FLAT:
             bucket = deserialize_payload(payload)
-            named = _unflatten_sglang_bucket(bucket)
+            named = flat_bucket.unflatten(bucket)
         elif b.load_format in (None, "direct"):
             named = deserialize_named_tensors(payload)
         else:
@@ -548,18 +548,6 @@ class HFEngineServer:
         self.engine.control.resume()
         self._running.set()
         return _json({"message": "Generation continued successfully.", "status": "ok"})
-
-def _unflatten_sglang_bucket(bucket: Any) -> list[tuple[str, torch.Tensor]]:
-    """SGLang's flattened-bucket dict {flattened_tensor, metadata: [{name, shape, dtype, start_idx, end_idx}]}."""
-    flat = bucket["flattened_tensor"]
-    out: list[tuple[str, torch.Tensor]] = []
-    for m in bucket["metadata"]:
-        fields: dict[str, Any] = m if isinstance(m, dict) else {k: getattr(m, k) for k in
-                                                               ("name", "shape", "dtype", "start_idx", "end_idx")}
-        t = flat[fields["start_idx"]:fields["end_idx"]].reshape(tuple(fields["shape"]))
-        dtype = fields["dtype"]
-        out.append((str(fields["name"]), t.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)))
-    return out
 
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
