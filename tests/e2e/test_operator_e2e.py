@@ -187,11 +187,16 @@ def test_a_data_parallel_job_reaches_succeeded(cluster, ns, operator, head, toy_
     delete_job(cluster, "toy-dp2", ns)
 
 
-def test_a_diffusion_job_reaches_succeeded_with_its_progress(cluster, ns, operator, head, diffusion_toy_dir, tmp_path):
+@pytest.mark.parametrize("data", [1, 2])
+def test_a_diffusion_job_reaches_succeeded_with_its_progress(cluster, ns, operator, head, diffusion_toy_dir, tmp_path,
+                                                             data):
     """manifests/samples/diffusion-toy-local.yaml (issue 23) through the operator: Flow-GRPO on the diffusion toy's
-    LoRA, its engine folding the pushed A/B pairs, to the last step; status shows the progress and the sync."""
+    LoRA, its engine folding the pushed A/B pairs, to the last step; status shows the progress and the sync. At
+    data 2 the job's two FSDP2 ranks run as Ray actors in the head's cluster, each taking its half of every
+    optimizer step's prompt groups."""
     steps, ckpt = 3, tmp_path / "ckpt"
     doc = yaml.safe_load((ROOT / "manifests" / "samples" / "diffusion-toy-local.yaml").read_text())
+    doc["metadata"]["name"] = name = f"diffusion-toy-dp{data}"
     spec = doc["spec"]
     spec["runtime"]["address"] = head.dashboard_url
     spec["model"]["path"] = str(diffusion_toy_dir)
@@ -199,8 +204,9 @@ def test_a_diffusion_job_reaches_succeeded_with_its_progress(cluster, ns, operat
     spec["algorithm"].update(numSteps=steps, rolloutBatchSize=4, nSamplesPerPrompt=4)
     spec["diffusion"]["numInferenceSteps"] = 4
     spec["checkpoint"].update(path=str(ckpt), interval=steps)
+    if data > 1:
+        spec["parallelism"] = {"data": data}
     apply(cluster, doc, ns)
-    name = doc["metadata"]["name"]
     uid = uid_of(cluster, name, ns)
     s = wait_final(cluster, name, ns)
     assert s.get("rayJobName"), s  # submitted: the operator took the job as valid
@@ -212,6 +218,9 @@ def test_a_diffusion_job_reaches_succeeded_with_its_progress(cluster, ns, operat
     assert p["lastCheckpoint"]["step"] == steps, p
     assert step_lines(logs) == list(range(1, steps + 1)), logs[-3000:]
     assert "LoRA IPC weight sync v1 [transformer]: pushed 30 lora tensors" in logs, logs[-3000:]
+    assert f"x {data} rank(s)" in logs, logs[-3000:]
+    if data > 1:
+        assert "rank 1 on 127.0.0.1" in logs, logs[-3000:]
     delete_job(cluster, name, ns)
 
 

@@ -308,8 +308,14 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
                 else:
                     rec.resumed(info)
             rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level, s.guidance_scale)
+            def synced(version: int) -> SyncReport:
+                pushed = trainer.sync()
+                if pushed.log:
+                    rec.say(pushed.log)
+                return sync_report(cfg, pushed, version)
+
             with engine_watched(engine, "the first push of the policy", rec.run.saved_step):
-                first = sync_report(cfg, trainer.sync(), rec.run.start)
+                first = synced(rec.run.start)
             ranks = getattr(trainer, "ranks", None)  # where each Ray rank runs (N > 1)
             rec.started({"backend": "torch", "device": device.type, "world": cfg.parallelism.data,
                          "engine_urls": [engine.url], **({"ranks": ranks} if ranks else {})}, 1,
@@ -320,7 +326,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
                     break
                 metrics, gen_ms = steps.step(step, rollout, trainer, engine, rec.run.saved_step)
                 with engine_watched(engine, f"step {step}'s weight sync", rec.run.saved_step):
-                    report = sync_report(cfg, trainer.sync(), step)
+                    report = synced(step)
                 rec.stepped(step, metrics, {"gen_ms": gen_ms, "data_position": step}, report)
                 if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
                     checkpoint(step)

@@ -65,11 +65,13 @@ class Pushed:
     buckets: int
     ms: float
     what: str  # lora_pairs | folded
+    log: str | None = None  # a line for the job's log (the seed's first-sync line), printed by the driver
 
 
 class LoraMergeSync:
     """EngineMerge (the seed's IPC merge): push the adapter's A/B pairs in buckets of whole pairs; the engine folds
-    them into its pristine base. The first two syncs print the seed's log line."""
+    them into its pristine base. The first two syncs carry the seed's log line (`Pushed.log`: the driver prints it,
+    wherever the pushing rank runs)."""
 
     def __init__(self, url: str, lora_rank: int, lora_alpha: float, buffer_bytes: int, module: str = "transformer"):
         self.url, self.rank, self.alpha = url.rstrip("/"), lora_rank, lora_alpha
@@ -87,11 +89,10 @@ class LoraMergeSync:
                        {"weight_update_mode": LORA_MERGE, "lora_alpha": self.alpha, "lora_rank": self.rank})
         self.version += 1
         line = sync_log_line(self.version, self.module, buckets, len(unmapped))
-        if self.version <= 2:
-            print(line, flush=True)
         self.lines.append(line)
         ms = (time.perf_counter() - t0) * 1000
-        return Pushed(sum(g.nbytes for g in groups), len(buckets), ms, "lora_pairs")
+        return Pushed(sum(g.nbytes for g in groups), len(buckets), ms, "lora_pairs",
+                      line if self.version <= 2 else None)
 
 
 class FoldedSync:
