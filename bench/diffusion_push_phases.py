@@ -6,9 +6,8 @@ engine's own receive / apply times (its answer's message), over `--reps` pushes.
 Phases: collect (the adapter's factors into layer groups and buckets) or fold (the trainer's W + s B A), flatten
 (the bucket's one flat copy), serialize (the payload), post (the HTTP call: the engine's receive — unpickling and
 opening the CUDA IPC handle — its apply, its synchronize, and the reply). It drives diffusion/engine_client.py's own
-functions on the SD3-medium toy (`kora make-toy --diffusion --diffusion-shape sd3-medium`, made here unless `--model`
-names one), against an engine that drops each payload at once and then one that holds it until the next push
-(diffusion/engine.py ToyEngine.held).
+functions on the SD3-medium toy (`kora make-toy --diffusion --diffusion-shape sd3-medium`), made here unless
+`--model` names one.
 
     python bench/diffusion_push_phases.py --out bench/results/diffusion_push_phases_$(date +%F).json
 """
@@ -17,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import socket
 import statistics
@@ -126,26 +124,22 @@ def main() -> None:
     model_dir = Path(args.model) if args.model else Path(tempfile.mkdtemp(prefix="push-phases-")) / "sd3-medium"
     if args.model is None:
         make_diffusion_toy(model_dir, shape="sd3-medium", sample_size=32)
-    toy = load_diffusion_toy(model_dir).to("cuda")
-    torch.manual_seed(0)
-    apply_diffusion_lora(toy.transformer, 32, 64.0, SD3_TARGETS)
-    with torch.no_grad():
-        for m in lora_modules(toy.transformer).values():
-            m.lora_B.weight.normal_(0, 1e-3)
-    runs = []
-    for hold in (False, True):  # the engine dropping each payload at once, then holding it until the next push
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "KORA_DIFFUSION_ENGINE_DROP_PAYLOAD": "0" if hold else "1"}
-        engine = subprocess.Popen([sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(model_dir),
-                                   "--port", str(port), "--device", "cuda"], env=env)
-        try:
-            wait_health(url, engine)
-            runs += [{"engine_holds_payload": hold, **one_mode(mode, url, toy.transformer, args.reps, args.buffer)}
-                     for mode in ("EngineMerge", "Merge")]
-        finally:
-            engine.terminate()
-            engine.wait(timeout=60)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    engine = subprocess.Popen([sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(model_dir),
+                               "--port", str(port), "--device", "cuda"])
+    try:
+        toy = load_diffusion_toy(model_dir).to("cuda")
+        torch.manual_seed(0)
+        apply_diffusion_lora(toy.transformer, 32, 64.0, SD3_TARGETS)
+        with torch.no_grad():
+            for m in lora_modules(toy.transformer).values():
+                m.lora_B.weight.normal_(0, 1e-3)
+        wait_health(url, engine)
+        runs = [one_mode(mode, url, toy.transformer, args.reps, args.buffer) for mode in ("EngineMerge", "Merge")]
+    finally:
+        engine.terminate()
+        engine.wait(timeout=60)
     for r in runs:
         print(json.dumps({k: v for k, v in r.items() if k != "per_push"}), flush=True)
     if args.out:

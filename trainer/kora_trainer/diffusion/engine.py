@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import os
 import time
 import uuid
 from typing import Any
@@ -91,21 +90,12 @@ class UpdateWeightsFromTensorRequest(BaseModel):
 
 class ToyEngine:
     """The engine's state: the toy, and a pristine copy of every transformer weight taken at load (lora_merge folds
-    from it every sync, so merges never accumulate).
-
-    `held`: the last update's received tensors, kept until the next update has been received. On a GPU they are
-    views of the trainer's memory through a CUDA IPC handle, and torch maps a sender's memory segment once per
-    process while any storage of it lives: holding one keeps the mapping open, so the next push into the same
-    segment skips the map and unmap (`KORA_DIFFUSION_ENGINE_DROP_PAYLOAD=1` drops them at once instead: a bench's
-    comparison). What it pins is one bucket of the trainer's memory until the next push.
-    """
+    from it every sync, so merges never accumulate)."""
 
     def __init__(self, toy: DiffusionToy):
         self.toy = toy
         self.params = dict(toy.transformer.named_parameters())
         self.pristine = {n: p.detach().clone() for n, p in self.params.items()}
-        self.held: list[tuple[str, torch.Tensor]] = []
-        self.hold = os.environ.get("KORA_DIFFUSION_ENGINE_DROP_PAYLOAD") != "1"
 
     def update(self, req: UpdateWeightsFromTensorRequest) -> str:
         """Apply one update; ValueError (-> 400) names the field for what it cannot take. A refused update changes
@@ -139,7 +129,6 @@ class ToyEngine:
                 raise ValueError(f"weight_update_mode {req.weight_update_mode!r}: null or {LORA_MERGE!r}")
         if self.toy.device.type == "cuda":  # the pushed tensors are the trainer's memory: done with them first
             torch.cuda.synchronize(self.toy.device)
-        self.held = named if self.hold else []
         t2 = time.perf_counter()
         return (f"Updated {n} transformer weights ({req.weight_update_mode or 'full'}): received in "
                 f"{(t1 - t0) * 1e3:.2f} ms, applied in {(t2 - t1) * 1e3:.2f} ms.")
