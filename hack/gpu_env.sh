@@ -10,7 +10,9 @@
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
 #   pip download $P -d .whl megatron-core==0.19.2 pydantic==<venv's> pydantic_core==<venv's> annotated-types typing-inspection
+#     pydantic-settings python-dotenv
 #   pip download $P -d .whl/extra msgpack protobuf jsonschema jsonschema-specifications referencing rpds-py click attrs
+#     diffusers==<venv's> aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache   (the diffusion path)
 #   ray: pip download $P ray==2.60.0, unpack it KEEPING the file modes (python's zipfile drops them: set each
 #   member's mode from external_attr >> 16, or gcs_server/raylet are not executable), delete ray/{jars,rllib,tune,
 #   train,serve,data,llm}, and tar -cJf .whl/extra/ray_min.tar.xz ray ray-2.60.0.dist-info (about 30 MiB)
