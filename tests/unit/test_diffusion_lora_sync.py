@@ -16,6 +16,8 @@ from kora_trainer.diffusion.lora_sync import (
     split_pairs,
     sync_log_line,
 )
+from kora_trainer.diffusion.stacked_fold import StackedFolds
+from kora_trainer.diffusion.toy import load_diffusion_toy
 from kora_trainer.lora.model import adapter_tensors, base_state, folded_state
 
 
@@ -98,20 +100,32 @@ def test_the_engines_fold_into_its_pristine_base_equals_the_trainers_fp32_fold(d
                               live["transformer_blocks.0.attn.to_q.weight"])
 
 
-def test_the_engines_in_place_fold_equals_the_trainers_and_a_bad_bucket_changes_no_weight(diffusion_toy_dir):
+def test_the_engines_stacked_folds_equal_the_layer_by_layer_fold_and_a_bad_bucket_changes_no_weight(
+        diffusion_toy_dir):
+    """diffusion/stacked_fold.py, as the engine uses it: the model's adapted weights become views of one stack per
+    shape, a fold writes them all at once, bit-equal on the CPU to fold_from_pristine and to the trainer's fold."""
     toy = toy_with_moved_adapter(diffusion_toy_dir)  # rank 4, alpha 8
-    pristine = {n: t.clone() for n, t in base_state(toy.transformer)}
-    live = {n: t.clone() for n, t in pristine.items()}
+    engine = load_diffusion_toy(diffusion_toy_dir).transformer
+    params = dict(engine.named_parameters())
+    pristine = {n: p.detach().clone() for n, p in params.items()}
+    reference = {n: t.clone() for n, t in pristine.items()}
+    folds = StackedFolds(params, pristine)
     groups, _ = layer_groups(adapter_tensors(toy.transformer))
     trainer = dict(folded_state(toy.transformer))
-    written = fold_from_pristine(pristine, _named([groups])[0], lora_alpha=8, lora_rank=4, into=live)
-    assert len(written) == len(groups) and all(written[k] is live[k] for k in written)  # the live tensors, in place
-    assert all(torch.equal(live[n], trainer[n]) for n in trainer)  # bit-equal to the trainer's fold
-    before = {n: t.clone() for n, t in live.items()}
+    for order in (groups, groups[::-1]):  # a bucket of another layer order re-plans
+        bucket = _named([order])[0]
+        assert folds.apply(bucket, lora_alpha=8, lora_rank=4) == len(groups)
+        want = fold_from_pristine(reference, bucket, lora_alpha=8, lora_rank=4)
+        assert all(torch.equal(params[k], w) and torch.equal(params[k], trainer[k]) for k, w in want.items())
+        assert all(torch.equal(pristine[k], reference[k]) for k in reference)  # the bases stay as loaded
+    q = params["transformer_blocks.0.attn.to_q.weight"]
+    assert len({params[f"{g.prefix}.weight"].untyped_storage().data_ptr() for g in groups}) < len(groups)
+    assert q.untyped_storage().nbytes() > q.nbytes  # a view of its shape group's stack: the model computes with it
+    before = {n: p.detach().clone() for n, p in params.items()}
     wrong = [(f"{groups[1].prefix}.lora_A", groups[1].a), (f"{groups[1].prefix}.lora_B", groups[1].b[:, :2])]
     with pytest.raises(ValueError, match=r"does not fold into its weight"):
-        fold_from_pristine(pristine, [*groups[0].named(), *wrong], lora_alpha=0.0, lora_rank=4, into=live)
-    assert all(torch.equal(live[n], before[n]) for n in live)  # the good first pair was not written either
+        folds.apply([*groups[0].named(), *wrong], lora_alpha=0.0, lora_rank=4)
+    assert all(torch.equal(params[n], before[n]) for n in params)  # the good first pair was not written either
 
 
 def test_a_bf16_base_folds_in_fp32_and_rounds_once():

@@ -9,7 +9,8 @@
                                      `target_modules` (["transformer"] or null),
                                      `weight_update_mode`: null = full weights by name, "lora_merge" = A/B pairs
                                      (`lora_alpha`, `lora_rank`) folded into the pristine base kept at load, fp32
-                                     (lora_sync.fold_from_pristine) -> {"success", "message"}
+                                     (diffusion/stacked_fold.py: a few launches per shape group, not per layer)
+                                     -> {"success", "message"}
 It matches sgl-project/sglang python/sglang/multimodal_gen/runtime/entrypoints/post_training/: the request and
 response fields of io_struct.py @ 00e1106f4ab55cfb7dceeba2dfbc04b0cc40bb6f (`RolloutRequest`, `RolloutResponse`),
 the route and the per-sample slicing of rollout_api.py @ 078e5e2a5227bb6af1727574bb6212f0afb25250 (msgpack body,
@@ -42,8 +43,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import load, save
 
 from kora_trainer.diffusion import flow_grpo
-from kora_trainer.diffusion.lora_sync import LORA_MERGE, fold_from_pristine
+from kora_trainer.diffusion.lora_sync import LORA_MERGE
 from kora_trainer.diffusion.policy import velocity_fn
+from kora_trainer.diffusion.stacked_fold import StackedFolds
 from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
 from kora_trainer.wire import flat_bucket
 from kora_trainer.wire.protocol import FLAT
@@ -96,6 +98,7 @@ class ToyEngine:
         self.toy = toy
         self.params = dict(toy.transformer.named_parameters())
         self.pristine = {n: p.detach().clone() for n, p in self.params.items()}
+        self.folds = StackedFolds(self.params, self.pristine)
 
     def update(self, req: UpdateWeightsFromTensorRequest) -> str:
         """Apply one update; ValueError (-> 400) names the field for what it cannot take. A refused update changes
@@ -116,8 +119,7 @@ class ToyEngine:
             if req.weight_update_mode == LORA_MERGE:
                 if req.lora_alpha is None or req.lora_rank is None or req.lora_rank < 1:
                     raise ValueError("lora_merge needs lora_alpha and lora_rank >= 1")
-                n = len(fold_from_pristine(self.pristine, named, req.lora_alpha, req.lora_rank, fp32=True,
-                                           into=self.params))
+                n = self.folds.apply(named, req.lora_alpha, req.lora_rank)
             elif req.weight_update_mode is None:
                 unknown = [m for m, t in named if m not in self.params or self.params[m].shape != t.shape]
                 if unknown:

@@ -108,17 +108,12 @@ def sync_log_line(version: int, module: str, buckets: Sequence[Sequence[LayerGro
             f"prefixes in {len(buckets)} buckets (unmapped={unmapped})")
 
 
-def fold_from_pristine(pristine: Mapping[str, torch.Tensor], bucket: Iterable[Named], lora_alpha: float,
-                       lora_rank: int, fp32: bool = True,
-                       into: Mapping[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """The engine's lora_merge of one bucket: {'<layer>.weight': W0 + (alpha / r) B A} from the pristine copy.
-
-    `pristine` holds each base weight as loaded ([out, in]). fp32: the sum formed in fp32 and rounded once to W0's
-    dtype; otherwise formed in W0's dtype (the seed's fp16 merge). `into` (the engine's live weights): each result
-    is written into its tensor there and those tensors are returned — the whole bucket is checked before the first
-    write, so a bad bucket changes nothing. The ops are the trainer's `folded_weight` ones, in its order (B A, then
-    the scaling, then the sum): an fp32 fold here is bit-equal to the trainer's.
-    """
+def checked_pairs(bucket: Iterable[Named], pristine: Mapping[str, torch.Tensor],
+                  live: Mapping[str, torch.Tensor] | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """A lora_merge bucket as {layer prefix: {"lora_A": [r, in], "lora_B": [out, r]}}, in bucket order, once every
+    pair is whole, names a weight the engine has (in `pristine`, and in `live` when given) and folds into its shape;
+    else ValueError / KeyError naming the layer. Nothing is written before this passes, so a bad bucket changes
+    no weight."""
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in bucket:
         prefix, _, factor = name.rpartition(".")
@@ -127,24 +122,31 @@ def fold_from_pristine(pristine: Mapping[str, torch.Tensor], bucket: Iterable[Na
         if set(h) != {"lora_A", "lora_B"}:
             raise ValueError(f"bucket holds {sorted(h)} for {prefix}: a lora_merge bucket carries whole A/B pairs")
         key = f"{prefix}.weight"
-        if key not in pristine or (into is not None and key not in into):
+        if key not in pristine or (live is not None and key not in live):
             raise KeyError(f"{key}: the engine's transformer has no such weight (unmapped LoRA target)")
         (out_dim, in_dim), a, b = pristine[key].shape, h["lora_A"], h["lora_B"]
         if b.shape[0] != out_dim or a.shape[1] != in_dim or a.shape[0] != b.shape[1]:
             raise ValueError(f"{prefix}: lora_B {list(b.shape)} @ lora_A {list(a.shape)} does not fold into its weight "
                              f"[{out_dim}, {in_dim}]")
+    return halves
+
+
+def fold_from_pristine(pristine: Mapping[str, torch.Tensor], bucket: Iterable[Named], lora_alpha: float,
+                       lora_rank: int, fp32: bool = True) -> dict[str, torch.Tensor]:
+    """The engine's lora_merge of one bucket, layer by layer: {'<layer>.weight': W0 + (alpha / r) B A} from the
+    pristine copy — the reference the engine's stacked folds (diffusion/stacked_fold.py) are held to.
+
+    `pristine` holds each base weight as loaded ([out, in]). fp32: the sum formed in fp32 and rounded once to W0's
+    dtype; otherwise formed in W0's dtype (the seed's fp16 merge). The ops are the trainer's `folded_weight` ones,
+    in its order (B A, then the scaling, then the sum): an fp32 fold here is bit-equal to the trainer's.
+    """
+    halves = checked_pairs(bucket, pristine)
     scaling = lora_alpha / lora_rank
     out: dict[str, torch.Tensor] = {}
     for prefix, h in halves.items():
-        key = f"{prefix}.weight"
-        w0 = pristine[key]
+        w0 = pristine[f"{prefix}.weight"]
         work = torch.float32 if fp32 else w0.dtype
         delta = h["lora_B"].to(work) @ h["lora_A"].to(work)  # [out, r] @ [r, in]
         delta.mul_(scaling)
-        target = None if into is None else into[key]
-        if target is not None and w0.dtype == work:  # one pass: the sum lands in the live weight
-            out[key] = torch.add(w0, delta, out=target)
-        else:
-            folded = (w0.to(work) + delta).to(w0.dtype)
-            out[key] = folded if target is None else target.copy_(folded)
+        out[f"{prefix}.weight"] = (w0.to(work) + delta).to(w0.dtype)
     return out

@@ -32,12 +32,10 @@ def flatten(named: Sequence[Named]) -> dict[str, Any]:
     dtypes = {t.dtype for _, t in named}
     if len(dtypes) > 1:
         raise ValueError(f"a flattened bucket holds one dtype, got {sorted(map(str, dtypes))}: bucket per dtype")
-    first = named[0][1]
-    flat = torch.empty(sum(t.numel() for _, t in named), dtype=first.dtype, device=first.device)
+    flat = torch.cat([t.reshape(-1) for _, t in named])  # one copy kernel for the bucket, not one per tensor
     metadata, start = [], 0
     for name, t in named:
         end = start + t.numel()
-        flat[start:end].view(t.shape).copy_(t)
         metadata.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
                          "start_idx": start, "end_idx": end, "numel": t.numel()})
         start = end
