@@ -5,7 +5,8 @@
 
 Starts its own local control plane (hack/localcluster.py) with our CRDs and KubeRay's and runs `kora operator`;
 creates --specs malformed LoRATrainingJobs and LoRAAdapters (tests/fuzzspecs.py: generated from the CRDs'
-schemas and the CEL rules, seeded), a valid job after every 10; then SIGKILLs the operator --kills times during a
+schemas and the CEL rules, seeded) and every operator-only one (accepted by the CRD, refused by the operator's own
+validation), a valid job after every 10; then SIGKILLs the operator --kills times during a
 burst of --jobs KubeRay jobs (tests/operator_chaoskit.kill_during_burst); prints the tables and writes
 bench/results/chaos_operator_<date>.json. tests/integration/test_chaos_operator.py runs the same at CI size.
 Not here yet: runtime-Ray jobs under the kills (duplicate Ray submissions are not counted).
@@ -50,7 +51,7 @@ def main() -> int:
         op = Operator(cluster, ["chaos"], Path("/tmp/kora-logs/operator-chaos.log")).start()
         try:
             r = fuzz_specs(client.CustomObjectsApi(api), client.CoreV1Api(api), "chaos",
-                           sample(args.specs, args.seed), timeout=300)
+                           sample(args.specs, args.seed, model_dir=state / "models"), timeout=300)
             r["operator_crashes"] = 0 if op.healthy() else 1
             cluster.kubectl("create", "namespace", "chaos-kills")
             op.stop()
@@ -69,6 +70,8 @@ def main() -> int:
             Path(args.out).write_text(json.dumps(r, indent=1) + "\n")
             print(f"wrote {args.out}")
         ok = (r["rejected_at_apply"] + r["failed_validation_by_operator"] == r["malformed"]
+              and not r["operator_only_refused_at_apply"]
+              and r["operator_only_failed_by_operator"] == r["operator_only"]
               and not r["refusals_not_naming_the_field"] and r["child_objects_of_malformed"] == 0
               and r["valid_jobs_reconciled"] == r["valid_jobs_in_between"] and r["operator_crashes"] == 0
               and not kills["jobs_not_exactly_one_set"] and kills["orphans"] == 0 and not kills["secrets_changed"])

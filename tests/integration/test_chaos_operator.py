@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kubernetes import client, config
 
-from fuzzspecs import sample
+from fuzzspecs import operator_only, sample
 from operator_chaoskit import fuzz_specs, kill_during_burst, kill_table, table
 from operatorkit import Operator, install_crds
 
@@ -15,19 +15,23 @@ LOGS = Path("/tmp/kora-logs")
 CI_SPECS = 60
 
 
-def test_fuzzed_specs_are_refused_naming_their_field_and_get_no_children(cluster, namespace):
+def test_fuzzed_specs_are_refused_naming_their_field_and_get_no_children(cluster, namespace, tmp_path):
     ns = namespace
     install_crds(cluster)
     api = config.new_client_from_config(str(cluster.kubeconfig))
+    items = sample(CI_SPECS, seed=18, model_dir=tmp_path)  # and every operator-only one
     op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log").start()
     try:
-        r = fuzz_specs(client.CustomObjectsApi(api), client.CoreV1Api(api), ns, sample(CI_SPECS, seed=18))
+        r = fuzz_specs(client.CustomObjectsApi(api), client.CoreV1Api(api), ns, items)
         r["operator_crashes"] = 0 if op.healthy() else 1
         print("\n" + table(r))
     finally:
         op.stop()
     assert r["refusals_not_naming_the_field"] == [], r["refusals_not_naming_the_field"]
-    assert r["rejected_at_apply"] + r["failed_validation_by_operator"] == CI_SPECS
+    assert r["rejected_at_apply"] + r["failed_validation_by_operator"] == len(items)
+    # the ones past the CRD: accepted at apply, every one Failed/ValidationFailed by the operator
+    assert r["operator_only_refused_at_apply"] == [], r["operator_only_refused_at_apply"]
+    assert r["operator_only_failed_by_operator"] == r["operator_only"] == len(operator_only(tmp_path)) > 0
     assert r["child_objects_of_malformed"] == 0
     assert r["valid_jobs_reconciled"] == r["valid_jobs_in_between"] > 0
     assert r["operator_crashes"] == 0
