@@ -14,6 +14,7 @@ import random
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kubernetes import client
@@ -21,6 +22,8 @@ from kubernetes.client.exceptions import ApiException
 
 from fuzzspecs import Malformed, targets
 from localcluster import wait_for
+from operatorkit import KUBERAY_CHILDREN
+from raykit import ray_job_doc, submissions_by_uid
 from specs import valid_job
 
 GROUP, VERSION = "kora.dev", "v1alpha1"
@@ -102,13 +105,29 @@ def _rayjobs(custom: Any, ns: str) -> list[dict[str, Any]]:
     return list(custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"])
 
 
-def _children_of(custom: Any, core: Any, ns: str, jobs: set[str]) -> int:
-    """ConfigMaps, Secrets, NetworkPolicies and RayJobs labelled as one of `jobs`'."""
+def _children_by_job(custom: Any, core: Any, ns: str, jobs: set[str]) -> tuple[dict[str, Counter[str]], int]:
+    """The ConfigMaps, Secrets, NetworkPolicies and RayJobs labelled as a job's: counted by kind for each of `jobs`,
+    and how many name a job that does not exist (orphans)."""
+    existing = {i["metadata"]["name"] for i in custom.list_namespaced_custom_object(
+        GROUP, VERSION, ns, "loratrainingjobs")["items"]}
     policies = client.NetworkingV1Api(core.api_client).list_namespaced_network_policy
-    n = 0
-    for lister in (core.list_namespaced_config_map, core.list_namespaced_secret, policies):
-        n += sum(1 for o in lister(ns, label_selector=JOB_LABEL).items if o.metadata.labels.get(JOB_LABEL) in jobs)
-    return n + sum(1 for r in _rayjobs(custom, ns) if r["metadata"].get("labels", {}).get(JOB_LABEL) in jobs)
+    labels = [(kind, o.metadata.labels or {}) for kind, lister in
+              (("ConfigMap", core.list_namespaced_config_map), ("Secret", core.list_namespaced_secret),
+               ("NetworkPolicy", policies)) for o in lister(ns, label_selector=JOB_LABEL).items]
+    labels += [("RayJob", r["metadata"].get("labels") or {}) for r in _rayjobs(custom, ns)]
+    per_job: dict[str, Counter[str]] = {n: Counter() for n in jobs}
+    orphans = 0
+    for kind, label in labels:
+        job = label.get(JOB_LABEL)
+        if job in per_job:
+            per_job[job][kind] += 1
+        elif job not in existing:
+            orphans += 1
+    return per_job, orphans
+
+
+def _children_of(custom: Any, core: Any, ns: str, jobs: set[str]) -> int:
+    return sum(sum(c.values()) for c in _children_by_job(custom, core, ns, jobs)[0].values())
 
 
 def fuzz_specs(custom: Any, core: Any, ns: str, items: list[Malformed], good_every: int = 10,
@@ -165,7 +184,7 @@ def kill_during_burst(custom: Any, core: Any, op: Any, ns: str, jobs: int, kills
     every job converges to Pending with exactly one child of each kind, no child is left without its job, and
     no Secret's value changed after it was first seen (a token or key rotated by a second create)."""
     rng = random.Random(seed)
-    per_wave = max(1, jobs // kills)
+    per_wave = max(1, -(-jobs // kills))  # ceil: all `jobs` within the `kills` waves
     t0 = time.monotonic()
     made = 0
     first_seen: dict[str, Any] = {}
@@ -177,17 +196,29 @@ def kill_during_burst(custom: Any, core: Any, op: Any, ns: str, jobs: int, kills
         for s in core.list_namespaced_secret(ns, label_selector="kora.dev/job-name").items:
             first_seen.setdefault(s.metadata.name, s.data)
 
+    spent: Counter[str] = Counter()  # seconds, by phase of the loop: where the run's time goes
+    restarts: list[float] = []
     for _ in range(kills):
         wave = range(made, min(jobs, made + per_wave)) if made < jobs else range(0)
+        t = time.monotonic()
         for i in wave:
             custom.create_namespaced_custom_object(GROUP, VERSION, ns, "loratrainingjobs", valid_job(f"burst-{i}"))
         target = made + rng.randint(0, len(wave))  # kill once this many RayJobs exist
         made += len(wave)
+        spent["create"] += time.monotonic() - t
+        t = time.monotonic()
         wait_for(lambda at=target: rayjobs() >= at, timeout=timeout, interval=0.05, what=f"{target} RayJobs")
+        spent["wait_for_rayjobs"] += time.monotonic() - t
+        t = time.monotonic()
         op.kill()
         remember_secrets()
+        spent["kill"] += time.monotonic() - t
+        t = time.monotonic()
         op.start()
+        restarts.append(time.monotonic() - t)
+    spent["restart"] = sum(restarts)
     names = {f"burst-{i}" for i in range(made)}
+    t = time.monotonic()
 
     def converged() -> bool:
         items = custom.list_namespaced_custom_object(GROUP, VERSION, ns, "loratrainingjobs")["items"]
@@ -195,23 +226,9 @@ def kill_during_burst(custom: Any, core: Any, op: Any, ns: str, jobs: int, kills
             == len(names)
 
     wait_for(converged, timeout=timeout, interval=0.5, what=f"all {len(names)} jobs Pending")
-    per_job: dict[str, Counter[str]] = {n: Counter() for n in names}
-    orphans = 0
-    children = [("ConfigMap", o) for o in core.list_namespaced_config_map(ns, label_selector="kora.dev/job-name").items]
-    children += [("Secret", o) for o in core.list_namespaced_secret(ns, label_selector="kora.dev/job-name").items]
-    for kind, o in children:
-        job = o.metadata.labels["kora.dev/job-name"]
-        if job in per_job:
-            per_job[job][kind] += 1
-        else:
-            orphans += 1
-    for r in custom.list_namespaced_custom_object("ray.io", "v1", ns, "rayjobs")["items"]:
-        job = r["metadata"]["labels"].get("kora.dev/job-name")
-        if job in per_job:
-            per_job[job]["RayJob"] += 1
-        else:
-            orphans += 1
-    want = Counter({"ConfigMap": 1, "Secret": 2, "RayJob": 1})
+    spent["converge"] = time.monotonic() - t
+    per_job, orphans = _children_by_job(custom, core, ns, names)
+    want = Counter(KUBERAY_CHILDREN)
     remember_secrets()
     listed = core.list_namespaced_secret(ns, label_selector="kora.dev/job-name").items
     secrets = {s.metadata.name: s.data for s in listed}
@@ -219,13 +236,107 @@ def kill_during_burst(custom: Any, core: Any, op: Any, ns: str, jobs: int, kills
         "jobs": len(names), "kills": kills,
         "jobs_not_exactly_one_set": sorted(n for n, c in per_job.items() if c != want),
         "orphans": orphans, "secrets_changed": sorted(n for n, d in first_seen.items() if secrets.get(n) != d),
-        "seconds": round(time.monotonic() - t0, 1),
+        "seconds": round(time.monotonic() - t0, 1), "seconds_by_phase": {k: round(v, 1) for k, v in spent.items()},
+        "restart_seconds": _spread(restarts),
     }
+
+
+def _spread(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    return {"p50": round(xs[len(xs) // 2], 2), "max": round(xs[-1], 2)} if xs else {}
 
 
 def kill_table(r: dict[str, Any]) -> str:
     rows = [("operator SIGKILLs during the burst", r["kills"]), ("jobs", r["jobs"]),
             ("jobs without exactly one set of children", len(r["jobs_not_exactly_one_set"])),
             ("orphaned children", r["orphans"]), ("Secrets whose value changed", len(r["secrets_changed"])),
-            ("seconds", r["seconds"])]
+            ("seconds", f"{r['seconds']} {r['seconds_by_phase']}"),
+            ("a restart until the operator is live (s)", r["restart_seconds"])]
+    return "\n".join(f"  {k:44}{v}" for k, v in rows)
+
+
+RAY_CHILDREN = {"ConfigMap": 1, "Secret": 1}  # a runtime-Ray job's: its config and its control-plane token
+_RAY_END = (("Running", "RUNNING"), ("Succeeded", "SUCCEEDED"))  # (job phase, its submission's status): sleep, exit 0
+
+
+def ray_kill_during_burst(custom: Any, core: Any, op: Any, head: Any, ns: str, homes: Path, jobs: int, kills: int,
+                          seed: int, timeout: float = 300.0) -> dict[str, Any]:
+    """`jobs` runtime-Ray jobs on the local Ray head `head` (the scripted trainer: every other one runs until
+    stopped, the rest exit 0 at once) created in `kills` waves; during each wave the operator is SIGKILLed once a
+    random number of the wave's Ray submissions exist (so between two POSTs, or between a POST and the status write
+    that follows it), then started again. Then: every job converges to Running on a RUNNING submission (or
+    Succeeded on a SUCCEEDED one), the submission its status.rayJobName names; each job's uid has exactly one
+    submission (the Jobs API's metadata kora.dev/uid: a finished one is not submitted again either) and one set of
+    children."""
+    rng = random.Random(seed)
+    per_wave = max(1, -(-jobs // kills))  # ceil: all `jobs` within the `kills` waves
+    t0 = time.monotonic()
+    uids: dict[str, str] = {}  # job name -> uid
+    at_kill: list[dict[str, int]] = []  # what each kill left behind (the operator dead: nothing moves but Ray)
+    restarts: list[float] = []
+
+    def ours() -> dict[str, dict[str, Any]]:  # uid -> its submissions
+        return {u: subs for u, subs in submissions_by_uid(head).items() if u in uids.values()}
+
+    def statuses() -> dict[str, dict[str, Any]]:
+        items = custom.list_namespaced_custom_object(GROUP, VERSION, ns, "loratrainingjobs")["items"]
+        return {i["metadata"]["name"]: i.get("status") or {} for i in items}
+
+    def left_behind() -> dict[str, int]:
+        """Where the jobs stood when the operator died. The operator names a submission in the status before it
+        POSTs it (runtimes/ray.py), so a job caught mid-submission is named and not on the head yet, or on the
+        head and its status not yet moved on (Pending still)."""
+        subs, status = ours(), statuses()
+        named = {n for n in uids if status.get(n, {}).get("rayJobName")}
+        submitted = {n for n, u in uids.items() if subs.get(u)}
+        moved_on = {n for n in uids if status.get(n, {}).get("phase") in ("Running", "Succeeded", "Failed")}
+        return {"jobs": len(uids), "submitted": len(submitted), "named_not_submitted": len(named - submitted),
+                "submitted_status_pending": len(submitted - moved_on)}
+
+    for _ in range(kills):
+        wave = range(len(uids), min(jobs, len(uids) + per_wave))
+        before = sum(len(s) for s in ours().values())
+        for i in wave:
+            name = f"ray-burst-{i}"
+            script = {"mode": "sleep"} if i % 2 == 0 else {"mode": "exit", "code": 0, "say": "done"}
+            doc = ray_job_doc(name, homes / name, head.dashboard_url, script)
+            uids[name] = custom.create_namespaced_custom_object(GROUP, VERSION, ns, "loratrainingjobs", doc)[
+                "metadata"]["uid"]
+        target = before + rng.randint(0, len(wave))  # kill once this many submissions exist
+        wait_for(lambda at=target: sum(len(s) for s in ours().values()) >= at, timeout=timeout, interval=0.05,
+                 what=f"{target} Ray submissions")
+        op.kill()
+        at_kill.append(left_behind())
+        t = time.monotonic()
+        op.start()
+        restarts.append(time.monotonic() - t)
+
+    def converged() -> bool:
+        subs, status = ours(), statuses()
+        return all((status.get(n, {}).get("phase"),
+                    (subs.get(u) or {}).get(status[n].get("rayJobName") or "", {}).get("status")) == _RAY_END[i % 2]
+                   for i, (n, u) in enumerate(uids.items()))
+
+    wait_for(converged, timeout=timeout, interval=0.5,
+             what=f"all {len(uids)} jobs Running / Succeeded on the submission their status names")
+    subs = ours()
+    per_job, orphans = _children_by_job(custom, core, ns, set(uids))
+    return {
+        "jobs": len(uids), "kills": kills, "at_kill": at_kill,
+        "kills_mid_submission": sum(k["named_not_submitted"] + k["submitted_status_pending"] > 0 for k in at_kill),
+        "submissions": sum(len(s) for s in subs.values()),
+        "jobs_not_exactly_one_submission": sorted(n for n, u in uids.items() if len(subs.get(u) or {}) != 1),
+        "jobs_not_exactly_one_set": sorted(n for n, c in per_job.items() if c != Counter(RAY_CHILDREN)),
+        "orphans": orphans, "seconds": round(time.monotonic() - t0, 1), "restart_seconds": _spread(restarts),
+    }
+
+
+def ray_kill_table(r: dict[str, Any]) -> str:
+    rows = [("operator SIGKILLs during the burst", r["kills"]),
+            ("  of which with a job mid-submission", r["kills_mid_submission"]),
+            ("runtime-Ray jobs", r["jobs"]), ("Ray job submissions", r["submissions"]),
+            ("jobs without exactly one submission", len(r["jobs_not_exactly_one_submission"])),
+            ("jobs without exactly one set of children", len(r["jobs_not_exactly_one_set"])),
+            ("orphaned children", r["orphans"]), ("seconds", r["seconds"]),
+            ("a restart until the operator is live (s)", r["restart_seconds"])]
     return "\n".join(f"  {k:44}{v}" for k, v in rows)

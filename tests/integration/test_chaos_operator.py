@@ -1,5 +1,6 @@
-"""Operator chaos at CI size (issue 18 item 1): fuzzed specs against the real API server with the operator running.
-The full size is `make chaos` (bench/chaos_operator.py)."""
+"""Operator chaos at CI size (issue 18 item 1): fuzzed specs against the real API server with the operator running,
+and the operator SIGKILLed during bursts of KubeRay jobs and of runtime-Ray jobs (a real local Ray head). The full
+size is `make chaos` (bench/chaos_operator.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 from kubernetes import client, config
 
 from fuzzspecs import operator_only, sample
-from operator_chaoskit import fuzz_specs, kill_during_burst, kill_table, table
+from operator_chaoskit import fuzz_specs, kill_during_burst, kill_table, ray_kill_during_burst, ray_kill_table, table
 from operatorkit import Operator, install_crds
+from raykit import operator_env
 
 LOGS = Path("/tmp/kora-logs")
 CI_SPECS = 60
@@ -52,3 +54,25 @@ def test_the_operator_killed_during_a_burst_leaves_one_set_of_children_per_job(c
         op.stop()
     assert r["jobs"] == CI_JOBS and r["kills"] == CI_KILLS
     assert r["jobs_not_exactly_one_set"] == [] and r["orphans"] == 0 and r["secrets_changed"] == []
+
+
+CI_RAY_JOBS, CI_RAY_KILLS = 6, 4
+
+
+def test_the_operator_killed_during_a_burst_of_runtime_ray_jobs_submits_each_once(cluster, namespace, head,
+                                                                                  control_port, tmp_path):
+    install_crds(cluster)
+    api = config.new_client_from_config(str(cluster.kubeconfig))
+    op = Operator(cluster, [namespace], LOGS / f"operator-{namespace}.log", env=operator_env(head, control_port))
+    op.start()
+    try:
+        r = ray_kill_during_burst(client.CustomObjectsApi(api), client.CoreV1Api(api), op, head, namespace,
+                                  tmp_path, CI_RAY_JOBS, CI_RAY_KILLS, seed=18)
+        print("\n" + ray_kill_table(r))
+    finally:
+        # the jobs' finalizers stop their Ray jobs: delete them while the operator runs
+        cluster.kubectl("delete", "ltj", "--all", "-n", namespace, "--wait=true", "--timeout=120s", check=False)
+        op.stop()
+    assert r["jobs"] == CI_RAY_JOBS and r["kills"] == CI_RAY_KILLS
+    assert r["jobs_not_exactly_one_submission"] == [] and r["submissions"] == CI_RAY_JOBS
+    assert r["jobs_not_exactly_one_set"] == [] and r["orphans"] == 0
