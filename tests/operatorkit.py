@@ -99,7 +99,7 @@ class Operator:
         with open(self.log, "ab") as fh:
             self.proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=fh, stderr=subprocess.STDOUT,
                                          env=env, start_new_session=True)
-        wait_for(self.healthy, timeout=timeout, interval=0.2, what=f"the operator's liveness (log {self.log})")
+        wait_for(self.healthy, timeout=timeout, interval=0.05, what=f"the operator's liveness (log {self.log})")
         return self
 
     def healthy(self) -> bool:

@@ -64,12 +64,23 @@ def ray_job_doc(name: str, home: Path, address: str, script: dict[str, Any], **s
     return doc
 
 
-def submissions(head: LocalRay, uid: str) -> dict[str, dict[str, Any]]:
-    """The Ray jobs the LoRATrainingJob with `uid` submitted, by submission id."""
+def submissions_by_uid(head: LocalRay) -> dict[str, dict[str, dict[str, Any]]]:
+    """Every Ray job on `head` that a LoRATrainingJob submitted: by the job's uid (the submission's metadata
+    kora.dev/uid), then by submission id."""
     req = urllib.request.Request(f"{head.dashboard_url}/api/jobs/", headers={"Authorization": f"Bearer {head.token}"})
     with urllib.request.urlopen(req, timeout=10) as r:
         jobs = json.loads(r.read())
-    return {j["submission_id"]: j for j in jobs if (j.get("metadata") or {}).get("kora.dev/uid") == uid}
+    out: dict[str, dict[str, dict[str, Any]]] = {}
+    for j in jobs:
+        uid = (j.get("metadata") or {}).get("kora.dev/uid")
+        if uid:
+            out.setdefault(uid, {})[j["submission_id"]] = j
+    return out
+
+
+def submissions(head: LocalRay, uid: str) -> dict[str, dict[str, Any]]:
+    """The Ray jobs the LoRATrainingJob with `uid` submitted, by submission id."""
+    return submissions_by_uid(head).get(uid, {})
 
 
 def pids(home: Path) -> list[int]:

@@ -341,7 +341,7 @@ SPEC_RULES: tuple[SpecRule, ...] = (
 
 # language-model fields that do nothing in a diffusion job: one set to anything but its default is refused, with
 # its diffusion counterpart named in the fix (the default itself is what the API server fills in for every job)
-_LANGUAGE_ONLY: tuple[tuple[str, str, str], ...] = (
+LANGUAGE_ONLY: tuple[tuple[str, str, str], ...] = (
     ("lora", "target_modules", "set diffusion.targetModules (diffusers names: to_q, to_k, ...)"),
     ("lora", "scope", "remove it (a diffusion transformer has one region)"),
     ("algorithm", "clip_eps", "set diffusion.clipEps (Flow-GRPO's per-step clip, default 1e-4)"),
@@ -359,7 +359,7 @@ def diffusion_unused_problems(cfg: TrainerConfig) -> list[Problem]:
     if cfg.diffusion is None:
         return []
     out = []
-    for section, name, fix in _LANGUAGE_ONLY:
+    for section, name, fix in LANGUAGE_ONLY:
         part = getattr(cfg, section)
         info = type(part).model_fields[name]
         if getattr(part, name) != info.get_default(call_default_factory=True):
