@@ -130,6 +130,35 @@ def test_versions_stay_exact_while_generation_runs_through_the_pushes(recorded, 
     assert max(worst.values()) < ATOL, f"a rollout's log-probs are not its reported version's policy: {worst}"
 
 
+@pytest.mark.parametrize(("mode", "seed"), [("Merge", 58), ("EngineMerge", 59)])
+def test_a_push_waits_one_step_not_the_generation_in_flight(recorded, mode, seed):
+    """Issue 17 item 2 through the handshake: a push made while a long generation runs lands at the generation's
+    next step boundary, not after it; the generation goes on under the new weights and reports the version it
+    started under (it spanned the write), and the next rollout reports the pushed version."""
+    model_dir, engine, _ = recorded
+    b = trained_policy(model_dir, mode, seed, CAP)
+    outs: list = []
+    with engine.client() as client, engine.client() as other:
+        sender = colocated_sender(b, client)
+        sender.sync(version=1)
+        step(b)
+        assert sender.sync(version=2).path == "fast"
+        params = {"max_new_tokens": 240, "temperature": 0.0, "ignore_eos": True}
+        gen = threading.Thread(target=lambda: outs.extend(other.generate([[1, 2 + i] for i in range(8)], params)))
+        gen.start()
+        wait_engine_state(client, "the long generation admitted", in_flight=8)
+        step(b, -0.04)
+        report = sender.sync(version=3)
+        held = not outs  # still generating: it gave the weights up mid-way
+        gen.join(120)
+        assert report.pushed and report.path == "fast"
+        assert held, "the push waited for the whole generation in flight"
+        assert [len(o.output_ids) for o in outs] == [240] * 8
+        assert {o.weight_version for o in outs} == {"2"}  # it spanned the write: the version it started under
+        assert client.generate([PROMPT], {"max_new_tokens": 1})[0].weight_version == "3"
+        assert logprob_gap(client, b, None) < ATOL
+
+
 def all_stopped(pid: int) -> bool:
     """Every thread of `pid` stopped (a signal is delivered asynchronously: kill() returns before)."""
     tasks = os.listdir(f"/proc/{pid}/task")
