@@ -215,19 +215,19 @@ def engine_vs_reference(client: EngineClient, reference: torch.nn.Module, lora_p
 
 
 def trained_policy(model_dir: Path, mode: str, seed: int, cap: int | str,
-                   targets: str = "[linear_qkv, linear_proj, linear_fc1, linear_fc2]") -> Any:
-    """A TorchBackend on the tiny model with a trained-looking adapter (B != 0), ready to sync."""
+                   targets: str = "[linear_qkv, linear_proj, linear_fc1, linear_fc2]", device: str = "cpu") -> Any:
+    """A TorchBackend on the tiny model (on `device`) with a trained-looking adapter (B != 0), ready to sync."""
     from kora_trainer.backends.torch_backend import TorchBackend
     from kora_trainer.config import load_config
 
     cfg, _ = load_config(None, [f"model.path={model_dir}", "data.path=unused.parquet", "lora.rank=4",
                                 "lora.alpha=8", f"lora.syncMode={mode}", f"sync.bufferSize={cap}",
                                 f"lora.targetModules={targets}", "rollout.engine=hf"])
-    b = TorchBackend(cfg, device="cpu", threads=1)
+    b = TorchBackend(cfg, device=device, threads=1)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in b.params:
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            p.copy_(torch.randn(p.shape, generator=g).to(p.device) * 0.1)
     return b
 
 
@@ -257,11 +257,75 @@ def kora_and_sglang_like(tmp_path_factory: Any) -> Iterator[tuple[Path, dict[str
             stop_engine(proc)
 
 
+@contextmanager
+def recording_engine(tmp_path_factory: Any, *extra: str, device: str = "cpu"
+                     ) -> Iterator[tuple[Path, EngineProc, Path]]:
+    """(a tiny model, the reference engine serving it, the JSON-lines file of every HTTP request it answered:
+    reference_engine/record.py); stopped after."""
+    from kora_trainer.reference_engine.record import RECORD_ENV
+    from tinymodel import make_tiny_model
+
+    model = make_tiny_model(tmp_path_factory.mktemp("tiny"))
+    logs = tmp_path_factory.mktemp("logs")
+    record = logs / "calls.jsonl"
+    engine = start_engine(model, logs, "--max-lora-rank", "8", *extra, device=device, env={RECORD_ENV: str(record)})
+    try:
+        yield model, engine, record
+    finally:
+        stop_engine(engine)
+
+
+def reset_to_checkpoint(engine: EngineProc, model_dir: Path) -> None:
+    """The engine's weights back to the checkpoint's, version "default" (a Merge push makes the merged weights the
+    engine's base, as it should: an EngineMerge policy pushed after it would be folded onto them)."""
+    named = [(n, p.detach()) for n, p in load_hf(model_dir).named_parameters()]
+    with engine.client() as client:
+        client.update_weights_from_tensor(serialize_named_tensors(named), weight_version="default")
+
+
+def recorded_calls(record: Path) -> list[dict[str, Any]]:
+    """What a `recording_engine` answered so far, in order (method, path, status, body)."""
+    return [json.loads(line) for line in record.read_text().splitlines()] if record.exists() else []
+
+
+def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path, versions: Sequence[int],
+                        lora_path: str | None, atol: float) -> list[float]:
+    """Push each of `versions` (the adapter moved before each) through a colocated fast `sender` whose plan and
+    first fast push are done: each push makes no HTTP call to the `recording_engine`, which then serves the
+    policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
+    times = []
+    for version in versions:
+        step(b, 0.05 if version % 2 else -0.04)
+        before = len(recorded_calls(record))
+        report = sender.sync(version=version)
+        made = recorded_calls(record)[before:]
+        assert report.pushed and report.path == "fast" and report.adapter_version == version, report
+        assert made == [], f"a steady-state {sender.mode} push made HTTP calls: {made}"
+        times.append(report.ms)
+        assert logprob_gap(client, b, lora_path) < atol  # the engine serves the pushed policy
+        out = client.generate([PROMPTS[0]], {"max_new_tokens": 1}, lora_path=lora_path)
+        assert out[0].weight_version == str(version)
+    return times
+
+
 def on_hf_engines(b: Any) -> None:
     """Point a `trained_policy` backend's config at kora's hf engine (the fast paths' condition)."""
     from kora_trainer.config.sections import Engine
 
     b.cfg = b.cfg.model_copy(update={"rollout": b.cfg.rollout.model_copy(update={"engine": Engine.HF})})
+
+
+def colocated_sender(b: Any, client: EngineClient, transport_timeout_s: float = 60.0) -> Any:
+    """The trainer's colocated fast sender (sync/colocated_sender.py) for a `trained_policy` backend, on `client`."""
+    from kora_trainer.sync.colocated_sender import ColocatedFastSender
+    from kora_trainer.sync.fast_sender import with_fast_path
+    from kora_trainer.sync.sender import WeightSender
+    from kora_trainer.sync.transport import ColocatedTransport
+
+    on_hf_engines(b)
+    sender = with_fast_path(WeightSender(b.model, b.cfg, ColocatedTransport([client], transport_timeout_s)), b.cfg)
+    assert isinstance(sender, ColocatedFastSender)
+    return sender
 
 
 def step(b: Any, by: float = 0.05) -> None:

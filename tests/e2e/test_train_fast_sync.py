@@ -30,6 +30,8 @@ def test_fast_path_pushes_every_step_and_the_engine_serves_the_policy(toy_dir, t
     summary = run.summary()
     assert summary["steps"] == 4 and summary["sync_mode"] == mode and summary["transport"] == TRANSPORT[deployment]
     assert any(n.startswith("fast path on") for n in run.notes()), run.output[-3000:]
+    if deployment == "Colocate" and mode != "Adapter":  # no HTTP call per push (wire/colocated_words.py)
+        assert any("push handshake in shared memory" in n for n in run.notes()), run.notes()
     paths = summary["sync_paths"]
     assert set(paths) == {"fast"} and paths["fast"]["pushes"] == 4, paths  # the steps' pushes (the first plans it)
     assert paths["fast"]["ms_p50"] > 0

@@ -80,6 +80,8 @@ def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy, tmp_
     assert summary["sync_bytes_per_step"] > 0 and summary["syncs_skipped"] == 0
     if deployment == "Colocate":  # sync/colocated_sender.py: CUDA IPC, planned once
         assert set(summary["sync_paths"]) == {"fast"}, (summary["sync_paths"], run.notes())
+        if mode != "Adapter":  # each push told to the engine in shared memory, no HTTP call (the watcher's fold)
+            assert any("push handshake in shared memory" in n for n in run.notes()), run.notes()
     gap = summary["rollout_logp_gap_max"]
     assert gap is not None and gap < GAP_BOUND, f"engine vs megatron policy log-probs differ by {gap}"
     assert len(set(summary["loss_curve"])) > 1  # it trained: the loss moved

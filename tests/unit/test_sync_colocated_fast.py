@@ -17,18 +17,15 @@ import pytest
 
 from engine_helpers import (
     ATOL,
+    colocated_sender,
     kora_and_sglang_like,
     logprob_gap,
-    on_hf_engines,
     step,
     trained_policy,
     wait_engine_state,
 )
 from kora_trainer.lora import adapter_tensors
-from kora_trainer.sync.colocated_sender import ColocatedFastSender
-from kora_trainer.sync.fast_sender import with_fast_path
-from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
-from kora_trainer.sync.transport import ColocatedTransport
+from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.wire.engine_client import EngineError
 from kora_trainer.wire.protocol import checksum
 
@@ -40,14 +37,6 @@ CAP = "64Ki"
 def served(tmp_path_factory):
     with kora_and_sglang_like(tmp_path_factory) as up:
         yield up
-
-
-def colocated_sender(b, client, transport_timeout_s: float = 60.0):
-    on_hf_engines(b)
-    sender = with_fast_path(WeightSender(b.model, b.cfg, ColocatedTransport([client], transport_timeout_s)), b.cfg)
-    assert isinstance(sender, ColocatedFastSender)
-    return sender
-
 
 
 @pytest.mark.parametrize(("mode", "seed"), [("Merge", 41), ("Adapter", 42), ("EngineMerge", 44)])

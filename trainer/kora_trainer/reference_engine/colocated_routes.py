@@ -4,8 +4,9 @@ straight into the engine's memory, which it mapped once. The trainer's side is `
 SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP path (`/update_weights_from_tensor`,
 `/load_lora_adapter_from_tensors`).
 
-- `POST /kora/colocated/plan` {mode: "Merge" | "Adapter", metadata, slots, lora_name, config_dict}: once per
-  trainer, after its first (HTTP) push. Answers {payload, bytes}: `payload` is `serialize.serialize_payload` of
+- `POST /kora/colocated/plan` {mode: "Merge" | "Adapter" | "EngineMerge", metadata, slots, lora_name,
+  config_dict, lease_s, names}: once per trainer, after its first (HTTP) push. Answers {payload, bytes, wake}:
+  `payload` is `serialize.serialize_payload` of
   the memory the trainer writes — CUDA IPC handles on GPU, shared-memory segments on CPU (the engine's tensors
   move into shared memory in place; every view of them stays valid). Merge: every named parameter (HF names, the
   engine's own tensors), each group of `fuse` (e.g. one layer's q, k, v: what megatron holds as one fused
@@ -21,23 +22,29 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   rewritten only `slots` pushes later. No lock: nothing the engine reads is written. `POST
   /kora/colocated/push` {slot, weight_version, verify} publishes the rung slot at once (it must be the one
   the doorbell names) and, with verify, answers its checksum; the trainer calls it on verified pushes.
-- Merge, per push: `POST /kora/colocated/begin` {lease_s} takes the engine's weight lock
-  (`EngineModel.begin_write`: generation in flight gives way at its next step and recomputes its KV cache
-  after the write) and answers; the trainer writes the merged weights in place and synchronises;
-  `POST /kora/colocated/push` {weight_version, verify, names} marks `names` replaced (the new pristine base),
-  sets the version and gives the lock back. A trainer that does not come back within `lease_s` loses the
-  lock: the engine takes the weights as torn (`weight_version` says so, and the late push is refused) instead
-  of stalling generation forever. `POST /kora/colocated/abort` gives the lock back at once (the trainer
-  failed between begin and push).
-- EngineMerge, per push: the ring as for Adapter (no doorbell); the trainer packs the pairs into a slot,
-  synchronises, and `POST /kora/colocated/push` {slot, weight_version, verify} folds them into the pristine base
-  (`EngineModel.merge_lora`, one weight write: W = W0 + (alpha/rank)·B·A, fp32 sum, as the HTTP lora_merge) and
-  sets the version. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`.
+- Merge and EngineMerge, per push: no HTTP call. The plan's payload also holds `handshake`, the int64 words of
+  wire/colocated_words.py in shared CPU memory, and the answer names a `wake` FIFO; a watcher thread
+  (colocated_watcher.py) serves each request the trainer stores there. Merge: request n takes the weight lock
+  (`EngineModel.begin_write`: generation in flight gives way at its next step and recomputes its KV cache after)
+  and answers GRANT n; the trainer writes the merged weights in place, synchronises and stores DONE n; the
+  engine marks the written names replaced (the new pristine base: the plan body's `names` {full, adapted}), sets
+  the version, gives the lock back and answers ACK n. A trainer that does not come back within the plan's
+  `lease_s` loses the lock: the weights are taken as torn (`weight_version` says so) and the push is refused
+  (ACK -n). EngineMerge: request n (ARG: version, slot) folds the slot into the pristine base (the HTTP
+  lora_merge's fold, one weight write, `EngineModel.planned_merge`), synchronised, the version set under the lock;
+  then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`.
+- `POST /kora/colocated/checksum` {full} (Merge) or {slot}: the checksum of what the engine serves, for the
+  trainer's verified pushes.
+- The same pushes over HTTP, for a caller without the shared words: Merge `POST /kora/colocated/begin` {lease_s}
+  takes the weight lock, `POST /kora/colocated/push` {weight_version, verify, names} marks `names` replaced, sets
+  the version and gives the lock back (or the lease runs out: torn, as above), `POST /kora/colocated/abort` gives
+  it back at once; EngineMerge `POST /kora/colocated/push` {slot, weight_version, verify} folds slot `slot`.
 - `verify`: the answer carries `protocol.checksum` of what the engine now serves (Merge: `names` in order;
   Adapter: the slot's tensors), which the trainer compares with its own reading of the memory it wrote, and
   `checksum_ms`, the time it took (the trainer's push time leaves hashing out, as the HTTP path's does).
 
-All run on the server's weight-sync thread, in order with every other operation on the weights.
+The routes run on the server's weight-sync thread, in order with every other operation on the weights; the
+watcher's pushes take the same weight lock.
 """
 
 from __future__ import annotations
@@ -52,8 +59,15 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from kora_trainer.reference_engine.colocated_watcher import (
+    TORN_VERSION,
+    MergeHandshake,
+    Watcher,
+    engine_merge_handshake,
+)
 from kora_trainer.reference_engine.fast_routes import json_call, layout, ring_scaling
 from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
+from kora_trainer.wire.colocated_words import Wake, Words, make_words
 from kora_trainer.wire.fast_receive import AdapterRing, doorbell_parts, fuse_rows
 from kora_trainer.wire.protocol import PackedChecksum, checksum
 from kora_trainer.wire.serialize import serialize_payload
@@ -61,9 +75,9 @@ from kora_trainer.wire.serialize import serialize_payload
 log = logging.getLogger("kora.hf_engine")
 
 PREFIX = "/kora/colocated"
-PLAN_ROUTE, BEGIN_ROUTE, PUSH_ROUTE, ABORT_ROUTE = (f"{PREFIX}/{r}" for r in ("plan", "begin", "push", "abort"))
+PLAN_ROUTE, BEGIN_ROUTE, PUSH_ROUTE, ABORT_ROUTE, CHECKSUM_ROUTE = (
+    f"{PREFIX}/{r}" for r in ("plan", "begin", "push", "abort", "checksum"))
 DEFAULT_LEASE_S = 60.0
-TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer never came back
 
 
 def _answer(version: str | None, body: dict[str, Any], digest: Callable[[], str]) -> dict[str, Any]:
@@ -71,6 +85,13 @@ def _answer(version: str | None, body: dict[str, Any], digest: Callable[[], str]
     t0 = time.perf_counter()
     sums = digest() if body.get("verify") else None
     return {"weight_version": version, "checksum": sums, "checksum_ms": (time.perf_counter() - t0) * 1000}
+
+
+def _lease_s(body: dict[str, Any]) -> float:
+    lease_s = float(body.get("lease_s") or DEFAULT_LEASE_S)
+    if not 0 < lease_s <= 3600:
+        raise ValueError(f"lease_s {lease_s}: give 0 < lease_s <= 3600 seconds")
+    return lease_s
 
 
 @dataclass
@@ -93,6 +114,8 @@ class _Plan:
     packed: PackedChecksum | None = None
     lora_name: str = ""
     config: dict[str, Any] = field(default_factory=dict)
+    names: dict[bool, list[str]] = field(default_factory=dict)  # Merge: full -> what a push writes
+    watcher: Watcher | None = None  # Merge, EngineMerge: the shared-memory handshake (colocated_watcher.py)
 
 
 class ColocatedRoutes:
@@ -109,7 +132,7 @@ class ColocatedRoutes:
     def routes(self) -> list[tuple[str, str, Any]]:
         return [("POST", route, self._route(fn)) for route, fn in
                 ((PLAN_ROUTE, self._plan), (BEGIN_ROUTE, self._begin), (PUSH_ROUTE, self._push),
-                 (ABORT_ROUTE, self._abort))]
+                 (ABORT_ROUTE, self._abort), (CHECKSUM_ROUTE, self._checksum))]
 
     def _route(self, fn: Any) -> Any:
         async def handler(request: web.Request) -> web.Response:
@@ -122,15 +145,21 @@ class ColocatedRoutes:
         engine = self.server.engine
         if self.lease is not None:
             raise ValueError("a Merge push holds the weights: finish it before planning again")
+        lease_s = _lease_s(b)  # Merge: how long a push may hold the weights
+        old, self.plan = self.plan, None  # a plan call ends the previous plan, whatever its outcome
+        if old is not None and old.watcher is not None:  # and its handshake first
+            old.watcher.stop()
         if b.get("mode") == "Merge":
             params = dict(engine.model.named_parameters(remove_duplicate=False))
             groups = [[str(n) for n in g] for g in b.get("fuse") or []]
-            unknown = sorted({n for g in groups for n in g if n not in params})
+            names = {full: [str(n) for n in b.get("names", {}).get(key) or []]
+                     for full, key in ((True, "full"), (False, "adapted"))}
+            unknown = sorted({n for g in [*groups, *names.values()] for n in g if n not in params})
             if unknown:
-                raise ValueError(f"fuse names weights the engine does not have: {unknown[:3]}")
+                raise ValueError(f"fuse or names name weights the engine does not have: {unknown[:3]}")
             with engine.writing():  # no forward reads a weight while it moves
                 fuse_rows(params, [g for g in groups if len(g) > 1])
-            plan = _Plan("Merge", params={n: p.detach() for n, p in params.items()})
+            plan = _Plan("Merge", params={n: p.detach() for n, p in params.items()}, names=names)
             exported = list(plan.params.items())
         elif b.get("mode") in ("Adapter", "EngineMerge"):
             mode, metadata, name, config = b["mode"], b["metadata"], str(b["lora_name"]), dict(b["config_dict"])
@@ -146,9 +175,27 @@ class ColocatedRoutes:
                 plan.merge = (float(b["lora_alpha"]), int(b["lora_rank"]), bool(b.get("merge_fp32", True)))
         else:
             raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge, Adapter or EngineMerge")
-        payload = serialize_payload(exported)  # CPU: the tensors move into shared memory, in place
+        answer: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for _, t in exported)}
+        if plan.mode != "Adapter":  # the per-push handshake in shared memory (wire/colocated_words.py)
+            words, wake = make_words(), Wake()
+            exported.append(("handshake", words))
+            answer["wake"] = wake.path
+        answer["payload"] = serialize_payload(exported)  # CPU: the tensors move into shared memory, in place
+        if plan.mode != "Adapter":
+            plan.watcher = self._watch(plan, Words(words), wake, lease_s)
         self.plan = plan
-        return {"payload": payload, "bytes": sum(t.numel() * t.element_size() for _, t in exported)}
+        return answer
+
+    def _watch(self, plan: _Plan, words: Words, wake: Wake, lease_s: float) -> Watcher:
+        watcher: Watcher | None = None
+        handle: Callable[[int], None]
+        if plan.mode == "Merge":
+            handle = MergeHandshake(self.server.engine, words, wake, plan.names, lease_s,
+                                    lambda: watcher is not None and watcher.stopping)
+        else:
+            handle = engine_merge_handshake(words, self.fold_slot)
+        watcher = Watcher(words, wake, handle, self.server.engine.device)
+        return watcher
 
     def _planned(self, mode: str) -> _Plan:
         if self.plan is None or self.plan.mode != mode:
@@ -161,9 +208,7 @@ class ColocatedRoutes:
         self._planned("Merge")
         if self.lease is not None:
             raise ValueError(f"a Merge push already holds the weights: POST {PUSH_ROUTE} or {ABORT_ROUTE}")
-        lease_s = float(b.get("lease_s") or DEFAULT_LEASE_S)
-        if not 0 < lease_s <= 3600:
-            raise ValueError(f"lease_s {lease_s}: give 0 < lease_s <= 3600 seconds")
+        lease_s = _lease_s(b)
         self.server.engine.begin_write()  # generation in flight gives way at its next step
         lease = _Lease(threading.Timer(lease_s, self._expire))
         lease.timer.daemon = True
@@ -255,21 +300,46 @@ class ColocatedRoutes:
     # ---- EngineMerge ------------------------------------------------------------------------------------
 
     def _engine_merge_push(self, b: dict[str, Any]) -> dict[str, Any]:
-        """The pairs the trainer wrote into slot `slot`, folded into the pristine base (the HTTP lora_merge's fold,
-        as one weight write), then the version set."""
-        plan = self._planned("EngineMerge")
-        ring, packed, merge = plan.ring, plan.packed, plan.merge
-        assert ring is not None and packed is not None and merge is not None
+        """HTTP form of an EngineMerge push (the trainer's uses the handshake): slot `slot` folded, version set."""
         slot = int(b["slot"])
+        self.fold_slot(slot, None if b.get("weight_version") is None else str(b["weight_version"]))
+        return self._checksum({**b, "slot": slot})
+
+    def fold_slot(self, slot: int, version: str | None) -> None:
+        """The pairs the trainer wrote into ring slot `slot`, folded into the pristine base (the HTTP lora_merge's
+        fold, as one weight write) and the version set, both under the weight lock: a generation admitted after
+        it sees the new weights and reports the new version."""
+        plan = self._planned("EngineMerge")
+        ring, merge = plan.ring, plan.merge
+        assert ring is not None and merge is not None
         if not 0 <= slot < len(ring.buffers):
             raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
         alpha, rank, fp32 = merge
         engine = self.server.engine
-        pairs = {m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}
         fold = plan.folds.get(slot)
         if fold is None or not fold.current():  # planned once per slot: its pairs stay at their addresses
+            pairs = {m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}
             fold = plan.folds[slot] = engine.planned_merge(pairs, alpha, rank, fp32)
-        fold()
-        if b.get("weight_version") is not None:
-            engine.weight_version = str(b["weight_version"])
-        return _answer(engine.weight_version, b, lambda: packed(ring.buffers[slot]))
+        with engine.writing():
+            fold.run()
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)  # whole before the version names it (and the slot is free)
+            if version is not None:
+                engine.weight_version = version
+
+    def _checksum(self, b: dict[str, Any]) -> dict[str, Any]:
+        """`POST /kora/colocated/checksum` {slot} (Adapter, EngineMerge) or {full} (Merge): what the engine serves
+        now, for the trainer's verified pushes (the answer of a push with verify)."""
+        plan = self.plan
+        if plan is None:
+            raise ValueError(f"no colocated plan: POST {PLAN_ROUTE} first")
+        engine, verify = self.server.engine, {"verify": True}
+        if plan.mode == "Merge":
+            names = plan.names[bool(b.get("full"))]
+            return _answer(engine.weight_version, verify, lambda: checksum((n, plan.params[n]) for n in names))
+        ring, packed = plan.ring, plan.packed
+        assert ring is not None and packed is not None
+        slot = int(b["slot"])
+        if not 0 <= slot < len(ring.buffers):
+            raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
+        return _answer(engine.weight_version, {**verify, **b}, lambda: packed(ring.buffers[slot]))

@@ -532,14 +532,14 @@ class EngineModel:
 
         targets = self._merge_targets(pairs, rank)
         if not fp32 or any(t.experts or t.transposed or not self._param(t.name).is_cuda for t in targets.values()):
-            return PlannedMerge(self, lambda: self.merge_lora(pairs, alpha, rank, fp32), {})
+            return PlannedMerge(self, lambda: self._fold_pairs(targets, pairs, alpha / rank, fp32), {})
         with torch.no_grad():
             bases = {t.name: self._pristine_of(t.name, self._param(t.name)) for t in targets.values()}
             fold = GroupedFold([FoldItem(bases[t.name], self._param(t.name).data, pairs[k][0], pairs[k][1],
                                          alpha / rank) for k, t in targets.items()])
 
         def replay() -> None:
-            with self.writing(), torch.no_grad():
+            with torch.no_grad():
                 fold()
 
         return PlannedMerge(self, replay, bases)
@@ -553,25 +553,32 @@ class EngineModel:
         before any weight changes; a router pair is refused (SPEC rule 5).
         """
         targets = self._merge_targets(pairs, rank)
-        with self.writing(), torch.no_grad():
-            for key, t in targets.items():
-                a, b = pairs[key]
-                p = self._param(t.name)
-                w0 = self._pristine_of(t.name, p)
-                if fp32 and p.is_cuda and not t.experts and not t.transposed:
-                    # the fused fold (kernels/fold.py): W0 read once, W written once, fp32 accumulation rounded
-                    # once; the torch expression below makes W0 and B·A in fp32 first (several passes over W)
-                    from kora_trainer.kernels.fold import fold
+        with self.writing():
+            self._fold_pairs(targets, pairs, alpha / rank, fp32)
 
-                    fold(w0, a.to(p.device), b.to(p.device), alpha / rank, out=p.data)
-                else:
-                    p.copy_(folded(w0, a, b, alpha / rank, t, torch.float32 if fp32 else p.dtype))
+    @torch.no_grad()
+    def _fold_pairs(self, targets: dict[str, ParamTarget], pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                    scale: float, fp32: bool) -> None:
+        """`merge_lora`'s fold of checked pairs; the caller holds the weight lock."""
+        for key, t in targets.items():
+            a, b = pairs[key]
+            p = self._param(t.name)
+            w0 = self._pristine_of(t.name, p)
+            if fp32 and p.is_cuda and not t.experts and not t.transposed:
+                # the fused fold (kernels/fold.py): W0 read once, W written once, fp32 accumulation rounded
+                # once; the torch expression below makes W0 and B·A in fp32 first (several passes over W)
+                from kora_trainer.kernels.fold import fold
+
+                fold(w0, a.to(p.device), b.to(p.device), scale, out=p.data)
+            else:
+                p.copy_(folded(w0, a, b, scale, t, torch.float32 if fp32 else p.dtype))
 
 
 class PlannedMerge:
-    """`EngineModel.planned_merge`'s answer: call it to fold the pairs again (it takes the weight lock). It holds
-    the pristine bases it was planned over; when a full-weight write has replaced one since (`weights_replaced`),
-    `current()` is False and the caller plans again."""
+    """`EngineModel.planned_merge`'s answer: call it to fold the pairs again (it takes the weight lock), or call
+    `run()` inside the caller's own `writing()` (the fold is enqueued: on a GPU synchronise before the weights
+    count as written). It holds the pristine bases it was planned over; when a full-weight write has replaced
+    one since (`weights_replaced`), `current()` is False and the caller plans again."""
 
     def __init__(self, engine: EngineModel, run: Callable[[], None], bases: dict[str, torch.Tensor]):
         self.engine, self.run, self.bases = engine, run, bases
@@ -580,7 +587,8 @@ class PlannedMerge:
         return all(self.engine._pristine.get(n) is w0 for n, w0 in self.bases.items())
 
     def __call__(self) -> None:
-        self.run()
+        with self.engine.writing():
+            self.run()
 
 
 @dataclass

@@ -87,6 +87,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Mapping
@@ -112,7 +113,7 @@ from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenReq
 from kora_trainer.reference_engine.record import CallRecord
 from kora_trainer.reference_engine.sampling import SamplingParams
 from kora_trainer.reference_engine.weight_sync import BucketMeta, WeightReceiver
-from kora_trainer.wire import engine_auth, flat_bucket
+from kora_trainer.wire import colocated_words, engine_auth, flat_bucket
 from kora_trainer.wire.protocol import FLAT, checksum
 from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
 
@@ -615,6 +616,7 @@ def main(argv: list[str] | None = None) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
+    signal.signal(signal.SIGTERM, colocated_words.unlink_fifos)  # no colocated wake FIFO outlives the engine
     with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(_serve(args))
 

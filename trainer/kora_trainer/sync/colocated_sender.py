@@ -7,18 +7,29 @@ one plan, then every later push on the fast path (delta-skip by `FlatDelta`, col
 group), with the HTTP path kept — and the reason printed — wherever the plan cannot cover the policy or an
 engine has no route (404: SGLang).
 
+No HTTP call per push in the steady state, in any mode (verified pushes add one per engine, for its checksum):
+
 - Adapter: the engine makes a ring of `adapter_slots` flat buffers laid out as `AdapterPack.metadata` says, and a
   doorbell word in shared memory, and hands them over; a push is one gather (`AdapterPack.pack_into`) into slot
   k (cycling in order), a synchronise, and one 8-byte store of (version, k) into the doorbell, which the engine
-  reads before every adapter lookup: no HTTP call (verified pushes add one, for the engine's checksum).
-  Nothing the engine reads is written: a request keeps the slot it was admitted with, rewritten only
-  `adapter_slots` pushes later.
-- EngineMerge: the same ring (no doorbell); a push is the gather into slot k, a synchronise and one call in
-  which each engine folds the pairs into its pristine base (the HTTP path's lora_merge, one weight write).
-- Merge: the engine hands over its parameters; `colocated.ColocatedMerge` folds W + s·B·A straight into them
-  (the frozen tensors too on the first fast push; later pushes rewrite the adapted weights only). The write
-  happens between `begin` (the engine's weight lock taken: generation in flight gives way at its next step and
-  recomputes its KV cache after) and `push` (version set, lock given back); a failure in between aborts (lock back).
+  reads before every adapter lookup. Nothing the engine reads is written: a request keeps the slot it was
+  admitted with, rewritten only `adapter_slots` pushes later.
+- EngineMerge: the same ring, and the handshake words of wire/colocated_words.py; a push is the gather into slot
+  k, a synchronise, ARG = (version, k) and REQ = n in shared memory (and a wake byte), then a bounded wait for
+  each engine's ACK n: its watcher folds the pairs into its pristine base (the HTTP path's lora_merge, one weight
+  write; on a GPU the planned CUDA-graph fold, `EngineModel.planned_merge`), synchronised, the version set
+  under the weight lock.
+- Merge: the engine hands over its parameters and the handshake words. A push stores REQ = n first (the engine
+  takes its weight lock: generation in flight gives way at its next step and recomputes its KV cache after),
+  reads the delta decision meanwhile, waits for GRANT n, folds W + s·B·A straight into the mapped weights
+  (`colocated.ColocatedMerge`: the frozen tensors too on the first fast push; later pushes rewrite the adapted
+  weights only), synchronises, stores DONE n (DARG: version, full) and waits for ACK n (names replaced, version
+  set, lock given back). A skip or a failure stores DONE -n: the lock back, nothing changed. An engine that does
+  not answer within the transport's timeout fails the sync with a SyncError naming it and the word it did not
+  write; a write that outlives its lease (the same timeout) is taken as torn by the engine and refused here.
+- The delta decision (`FlatDelta`) is enqueued first and read after the push's own synchronise (Adapter,
+  EngineMerge: the slot is packed before the decision: it is the slot the ring reuses next, read by nobody) or
+  while the engine takes its lock (Merge): no host read of its own on the push's critical path.
 
 Checksums: Adapter, every push, `protocol.PackedChecksum` of the slot's bytes; Merge, on verified pushes (the
 first and every `VERIFY_EVERY`-th) `protocol.checksum` of every tensor written, in order. The engine computes
@@ -29,6 +40,7 @@ this proves the engine serves the memory the trainer wrote (a stale mapping show
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,6 +52,7 @@ from kora_trainer.sync.fast_adapter import AdapterPack, FlatDelta, flatten_param
 from kora_trainer.sync.fast_sender import FastWeightSender
 from kora_trainer.sync.sender import POLICY_ADAPTER, SyncReport
 from kora_trainer.sync.transport import ColocatedTransport, SyncError, wait_all
+from kora_trainer.wire.colocated_words import ACK, ARG, DARG, DONE, ERR, ERRORS, GRANT, REQ, Waker, Words, wait_word
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.fast_receive import doorbell_value
 from kora_trainer.wire.protocol import PackedChecksum, checksum
@@ -69,6 +82,10 @@ class ColocatedFastSender(FastWeightSender):
         self.doorbells: list[torch.Tensor] = []  # Adapter: each engine's doorbell word (CPU, shared)
         self.names: dict[bool, list[str]] = {}  # Merge: full -> what a push writes
         self.targets: list[dict[str, torch.Tensor]] = []  # Merge: each engine's parameters, mapped
+        self.words: list[Words] = []  # Merge, EngineMerge: each engine's handshake words (CPU, shared)
+        self.wakers: list[Waker] = []  # ... and its wake FIFO
+        self.seq = 0  # Merge, EngineMerge: the last request made through the handshake
+        self.answered = 0  # ... and the last one every engine answered
 
     # ---- the plan, once -----------------------------------------------------------------------------------
 
@@ -92,8 +109,9 @@ class ColocatedFastSender(FastWeightSender):
                 entries = plan
                 # the engine holds what megatron fuses (q;k;v, gate;up) apart: one buffer each, folded into at once
                 fuse = [[n for n, _ in e.outs] for e in entries if isinstance(e, FoldEntry) and len(e.outs) > 1]
-                body: dict[str, Any] = {"mode": "Merge", "fuse": fuse}
                 self.names = {full: written_names(entries, full) for full in (True, False)}
+                body: dict[str, Any] = {"mode": "Merge", "fuse": fuse, "lease_s": min(self.transport.timeout_s, 3600.0),
+                                        "names": {"full": self.names[True], "adapted": self.names[False]}}
             else:
                 pack = plan
                 body = {"mode": str(self.mode), "metadata": pack.metadata, "slots": self.adapter_slots,
@@ -103,10 +121,13 @@ class ColocatedFastSender(FastWeightSender):
                     body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True)
         except (NotImplementedError, ValueError, KeyError) as e:
             return self._off(f"the policy: {e}")
-        mapped, refused = self._ask_plan(body)
+        answers, refused = self._ask_plan(body)
         if refused:
             return self._off("; ".join(refused))
+        mapped = [deserialize_payload(a["payload"]) for a in answers]
         try:
+            if self.mode is not SyncMode.ADAPTER:
+                self._handshake(answers, mapped)
             if self.mode is SyncMode.MERGE:
                 self.targets = [self._on(dict(m), device) for m in mapped]
                 self.merges = [ColocatedMerge(entries, dst) for dst in self.targets]
@@ -126,27 +147,46 @@ class ColocatedFastSender(FastWeightSender):
                 self.nbytes, self.nbuckets = need, 1
         except (NotImplementedError, ValueError, KeyError) as e:
             self.merges, self.slots, self.doorbells, self.targets, self.pack = [], [], [], [], None
+            self._close_wakers()
             return self._off(f"the engine's memory: {e}")
         self.flat, self.delta = flat, FlatDelta(flat)
         self.delta.mark_pushed(flat)  # what the HTTP push just sent
         self.active = True
         scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
+        slow = sorted({w.problem for w in self.wakers if w.problem})  # the engine then reads the words on its poll
         return (f"fast path on (colocated, in memory): {self.nbytes} B per push into {len(mapped)} engine(s)"
-                + (f", {scratch} fold(s) through a scratch buffer" if scratch else ""))
+                + (f", {scratch} fold(s) through a scratch buffer" if scratch else "")
+                + (", the push handshake in shared memory" if self.words else "")
+                + (f" (no wake: {slow[0]})" if slow else ""))
 
-    def _ask_plan(self, body: dict[str, Any]) -> tuple[list[list[tuple[str, torch.Tensor]]], list[str]]:
+    def _handshake(self, answers: list[dict[str, Any]], mapped: list[list[tuple[str, torch.Tensor]]]) -> None:
+        """Merge, EngineMerge: each engine's handshake words (taken out of its mapped tensors) and wake FIFO."""
+        for answer, named in zip(answers, mapped, strict=True):
+            words = dict(named).get("handshake")
+            if words is None:
+                raise ValueError("the engine hands over no push handshake (wire/colocated_words.py)")
+            self.words.append(Words(words))
+            self.wakers.append(Waker(answer.get("wake")))
+            named[:] = [(n, t) for n, t in named if n != "handshake"]
+
+    def _close_wakers(self) -> None:
+        for waker in self.wakers:
+            waker.close()
+        self.words, self.wakers = [], []
+
+    def _ask_plan(self, body: dict[str, Any]) -> tuple[list[dict[str, Any]], list[str]]:
         clients: list[EngineClient] = self.transport.clients
         futs = [c.submit(c.colocated, "plan", body) for c in clients]
-        mapped, refused = [], []
+        answers, refused = [], []
         for c, f in zip(clients, futs, strict=True):
             try:
-                mapped.append(deserialize_payload(f.result(timeout=self.transport.timeout_s)["payload"]))
+                answers.append(f.result(timeout=self.transport.timeout_s))
             except EngineError as e:
                 refused.append(f"{c.base_url} has no colocated route (HTTP 404: not kora's hf engine)"
                                if e.status == 404 else f"{c.base_url} refused the plan: {e.message}")
             except TimeoutError:
                 refused.append(f"{c.base_url} did not answer the plan in {self.transport.timeout_s:.0f} s")
-        return mapped, refused
+        return answers, refused
 
     @staticmethod
     def _on(named: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -161,17 +201,24 @@ class ColocatedFastSender(FastWeightSender):
         assert self.flat is not None and self.delta is not None
         t0 = time.perf_counter()
         mode = str(self.mode)
-        push, delta = self.delta.should_push(self.flat, self.http.threshold, self.http.trainer_group)
+        self._settled()
+        n = self.seq = self.seq + 1
+        push, delta, slot = self._decide(n)
         if not push:
+            if self.merges:
+                self._store(DARG, 0, DONE, -n)  # the locks back, unused
+                self._acks(n, f"giving the weight lock back unused (delta-skip of version {version})")
             return SyncReport.skip(mode, self.transport.kind, self.engine_version, delta, path="fast")
         verify = self.http.verify and self.pushes % self.verify_every == 0
         full = self.pushes == 0
         if self.merges:
-            results = self._merge(version, verify, full)
+            self._merge(version, full, n)
         elif self.mode is SyncMode.ENGINE_MERGE:
-            results = self._engine_merge(version, verify)
+            self._store(ARG, doorbell_value(version, slot), REQ, n)
+            self._acks(n, f"folding ring slot {slot} as version {version}")
         else:
-            results = self._adapter(version, verify)
+            self._ring(version, slot)
+        results = self._verified(slot, full) if verify else []
         # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest counts
         ms = (time.perf_counter() - t0) * 1000 - max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
         self.delta.mark_pushed(self.flat)
@@ -188,6 +235,22 @@ class ColocatedFastSender(FastWeightSender):
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what=self._what(full), path="fast")
 
+    def _decide(self, n: int) -> tuple[bool, float, int]:
+        """The delta decision (push?, max delta) and the ring slot packed (-1: Merge), with no host read of its own:
+        Merge asks for the weight locks (request n) first and reads the number while they are granted; Adapter and
+        EngineMerge pack the slot the ring reuses next (read by nobody) and read it after that synchronise."""
+        assert self.flat is not None and self.delta is not None
+        if self.merges:
+            self._store(ARG, 0, REQ, n)
+        try:
+            pending = self.delta.pending(self.flat, self.http.trainer_group)
+            slot = self._pack_slot() if not self.merges else -1
+            return (*self.delta.decide(pending, self.http.threshold), slot)
+        except BaseException:
+            if self.merges:
+                self._store(DARG, 0, DONE, -n)  # the locks back before failing the sync
+            raise
+
     def _what(self, full: bool) -> str:
         if self.merges:
             return "full" if full else "adapted"
@@ -203,19 +266,56 @@ class ColocatedFastSender(FastWeightSender):
         return wait_all([c.submit(c.colocated, step, b) for c, b in zip(clients, bodies, strict=True)],
                         self.transport.timeout_s)
 
-    def _merge(self, version: int, verify: bool, full: bool) -> list[dict[str, Any]]:
-        n = len(self.merges)
-        self._all("begin", [{"lease_s": self.transport.timeout_s}] * n)
+    # ---- the handshake (wire/colocated_words.py) ----------------------------------------------------------
+
+    def _store(self, arg_word: int, arg: int, word: int, value: int) -> None:
+        """Every engine: `arg` into `arg_word`, then `value` into `word` (what publishes it), then its wake."""
+        for words in self.words:
+            words[arg_word] = arg
+            words[word] = value
+        for wake in self.wakers:
+            wake()
+
+    def _wait(self, word: int, accept: Callable[[int], bool], what: str) -> list[int]:
+        """Each engine's `word` once `accept`ed, bounded by the transport's timeout: a SyncError naming the engine
+        and what it did not answer, never a hang."""
+        got = []
+        for c, words in zip(self.transport.clients, self.words, strict=True):
+            try:
+                got.append(wait_word(words, word, accept, self.transport.timeout_s, f"{c.base_url} {what}"))
+            except TimeoutError as e:
+                raise SyncError(f"colocated {self.mode} push: {e} (the engine's handshake watcher is gone or "
+                                f"stuck; sync.transportTimeoutS bounds the wait)") from None
+        return got
+
+    def _settled(self) -> None:
+        """A request is made only once every engine answered the one before (after a timeout the engine may
+        still be working on it: reading the ring slot, holding its lock)."""
+        n = self.seq
+        if self.words and self.answered != n:
+            self._acks(n, "still unanswered from a push that timed out")
+
+    def _acks(self, n: int, what: str) -> None:
+        acks = self._wait(ACK, lambda v: v in (n, -n), f"did not acknowledge push {n} ({what})")
+        self.answered = n
+        refused = [f"{c.base_url}: {ERRORS.get(words[ERR], 'refused')}" for c, words, a in
+                   zip(self.transport.clients, self.words, acks, strict=True) if a == -n]
+        if refused:
+            raise SyncError(f"colocated {self.mode} push {n} ({what}) refused by {'; '.join(refused)}")
+
+    def _merge(self, version: int, full: bool, n: int) -> None:
+        """Request n was made before the delta decision; once every engine holds its weight lock, the fold
+        writes straight into the mapped weights, then DONE (with version and full) and the acknowledgements."""
         try:
+            self._wait(GRANT, lambda v: v == n, f"did not grant its weight lock for push {n} (version {version})")
             for merge in self.merges:
                 merge.push(full=full)
             self._sync_device()
         except BaseException:
-            for c in self.transport.clients:  # give every engine its lock back before failing the sync
-                c.submit(c.colocated, "abort", {})
+            self._store(DARG, 0, DONE, -n)  # every engine's lock back before failing the sync
             raise
-        body = {"weight_version": str(version), "verify": verify, "names": self.names[full]}
-        return self._all("push", [body] * n)
+        self._store(DARG, doorbell_value(version, int(full)), DONE, n)
+        self._acks(n, f"setting version {version} after the write")
 
     def _pack_slot(self) -> int:
         """The pairs gathered into this push's ring slot k of every engine, whole on the device; returns k."""
@@ -226,19 +326,18 @@ class ColocatedFastSender(FastWeightSender):
         self._sync_device()
         return k
 
-    def _adapter(self, version: int, verify: bool) -> list[dict[str, Any]]:
-        k = self._pack_slot()  # whole before the doorbell names it
+    def _ring(self, version: int, k: int) -> None:
+        """Adapter: the doorbell names slot k (whole: `_pack_slot` synchronised) as `version`."""
         word = doorbell_value(version, k)
         for bell in self.doorbells:
             bell.fill_(word)  # one aligned 8-byte store; the engine's lookup reads it with one load
-        if not verify:
-            return []
-        return self._all("push", [{"slot": k, "weight_version": str(version), "verify": True}] * len(self.slots))
 
-    def _engine_merge(self, version: int, verify: bool) -> list[dict[str, Any]]:
-        """The pairs into slot k, then each engine folds them into its pristine base (one weight write)."""
-        k = self._pack_slot()
-        return self._all("push", [{"slot": k, "weight_version": str(version), "verify": verify}] * len(self.slots))
+    def _verified(self, slot: int, full: bool) -> list[dict[str, Any]]:
+        """A verified push's one HTTP call per engine: the checksum of what it serves now."""
+        if self.mode is SyncMode.ADAPTER:  # publishes the rung slot at once, then hashes it
+            body: dict[str, Any] = {"slot": slot, "weight_version": None, "verify": True}
+            return self._all("push", [body] * len(self.slots))
+        return self._all("checksum", [{"full": full} if self.merges else {"slot": slot}] * len(self.words))
 
     def _digest(self, verify: bool, full: bool) -> str | None:
         """What the engines were given (read back from engine 0's memory: see the module docstring)."""
@@ -249,3 +348,7 @@ class ColocatedFastSender(FastWeightSender):
             return None
         dst = self.targets[0]
         return checksum((name, dst[name]) for name in self.names[full])
+
+    def close(self) -> None:
+        self._close_wakers()
+        super().close()

@@ -188,13 +188,22 @@ class FlatDelta:
 
     def should_push(self, now: torch.Tensor, threshold: float, group: WeightUpdateGroup | None = None
                     ) -> tuple[bool, float]:
-        """Collective: every rank of `group` calls it every step and gets the same answer. float64, as
+        """Collective: every rank of `group` calls it every step and gets the same answer."""
+        return self.decide(self.pending(now, group), threshold)
+
+    def pending(self, now: torch.Tensor, group: WeightUpdateGroup | None = None) -> torch.Tensor:
+        """The decision's number, enqueued (all-reduced over `group`), not read yet: a caller that synchronises
+        anyway reads it after its own work (`decide`) and pays no host read of its own. float64, as
         delta.collective_max's: a rank on the HTTP path (a data-parallel rank without engines) meets this one in
         the same all-reduce, and gloo aborts the process on a size mismatch."""
         d = self.local_max(now).double()
         if group is not None and group.world_size > 1:
             group.allreduce_max(d)
-        value = float(d.item())
+        return d
+
+    @staticmethod
+    def decide(pending: torch.Tensor, threshold: float) -> tuple[bool, float]:
+        value = float(pending.item())
         return value > threshold, value
 
     def mark_pushed(self, now: torch.Tensor) -> None:

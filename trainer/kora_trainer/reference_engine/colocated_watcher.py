@@ -1,0 +1,131 @@
+"""The engine's side of the colocated push handshake (wire/colocated_words.py): a thread per plan that sleeps on
+the wake FIFO, reads the shared words, and serves each request the trainer makes there — no HTTP call per push.
+
+- Merge (`MergeHandshake`): request n takes the weight lock (`EngineModel.begin_write`: a generation in flight
+  gives way at its next step boundary and recomputes its KV cache after), then GRANT n; the trainer writes the
+  merged weights into the mapped memory, synchronises, and stores DONE n (DARG: version, full). The engine marks
+  the written names replaced (the new pristine base), sets the version and gives the lock back — in that order,
+  so no forward reads half-written weights and a rollout admitted after the lock reports the new version —
+  then ACK n. DONE -n gives the lock back unused (the trainer's delta-skip, or a trainer that failed). A trainer
+  that does not come back within `lease_s` loses the lock: the weights are taken as torn (`TORN_VERSION`) and
+  ACK -n (ERR_TORN), so a late DONE is an error on the trainer's side, not a silent success.
+- EngineMerge (`fold_slot` of colocated_routes): request n (ARG: version, slot) folds ring slot `slot` into the
+  pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
+
+A handler that raises answers ACK -n (ERR_FAILED) and logs why; the watcher goes on with the next request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from kora_trainer.wire.colocated_words import (
+    ACK,
+    ARG,
+    DARG,
+    DONE,
+    ERR,
+    ERR_FAILED,
+    ERR_TORN,
+    GRANT,
+    POLL_S,
+    REQ,
+    Wake,
+    Words,
+)
+from kora_trainer.wire.fast_receive import doorbell_parts
+
+log = logging.getLogger("kora.hf_engine")
+
+TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer never came back
+
+
+class Watcher:
+    """Serves the requests the trainer stores in `words`, one at a time, on a daemon thread of its own."""
+
+    def __init__(self, words: Words, wake: Wake, handle: Callable[[int], None], device: torch.device):
+        self.words, self.wake, self.handle, self.device = words, wake, handle, device
+        self.stopping = False
+        self.thread = threading.Thread(target=self._run, name="kora-colocated-watcher", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        if self.device.type == "cuda" and self.device.index is not None:  # "cuda": the current device already
+            torch.cuda.set_device(self.device)  # the fold's stream and the synchronise are the engine's device's
+        seen = self.words[REQ]
+        while not self.stopping:
+            n = self.words[REQ]
+            if n == seen or n <= 0:
+                self.wake.wait(POLL_S)
+                continue
+            if not seen:
+                self.wake.unlink()  # the trainer opened it at plan time, before its first request
+            seen = n
+            try:
+                self.handle(n)
+            except Exception:
+                log.exception("the colocated push %d failed on the engine", n)
+                self.words[ERR] = ERR_FAILED
+                self.words[ACK] = -n
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.stopping = True
+        self.wake.poke()
+        self.thread.join(timeout_s)
+        self.wake.close()
+
+
+class MergeHandshake:
+    """A Merge push's weight lock over the shared words (see the module docstring)."""
+
+    def __init__(self, engine: Any, words: Words, wake: Wake, names: dict[bool, list[str]], lease_s: float,
+                 stopping: Callable[[], bool]):
+        self.engine, self.words, self.wake, self.names, self.lease_s = engine, words, wake, names, lease_s
+        self.stopping = stopping
+
+    def __call__(self, n: int) -> None:
+        self.engine.begin_write()  # waits for at most one step of a generation in flight
+        try:
+            whole = self._window(n)
+        finally:
+            self.engine.end_write()
+        if not whole:
+            self.words[ERR] = ERR_TORN
+        self.words[ACK] = n if whole else -n
+
+    def _window(self, n: int) -> bool:
+        """Hold the lock for request n until the trainer's DONE; False when its lease ran out (weights torn)."""
+        w, engine = self.words, self.engine
+        if w[DONE] != -n:  # not withdrawn before the grant
+            w[GRANT] = n
+            deadline = time.monotonic() + self.lease_s
+            while w[DONE] not in (n, -n):
+                left = deadline - time.monotonic()
+                if left <= 0 or self.stopping():
+                    log.error("the colocated Merge writer did not finish push %d within its lease of %g s: the "
+                              "weights may be torn", n, self.lease_s)
+                    engine.weight_version = TORN_VERSION
+                    return False
+                self.wake.wait(min(POLL_S, left))
+        if w[DONE] == n:
+            version, full = doorbell_parts(w[DARG])
+            engine.weights_replaced(self.names[bool(full)])  # the trainer synchronised its writes before DONE
+            engine.weight_version = str(version)
+        return True
+
+
+def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str], None]) -> Callable[[int], None]:
+    """An EngineMerge push: fold the slot the request names, then ACK (see the module docstring)."""
+
+    def handle(n: int) -> None:
+        version, slot = doorbell_parts(words[ARG])
+        fold_slot(slot, str(version))
+        words[ACK] = n
+
+    return handle

@@ -1,0 +1,167 @@
+"""The colocated fast path's per-push handshake in shared memory (issue 17): what a Merge or EngineMerge push
+says to the engine beside it instead of HTTP calls. The trainer's side is sync/colocated_sender.py, the engine's
+reference_engine/colocated_watcher.py; the Adapter doorbell (fast_receive.doorbell_value) is the one-word case.
+
+The words: int64 [NWORDS] in CPU shared memory, made by the engine at plan time and handed over with the memory
+the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage). Each word has one writer:
+
+    REQ    trainer  n, the push's sequence number (1, 2, ...): a request, written after its ARG
+    ARG    trainer  EngineMerge: doorbell_value(version, slot) of request n
+    GRANT  engine   Merge: n once the engine holds its weight lock for request n
+    DONE   trainer  Merge: n once the write of request n is whole on the device, -n to give the lock back unused
+    DARG   trainer  Merge: doorbell_value(version, 1 if the write was full else 0), written before DONE
+    ACK    engine   n once request n is served (version set, lock given back); -n when it was refused
+    ERR    engine   why request -ACK was refused: ERR_TORN (the write did not finish within the lease) or
+                    ERR_FAILED (the engine's log says what)
+
+A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
+publishes it (ARG before REQ, DARG before DONE), which stores in program order keep on x86 (TSO).
+
+Waking: the engine's watcher sleeps in `select` on a FIFO (`Wake`), so it costs nothing while idle and sees a
+request within microseconds: the trainer writes one byte after each word the engine waits for (`Waker`). The
+watcher also reads the words every `POLL_S`, so a lost wake (a full pipe, no FIFO) only delays, never hangs.
+The trainer waits for the engine's words with `wait_word`: bounded, a clear error naming what timed out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+
+import torch
+
+REQ, ARG, GRANT, DONE, DARG, ACK, ERR = range(7)
+NWORDS = 8
+ERR_TORN, ERR_FAILED = 1, 2
+ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
+          ERR_FAILED: "the engine failed to apply it (its log says why)"}
+POLL_S = 0.005  # the watcher's read of the words without a wake
+
+
+def make_words() -> torch.Tensor:
+    """The engine's words, zero (no request yet); shared with the trainer by the plan's payload."""
+    return torch.zeros(NWORDS, dtype=torch.int64)
+
+
+class Words:
+    """Loads and stores of the shared words (a numpy view: one 8-byte access, no torch dispatch)."""
+
+    def __init__(self, t: torch.Tensor):
+        if t.dtype != torch.int64 or t.device.type != "cpu" or t.numel() < NWORDS:
+            raise ValueError(f"the handshake words are int64 [{NWORDS}] in CPU memory, got {t.dtype} {tuple(t.shape)} "
+                             f"on {t.device}")
+        self.tensor = t  # keeps the shared storage alive
+        self.a = t.numpy()
+
+    def __getitem__(self, i: int) -> int:
+        return int(self.a[i])
+
+    def __setitem__(self, i: int, value: int) -> None:
+        self.a[i] = value
+
+
+SPIN_S = 0.002  # how long `wait_word` spins (yielding the GIL) before it sleeps between reads: a GPU fold's time
+
+
+def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: float, what: str) -> int:
+    """Spin, then sleep briefly between reads, until `accept(words[i])`; TimeoutError naming `what` after
+    `timeout_s`."""
+    start = time.monotonic()
+    while True:
+        value = words[i]
+        if accept(value):
+            return value
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise TimeoutError(f"{what}: no answer in shared memory within {timeout_s:g} s")
+        time.sleep(0 if waited < SPIN_S else 20e-6)  # 0: the GIL to the process's other threads, no timer
+
+
+def _fifo_dir() -> str:
+    """Where both sides find the FIFO: beside the shared-memory segments when there is /dev/shm."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+
+
+_NAMED: set[str] = set()  # the FIFOs of this process that still have a name
+
+
+def unlink_fifos(signum: int, frame: object) -> None:
+    """A signal handler (the engine's SIGTERM): remove this process's FIFO names, then die of the signal as before."""
+    for path in list(_NAMED):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+class Wake:
+    """The engine's end of the wake FIFO (read and write open, so it never sees end of file)."""
+
+    def __init__(self) -> None:
+        self.path = os.path.join(_fifo_dir(), f"kora-colocated-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        os.mkfifo(self.path, 0o600)
+        _NAMED.add(self.path)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_NONBLOCK)
+
+    def wait(self, timeout_s: float) -> None:
+        """Return on a wake or after `timeout_s` (at once when closed); drains what was written."""
+        if self.fd < 0:
+            return
+        ready, _, _ = select.select([self.fd], [], [], max(0.0, timeout_s))
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.fd, 4096)
+
+    def poke(self) -> None:
+        with contextlib.suppress(OSError):  # full (a wake is pending), or closed
+            os.write(self.fd, b"\0")
+
+    def unlink(self) -> None:
+        """The name goes (the trainer unlinks it once opened; the watcher at the first request, and `close`,
+        cover a trainer that did not); the open ends keep working."""
+        _NAMED.discard(self.path)
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+class Waker:
+    """The trainer's end: one byte per word the engine waits for. Opened once at plan time, then unlinked (both
+    ends hold it open); where it cannot be opened the engine still reads the words every POLL_S."""
+
+    def __init__(self, path: str | None):
+        self.fd: int | None = None
+        self.problem: str | None = None
+        if not path:
+            self.problem = "the engine named no wake FIFO"
+            return
+        try:
+            self.fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError as e:
+            self.problem = f"the wake FIFO {path}: {e}"
+            return
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+    def __call__(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(BlockingIOError):  # a full pipe: the engine has a wake pending already
+                os.write(self.fd, b"\0")
+
+    def close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
