@@ -308,6 +308,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
                 else:
                     rec.resumed(info)
             rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level, s.guidance_scale)
+
             def synced(version: int) -> SyncReport:
                 pushed = trainer.sync()
                 if pushed.log:
