@@ -12,7 +12,11 @@ odd-first-digit, which varies from the first step on an untrained model, so ever
 
 Anchors, measured in the same run on the same GPU by this process: one device copy of the model's bytes (a Merge
 full push writes all of them) and of the adapted weights' bytes (a later Merge push rewrites only those), and of
-the adapter's bytes (an Adapter push writes those once).
+the adapter's bytes (an Adapter push writes those once); and one fold of every adapted weight from a pristine copy
+into another (`fold_adapted`: kernels/fold.GroupedFold, the kernel and graph an EngineMerge engine replays per
+push), so an EngineMerge push is set against the copy of its A/B bytes plus its fold. Each step's push is split
+into the phases the colocated sender reports (`sync_phases`, sync/colocated_sender.py); a verified push's checksum
+call is there as `verify_ms`, outside `sync_ms`.
 
     PYTHONPATH=$PWD/trainer:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py [--model qwen3-4b]
         [--modes Merge,Adapter,EngineMerge,Merge-http,Adapter-http] [--steps 4]
@@ -146,6 +150,38 @@ def copy_ms(nbytes: int, device: torch.device, reps: int = 20) -> float | None:
     return statistics.median(times[2:])
 
 
+def fold_ms(model_dir: Path, device: torch.device, rank: int = 32, reps: int = 20) -> float | None:
+    """Median CUDA-event time of one replay of the grouped fold of every adapted weight (q, k, v, o: W0 + s·B·A
+    from a pristine copy into the live weight, rank `rank`, bf16) — what an EngineMerge engine runs per push."""
+    from safetensors import safe_open
+
+    from kora_trainer.kernels.fold import FoldItem, GroupedFold
+
+    if device.type != "cuda":
+        return None
+    shapes = []
+    for f in model_dir.glob("model*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            shapes += [st.get_slice(n).get_shape() for n in st.keys()  # noqa: SIM118 (safe_open has no __iter__)
+                       if any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj"))]
+    bf16 = {"dtype": torch.bfloat16, "device": device}
+    items = [FoldItem(torch.randn(m, n, **bf16), torch.empty(m, n, **bf16), torch.randn(rank, n, **bf16),
+                      torch.randn(m, rank, **bf16), 2.0) for m, n in shapes]
+    fold = GroupedFold(items)
+    fold.prepare()
+    times = []
+    for _ in range(reps + 2):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fold()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del items, fold
+    torch.cuda.empty_cache()
+    return statistics.median(times[2:])
+
+
 def model_bytes(model_dir: Path) -> dict[str, int]:
     """Bytes of every weight, and of the weights LoRA adapts (q, k, v, o) and of the rank-32 adapter on them."""
     from safetensors import safe_open
@@ -202,7 +238,8 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
     for e in steps:
         row = {"step": e["step"], "generate_ms": e["gen_ms"], "logprob_ms": e.get("logprob_ms", 0.0),
                "train_ms": round(e["train_ms"] - e.get("logprob_ms", 0.0), 1), "sync_ms": e["sync"]["ms"],
-               "sync_what": e["sync"]["what"], "sync_path": e["sync"]["path"], "checkpoint_ms": ckpt.get(e["step"]),
+               "sync_what": e["sync"]["what"], "sync_path": e["sync"]["path"], "sync_phases": e["sync"].get("phases"),
+               "checkpoint_ms": ckpt.get(e["step"]),
                "step_ms": round((e["wall_s"] - prev) * 1000, 1), "tokens": e.get("tokens"),
                "generated_tokens": round(e.get("samples", 0) * e.get("response_len", 0.0))}
         prev = e["wall_s"]
@@ -249,7 +286,8 @@ def main() -> None:
         "bench": "gpu_train", "command": "python bench/gpu_train.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "model": args.model,
         "model_write_s": round(time.monotonic() - t0, 1), "bytes": sizes,
-        "anchors_ms": {f"copy_{k}": copy_ms(v, device) for k, v in sizes.items()}, "modes": {}}
+        "anchors_ms": {**{f"copy_{k}": copy_ms(v, device) for k, v in sizes.items()},
+                       "fold_adapted": fold_ms(model_dir, device)}, "modes": {}}
     for mode in args.modes.split(","):
         res["modes"][mode] = run_mode(model_dir, mode, args, work)
         print(json.dumps({mode: {k: v for k, v in res["modes"][mode].items() if k != "steps"}}, indent=1), flush=True)
@@ -268,6 +306,9 @@ def main() -> None:
                                                                / anchors["copy_adapted"], 3)
         if mode == "Adapter" and later:
             ratios["adapter_push_p50_ms"] = statistics.median(x["sync_ms"] for x in later)
+        if mode == "EngineMerge" and later and anchors["fold_adapted"]:
+            ratios["enginemerge_push_over_copy_adapter_plus_fold"] = round(
+                statistics.median(x["sync_ms"] for x in later) / (anchors["copy_adapter"] + anchors["fold_adapted"]), 3)
     res["ratios"] = ratios
     print(json.dumps({"anchors_ms": res["anchors_ms"], "ratios": ratios}, indent=1))
     if args.out:

@@ -56,7 +56,7 @@ def test_colocated_fast_path_writes_the_policy_into_the_engine(served, mode, see
             assert report.pushed and report.path == "fast" and report.transport == "colocated"
             assert report.adapter_version == version and report.bytes > 0 and report.ms > 0
             assert report.what == {"Adapter": "adapter", "EngineMerge": "lora_pairs",
-                                   "Merge": "full" if version == 2 else "adapted"}[mode]
+                                   "Merge": "adapted"}[mode]
             assert logprob_gap(client, b, lora_path) < ATOL
             out = client.generate([[1, 4, 5]], {"max_new_tokens": 1}, lora_path=lora_path)
             assert out[0].weight_version == str(version)  # rollouts carry the version written

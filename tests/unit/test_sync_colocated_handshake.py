@@ -69,10 +69,18 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
         step(b)
         before = len(recorded_calls(record))
         first = sender.sync(version=2)  # the first fast push is a verified one: one checksum call, no push call
-        assert first.path == "fast" and first.what == {"Merge": "full", "EngineMerge": "lora_pairs",
+        assert first.path == "fast" and first.what == {"Merge": "adapted", "EngineMerge": "lora_pairs",
                                                        "Adapter": "adapter"}[mode]
         assert [c["path"] for c in recorded_calls(record)[before:]] == [
             "/kora/colocated/push" if mode == "Adapter" else "/kora/colocated/checksum"]
+        # where the push's time went: the parts add up to its time; the verification is reported beside it
+        parts = {"Merge": {"decide", "lock", "write", "ack"}, "EngineMerge": {"decide", "engine", "engine_spent"},
+                 "Adapter": {"decide", "ring"}}[mode]
+        assert set(first.phases) == parts | {"verify_ms"}, first.phases
+        assert sum(v for k, v in first.phases.items() if k not in ("verify_ms", "engine_spent")) \
+            == pytest.approx(first.ms, abs=0.05)
+        if mode == "EngineMerge":
+            assert 0 < first.phases["engine_spent"] <= first.phases["engine"]
         steady_state_pushes(sender, b, client, record, (3, 4, 5), lora_path(mode), ATOL)
         skipped = sender.sync(version=6)  # delta-skip: Merge asked for the lock and gave it back unused
         assert not skipped.pushed and skipped.adapter_version == 5

@@ -188,7 +188,7 @@ class ColocatedRoutes:
 
     def _watch(self, plan: _Plan, words: Words, wake: Wake, lease_s: float) -> Watcher:
         watcher: Watcher | None = None
-        handle: Callable[[int], None]
+        handle: Callable[[int], int]  # the answer for ACK
         if plan.mode == "Merge":
             handle = MergeHandshake(self.server.engine, words, wake, plan.names, lease_s,
                                     lambda: watcher is not None and watcher.stopping)

@@ -12,7 +12,9 @@ the wake FIFO, reads the shared words, and serves each request the trainer makes
 - EngineMerge (`fold_slot` of colocated_routes): request n (ARG: version, slot) folds ring slot `slot` into the
   pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
 
-A handler that raises answers ACK -n (ERR_FAILED) and logs why; the watcher goes on with the next request.
+A handler returns its answer (n, or -n with ERR set); the watcher stores the time it took in SPENT, then the
+answer in ACK. A handler that raises answers ACK -n (ERR_FAILED) and logs why; the watcher goes on with the next
+request.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from kora_trainer.wire.colocated_words import (
     GRANT,
     POLL_S,
     REQ,
+    SPENT,
     Wake,
     Words,
 )
@@ -49,7 +52,7 @@ TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer neve
 class Watcher:
     """Serves the requests the trainer stores in `words`, one at a time, on a daemon thread of its own."""
 
-    def __init__(self, words: Words, wake: Wake, handle: Callable[[int], None], device: torch.device):
+    def __init__(self, words: Words, wake: Wake, handle: Callable[[int], int], device: torch.device):
         self.words, self.wake, self.handle, self.device = words, wake, handle, device
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="kora-colocated-watcher", daemon=True)
@@ -67,12 +70,15 @@ class Watcher:
             if not seen:
                 self.wake.unlink()  # the trainer opened it at plan time, before its first request
             seen = n
+            t0 = time.perf_counter()
             try:
-                self.handle(n)
+                ack = self.handle(n)
             except Exception:
                 log.exception("the colocated push %d failed on the engine", n)
                 self.words[ERR] = ERR_FAILED
-                self.words[ACK] = -n
+                ack = -n
+            self.words[SPENT] = round((time.perf_counter() - t0) * 1e6)
+            self.words[ACK] = ack
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stopping = True
@@ -89,7 +95,7 @@ class MergeHandshake:
         self.engine, self.words, self.wake, self.names, self.lease_s = engine, words, wake, names, lease_s
         self.stopping = stopping
 
-    def __call__(self, n: int) -> None:
+    def __call__(self, n: int) -> int:
         self.engine.begin_write()  # waits for at most one step of a generation in flight
         try:
             whole = self._window(n)
@@ -97,7 +103,7 @@ class MergeHandshake:
             self.engine.end_write()
         if not whole:
             self.words[ERR] = ERR_TORN
-        self.words[ACK] = n if whole else -n
+        return n if whole else -n
 
     def _window(self, n: int) -> bool:
         """Hold the lock for request n until the trainer's DONE; False when its lease ran out (weights torn)."""
@@ -120,12 +126,12 @@ class MergeHandshake:
         return True
 
 
-def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str], None]) -> Callable[[int], None]:
+def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str], None]) -> Callable[[int], int]:
     """An EngineMerge push: fold the slot the request names, then ACK (see the module docstring)."""
 
-    def handle(n: int) -> None:
+    def handle(n: int) -> int:
         version, slot = doorbell_parts(words[ARG])
         fold_slot(slot, str(version))
-        words[ACK] = n
+        return n
 
     return handle

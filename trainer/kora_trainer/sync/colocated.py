@@ -78,6 +78,8 @@ class CopyGraph:
                 join = torch.cuda.Event()
                 join.record(b)
                 capture.wait_event(join)
+        graph.replay()  # the first launch uploads the graph: here, not in the first push (same bytes as above)
+        torch.cuda.synchronize(dev)
         self.graph = graph
 
     def __call__(self) -> None:
@@ -158,13 +160,15 @@ class ColocatedMerge:
         w = next((e.w for e in entries if isinstance(e, FoldEntry)), None)
         self.side = torch.cuda.Stream(w.device) if w is not None and w.is_cuda else None
 
-    def prepare(self) -> None:
-        """Compile and capture now (before the first push, while no other stream of this process is busy)."""
-        for f in (self.fold, self.frozen):
+    def prepare(self, full: bool = True) -> None:
+        """Compile and capture now (before the first push, while no other stream of this process is busy); the
+        frozen tensors' graphs only when full pushes will be made."""
+        for f in (self.fold, self.frozen) if full else (self.fold,):
             if f.singles:
                 f.prepare()
         self.after_fold.prepare()
-        self.copies.prepare()
+        if full:
+            self.copies.prepare()
 
     def push(self, full: bool = True) -> None:
         """Enqueue the push on the current stream (a full push copies the frozen tensors on a side stream,

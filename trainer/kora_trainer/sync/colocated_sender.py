@@ -22,14 +22,23 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
 - Merge: the engine hands over its parameters and the handshake words. A push stores REQ = n first (the engine
   takes its weight lock: generation in flight gives way at its next step and recomputes its KV cache after),
   reads the delta decision meanwhile, waits for GRANT n, folds W + s·B·A straight into the mapped weights
-  (`colocated.ColocatedMerge`: the frozen tensors too on the first fast push; later pushes rewrite the adapted
-  weights only), synchronises, stores DONE n (DARG: version, full) and waits for ACK n (names replaced, version
-  set, lock given back). A skip or a failure stores DONE -n: the lock back, nothing changed. An engine that does
-  not answer within the transport's timeout fails the sync with a SyncError naming it and the word it did not
-  write; a write that outlives its lease (the same timeout) is taken as torn by the engine and refused here.
+  (`colocated.ColocatedMerge`, the adapted weights only: the HTTP path's first push wrote every tensor and the
+  engines' checksums proved it; the frozen ones never change after), synchronises, stores DONE n (DARG: version,
+  full 0) and waits for ACK n (names replaced, version set, lock given back). The first fast push is verified over
+  every tensor the engine serves (`full`), which proves the mapping is the engine's memory for all of them. A skip
+  or a failure stores DONE -n: the lock back, nothing changed. An engine that does not answer within the
+  transport's timeout fails the sync with a SyncError naming it and the word it did not write; a write that
+  outlives its lease (the same timeout) is taken as torn by the engine and refused here.
 - The delta decision (`FlatDelta`) is enqueued first and read after the push's own synchronise (Adapter,
   EngineMerge: the slot is packed before the decision: it is the slot the ring reuses next, read by nobody) or
   while the engine takes its lock (Merge): no host read of its own on the push's critical path.
+
+Where a push's time goes (`SyncReport.phases`, ms): `decide` (the delta decision; Adapter and EngineMerge: with the
+slot's gather and its synchronise), then Adapter `ring` (the doorbell store); EngineMerge `engine` (REQ stored to
+every ACK seen) of which `engine_spent` is engine 0's own account (the SPENT word: its fold, synchronise and
+version); Merge `lock` (to every GRANT), `write` (the fold and copies into the mapped weights, synchronised) and
+`ack` (DONE to every ACK). `verify_ms`: a verified push's checksum call, after the engines serve the push, and
+outside the push's `ms` (its hashing is left out of both, as on the HTTP path).
 
 Checksums: Adapter, every push, `protocol.PackedChecksum` of the slot's bytes; Merge, on verified pushes (the
 first and every `VERIFY_EVERY`-th) `protocol.checksum` of every tensor written, in order. The engine computes
@@ -52,7 +61,20 @@ from kora_trainer.sync.fast_adapter import AdapterPack, FlatDelta, flatten_param
 from kora_trainer.sync.fast_sender import FastWeightSender
 from kora_trainer.sync.sender import POLICY_ADAPTER, SyncReport
 from kora_trainer.sync.transport import ColocatedTransport, SyncError, wait_all
-from kora_trainer.wire.colocated_words import ACK, ARG, DARG, DONE, ERR, ERRORS, GRANT, REQ, Waker, Words, wait_word
+from kora_trainer.wire.colocated_words import (
+    ACK,
+    ARG,
+    DARG,
+    DONE,
+    ERR,
+    ERRORS,
+    GRANT,
+    REQ,
+    SPENT,
+    Waker,
+    Words,
+    wait_word,
+)
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.fast_receive import doorbell_value
 from kora_trainer.wire.protocol import PackedChecksum, checksum
@@ -60,7 +82,8 @@ from kora_trainer.wire.serialize import deserialize_payload
 
 
 def written_names(merge_entries: list[Any], full: bool) -> list[str]:
-    """The engine tensors a Merge push writes, in order: every adapted weight; with `full` the frozen ones too."""
+    """The engine tensors a Merge push names, in order: every adapted weight (what it writes); with `full` the
+    frozen ones too (what the first fast push's checksum covers)."""
     names = []
     for e in merge_entries:
         if isinstance(e, FoldEntry) and (full or e.a is not None):
@@ -86,6 +109,8 @@ class ColocatedFastSender(FastWeightSender):
         self.wakers: list[Waker] = []  # ... and its wake FIFO
         self.seq = 0  # Merge, EngineMerge: the last request made through the handshake
         self.answered = 0  # ... and the last one every engine answered
+        self.laps: dict[str, float] = {}  # this push's phases (ms), see the module docstring
+        self.lap_t = 0.0
 
     # ---- the plan, once -----------------------------------------------------------------------------------
 
@@ -132,7 +157,7 @@ class ColocatedFastSender(FastWeightSender):
                 self.targets = [self._on(dict(m), device) for m in mapped]
                 self.merges = [ColocatedMerge(entries, dst) for dst in self.targets]
                 for merge in self.merges:
-                    merge.prepare()
+                    merge.prepare(full=False)
                 self.nbytes, self.nbuckets = self.merges[0].nbytes, 1
             else:
                 self.pack = pack
@@ -151,6 +176,8 @@ class ColocatedFastSender(FastWeightSender):
             return self._off(f"the engine's memory: {e}")
         self.flat, self.delta = flat, FlatDelta(flat)
         self.delta.mark_pushed(flat)  # what the HTTP push just sent
+        self.delta.local_max(flat)  # the decision's kernels load now (lazily loaded, ~45 ms on a GPU), not in a push
+        self._sync_device()
         self.active = True
         scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
         slow = sorted({w.problem for w in self.wakers if w.problem})  # the engine then reads the words on its poll
@@ -197,30 +224,43 @@ class ColocatedFastSender(FastWeightSender):
 
     # ---- a push -------------------------------------------------------------------------------------------
 
+    def _lap(self, name: str) -> None:
+        """Close the phase `name` of this push (ms since the previous lap)."""
+        now = time.perf_counter()
+        self.laps[name] = round((now - self.lap_t) * 1000, 3)
+        self.lap_t = now
+
     def _push(self, version: int) -> SyncReport:
         assert self.flat is not None and self.delta is not None
-        t0 = time.perf_counter()
+        t0 = self.lap_t = time.perf_counter()
+        self.laps = {}
         mode = str(self.mode)
         self._settled()
         n = self.seq = self.seq + 1
         push, delta, slot = self._decide(n)
+        self._lap("decide")
         if not push:
             if self.merges:
                 self._store(DARG, 0, DONE, -n)  # the locks back, unused
                 self._acks(n, f"giving the weight lock back unused (delta-skip of version {version})")
             return SyncReport.skip(mode, self.transport.kind, self.engine_version, delta, path="fast")
         verify = self.http.verify and self.pushes % self.verify_every == 0
-        full = self.pushes == 0
+        full = self.pushes == 0  # Merge: the checksum covers every tensor (the write is the adapted weights')
         if self.merges:
-            self._merge(version, full, n)
+            self._merge(version, n)
         elif self.mode is SyncMode.ENGINE_MERGE:
             self._store(ARG, doorbell_value(version, slot), REQ, n)
             self._acks(n, f"folding ring slot {slot} as version {version}")
+            self._lap("engine")
+            self.laps["engine_spent"] = self.words[0][SPENT] / 1000
         else:
             self._ring(version, slot)
+            self._lap("ring")
+        ms = (time.perf_counter() - t0) * 1000  # the engines serve the push from here on
         results = self._verified(slot, full) if verify else []
-        # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest counts
-        ms = (time.perf_counter() - t0) * 1000 - max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
+        if verify:  # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest
+            self._lap("verify_ms")
+            self.laps["verify_ms"] -= max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
         self.delta.mark_pushed(self.flat)
         self.pushes += 1
         self.engine_version = version
@@ -230,10 +270,10 @@ class ColocatedFastSender(FastWeightSender):
                    if r.get("checksum") != digest]
             if bad:
                 raise SyncError(f"an engine serves other bytes than were written ({bad[0]} != {digest})")
-        nbytes = self.merges[0].adapted_bytes if self.merges and not full else self.nbytes  # what was written
+        nbytes = self.merges[0].adapted_bytes if self.merges else self.nbytes  # what was written
         return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=nbytes, ms=round(ms, 2),
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
-                          what=self._what(full), path="fast")
+                          what=self._what(), path="fast", phases=dict(self.laps))
 
     def _decide(self, n: int) -> tuple[bool, float, int]:
         """The delta decision (push?, max delta) and the ring slot packed (-1: Merge), with no host read of its own:
@@ -251,9 +291,9 @@ class ColocatedFastSender(FastWeightSender):
                 self._store(DARG, 0, DONE, -n)  # the locks back before failing the sync
             raise
 
-    def _what(self, full: bool) -> str:
+    def _what(self) -> str:
         if self.merges:
-            return "full" if full else "adapted"
+            return "adapted"
         return "lora_pairs" if self.mode is SyncMode.ENGINE_MERGE else "adapter"
 
     def _sync_device(self) -> None:
@@ -303,19 +343,23 @@ class ColocatedFastSender(FastWeightSender):
         if refused:
             raise SyncError(f"colocated {self.mode} push {n} ({what}) refused by {'; '.join(refused)}")
 
-    def _merge(self, version: int, full: bool, n: int) -> None:
+    def _merge(self, version: int, n: int) -> None:
         """Request n was made before the delta decision; once every engine holds its weight lock, the fold
-        writes straight into the mapped weights, then DONE (with version and full) and the acknowledgements."""
+        writes the adapted weights straight into the mapped ones, then DONE (with the version) and the
+        acknowledgements."""
         try:
             self._wait(GRANT, lambda v: v == n, f"did not grant its weight lock for push {n} (version {version})")
+            self._lap("lock")
             for merge in self.merges:
-                merge.push(full=full)
+                merge.push(full=False)
             self._sync_device()
+            self._lap("write")
         except BaseException:
             self._store(DARG, 0, DONE, -n)  # every engine's lock back before failing the sync
             raise
-        self._store(DARG, doorbell_value(version, int(full)), DONE, n)
+        self._store(DARG, doorbell_value(version, 0), DONE, n)
         self._acks(n, f"setting version {version} after the write")
+        self._lap("ack")
 
     def _pack_slot(self) -> int:
         """The pairs gathered into this push's ring slot k of every engine, whole on the device; returns k."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -73,6 +73,9 @@ class SyncReport:
     what: str = ""  # full | base+adapter | adapter | lora_pairs | skipped
     path: str = "http"  # http (the engine routes, per bucket) | fast (sync/fast_sender.py: planned once)
     note: str = ""  # set once, where the path was decided: the fast path planned, or why it is not used
+    # where the push's time went, in ms (the colocated fast path: sync/colocated_sender.py names the parts); a
+    # verified push's extra checksum call is `verify_ms` here, outside `ms`: the engines serve the push before it
+    phases: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def skip(cls, mode: str, transport: str, version: int, max_delta: float | None, path: str = "http") -> SyncReport:

@@ -13,6 +13,8 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
     ACK    engine   n once request n is served (version set, lock given back); -n when it was refused
     ERR    engine   why request -ACK was refused: ERR_TORN (the write did not finish within the lease) or
                     ERR_FAILED (the engine's log says what)
+    SPENT  engine   microseconds the engine spent on request ACK, from reading REQ to storing ACK (written
+                    before ACK): the trainer's report splits a push's time into the engine's part and the rest
 
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
 publishes it (ARG before REQ, DARG before DONE), which stores in program order keep on x86 (TSO).
@@ -36,7 +38,7 @@ from collections.abc import Callable
 
 import torch
 
-REQ, ARG, GRANT, DONE, DARG, ACK, ERR = range(7)
+REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT = range(8)
 NWORDS = 8
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
