@@ -165,6 +165,10 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
             updates += 1
     owner.model.eval()
     owner.version += 1
+    if device.type == "cuda":
+        # the optimizer's kernels are still queued: the step's time includes them, and the push that follows
+        # (which waits for them before it reads the adapter) does not
+        torch.cuda.synchronize(device)
     # the shares' sums -> the step's (grad_norm is already the whole minibatch's on every rank)
     keys = ["loss", "clip_frac", "kl", "ratio", "ppo_kl"]
     *totals, gap_sum, gap_n = owner.dp.sum([sums[k] for k in keys] + [gap_sum, gap_n])
