@@ -305,10 +305,11 @@ class ColocatedRoutes:
         self.fold_slot(slot, None if b.get("weight_version") is None else str(b["weight_version"]))
         return self._checksum({**b, "slot": slot})
 
-    def fold_slot(self, slot: int, version: str | None) -> None:
+    def fold_slot(self, slot: int, version: str | None) -> float | None:
         """The pairs the trainer wrote into ring slot `slot`, folded into the pristine base (the HTTP lora_merge's
         fold, as one weight write) and the version set, both under the weight lock: a generation admitted after
-        it sees the new weights and reports the new version."""
+        it sees the new weights and reports the new version. Returns the fold's device time (ms, CUDA events) on
+        a GPU, else None: the push's report tells the fold from the waking, locking and synchronising around it."""
         plan = self._planned("EngineMerge")
         ring, merge = plan.ring, plan.merge
         assert ring is not None and merge is not None
@@ -320,12 +321,18 @@ class ColocatedRoutes:
         if fold is None or not fold.current():  # planned once per slot: its pairs stay at their addresses
             pairs = {m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}
             fold = plan.folds[slot] = engine.planned_merge(pairs, alpha, rank, fp32)
+        cuda = engine.device.type == "cuda"
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
         with engine.writing():
+            if cuda:
+                marks[0].record()
             fold.run()
-            if engine.device.type == "cuda":
+            if cuda:
+                marks[1].record()
                 torch.cuda.synchronize(engine.device)  # whole before the version names it (and the slot is free)
             if version is not None:
                 engine.weight_version = version
+        return marks[0].elapsed_time(marks[1]) if cuda else None
 
     def _checksum(self, b: dict[str, Any]) -> dict[str, Any]:
         """`POST /kora/colocated/checksum` {slot} (Adapter, EngineMerge) or {full} (Merge): what the engine serves

@@ -12,9 +12,9 @@ the wake FIFO, reads the shared words, and serves each request the trainer makes
 - EngineMerge (`fold_slot` of colocated_routes): request n (ARG: version, slot) folds ring slot `slot` into the
   pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
 
-A handler returns its answer (n, or -n with ERR set); the watcher stores the time it took in SPENT, then the
-answer in ACK. A handler that raises answers ACK -n (ERR_FAILED) and logs why; the watcher goes on with the next
-request.
+A handler returns its answer (n, or -n with ERR set) and stores its device time in WORK if it has any; the watcher
+stores the time the handler took in SPENT, then the answer in ACK. A handler that raises answers ACK -n
+(ERR_FAILED) and logs why; the watcher goes on with the next request.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from kora_trainer.wire.colocated_words import (
     POLL_S,
     REQ,
     SPENT,
+    WORK,
     Wake,
     Words,
 )
@@ -71,6 +72,7 @@ class Watcher:
                 self.wake.unlink()  # the trainer opened it at plan time, before its first request
             seen = n
             t0 = time.perf_counter()
+            self.words[WORK] = 0
             try:
                 ack = self.handle(n)
             except Exception:
@@ -126,12 +128,15 @@ class MergeHandshake:
         return True
 
 
-def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str], None]) -> Callable[[int], int]:
-    """An EngineMerge push: fold the slot the request names, then ACK (see the module docstring)."""
+def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str], float | None]) -> Callable[[int], int]:
+    """An EngineMerge push: fold the slot the request names (WORK: the fold's device time), then ACK (see the
+    module docstring)."""
 
     def handle(n: int) -> int:
         version, slot = doorbell_parts(words[ARG])
-        fold_slot(slot, str(version))
+        fold_ms = fold_slot(slot, str(version))
+        if fold_ms is not None:
+            words[WORK] = round(fold_ms * 1000)
         return n
 
     return handle

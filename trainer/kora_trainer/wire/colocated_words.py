@@ -15,6 +15,9 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
                     ERR_FAILED (the engine's log says what)
     SPENT  engine   microseconds the engine spent on request ACK, from reading REQ to storing ACK (written
                     before ACK): the trainer's report splits a push's time into the engine's part and the rest
+    WORK   engine   microseconds of device time of the engine's own work on request ACK (EngineMerge: the
+                    fold, by CUDA events; 0 where there is none or no GPU), written before ACK: what of SPENT
+                    is the fold and what is waking, locking, launching and synchronising
 
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
 publishes it (ARG before REQ, DARG before DONE), which stores in program order keep on x86 (TSO).
@@ -38,8 +41,8 @@ from collections.abc import Callable
 
 import torch
 
-REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT = range(8)
-NWORDS = 8
+REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT, WORK = range(9)
+NWORDS = 9
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
