@@ -31,14 +31,16 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
   outlives its lease (the same timeout) is taken as torn by the engine and refused here.
 - The delta decision (`FlatDelta`) is enqueued first and read after the push's own synchronise (Adapter,
   EngineMerge: the slot is packed before the decision: it is the slot the ring reuses next, read by nobody) or
-  while the engine takes its lock (Merge): no host read of its own on the push's critical path.
+  while the engine takes its lock (Merge): no host read of its own on the push's critical path. On a GPU with
+  data 1 the decision and the slot's gather are one captured CUDA graph per ring slot (`_capture_decide`).
 
 Where a push's time goes (`SyncReport.phases`, ms): `decide` (the delta decision; Adapter and EngineMerge: with the
 slot's gather and its synchronise), then Adapter `ring` (the doorbell store); EngineMerge `engine` (REQ stored to
 every ACK seen) of which `engine_spent` is engine 0's own account (the SPENT word: its fold, synchronise and
-version); Merge `lock` (to every GRANT), `write` (the fold and copies into the mapped weights, synchronised) and
-`ack` (DONE to every ACK). `verify_ms`: a verified push's checksum call, after the engines serve the push, and
-outside the push's `ms` (its hashing is left out of both, as on the HTTP path).
+version) and `engine_fold` the fold's device time there (the WORK word, on a GPU); Merge `lock` (to every
+GRANT), `write` (the fold and copies into the mapped weights, synchronised) and `ack` (DONE to every ACK).
+`verify_ms`: a verified push's checksum call, after the engines serve the push, and outside the push's `ms` (its
+hashing is left out of both, as on the HTTP path).
 
 Checksums: Adapter, every push, `protocol.PackedChecksum` of the slot's bytes; Merge, on verified pushes (the
 first and every `VERIFY_EVERY`-th) `protocol.checksum` of every tensor written, in order. The engine computes
@@ -71,6 +73,7 @@ from kora_trainer.wire.colocated_words import (
     GRANT,
     REQ,
     SPENT,
+    WORK,
     Waker,
     Words,
     wait_word,
@@ -110,6 +113,8 @@ class ColocatedFastSender(FastWeightSender):
         self.seq = 0  # Merge, EngineMerge: the last request made through the handshake
         self.answered = 0  # ... and the last one every engine answered
         self.laps: dict[str, float] = {}  # this push's phases (ms), see the module docstring
+        # ring slot k (-1: Merge) -> the captured decision (and gather) and the number it leaves (_capture_decide)
+        self.decide_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.lap_t = 0.0
 
     # ---- the plan, once -----------------------------------------------------------------------------------
@@ -178,6 +183,7 @@ class ColocatedFastSender(FastWeightSender):
         self.delta.mark_pushed(flat)  # what the HTTP push just sent
         self.delta.local_max(flat)  # the decision's kernels load now (lazily loaded, ~45 ms on a GPU), not in a push
         self._sync_device()
+        self._capture_decide()
         self.active = True
         scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
         slow = sorted({w.problem for w in self.wakers if w.problem})  # the engine then reads the words on its poll
@@ -253,6 +259,8 @@ class ColocatedFastSender(FastWeightSender):
             self._acks(n, f"folding ring slot {slot} as version {version}")
             self._lap("engine")
             self.laps["engine_spent"] = self.words[0][SPENT] / 1000
+            if self.words[0][WORK]:
+                self.laps["engine_fold"] = self.words[0][WORK] / 1000
         else:
             self._ring(version, slot)
             self._lap("ring")
@@ -283,8 +291,17 @@ class ColocatedFastSender(FastWeightSender):
         if self.merges:
             self._store(ARG, 0, REQ, n)
         try:
-            pending = self.delta.pending(self.flat, self.http.trainer_group)
-            slot = self._pack_slot() if not self.merges else -1
+            slot = -1 if self.merges else self.pushes % self.adapter_slots
+            captured = self.decide_graphs.get(slot)
+            if captured is not None:
+                graph, pending = captured
+                graph.replay()
+                if slot >= 0:
+                    self._sync_device()  # the slot whole before the engine is told
+            else:
+                pending = self.delta.pending(self.flat, self.http.trainer_group)
+                if slot >= 0:
+                    self._pack_slot(slot)
             return (*self.delta.decide(pending, self.http.threshold), slot)
         except BaseException:
             if self.merges:
@@ -361,14 +378,38 @@ class ColocatedFastSender(FastWeightSender):
         self._acks(n, f"setting version {version} after the write")
         self._lap("ack")
 
-    def _pack_slot(self) -> int:
-        """The pairs gathered into this push's ring slot k of every engine, whole on the device; returns k."""
+    def _pack_slot(self, k: int) -> None:
+        """The pairs gathered into ring slot k of every engine, whole on the device."""
         assert self.pack is not None
-        k = self.pushes % self.adapter_slots
         for ring in self.slots:
             self.pack.pack_into(ring[k])
         self._sync_device()
-        return k
+
+    def _capture_decide(self) -> None:
+        """On a GPU, with no trainer group to all-reduce the decision over: the delta decision's number and
+        (Adapter, EngineMerge) the gather into ring slot k, captured once per slot as one CUDA graph, so the host
+        work of a push before the handshake is one replay, one synchronise and one read. Launched op by op from
+        the trainer's actor, those few kernels cost several times their device time in host time. The graphs
+        read the flat adapter, the last pushed copy and the ring slots, all at fixed addresses from here on."""
+        group = self.http.trainer_group
+        assert self.flat is not None and self.delta is not None
+        if not self.flat.is_cuda or (group is not None and group.world_size > 1):
+            return
+        device = self.flat.device
+        if self.pack is not None:  # the gather's kernel loaded outside the capture (into the pack's own buffer)
+            self.pack.pack()
+        torch.cuda.synchronize(device)
+        pool = torch.cuda.graph_pool_handle()  # one pool: the graphs are replayed one at a time
+        for k in [-1] if self.merges else range(self.adapter_slots):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                number = self.delta.local_max(self.flat).double()
+                if k >= 0:
+                    assert self.pack is not None
+                    for ring in self.slots:
+                        self.pack.pack_into(ring[k])
+            self.decide_graphs[k] = (graph, number)
+        torch.cuda.synchronize(device)
 
     def _ring(self, version: int, k: int) -> None:
         """Adapter: the doorbell names slot k (whole: `_pack_slot` synchronised) as `version`."""
@@ -394,5 +435,6 @@ class ColocatedFastSender(FastWeightSender):
         return checksum((name, dst[name]) for name in self.names[full])
 
     def close(self) -> None:
+        self.decide_graphs = {}
         self._close_wakers()
         super().close()
