@@ -150,9 +150,11 @@ def copy_ms(nbytes: int, device: torch.device, reps: int = 20) -> float | None:
     return statistics.median(times[2:])
 
 
-def fold_ms(model_dir: Path, device: torch.device, rank: int = 32, reps: int = 20) -> float | None:
-    """Median CUDA-event time of one replay of the grouped fold of every adapted weight (q, k, v, o: W0 + s·B·A
-    from a pristine copy into the live weight, rank `rank`, bf16) — what an EngineMerge engine runs per push."""
+def fold_ms(model_dir: Path, device: torch.device, rank: int = 32, reps: int = 20) -> dict[str, float] | None:
+    """One replay of the grouped fold of every adapted weight (q, k, v, o: W0 + s·B·A from a pristine copy into
+    the live weight, rank `rank`, bf16) — what an EngineMerge engine runs per push: the median CUDA-event time
+    (`device`) and the median host time from before the replay to its synchronise's return (`host`: the
+    replay's launch and the synchronise included, as a push pays them)."""
     from safetensors import safe_open
 
     from kora_trainer.kernels.fold import FoldItem, GroupedFold
@@ -169,17 +171,19 @@ def fold_ms(model_dir: Path, device: torch.device, rank: int = 32, reps: int = 2
                       torch.randn(m, rank, **bf16), 2.0) for m, n in shapes]
     fold = GroupedFold(items)
     fold.prepare()
-    times = []
+    times, host = [], []
     for _ in range(reps + 2):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
         a.record()
         fold()
         b.record()
         b.synchronize()
+        host.append((time.perf_counter() - t0) * 1000)
         times.append(a.elapsed_time(b))
     del items, fold
     torch.cuda.empty_cache()
-    return statistics.median(times[2:])
+    return {"device": statistics.median(times[2:]), "host": statistics.median(host[2:])}
 
 
 def model_bytes(model_dir: Path) -> dict[str, int]:
@@ -286,8 +290,9 @@ def main() -> None:
         "bench": "gpu_train", "command": "python bench/gpu_train.py " + " ".join(sys.argv[1:]),
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu", "model": args.model,
         "model_write_s": round(time.monotonic() - t0, 1), "bytes": sizes,
-        "anchors_ms": {**{f"copy_{k}": copy_ms(v, device) for k, v in sizes.items()},
-                       "fold_adapted": fold_ms(model_dir, device)}, "modes": {}}
+        "anchors_ms": {f"copy_{k}": copy_ms(v, device) for k, v in sizes.items()}, "modes": {}}
+    fold = fold_ms(model_dir, device)
+    res["anchors_ms"].update(fold_adapted=fold and fold["device"], fold_adapted_host=fold and fold["host"])
     for mode in args.modes.split(","):
         res["modes"][mode] = run_mode(model_dir, mode, args, work)
         print(json.dumps({mode: {k: v for k, v in res["modes"][mode].items() if k != "steps"}}, indent=1), flush=True)
@@ -307,8 +312,11 @@ def main() -> None:
         if mode == "Adapter" and later:
             ratios["adapter_push_p50_ms"] = statistics.median(x["sync_ms"] for x in later)
         if mode == "EngineMerge" and later and anchors["fold_adapted"]:
+            push = statistics.median(x["sync_ms"] for x in later)
             ratios["enginemerge_push_over_copy_adapter_plus_fold"] = round(
-                statistics.median(x["sync_ms"] for x in later) / (anchors["copy_adapter"] + anchors["fold_adapted"]), 3)
+                push / (anchors["copy_adapter"] + anchors["fold_adapted"]), 3)
+            ratios["enginemerge_push_over_copy_adapter_plus_fold_host"] = round(
+                push / (anchors["copy_adapter"] + anchors["fold_adapted_host"]), 3)
     res["ratios"] = ratios
     print(json.dumps({"anchors_ms": res["anchors_ms"], "ratios": ratios}, indent=1))
     if args.out:
