@@ -292,8 +292,8 @@ class SyncSpec(CamelModel):
     log-probs less than that: set it lower (fp32 toy tests use 1e-4)."""
     served_bad_steps_to_fail: Annotated[int, Field(ge=1)] = 3
     """Stop the run (Failed, the message naming the gap, the threshold and the version) after this many
-    consecutive bad steps of the serving check; steps without a gap (async: rollouts of an older policy)
-    neither count nor reset."""
+    consecutive bad steps of the serving check (a multi-adapter job: of one adapter, counted over its own steps,
+    the message naming it); steps without a gap (async: rollouts of an older policy) neither count nor reset."""
 
 
 class CheckpointDType(StrEnum):
