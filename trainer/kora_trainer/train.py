@@ -215,10 +215,9 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
 def watched(job: Job, cfg: TrainerConfig, rec: StepRecorder, doing: str) -> Any:
     """A failure while an engine is dead or hung becomes EngineLost, naming it (orchestration/engine_watch.py: why
     the attempt fails rather than restart the engine); the engines' hang watches get their bound to decide."""
-    from kora_trainer.orchestration.engine_watch import PROBE_INTERVAL_S, engines_watched
+    from kora_trainer.orchestration.engine_watch import engines_watched
 
-    settle_s = cfg.rollout.engine_hang_seconds + 2 * PROBE_INTERVAL_S
-    return engines_watched(job.engines, job.engine_urls, doing, rec.run.saved_step, settle_s)
+    return engines_watched(job.engines, job.engine_urls, doing, rec.run.saved_step, cfg.rollout.engine_hang_seconds)
 
 
 def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_limit: float | None) -> None:

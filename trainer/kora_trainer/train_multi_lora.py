@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from kora_trainer.recorder import StepRecorder
 
 GENERATE_TIMEOUT_S = 900.0  # one adapter batch; the engines' own timeouts are below it
+ADAPTER_RESUME = "each adapter from its own newest checkpoint, adapters/<name>/"
 IDLE_POLL_S = 1.0  # a service with no adapter wakes this often to check its time limit
 
 
@@ -195,6 +196,14 @@ class MultiLoRARun:
         self.rec.adapter_checkpointed(name, self.steps[name], path, (time.monotonic() - t0) * 1000)
 
 
+def watched(job: Job, cfg: TrainerConfig, doing: str) -> Any:
+    """An engine that died or hung under `doing` fails the attempt with EngineLost naming it (engine_watch.py)."""
+    from kora_trainer.orchestration.engine_watch import engines_watched
+
+    return engines_watched(job.engines, job.engine_urls, doing, None, cfg.rollout.engine_hang_seconds,
+                           resume=ADAPTER_RESUME)
+
+
 def register_given(cfg: TrainerConfig, registry: AdapterRegistry, restored: list[str]) -> None:
     """multiLora.adapters, except those a previous attempt already brought back (restored)."""
     for a in cfg.multi_lora.adapters:
@@ -206,20 +215,22 @@ def run(job: Job, cfg: TrainerConfig, registry: AdapterRegistry, rec: StepRecord
         time_left: Any) -> MultiLoRARun:
     """Until every given adapter finished (service mode: until `time_left()` says stop)."""
     service = not cfg.multi_lora.adapters
-    base = job.trainer.all("push_base")[0]
+    with watched(job, cfg, "the push of the base"):
+        base = job.trainer.all("push_base")[0]
     rec.event("start", multi_lora=True, service=service, max_adapters=cfg.multi_lora.max_adapters,
               engines=len(job.engines), transport=job.transport, sync=base.as_dict())
     rec.progress.update(phase="Running", activeAdapters=registry.active())
     loop = MultiLoRARun(job, cfg, registry, rec, root)
     while time_left():
-        loop.reconcile()
-        rec.progress.update(activeAdapters=registry.active(), step=sum(loop.steps.values()))
-        if not loop.steps:
-            if not service and registry.all_finished():
-                break
-            registry.wait_for_work(IDLE_POLL_S)
-            continue
-        loop.round()
+        with watched(job, cfg, f"a round of adapters {', '.join(sorted(loop.steps)) or '(none loaded yet)'}"):
+            loop.reconcile()
+            rec.progress.update(activeAdapters=registry.active(), step=sum(loop.steps.values()))
+            if not loop.steps:
+                if not service and registry.all_finished():
+                    break
+                registry.wait_for_work(IDLE_POLL_S)
+                continue
+            loop.round()
     for name in list(loop.steps) if root else []:  # stopped with adapters still training: keep where they are
         loop.save(name)
     return loop

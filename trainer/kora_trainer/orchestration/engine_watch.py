@@ -153,17 +153,19 @@ def dead_engines(engines: list[Any], urls: list[str], settle_s: float = 0.0) -> 
 
 @contextlib.contextmanager
 def engines_watched(engines: list[Any], urls: list[str], doing: str, saved_step: int | None,
-                    settle_s: float = 0.0) -> Iterator[None]:
+                    hang_s: float = 0.0, resume: str | None = None) -> Iterator[None]:
     """Run the body; if it fails and an engine has died or hung, raise EngineLost (the original error as its
-    cause). `settle_s`: how long to wait for the engines' hang watches (rollout.engineHangSeconds + a probe)."""
+    cause). `hang_s`: rollout.engineHangSeconds (the engines' hang watches get that and two probes to decide);
+    `resume`: what a retry resumes from, when not the one checkpoint of `saved_step` (a multi-adapter job's)."""
     try:
         yield
     except Exception as e:
-        dead = dead_engines(engines, urls, settle_s)
+        dead = dead_engines(engines, urls, hang_s + 2 * PROBE_INTERVAL_S if hang_s else 0.0)
         if not dead:
             raise
-        resume = (f"the newest checkpoint of this attempt is step {saved_step}" if saved_step is not None
-                  else "this attempt saved no checkpoint")
+        if resume is None:
+            resume = (f"the newest checkpoint of this attempt is step {saved_step}" if saved_step is not None
+                      else "this attempt saved no checkpoint")
         hung = any(" hung: " in d for d in dead)
         fix = (" If the engine was only slow (its scheduler silent that long on purpose), raise "
                "rollout.engineHangSeconds." if hung else "")
