@@ -2,9 +2,11 @@
 """The trainer under faults, in figures: >= 20 SIGKILLs of the whole trainer at random moments (a few during
 startup, most inside its steps, some inside a checkpoint write), its engine dying mid-generate and
 mid-sync, checkpoint.path filling up; one job (the toy, checkpoint every step, deployment.async false) resumed
-after each, against the same job run uninterrupted beside it (the anchor: its losses, rewards and adapters).
+after each, against the same job run uninterrupted beside it (the anchor: its losses, rewards and adapters); its
+engine hanging without dying (SIGSTOP, or a wedged event loop) mid-generate and mid-sync, noticed within
+rollout.engineHangSeconds.
 
-    python bench/chaos_trainer.py [--kills 20] [--engine-kills 2] [--disk 1] [--seed 18] [--out FILE]
+    python bench/chaos_trainer.py [--kills 20] [--engine-kills 2] [--engine-hangs 2] [--disk 1] [--seed 18] [--out FILE]
 
 What is checked on every attempt, and how, is tests/chaoskit.py's docstring (tests/e2e/test_chaos_trainer.py
 runs a CI-sized plan). Prints a table and writes bench/results/chaos_trainer_<date>.json (figures, the plan,
@@ -45,6 +47,10 @@ ROWS = [  # (figure, what it counts)
     ("engine_kills_mid_generate", "engine deaths inside /generate"),
     ("engine_kills_mid_sync", "engine deaths inside a weight push"),
     ("engine_notice_s_max", "  slowest notice, engine death -> trainer Failed (s)"),
+    ("engine_hangs_mid_generate", "engine hangs inside /generate (SIGSTOP / wedged, in turn)"),
+    ("engine_hangs_mid_sync", "engine hangs inside a weight push (HTTP path / fast path, in turn)"),
+    ("engine_hang_s", "  rollout.engineHangSeconds of the runs (s)"),
+    ("engine_hang_notice_s_max", "  slowest notice, engine hang -> trainer Failed (s)"),
     ("disk_full_attempts", "checkpoint.path full (ENOSPC, latest kept)"),
     ("steps_run_in_all", "steps run over all attempts"),
     ("steps_differing_from_uninterrupted", "steps whose loss/reward differ from the anchor's"),
@@ -55,13 +61,14 @@ ROWS = [  # (figure, what it counts)
 ]
 
 
-def make_plan(kills: int, engine_kills: int, disk: int, seed: int) -> list[str]:
-    """`kills` trainer kills (10% startup, 30% at a checkpoint write, the rest in the steps), engine faults and
-    disk faults, shuffled (seeded) so that each fault meets a different point of the job."""
+def make_plan(kills: int, engine_kills: int, disk: int, seed: int, engine_hangs: int = 0) -> list[str]:
+    """`kills` trainer kills (10% startup, 30% at a checkpoint write, the rest in the steps), engine deaths and
+    hangs, and disk faults, shuffled (seeded) so that each fault meets a different point of the job."""
     startup = max(1, kills // 10)
     write = max(1, (kills * 3) // 10)
     plan = (["startup"] * startup + ["write"] * write + ["steps"] * (kills - startup - write)
-            + ["engine-generate", "engine-sync"] * engine_kills + ["disk"] * disk)
+            + ["engine-generate", "engine-sync"] * engine_kills
+            + ["engine-hang-generate", "engine-hang-sync"] * engine_hangs + ["disk"] * disk)
     random.Random(seed).shuffle(plan)
     return plan
 
@@ -70,6 +77,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=20, help="SIGKILLs of the trainer (default 20)")
     ap.add_argument("--engine-kills", type=int, default=2, help="engine deaths of each kind (default 2)")
+    ap.add_argument("--engine-hangs", type=int, default=2, help="engine hangs of each kind (default 2: each kind of "
+                    "hang once per place)")
     ap.add_argument("--disk", type=int, default=1, help="full-disk attempts (default 1)")
     ap.add_argument("--seed", type=int, default=18)
     ap.add_argument("--out", default=None, help="default bench/results/chaos_trainer_<date>.json")
@@ -77,7 +86,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from kora_trainer.toy import make_toy
 
-    plan = make_plan(args.kills, args.engine_kills, args.disk, args.seed)
+    plan = make_plan(args.kills, args.engine_kills, args.disk, args.seed, args.engine_hangs)
     steps = steps_for(plan)
     with tempfile.TemporaryDirectory(prefix="kora-chaos-") as tmp:
         toy = Path(tmp) / "toy"

@@ -15,6 +15,11 @@ Faults (what ends an attempt):
 - `engine-generate` / `engine-sync`: the engine SIGKILLs itself on its n-th /generate or fast-path push
   (reference_engine/faults.py: exactly inside the call); the trainer must fail the attempt, naming the engine,
   within the bound, not hang;
+- `engine-hang-generate` / `engine-hang-sync`: the engine hangs without dying inside its n-th /generate, or
+  inside a push (the first one, on the HTTP path, or the n-th fast-path one): it SIGSTOPs itself, or wedges its
+  event loop (running, still accepting connections, answering nothing), the two kinds in turn; the trainer's
+  hang watch must kill it and fail the attempt with EngineLost saying it hung, within HANG_S plus NOTICE_SLACK_S
+  of the hang (timed from the engine's own mark in its log to the Failed phase on /status);
 - `disk`: checkpoint.path's tmpfs shrunk to less than one more checkpoint: the attempt must fail naming ENOSPC,
   `latest` unchanged; the tmpfs is grown back before the next attempt.
 
@@ -42,13 +47,17 @@ from safetensors.torch import load_file
 
 from kora_trainer.checkpoint import lora_only
 from kora_trainer.checkpoint.faults import KILL_AT_ENV, PHASES
-from kora_trainer.reference_engine.faults import EXIT_AT_ENV
+from kora_trainer.reference_engine.faults import EXIT_AT_ENV, HANG_AT_ENV, HANG_MARK
 from tmpfskit import mounted_tmpfs, resize_tmpfs
 from trainkit import TrainRun, _session_pids
 
-FAULTS = ("startup", "steps", "write", "engine-generate", "engine-sync", "disk")
+FAULTS = ("startup", "steps", "write", "engine-generate", "engine-sync", "engine-hang-generate", "engine-hang-sync",
+          "disk")
 TRAINER_KILLS = ("startup", "steps", "write")
-JOB = ["deployment.async=false", "checkpoint.interval=1", "sync.deltaSkipThreshold=0"]
+HANG_S = 8  # rollout.engineHangSeconds of these runs: short, so a hang costs an attempt seconds, not the default 60
+NOTICE_SLACK_S = 10.0  # beyond HANG_S: a probe interval, the death path's seconds, /status polling, a loaded machine
+JOB = ["deployment.async=false", "checkpoint.interval=1", "sync.deltaSkipThreshold=0",
+       f"rollout.engineHangSeconds={HANG_S}"]
 KEEP = 2
 ATTEMPT_TIMEOUT_S = 300.0  # an attempt that neither finishes nor fails in this long is a hang (a problem)
 NOTICE_BOUND_S = 120.0  # the weight-update group's timeout (wire/group.py): an engine death noticed later is a hang
@@ -72,7 +81,7 @@ class Attempt:
     loaded: bool = False  # it got as far as loading a checkpoint (or finding none)
     during_write: bool = False  # the kill left a checkpoint write unfinished (a temp dir, or `latest` not moved)
     fault_at: str = ""  # an injected fault's setting (the engine's or the checkpoint writer's environment)
-    notice_s: float | None = None  # engine faults: from the engine's death to the trainer's Failed phase
+    notice_s: float | None = None  # engine faults: from the engine's death (or hang) to the trainer's Failed phase
     message: str = ""  # what the attempt said when it failed (engine and disk faults)
     wall_s: float = 0.0
     problems: list[str] = field(default_factory=list)
@@ -94,8 +103,10 @@ class ChaosResult:
     def figures(self) -> dict[str, Any]:
         faults = [a for a in self.attempts if a.fault != "none"]
         kills = [a for a in faults if a.fault in TRAINER_KILLS]
-        engine = [a for a in faults if a.fault.startswith("engine")]
+        engine = [a for a in faults if a.fault in ("engine-generate", "engine-sync")]
         notice = [a.notice_s for a in engine if a.notice_s is not None]
+        hangs = [a for a in faults if a.fault.startswith("engine-hang")]
+        hang_notice = [a.notice_s for a in hangs if a.notice_s is not None]
         return {
             "steps": self.steps, "attempts": len(self.attempts),
             "trainer_kills": len(kills), **{f"kills_{k}": sum(a.fault == k for a in kills) for k in TRAINER_KILLS},
@@ -111,6 +122,11 @@ class ChaosResult:
             "engine_kills_mid_generate": sum(a.fault == "engine-generate" for a in engine),
             "engine_kills_mid_sync": sum(a.fault == "engine-sync" for a in engine),
             "engine_notice_s_max": max(notice) if notice else None,
+            "engine_hangs_mid_generate": sum(a.fault == "engine-hang-generate" for a in hangs),
+            "engine_hangs_mid_sync": sum(a.fault == "engine-hang-sync" for a in hangs),
+            "engine_hang_s": HANG_S,
+            "engine_hang_notice_s": hang_notice,  # each hang's, from the engine's mark to the Failed phase
+            "engine_hang_notice_s_max": max(hang_notice) if hang_notice else None,
             "disk_full_attempts": sum(a.fault == "disk" for a in faults),
             "steps_run_in_all": sum(len(a.steps) for a in self.attempts),
             "steps_differing_from_uninterrupted": sum("differs from the uninterrupted" in p
@@ -245,6 +261,8 @@ class Chaos:
             env[KILL_AT_ENV] = f"{self.rng.choice(PHASES)}:{self.rng.randint(1, 3)}"
         elif fault == "engine-sync":
             env[EXIT_AT_ENV] = f"/kora/fast_sync/push:{self.rng.randint(2, 4)}"
+        elif fault.startswith("engine-hang"):
+            env[HANG_AT_ENV] = self.hang_at(fault)
         elif fault == "disk":
             trouble = self.shrink_disk()
             if trouble:
@@ -300,6 +318,8 @@ class Chaos:
                                       f"{run.proc.returncode})")
             _kill_now(run, pids)
             a.during_write = _write_unfinished(self.ckpt)
+        elif a.fault.startswith("engine-hang"):
+            self.engine_hang(a, run)
         elif a.fault.startswith("engine"):
             self.engine_fault(a, run)
         elif a.fault == "disk":
@@ -330,6 +350,40 @@ class Chaos:
             a.problems.append(f"still running {NOTICE_BOUND_S:.0f}s after its engine died (a hang)")
         if "EngineLost" not in a.message or "SIGKILL" not in a.message:
             a.problems.append(f"the failure does not say the engine died: {a.message[-600:]!r}")
+
+    def hang_at(self, fault: str) -> str:
+        """Where and how the engine hangs: the two hows (SIGSTOP, a wedged event loop) in turn per kind; a sync hang
+        alternates the HTTP path (the attempt's first push) with a fast-path push."""
+        turn = sum(a.fault == fault for a in self.attempts[:-1])
+        how = ("stop", "wedge")[turn % 2]
+        if fault == "engine-hang-generate":
+            return f"/generate:{self.rng.randint(2, 4)}:{how}"
+        how = ("wedge", "stop")[turn % 2]
+        if turn % 2 == 0:
+            return f"/update_weights_from_distributed:1:{how}"
+        return f"/kora/fast_sync/push:{self.rng.randint(2, 4)}:{how}"
+
+    def engine_hang(self, a: Attempt, run: TrainRun) -> None:
+        """Wait for the engine's hang mark in its log, then for the trainer to go Failed, naming the hung engine."""
+        log = run.run_dir / "logs" / "engine-0.log"
+        hung = _wait(lambda: log.is_file() and HANG_MARK in log.read_text(errors="replace"), run, ATTEMPT_TIMEOUT_S,
+                     poll_s=0.01)
+        if not hung:
+            a.problems.append(f"the engine never hung ({a.fault_at}; exit {run.proc.returncode})")
+            _finish(run, 60)
+            return
+        t0 = time.monotonic()
+        bound = HANG_S + NOTICE_SLACK_S
+        failed = _wait(lambda: (s := run.poll()) is not None and s.get("phase") == "Failed", run, 2 * bound, 0.1)
+        a.notice_s = round(time.monotonic() - t0, 2)
+        _finish(run, 60)
+        a.message = _failure(run)
+        if not failed and run.proc.returncode is None:
+            a.problems.append(f"still running {2 * bound:.0f}s after its engine hung (a hang)")
+        elif a.notice_s > bound:
+            a.problems.append(f"noticed {a.notice_s} s after the hang, past HANG_S {HANG_S} + {NOTICE_SLACK_S:g} s")
+        if "EngineLost" not in a.message or " hung: " not in a.message:
+            a.problems.append(f"the failure does not say the engine hung: {a.message[-600:]!r}")
 
     def shrink_disk(self) -> str | None:
         """checkpoint.path's tmpfs cut to what it holds plus half a checkpoint: the next write cannot fit. The

@@ -116,6 +116,8 @@ def policy_served(check: Mapping[str, Any] | None, spec: LoRATrainingJobSpec) ->
         return None
     gap, threshold = float(check["logpGapMax"]), float(check.get("threshold") or spec.sync.served_logp_gap_max)
     where = f"policy version {check.get('version', '?')} (trainer step {check.get('step', '?')})"
+    if check.get("adapter"):  # a multi-adapter job: the adapter's own version and step
+        where = f"adapter {check['adapter']}'s version {check.get('version', '?')} (its step {check.get('step', '?')})"
     if gap > threshold:
         bad = check.get("badSteps")
         return Cond(ConditionType.POLICY_SERVED, F, Reason.POLICY_NOT_SERVED,

@@ -9,6 +9,8 @@ on one toy base, each with its own reward, rank, batch, optimizer and steps (SPE
   seeded rollouts, async off): EXACT (the factors compared bit for bit).
 - Retire and reuse (service mode): DELETE /adapter_runs/a aborts its requests (0 in flight on the engine when it
   is unloaded), writes its checkpoint and export and frees its slot, which the next registration takes.
+- The serving check per adapter: an engine that drops one adapter (and serves the other as trained) stops the job,
+  naming that adapter on /status and in the message.
 The learning curves (each adapter's reward rising by >= 0.4) are the full-size run: `make multi-lora-curves`.
 """
 
@@ -199,3 +201,68 @@ def test_a_restarted_job_resumes_every_adapter_where_its_checkpoint_left_it(toy_
     for name in ("odd", "even"):
         mine, ref = factors(tmp_path / "crash" / "ckpt", name), factors(tmp_path / "straight" / "ckpt", name)
         assert all(bool((mine[k] == ref[k]).all()) for k in ref), name
+
+
+@pytest.mark.slow
+def test_an_adapter_the_engine_drops_stops_the_job_naming_it(toy_dir, tmp_path):
+    """The serving check per adapter: the engine drops adapter `even` at every load (the reference engine's fault
+    switch; it acknowledges each push and serves the base under even's version) while it serves `odd` as trained.
+    even's gap is above sync.servedLogpGapMax from its second step (its first, B = 0, equals the base), odd's stays
+    at fp32 rounding; after sync.servedBadStepsToFail bad steps of even the job stops Failed, /status's servingCheck
+    and the message naming even, its version and the threshold."""
+    from kora_operator.api.job import LoRATrainingJob
+    from kora_operator.progress import policy_served
+    from kora_trainer.reference_engine.adapter_registry import DROP_ADAPTER_ENV
+    from specs import valid_job
+
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 6},
+                {"name": "even", "rank": 8, "numSteps": 6, "seed": 7, "data": {**EVEN, "path": data}}]
+    job = job_file(toy_dir, tmp_path, adapters, sync={"bufferSize": "256Ki", "servedLogpGapMax": GAP_MAX,
+                                                      "servedBadStepsToFail": 2, "deltaSkipThreshold": 0})
+    run = TrainRun(toy_dir, tmp_path, config=job, env={DROP_ADAPTER_ENV: "even", "KORA_CONTROL_LINGER_S": "60"})
+    wait_all([run])
+    assert run.proc.returncode != 0, run.output[-3000:]
+    final = run.seen[-1]
+    assert final["phase"] == "Failed", final
+    msg, check = final["message"], final["servingCheck"]
+    assert "PolicyNotServed" in msg and "adapter even:" in msg and "sync.servedLogpGapMax 0.0001" in msg, msg
+    assert check["adapter"] == "even" and check["badSteps"] == 2 and check["logpGapMax"] > GAP_MAX, check
+    assert check["version"] == check["step"] - 1 and f"its policy version {check['version']}" in msg, msg
+    steps = run.events("adapter_step")
+    gaps = {name: [e["rollout_logp_gap_max"] for e in steps if e["adapter"] == name] for name in ("odd", "even")}
+    assert gaps["odd"] and all(g <= GAP_MAX for g in gaps["odd"]), gaps  # served as trained beside the dropped one
+    assert gaps["even"][0] <= GAP_MAX and all(g > GAP_MAX for g in gaps["even"][1:]), gaps
+    assert len(gaps["even"]) == 3 and max(len(gaps["odd"]), len(gaps["even"])) < 6, gaps  # stopped early
+    cond = policy_served(check, LoRATrainingJob.model_validate(valid_job("p")).spec)  # the operator's reading
+    assert cond is not None and cond.status == "False" and "adapter even's version" in cond.message, cond
+
+
+@pytest.mark.slow
+def test_an_engine_hung_mid_generate_fails_the_job_naming_it(toy_dir, tmp_path):
+    """The engine SIGSTOPs itself inside its third /generate (reference_engine/faults.py): the hang watch kills it
+    after rollout.engineHangSeconds and the multi-adapter job fails with EngineLost naming the engine, that it hung
+    and in what state, the round it was in and what a retry resumes from (each adapter's own checkpoint)."""
+    from kora_trainer.reference_engine.faults import HANG_AT_ENV, HANG_MARK
+
+    hang_s = 5
+    job = job_file(toy_dir, tmp_path, [{"name": "odd", "rank": 16, "numSteps": 6}],
+                   rollout={"engineHangSeconds": hang_s})
+    run = TrainRun(toy_dir, tmp_path, config=job, env={HANG_AT_ENV: "/generate:3:stop",
+                                                        "KORA_CONTROL_LINGER_S": "60"})
+    log = run.run_dir / "logs" / "engine-0.log"
+    seen: dict[str, float] = {}  # when the engine's own hang mark, then the Failed phase, were first seen
+
+    def timed(r: TrainRun) -> None:
+        if "hung" not in seen and log.is_file() and HANG_MARK in log.read_text(errors="replace"):
+            seen["hung"] = time.monotonic()
+        if "failed" not in seen and r.seen and r.seen[-1].get("phase") == "Failed":
+            seen["failed"] = time.monotonic()
+
+    wait_all([run], each=timed)
+    notice_s = seen["failed"] - seen["hung"]
+    msg = run.seen[-1]["message"]
+    assert run.proc.returncode != 0 and notice_s < hang_s + 15, (notice_s, msg)
+    for part in ("EngineLost", "engine 0 (pid", " hung: GET /health unanswered", "stopped (SIGSTOP)",
+                 "a round of adapters odd", "each adapter from its own newest checkpoint"):
+        assert part in msg, (part, msg)

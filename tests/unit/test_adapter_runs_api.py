@@ -94,6 +94,19 @@ def test_bad_configs_are_400_with_the_field_and_the_fix(job):
     assert call(f"{url}/adapter_runs/state")[1]["active"] == 0  # nothing was half-registered
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("numSteps", 2**64), ("numEpochs", 10**7), ("rolloutBatchSize", 10**12), ("nSamplesPerPrompt", 10**6),
+    ("rank", 10**6), ("seed", 2**64), ("seed", -1),
+])
+def test_an_adapters_integers_past_their_bounds_are_400_naming_the_field(job, field, value):
+    """The bounds the job's own integers have (config/sections.py), so that numSteps 2**64 is refused with its name
+    rather than registered (a step count no loop reaches, a batch no memory holds, a seed torch cannot take)."""
+    url, _, data = job
+    code, answer = call(f"{url}/adapter_runs", "POST", {"name": "a", "config": adapter(data, **{field: value})})
+    assert code == 400 and f"config.{field}" in answer["error"], answer
+    assert call(f"{url}/adapter_runs/state")[1]["active"] == 0
+
+
 def test_delete_retires_then_forgets_and_the_slot_is_reused(job):
     url, registry, data = job
     call(f"{url}/adapter_runs", "POST", {"name": "a", "config": adapter(data)})

@@ -51,6 +51,31 @@ def test_a_good_step_resets_and_a_step_without_gap_neither_counts_nor_resets():
         check.verdict(check.observe(5, 4, BAD, 0.1))
 
 
+def test_an_adapters_check_names_it_in_its_state_and_its_stop(tmp_path):
+    """Multi-adapter jobs: one check per adapter, its name in the check (the job's /status servingCheck), on its
+    state (GET /adapter_runs/<name>) and in the stop's message."""
+    from kora_trainer.config.sections import AdapterRunConfig
+    from specs import multi_adapter_registry
+
+    registry, data = multi_adapter_registry(tmp_path)
+    registry.register("b", AdapterRunConfig.model_validate({"rank": 8, "data": {"path": str(data)}}))
+    check = ServingCheck(threshold=0.25, bad_steps_to_fail=2, adapter="b")
+    first = check.observe(2, 1, BAD, None)
+    assert first is not None and first["adapter"] == "b"
+    registry.served("b", first)
+    state = registry.get("b").model_dump(by_alias=True)
+    assert state["servingCheck"]["adapter"] == "b" and state["servingCheck"]["badSteps"] == 1, state
+    p = Progress(0, "Adapter")
+    p.update(servingCheck=first)
+    assert p.snapshot()["servingCheck"]["adapter"] == "b"  # the job's /status takes it
+    with pytest.raises(PolicyNotServed) as e:
+        check.verdict(check.observe(3, 2, BAD, None))
+    msg = str(e.value)
+    for part in ("adapter b: the engines do not serve its trained policy", "2 consecutive steps (through its step 3)",
+                 "at its policy version 2"):
+        assert part in msg, (part, msg)
+
+
 def test_status_and_progress_carry_the_check():
     p = Progress(5, "Adapter")
     p.update(step=2, servingCheck=ServingCheck(0.25, 3).observe(2, 1, OK, 1e-6))

@@ -29,7 +29,8 @@ recorder's docstring lists them).
 At the end the control plane lingers for the operator: until one authorized GET /status has returned
 the final phase, or KORA_CONTROL_LINGER_S seconds (default 0) passed.
 
-An engine that dies under the run fails the attempt with EngineLost naming it (orchestration/engine_watch.py);
+An engine that dies under the run, or hangs for rollout.engineHangSeconds, fails the attempt with EngineLost naming
+it (orchestration/engine_watch.py);
 a checkpoint the disk has no room for fails it with CheckpointWriteError naming the path and the bytes, the
 previous checkpoint still the newest good one (checkpoint/lora_only.py). Either way a retry resumes.
 """
@@ -211,12 +212,12 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
     return cfg
 
 
-def watched(job: Job, rec: StepRecorder, doing: str) -> Any:
-    """A failure while an engine is dead becomes EngineLost, naming it (orchestration/engine_watch.py: why the
-    attempt fails rather than restart the engine)."""
+def watched(job: Job, cfg: TrainerConfig, rec: StepRecorder, doing: str) -> Any:
+    """A failure while an engine is dead or hung becomes EngineLost, naming it (orchestration/engine_watch.py: why
+    the attempt fails rather than restart the engine); the engines' hang watches get their bound to decide."""
     from kora_trainer.orchestration.engine_watch import engines_watched
 
-    return engines_watched(job.engines, job.engine_urls, doing, rec.run.saved_step)
+    return engines_watched(job.engines, job.engine_urls, doing, rec.run.saved_step, cfg.rollout.engine_hang_seconds)
 
 
 def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_limit: float | None) -> None:
@@ -225,7 +226,7 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
 
     if root:
         resume(job, cfg, root, rec)
-    with watched(job, rec, "the first push of the policy"):
+    with watched(job, cfg, rec, "the first push of the policy"):
         first_push = job.trainer.sync()
     rec.started(job.info, len(job.engines), cfg.rollout.engine, job.transport, first_push)
     rollouts, last_step_s = Lookahead(job, cfg, rec.run.start, rec.steps), 0.0
@@ -234,10 +235,10 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
             rec.stopped(f"time limit {time_limit:.0f}s: stopping after step {step - 1}")
             break
         t_step = time.monotonic()
-        with watched(job, rec, f"step {step}'s rollouts and update"):
+        with watched(job, cfg, rec, f"step {step}'s rollouts and update"):
             batch_ref, stats_ref = rollouts.take(step)
             metrics, rstats = job.trainer.train_step(batch_ref), ray.get(stats_ref)
-        with watched(job, rec, f"step {step}'s weight sync"):
+        with watched(job, cfg, rec, f"step {step}'s weight sync"):
             pushed = job.trainer.sync()
         rec.stepped(step, metrics, rstats, pushed)
         rollouts.issue_through(step + 1)

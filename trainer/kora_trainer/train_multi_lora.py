@@ -12,6 +12,14 @@ version (the clipped ratio against the engine's own log-probs corrects for it); 
 the version just pushed, and the adapters overlap each other's generation and training instead. An adapter's
 checkpoint is written every checkpoint.interval of its steps and when it retires, with its HF-PEFT export.
 
+The serving check, per adapter (serving_check.py): each on-policy step of an adapter compares the engines' log-probs
+of its sampled tokens with the trainer's for the version the engines claimed; the gap is on its state (GET
+/adapter_runs/<name>: servingCheck) and the job's /status servingCheck names the worst adapter of the last train
+call (so the operator's PolicyServed condition covers multi-adapter jobs). sync.servedBadStepsToFail bad steps of one
+adapter in a row stop the job (PolicyNotServed naming the adapter), as they stop a single-adapter job: an adapter
+the engines silently do not serve usually means an engine or a sync path that serves none of them right, and a
+retry resumes every adapter from its checkpoint.
+
 Service mode: no adapters in the job: it idles (Running, 0 active) and trains whatever is registered through
 `/adapter_runs` (the operator's LoRAAdapter objects) until it is stopped; with adapters given it ends when all
 have finished. Events (`<run dir>/events.jsonl`): `adapter_loaded`, `adapter_step` (with its `sync`),
@@ -25,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kora_trainer.config.adapter_runs import AdapterPhase, AdapterSettings
+from kora_trainer.serving_check import ServingCheck
 
 if TYPE_CHECKING:
     from kora_trainer.adapter_runs.registry import AdapterRegistry
@@ -33,6 +42,7 @@ if TYPE_CHECKING:
     from kora_trainer.recorder import StepRecorder
 
 GENERATE_TIMEOUT_S = 900.0  # one adapter batch; the engines' own timeouts are below it
+ADAPTER_RESUME = "each adapter from its own newest checkpoint, adapters/<name>/"
 IDLE_POLL_S = 1.0  # a service with no adapter wakes this often to check its time limit
 
 
@@ -47,6 +57,7 @@ class MultiLoRARun:
     steps: dict[str, int] = field(default_factory=dict)  # adapter -> its optimizer steps
     positions: dict[str, int] = field(default_factory=dict)  # adapter -> batches its data has yielded
     rewards: dict[str, list[float]] = field(default_factory=dict)  # adapter -> its reward curve (this process)
+    checks: dict[str, ServingCheck] = field(default_factory=dict)  # adapter -> its serving check
 
     # ---- reconcile: the registry says what to retire and what to load -------------------------------------
 
@@ -136,6 +147,7 @@ class MultiLoRARun:
             self.train(batches, stats)
 
     def train(self, batches: dict[str, Any], stats: dict[str, dict[str, Any]]) -> None:
+        measured: list[tuple[ServingCheck, dict[str, Any]]] = []
         for m in self.job.trainer.all("train_adapters", batches)[0]:
             self.steps[m.name] = m.step
             self.rewards[m.name].append(m.reward_mean)
@@ -145,6 +157,24 @@ class MultiLoRARun:
             interval = self.cfg.checkpoint.interval
             if self.root and m.step % interval == 0:
                 self.save(m.name)
+            observed = self.served(m.name, m.step, m.rollout_logp_gap_max)
+            if observed is not None:
+                measured.append(observed)
+        if measured:  # last: a PolicyNotServed leaves every step of the call recorded and checkpointed
+            worst, last = max(measured, key=lambda c: (c[1]["badSteps"], c[1]["logpGapMax"]))
+            self.rec.progress.update(servingCheck=last)
+            worst.verdict(last)
+
+    def served(self, name: str, step: int, gap_max: float | None) -> tuple[ServingCheck, dict[str, Any]] | None:
+        """Adapter `name`'s serving check at its `step` (its rollouts came from version step - 1), on its state."""
+        sync = self.cfg.sync
+        serving = self.checks.setdefault(name, ServingCheck(sync.served_logp_gap_max, sync.served_bad_steps_to_fail,
+                                                            adapter=name))
+        check = serving.observe(step, step - 1, gap_max, None)
+        if check is None:
+            return None
+        self.registry.served(name, check)
+        return serving, check
 
     def publish(self, name: str) -> dict[str, Any]:
         """Push adapter `name` at its step (every rank takes part: the delta-skip decision is collective)."""
@@ -166,6 +196,14 @@ class MultiLoRARun:
         self.rec.adapter_checkpointed(name, self.steps[name], path, (time.monotonic() - t0) * 1000)
 
 
+def watched(job: Job, cfg: TrainerConfig, doing: str) -> Any:
+    """An engine that died or hung under `doing` fails the attempt with EngineLost naming it (engine_watch.py)."""
+    from kora_trainer.orchestration.engine_watch import engines_watched
+
+    return engines_watched(job.engines, job.engine_urls, doing, None, cfg.rollout.engine_hang_seconds,
+                           resume=ADAPTER_RESUME)
+
+
 def register_given(cfg: TrainerConfig, registry: AdapterRegistry, restored: list[str]) -> None:
     """multiLora.adapters, except those a previous attempt already brought back (restored)."""
     for a in cfg.multi_lora.adapters:
@@ -177,20 +215,22 @@ def run(job: Job, cfg: TrainerConfig, registry: AdapterRegistry, rec: StepRecord
         time_left: Any) -> MultiLoRARun:
     """Until every given adapter finished (service mode: until `time_left()` says stop)."""
     service = not cfg.multi_lora.adapters
-    base = job.trainer.all("push_base")[0]
+    with watched(job, cfg, "the push of the base"):
+        base = job.trainer.all("push_base")[0]
     rec.event("start", multi_lora=True, service=service, max_adapters=cfg.multi_lora.max_adapters,
               engines=len(job.engines), transport=job.transport, sync=base.as_dict())
     rec.progress.update(phase="Running", activeAdapters=registry.active())
     loop = MultiLoRARun(job, cfg, registry, rec, root)
     while time_left():
-        loop.reconcile()
-        rec.progress.update(activeAdapters=registry.active(), step=sum(loop.steps.values()))
-        if not loop.steps:
-            if not service and registry.all_finished():
-                break
-            registry.wait_for_work(IDLE_POLL_S)
-            continue
-        loop.round()
+        with watched(job, cfg, f"a round of adapters {', '.join(sorted(loop.steps)) or '(none loaded yet)'}"):
+            loop.reconcile()
+            rec.progress.update(activeAdapters=registry.active(), step=sum(loop.steps.values()))
+            if not loop.steps:
+                if not service and registry.all_finished():
+                    break
+                registry.wait_for_work(IDLE_POLL_S)
+                continue
+            loop.round()
     for name in list(loop.steps) if root else []:  # stopped with adapters still training: keep where they are
         loop.save(name)
     return loop

@@ -35,7 +35,7 @@ from kora_trainer.config.adapter_runs import (
 )
 from kora_trainer.config.load import read_hf_config
 from kora_trainer.config.sections import POLICY_ADAPTER, AdapterRunConfig
-from kora_trainer.config.status import CheckpointProgress, SyncProgress, rfc3339
+from kora_trainer.config.status import CheckpointProgress, ServingCheckProgress, SyncProgress, rfc3339
 
 
 class RegistryError(Exception):
@@ -183,6 +183,11 @@ class AdapterRegistry:
             self._runs[name].state.update(version=version, last_sync=SyncProgress(
                 mode=report["mode"], bytes=report["bytes"], milliseconds=report["ms"], adapter_version=version,
                 checksum=report["checksum"], time=rfc3339()))
+
+    def served(self, name: str, check: dict[str, Any]) -> None:
+        """Its serving check's last measurement (serving_check.ServingCheck.observe)."""
+        with self._lock:
+            self._runs[name].state.update(serving_check=ServingCheckProgress.model_validate(check))
 
     def checkpointed(self, name: str, path: str, step: int) -> None:
         with self._lock:

@@ -25,7 +25,7 @@ from pydantic import Field
 
 from kora_trainer.config.base import CamelModel
 from kora_trainer.config.sections import ADAPTER_NAME, AdapterRunConfig, DataSpec
-from kora_trainer.config.status import CheckpointProgress, SyncProgress
+from kora_trainer.config.status import CheckpointProgress, ServingCheckProgress, SyncProgress
 from kora_trainer.config.trainer import TrainerConfig
 
 
@@ -71,6 +71,10 @@ class AdapterRunState(CamelModel):
     """Its last push to the engines."""
     last_checkpoint: CheckpointProgress | None = None
     """Its last checkpoint (`<checkpoint.path>/adapters/<name>/`)."""
+    serving_check: ServingCheckProgress | None = None
+    """The serving check of its last on-policy step: the engines' log-probs of its sampled tokens against the
+    trainer's for the version the engines claimed (sync.servedLogpGapMax; the job stops after
+    sync.servedBadStepsToFail bad steps of one adapter in a row, naming it)."""
     export_path: str | None = None
     """Its HF-PEFT export, once written (at retirement)."""
     message: str = ""

@@ -215,6 +215,13 @@ class RolloutSpec(CamelModel):
     distributed_engines: Annotated[int, Field(ge=0)] = 0
     """With deployment Colocate: engines placed off the training GPUs and fed over NCCL rather than
     in-memory. Adapter mode cannot feed them; use Merge mode for that layout."""
+    engine_hang_seconds: Annotated[float, Field(ge=1.0, le=86400.0)] = 60.0
+    """How long an engine may leave its GET /health unanswered before the trainer takes it as hung: it kills the
+    engine and fails the attempt (EngineLost, naming the engine and what the trainer was doing), and the job's retry
+    resumes from the newest checkpoint. A hung engine is one that stopped (SIGSTOP) or accepts connections and never
+    answers; a busy one answers /health at once (SGLang counts any scheduler output as healthy, the reference engine
+    any work in progress). Default 60: twice the rollout manager's 30 s /health limit, which SGLang's own 20 s probe
+    sets. Raise it if an engine's scheduler is legitimately silent longer (a very long weight push on SGLang)."""
     sglang_build: SGLangBuild | None = None
     """The SGLang build the engines run, which decides the routes the trainer may use (docs/sglang_builds.md):
     0.5.23 (stock, the default for engine sglang) or sglang-miles-94949da7. With engine hf it starts the
@@ -285,8 +292,8 @@ class SyncSpec(CamelModel):
     log-probs less than that: set it lower (fp32 toy tests use 1e-4)."""
     served_bad_steps_to_fail: Annotated[int, Field(ge=1)] = 3
     """Stop the run (Failed, the message naming the gap, the threshold and the version) after this many
-    consecutive bad steps of the serving check; steps without a gap (async: rollouts of an older policy)
-    neither count nor reset."""
+    consecutive bad steps of the serving check (a multi-adapter job: of one adapter, counted over its own steps,
+    the message naming it); steps without a gap (async: rollouts of an older policy) neither count nor reset."""
 
 
 class CheckpointDType(StrEnum):

@@ -63,6 +63,9 @@ class ServingCheckProgress(CamelModel):
     """sync.servedLogpGapMax: a larger logpGapMax is a bad step."""
     bad_steps: Annotated[int, Field(ge=0)] | None = None
     """Consecutive bad steps so far (the run stops at sync.servedBadStepsToFail)."""
+    adapter: str | None = None
+    """Multi-adapter jobs: the adapter this check is of (version and step are its own); the job's status shows the
+    adapter with the most bad steps in a row (then the largest gap) of the last train call."""
 
 
 class CheckpointProgress(CamelModel):

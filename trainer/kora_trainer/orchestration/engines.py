@@ -117,6 +117,7 @@ class EngineProcess:
         if self.proc.poll() is not None:
             return
         self.proc.terminate()
+        self.proc.send_signal(signal.SIGCONT)  # a stopped (SIGSTOPped) engine acts on SIGTERM once continued
         try:
             self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

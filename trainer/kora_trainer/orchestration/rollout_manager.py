@@ -12,9 +12,13 @@ room (fewer than IN_FLIGHT calls): half an engine's share goes out at once and t
 engines free up first, so a slower or busier engine gets less. A call that fails for the engine's sake
 (no answer, a connection cut, a 5xx) takes that engine out for the step and its run goes to the others,
 each run at most once per engine; a refused request (4xx: it would be refused anywhere) or no engine left
-fails the step with a RolloutError naming each engine and why. `stats["engine_requests"]` says how many
-requests each engine answered, `stats["engines_out"]` which were taken out; `load` shows the step in
-progress (per engine: requests in flight, answered; requests not yet sent).
+fails the step with a RolloutError naming each engine and why. An engine that hangs (stopped, or wedged with its
+socket open) would hold its call for the client's whole timeout; its worker's hang watch kills it after
+rollout.engineHangSeconds instead, so the call fails and its run goes to the others — but the sync that follows
+must reach every engine (a member of the weight-update group, or fed in memory) and fails, so the attempt stops
+with EngineLost (engine_watch.py says why that, and not carrying on with fewer engines).
+`stats["engine_requests"]` says how many requests each engine answered, `stats["engines_out"]` which were taken
+out; `load` shows the step in progress (per engine: requests in flight, answered; requests not yet sent).
 
 Every sample is its own request: the prompt repeated, a prompt's samples adjacent (the GRPO group
 layout). SGLang's `n` is not used, because the `n` samples of one request share its `sampling_seed` and

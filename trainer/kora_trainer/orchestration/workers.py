@@ -15,6 +15,7 @@ from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.backends.grpo_step import StepMetrics
 from kora_trainer.backends.select import PolicyBackend
 from kora_trainer.config import DeploymentMode, TrainerConfig
+from kora_trainer.orchestration.engine_watch import EngineStatus, HangWatch
 from kora_trainer.orchestration.engines import EngineProcess
 from kora_trainer.orchestration.rollout_manager import Rollout
 from kora_trainer.sync.sender import SyncReport
@@ -141,6 +142,9 @@ class EngineWorker:
         # bound where the job's other nodes reach it (loopback on a one-node cluster); admin routes need the key
         self.engine = EngineProcess.start(cfg, Path(log_dir), threads=threads, index=index, host=node_address(),
                                           admin_api_key=admin_api_key)
+        # a hung engine (stopped, or wedged with its sockets open) is killed after engineHangSeconds, so the call
+        # in flight fails at once instead of waiting out its own timeout (engine_watch.py)
+        self.watch = HangWatch(self.engine.proc, self.engine.url, cfg.rollout.engine_hang_seconds)
 
     def node(self) -> str:
         """The Ray node this engine runs on (an SGLang build's in-memory hand-over needs trainer rank 0's)."""
@@ -154,11 +158,15 @@ class EngineWorker:
     def pid(self) -> int:
         return int(self.engine.proc.pid)
 
-    def exit_status(self) -> tuple[int | None, int, str]:
-        """(the engine's exit code, None while it runs; its pid; its log): engine_watch.py asks after a failure."""
-        return self.engine.proc.poll(), int(self.engine.proc.pid), str(self.engine.log_path)
+    def status(self, settle_s: float = 0.0) -> EngineStatus:
+        """The engine's exit code (None while it runs), pid, log, and whether its HangWatch killed it as hung, after
+        waiting up to `settle_s` for the watch's word: engine_watch.py asks after a failure."""
+        self.watch.settle(settle_s)
+        return EngineStatus(self.engine.proc.poll(), int(self.engine.proc.pid), str(self.engine.log_path),
+                            self.watch.hung)
 
     def stop(self) -> None:
+        self.watch.stop()
         self.engine.stop()
 
 

@@ -1,48 +1,84 @@
-"""Test-only fault: the engine SIGKILLs itself on the n-th call of a route (`KORA_ENGINE_FAULT_EXIT_AT`).
+"""Test-only faults: the engine SIGKILLs itself (`KORA_ENGINE_FAULT_EXIT_AT`) or hangs
+(`KORA_ENGINE_FAULT_HANG_AT`) on the n-th call of a route.
 
 `KORA_ENGINE_FAULT_EXIT_AT=/generate:3` kills the engine when its third /generate request arrives (after the
 request is read, before it is answered), `/kora/fast_sync/push:2` inside the second fast-path push (the trainer
-is broadcasting the bucket then), `/update_weights_from_distributed:1` inside the first HTTP-path one. The chaos
-tests use it to land an engine death exactly mid-generate or mid-sync, which a kill from outside cannot time on a
-60 ms call (tests/chaoskit.py). Like `KORA_ENGINE_FAULT_DROP_ADAPTER` (adapter_registry.py) it is never set in
-production; unset, nothing is counted.
+is broadcasting the bucket then), `/update_weights_from_distributed:1` inside the first HTTP-path one.
+`KORA_ENGINE_FAULT_HANG_AT=/generate:3:stop` makes it SIGSTOP itself there instead (alive, answering nothing),
+`...:wedge` block its event loop for good (running, its listening socket still accepting connections, never
+answering one): the two hangs orchestration/engine_watch.py's HangWatch must catch. A hang first writes
+`HANG_MARK` to the engine's stderr (its log), so a test can time it. The chaos tests use these to land a fault
+exactly mid-generate or mid-sync, which a signal from outside cannot time on a 60 ms call (tests/chaoskit.py).
+Like `KORA_ENGINE_FAULT_DROP_ADAPTER` (adapter_registry.py) they are never set in production; unset, nothing is
+counted.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
+import threading
 from collections import Counter
 from typing import Any
 
 from aiohttp import web
 
 EXIT_AT_ENV = "KORA_ENGINE_FAULT_EXIT_AT"
+HANG_AT_ENV = "KORA_ENGINE_FAULT_HANG_AT"
+HANGS = ("stop", "wedge")
+HANG_MARK = "kora engine fault: hanging"
 
 
-def parse_exit_at(spec: str | None) -> tuple[str, int] | None:
+def parse_exit_at(spec: str | None, env: str = EXIT_AT_ENV) -> tuple[str, int] | None:
     """'/route:n' -> ('/route', n); None when unset. A malformed value stops the engine at start, loudly."""
     if not spec:
         return None
     path, _, n = spec.rpartition(":")
     if not path.startswith("/") or not n.isdigit() or int(n) < 1:
-        raise ValueError(f"{EXIT_AT_ENV}={spec!r}: expected '/route:n' with n >= 1, e.g. /generate:3")
+        raise ValueError(f"{env}={spec!r}: expected '/route:n' with n >= 1, e.g. /generate:3")
     return path, int(n)
 
 
-class ExitAt:
-    """An aiohttp middleware that counts the calls of one route and SIGKILLs this process on the n-th."""
+def parse_hang_at(spec: str | None) -> tuple[str, int, str] | None:
+    """'/route:n:how' -> ('/route', n, how), how one of HANGS; None when unset."""
+    if not spec:
+        return None
+    at, _, how = spec.rpartition(":")
+    if how not in HANGS:
+        raise ValueError(f"{HANG_AT_ENV}={spec!r}: expected '/route:n:how' with how one of {HANGS}, e.g. "
+                         "/generate:3:stop")
+    path, n = parse_exit_at(at, HANG_AT_ENV) or ("", 0)
+    return path, n, how
 
-    def __init__(self, spec: str | None = None):
+
+class ExitAt:
+    """An aiohttp middleware that counts the calls of the faulted routes; on the n-th it SIGKILLs this process
+    (exit), or hangs it (stop / wedge)."""
+
+    def __init__(self, spec: str | None = None, hang: str | None = None):
         self.target = parse_exit_at(spec if spec is not None else os.environ.get(EXIT_AT_ENV))
+        self.hang = parse_hang_at(hang if hang is not None else os.environ.get(HANG_AT_ENV))
         self.calls: Counter[str] = Counter()
+
+    @property
+    def armed(self) -> bool:
+        return self.target is not None or self.hang is not None
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.target is not None and request.path == self.target[0]:
+        if request.path in {t[0] for t in (self.target, self.hang) if t is not None}:
             self.calls[request.path] += 1
-            if self.calls[request.path] == self.target[1]:
+            n = self.calls[request.path]
+            if self.target is not None and (request.path, n) == self.target:
                 await request.read()  # the caller has sent it all: the death lands inside the call
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.hang is not None and (request.path, n) == self.hang[:2]:
+                await request.read()
+                print(f"{HANG_MARK} ({self.hang[2]}) inside {request.path} call {n}", file=sys.stderr, flush=True)
+                if self.hang[2] == "stop":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:  # the event loop's own thread waits for ever: nothing is answered again
+                    threading.Event().wait()
         response: web.StreamResponse = await handler(request)
         return response

@@ -169,7 +169,7 @@ class HFEngineServer:
 
     def app(self) -> web.Application:
         middlewares = [self._auth, self._bad_requests]
-        if self.exit_at.target is not None:  # test-only (faults.py)
+        if self.exit_at.armed:  # test-only (faults.py)
             middlewares.insert(0, self.exit_at.middleware)
         if self.record.path is not None:  # test-only (record.py): outermost, so it sees every answer
             middlewares.insert(0, self.record.middleware)
