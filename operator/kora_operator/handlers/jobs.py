@@ -16,6 +16,7 @@ import kopf
 from kora_operator.api.job import GROUP, VERSION, RuntimeKind
 from kora_operator.builders.meta import JOB_LABEL, MANAGED_BY
 from kora_operator.handlers.adapter_sync import poll_deletion, reconcile_job
+from kora_operator.handlers.kopf_state import HandledSpecs, UnmarkedProgress
 from kora_operator.handlers.memory import AdapterIndex, KnownChildren
 from kora_operator.handlers.poller import Poller
 from kora_operator.handlers.reconcile import Context, forget, stop_ray_job
@@ -33,20 +34,21 @@ log = logging.getLogger("kora.handlers")
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # kopf's bookkeeping goes to annotations: the status belongs to the API (and to us), and
-    # status.kopf would be pruned by the structural schema anyway
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+    # kopf's bookkeeping writes nothing onto an object while its handlers succeed (handlers/kopf_state.py): its
+    # diff base is kept in memory and read back from status.observedGeneration after a restart, its retries go to
+    # annotations (the status belongs to the API and to us; status.kopf would be pruned by the schema anyway)
+    settings.persistence.progress_storage = UnmarkedProgress(prefix=GROUP)
+    settings.persistence.diffbase_storage = memo.handled = HandledSpecs()
     # only runtime-Ray jobs get it (see ray_job_deleted)
     settings.persistence.finalizer = FINALIZER
     # we post our own Events, one per transition; kopf's log-lines-as-events would double them
     settings.posting.enabled = False
     # handlers wait on API round trips, not on CPU: more in flight keep up with a burst (bench/operator_scale.py)
     settings.execution.max_workers = 48
-    # after its own patch kopf holds an object's next events until the patched version comes back through the
-    # watch. In a burst the watch lags more than kopf's 5 s: kopf then took the status write's event (older than
-    # its annotation patch) for a job never handled and ran the create handler again (1 in 3 jobs at 500)
+    # after a patch of its own (a retry's progress record, a finalizer) kopf holds an object's next events until
+    # the patched version comes back through the watch. In a burst the watch lags more than kopf's 5 s: kopf then
+    # took an event older than its patch for the object's current state (with its diff base in annotations that
+    # ran the create handler again for 1 job in 3 at 500)
     settings.persistence.consistency_timeout = 30.0
     # no watching of Namespaces and CRDs: the account needs no cluster-wide read rights, at the
     # price that CRDs (ours, KubeRay's) installed after the operator started need a restart
@@ -81,6 +83,13 @@ def job_created(namespace: str | None, name: str, memo: Any, reason: str, body: 
 @kopf.on.update(*JOBS, field="spec")
 def job_updated(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     reconcile_job(memo.ctx, str(namespace), name, trigger="update")
+
+
+@kopf.on.event(*JOBS)
+def job_event(type: str | None, uid: str | None, memo: Any, **_: Any) -> None:
+    handled: HandledSpecs | None = getattr(memo, "handled", None)
+    if type == "DELETED" and handled is not None and uid:
+        handled.forget(uid)  # kopf's diff base of a job that is gone
 
 
 # optional: no finalizer. Children carry ownerReferences, so the garbage collector removes them
