@@ -30,3 +30,14 @@ def test_the_adapter_index_follows_adds_and_deletes_per_namespace_and_job():
     index.seen("other", "c", "job", gone=True)
     assert index.of_job("ns", "job") == ["a"] and index.of_job("other", "job") == []
     assert index.of_job("ns", "nobody") == []
+
+
+def test_the_rayjob_version_a_status_was_derived_from_is_known_until_forgotten():
+    known = KnownChildren(recheck_s=30.0)
+    assert not known.derived_from("uid-a", "7")
+    known.derived("uid-a", "7")
+    assert known.derived_from("uid-a", "7")  # the echo of the create: nothing new to reconcile
+    assert not known.derived_from("uid-a", "8") and not known.derived_from("uid-a", None)
+    assert not known.derived_from("uid-b", "7")
+    known.forget("uid-a")  # its RayJob was deleted
+    assert not known.derived_from("uid-a", "7")
