@@ -72,12 +72,32 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
             poller.stop()
 
 
+@kopf.index("ray.io", "v1", "rayjobs", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+def ray_job_owners(body: kopf.Body, **_: Any) -> dict[str, None]:
+    """The uids of the jobs whose RayJob exists. kopf fills its indexes from its first listings before it calls
+    any other handler, so every resume after a restart finds its job's RayJob here, at no API call of its own."""
+    return {str(o["uid"]): None for o in body.metadata.get("ownerReferences", []) if o.get("kind") == "LoRATrainingJob"}
+
+
 @kopf.on.resume(*JOBS)
 @kopf.on.create(*JOBS)
-def job_created(namespace: str | None, name: str, memo: Any, reason: str, body: kopf.Body, **_: Any) -> None:
+def job_created(namespace: str | None, name: str, memo: Any, reason: str, body: kopf.Body, uid: str,
+                **kwargs: Any) -> None:
+    ctx: Context = memo.ctx
+    owners: kopf.Index[str, None] = kwargs["ray_job_owners"]  # kopf passes each index by its function's name
+    if reason == "resume" and ctx.children is not None and uid in owners:
+        # the RayJob is made last, after the ConfigMap, both Secrets and the NetworkPolicy (each made or the
+        # reconcile stops): the resume reads only the RayJob, as a reconcile does while children are known. One
+        # deleted while the operator was down comes back at the first reconcile after the recheck time, as one
+        # deleted while it runs; a RayJob at once (it is not in the index, so nothing is taken as known). Without
+        # this each resume checked every child: 5 calls a job after every restart, 2 of them Secret creates
+        # answering 409 (the operator may not read Secrets, nor list them).
+        ctx.children.remember_if_new(uid)
+        if ctx.children.derived_any(uid):
+            return  # its RayJob's event from kopf's first listing came first and has reconciled it since the start
     # a job being created is reconciled as kopf was handed it (reconcile.reconcile says why that is safe)
     given = copy.deepcopy(dict(body)) if reason == "create" else None
-    reconcile_job(memo.ctx, str(namespace), name, trigger=reason, body=given)
+    reconcile_job(ctx, str(namespace), name, trigger=reason, body=given)
 
 
 @kopf.on.update(*JOBS, field="spec")
@@ -143,4 +163,8 @@ def ray_job_changed(body: kopf.Body, namespace: str | None, memo: Any, type: str
             ctx.children.forget(str(owners[0].get("uid")))  # its reconcile makes the RayJob again
         reconcile_job(ctx, str(namespace), str(job), trigger="rayjob")
     else:  # the RayJob as watched: its reconcile need not read it again
+        if ctx.children is not None and owners:
+            # the same as a resume's (job_created): the RayJob of a job this process has not seen yet, most often
+            # from kopf's first listing, which may come before the job's resume
+            ctx.children.remember_if_new(str(owners[0].get("uid")))
         reconcile_job(ctx, str(namespace), str(job), trigger="rayjob", ray=copy.deepcopy(dict(body)))

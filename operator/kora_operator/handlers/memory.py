@@ -41,6 +41,12 @@ class KnownChildren:
         with self._lock:
             self._seen[uid] = self._clock()
 
+    def remember_if_new(self, uid: str) -> None:
+        """Remember a job this process has not seen before (its RayJob exists, and is made last: after a restart,
+        all its children were made); one already remembered keeps its time, so that its recheck still comes."""
+        with self._lock:
+            self._seen.setdefault(uid, self._clock())
+
     def forget(self, uid: str) -> None:
         with self._lock:
             self._seen.pop(uid, None)
@@ -50,6 +56,11 @@ class KnownChildren:
         """The job's status now reflects this resourceVersion of its RayJob."""
         with self._lock:
             self._ray_versions[uid] = ray_version
+
+    def derived_any(self, uid: str) -> bool:
+        """A reconcile in this process has derived the job's status from its RayJob."""
+        with self._lock:
+            return uid in self._ray_versions
 
     def derived_from(self, uid: str, ray_version: str | None) -> bool:
         with self._lock:
