@@ -7,6 +7,9 @@ age (a child deleted by a user is found missing again within `recheck_s`).
 - KnownChildren: per job uid, when every child was last seen or made. An event-driven reconcile of a job whose
   children were confirmed within `recheck_s` reads only its RayJob (for the status) instead of re-checking five
   objects (two of them Secrets the operator may create but not read: re-creating one costs a 409 each time).
+  After a restart a job whose RayJob exists (kopf's listing; the RayJob is made last) starts out known, so its
+  resume reads only the RayJob: a child deleted while the operator was down comes back at the first reconcile
+  after the recheck time.
   It also keeps which version of the job's RayJob its status was last derived from: the RayJob's watch event
   for that very version (the echo of the create that made it, or of the listing after a restart) then changes
   nothing and is not reconciled; any later version is, and a deleted RayJob forgets both.
