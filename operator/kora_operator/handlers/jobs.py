@@ -106,7 +106,8 @@ def job_updated(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
 
 
 @kopf.on.event(*JOBS)
-def job_event(type: str | None, uid: str | None, memo: Any, **_: Any) -> None:
+async def job_event(type: str | None, uid: str | None, memo: Any, **_: Any) -> None:
+    # async: it runs for every event of every job and never waits, so kopf need not hand it to a worker thread
     handled: HandledSpecs | None = getattr(memo, "handled", None)
     if type == "DELETED" and handled is not None and uid:
         handled.forget(uid)  # kopf's diff base of a job that is gone
