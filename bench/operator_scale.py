@@ -13,7 +13,8 @@ Prints: per-object latency from create to RayJob seen (p50/p99), time until all 
 operator's peak RSS and CPU seconds, the same for N RayJobs created directly (the floor), the ratios
 against issue 18's targets (all within 3x the floor's all-exist time, p99 within 3x it, RSS <= 250 MiB),
 and the API requests per job (the kube-apiserver's own apiserver_request_total, by verb and resource,
-counted from the first create until every job shows Pending). Writes bench/results/operator_scale_<date>.json.
+counted from the first create until every job shows Pending); then restarts the operator once over the N jobs and
+prints the requests per job its resume sweep made and how long it took. Writes bench/results/operator_scale_<date>.json.
 """
 
 from __future__ import annotations
@@ -162,6 +163,60 @@ def all_pending(api: Any, ns: str, n: int) -> bool:
     return sum((i.get("status") or {}).get("phase") == "Pending" for i in items) >= n
 
 
+def start_operator(args: argparse.Namespace, cluster: LocalCluster, mode: str) -> tuple[subprocess.Popen[bytes], float]:
+    """`kora operator` on the bench namespace, its log appended to --keep-logs (`mode` "wb" truncates it first);
+    returns it once live, and the seconds that took."""
+    liveness, metrics = free_ports(2)
+    Path(args.keep_logs).parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with open(args.keep_logs, mode) as log:
+        op = subprocess.Popen(
+            [str(KORA), "operator", "--namespace", "bench-operator", "--liveness",
+             f"http://127.0.0.1:{liveness}/healthz", "--metrics-port", str(metrics), "--metrics-address",
+             "127.0.0.1"], env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2).status == 200,
+             timeout=60, what="operator liveness")
+    return op, time.monotonic() - t0
+
+
+def stop_operator(op: subprocess.Popen[bytes]) -> None:
+    if op.poll() is None:
+        os.kill(op.pid, signal.SIGTERM)
+        try:
+            op.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.kill(op.pid, signal.SIGKILL)
+            op.wait()
+
+
+def restart(args: argparse.Namespace, cluster: LocalCluster, op: subprocess.Popen[bytes]
+            ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """Stop the operator and start it again over the N reconciled jobs: the API requests per job its resume sweep
+    makes (each job's resume, and each RayJob's event from kopf's first listing), and the seconds from its start
+    until it is live (kopf's own start, the anchor) and until both have run for every job (kopf's log says so)."""
+    stop_operator(op)
+    log = Path(args.keep_logs)
+    offset = log.stat().st_size
+    requests0, _ = api_requests(cluster)
+    t0 = time.monotonic()
+    op, live_s = start_operator(args, cluster, "ab")
+
+    def swept() -> bool:
+        with open(log, "rb") as fh:
+            fh.seek(offset)
+            text = fh.read().decode(errors="replace")
+        return (text.count("Resuming is processed") >= args.n
+                and text.count("Handler 'ray_job_changed' succeeded") >= args.n)
+
+    wait_for(swept, timeout=300, interval=0.05, what="every job resumed and every RayJob's first event handled")
+    all_s = time.monotonic() - t0
+    requests = api_requests(cluster)[0] - requests0
+    return op, {"live_s": round(live_s, 2), "all_resumed_s": round(all_s, 2),
+                "api_requests_per_job": round(sum(requests.values()) / args.n, 2),
+                "api_requests_per_job_by_kind": {k: round(v / args.n, 2) for k, v in sorted(requests.items())
+                                                 if v >= 0.05 * args.n}}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=500, help="jobs to create (default 500)")
@@ -205,15 +260,7 @@ def main() -> int:
         floor = run(api, "bench-direct", args.n, args.concurrency, direct)
         cpu_api_floor = cpu_s(apiserver) - api_cpu0
 
-        liveness, metrics = free_ports(2)
-        Path(args.keep_logs).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.keep_logs, "wb") as log:
-            op = subprocess.Popen(
-                [str(KORA), "operator", "--namespace", "bench-operator", "--liveness",
-                 f"http://127.0.0.1:{liveness}/healthz", "--metrics-port", str(metrics), "--metrics-address",
-                 "127.0.0.1"], env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2).status == 200,
-                 timeout=60, what="operator liveness")
+        op, _ = start_operator(args, cluster, "wb")
         rss_idle, cpu_idle = peak_rss_mib(op.pid), cpu_s(op.pid)
         api_cpu0, (requests0, ms0) = cpu_s(apiserver), api_requests(cluster)
 
@@ -233,19 +280,15 @@ def main() -> int:
         result = summary(args, ours, floor, rss_idle, rss_peak, {"operator": cpu_op, "kube_apiserver": cpu_api,
                                                                  "kube_apiserver_direct": cpu_api_floor},
                          requests - requests0, ms - ms0)
+        op, result["restart"] = restart(args, cluster, op)
         print(table(result))
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
             print(f"wrote {args.out}")
         return 0
     finally:
-        if op is not None and op.poll() is None:
-            os.kill(op.pid, signal.SIGTERM)
-            try:
-                op.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.kill(op.pid, signal.SIGKILL)
-                op.wait()
+        if op is not None:
+            stop_operator(op)
         cluster.stop()
         shutil.rmtree(state, ignore_errors=True)
 
@@ -299,6 +342,12 @@ def table(r: dict[str, Any]) -> str:
     rows[-1] += "  (and answer ms per job)"
     rows += [f"  {k:44}{v:>7.2f}{r['api_ms_per_job'].get(k, 0):>9.1f}"
              for k, v in r["api_requests_per_job"].items() if v >= 0.05]
+    if "restart" in r:
+        sweep = r["restart"]
+        rows.append(f"a restart over the {r['n']} jobs: live {sweep['live_s']:.2f} s, every job resumed "
+                    f"{sweep['all_resumed_s']:.2f} s after its start; {sweep['api_requests_per_job']:.2f} API requests "
+                    "per job:")
+        rows += [f"  {k:44}{v:>7.2f}" for k, v in sweep["api_requests_per_job_by_kind"].items()]
     return "\n".join(rows)
 
 

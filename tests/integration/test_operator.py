@@ -95,6 +95,19 @@ def test_each_sample_gets_exactly_its_configmap_secrets_policy_and_rayjob(cluste
         assert f"{obj['kind']} {obj['metadata']['name']}" in made, made
 
 
+def test_the_operator_writes_a_job_it_reconciles_through_its_status_only(cluster, ns, operator):
+    # the job's metadata is the user's: kopf's bookkeeping (its diff base, its handlers' progress) stays out of
+    # it while handlers succeed (handlers/kopf_state.py), and the status is written through /status
+    apply(cluster, valid_job("untouched"), ns)
+    wait_children(cluster, "untouched", ns)
+    wait_phase(cluster, "untouched", ns, "Pending")
+    meta = json.loads(cluster.kubectl("get", "ltj", "untouched", "-n", ns, "-o", "json",
+                                      "--show-managed-fields").stdout)["metadata"]
+    assert not [a for a in meta.get("annotations") or {} if a.startswith("kora.dev/")], meta.get("annotations")
+    writers = {(m["manager"], m.get("subresource", "")) for m in meta["managedFields"]}
+    assert {w for w in writers if not w[0].startswith("kubectl")} <= {(m, "status") for m, _ in writers}, writers
+
+
 def test_status_follows_the_rayjob_to_succeeded(cluster, ns, operator):
     apply(cluster, valid_job("happy", lora={"rank": 8, "syncMode": "Adapter"}), ns)
     rj = wait_children(cluster, "happy", ns)["RayJob"][0]["metadata"]["name"]

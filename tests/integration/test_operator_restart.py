@@ -13,8 +13,8 @@ import yaml
 from kubernetes import client, config, watch
 
 from localcluster import wait_for
-from operatorkit import Operator, all_children, children, install_crds
-from specs import valid_job
+from operatorkit import Operator, all_children, apply, children, get, install_crds, job_status
+from specs import set_path, valid_job
 
 N = 20
 LOGS = Path("/tmp/kora-logs")
@@ -78,5 +78,31 @@ def test_kill_mid_reconcile_then_restart_leaves_one_of_each(cluster, ns):
         for name, token in tokens_at_kill.items():
             assert tokens[name] == token, f"{name}'s token or key changed across the restart"
         print(f"killed with {at_kill} of {N} jobs' children created; converged after restart")
+    finally:
+        op.stop()
+
+
+def test_a_spec_changed_and_a_rayjob_deleted_while_the_operator_was_down_are_seen_when_it_starts(cluster, ns):
+    # the operator keeps kopf's record of what it handled in memory, not on the job: after a restart the job's
+    # status.observedGeneration says whether its spec was handled (handlers/kopf_state.py); and it takes a job's
+    # other children to exist only when its RayJob does (handlers/jobs.py ray_job_owners)
+    op = Operator(cluster, [ns], LOGS / f"operator-{ns}.log").start()
+    try:
+        for name in ("changed", "robbed"):
+            apply(cluster, valid_job(name), ns)
+        wait_for(lambda: all(job_status(cluster, n, ns).get("phase") == "Pending" for n in ("changed", "robbed")),
+                 timeout=60, interval=0.3, what="both jobs Pending")
+        rayjob = {n: children(cluster, n, ns)["RayJob"][0]["metadata"] for n in ("changed", "robbed")}
+        op.stop()
+        apply(cluster, set_path(valid_job("changed"), "suspend", True), ns)
+        cluster.kubectl("delete", "rayjob", rayjob["robbed"]["name"], "-n", ns)
+        op.start()
+        wait_for(lambda: (get(cluster, "rayjob", rayjob["changed"]["name"], ns) or {}).get("spec", {}).get("suspend"),
+                 timeout=60, interval=0.3, what="the suspend set while the operator was down on the RayJob")
+        wait_for(lambda: (r := get(cluster, "rayjob", rayjob["robbed"]["name"], ns))
+                 and r["metadata"]["uid"] != rayjob["robbed"]["uid"], timeout=60, interval=0.3,
+                 what="the RayJob deleted while the operator was down made again")
+        changed = get(cluster, "ltj", "changed", ns)
+        assert changed["status"]["observedGeneration"] == changed["metadata"]["generation"] == 2
     finally:
         op.stop()

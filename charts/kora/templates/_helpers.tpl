@@ -49,7 +49,8 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* The operator's rules, shared by the ClusterRole and the Role: nothing more than it uses. */}}
 {{- define "kora.rules" -}}
-# the jobs: watched; annotations patched by kopf (its progress); status written through /status
+# the jobs: watched; metadata patched by kopf (a retried handler's progress, a runtime-Ray job's finalizer); status
+# written through /status
 - apiGroups: ["kora.dev"]
   resources: ["loratrainingjobs"]
   verbs: ["get", "list", "watch", "patch"]

@@ -18,7 +18,11 @@ ADAPTERS = (GROUP, VERSION, "loraadapters")
 
 
 @kopf.on.event(*ADAPTERS)
-def adapter_seen(type: str | None, namespace: str | None, name: str, spec: kopf.Spec, memo: Any, **_: Any) -> None:
+def adapter_seen(type: str | None, namespace: str | None, name: str, spec: kopf.Spec, memo: Any,
+                 uid: str | None, **_: Any) -> None:
+    handled = getattr(memo, "handled", None)  # kopf's diff bases (handlers/kopf_state.py)
+    if type == "DELETED" and handled is not None and uid:
+        handled.forget(uid)
     # every event, the first listing's included: which adapters name which job (handlers/memory.AdapterIndex)
     index = getattr(getattr(memo, "ctx", None), "adapters", None)
     if index is not None and spec.get("jobName"):

@@ -16,6 +16,7 @@ import kopf
 from kora_operator.api.job import GROUP, VERSION, RuntimeKind
 from kora_operator.builders.meta import JOB_LABEL, MANAGED_BY
 from kora_operator.handlers.adapter_sync import poll_deletion, reconcile_job
+from kora_operator.handlers.kopf_state import HandledSpecs, UnmarkedProgress
 from kora_operator.handlers.memory import AdapterIndex, KnownChildren
 from kora_operator.handlers.poller import Poller
 from kora_operator.handlers.reconcile import Context, forget, stop_ray_job
@@ -33,20 +34,21 @@ log = logging.getLogger("kora.handlers")
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # kopf's bookkeeping goes to annotations: the status belongs to the API (and to us), and
-    # status.kopf would be pruned by the structural schema anyway
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+    # kopf's bookkeeping writes nothing onto an object while its handlers succeed (handlers/kopf_state.py): its
+    # diff base is kept in memory and read back from status.observedGeneration after a restart, its retries go to
+    # annotations (the status belongs to the API and to us; status.kopf would be pruned by the schema anyway)
+    settings.persistence.progress_storage = UnmarkedProgress(prefix=GROUP)
+    settings.persistence.diffbase_storage = memo.handled = HandledSpecs()
     # only runtime-Ray jobs get it (see ray_job_deleted)
     settings.persistence.finalizer = FINALIZER
     # we post our own Events, one per transition; kopf's log-lines-as-events would double them
     settings.posting.enabled = False
     # handlers wait on API round trips, not on CPU: more in flight keep up with a burst (bench/operator_scale.py)
     settings.execution.max_workers = 48
-    # after its own patch kopf holds an object's next events until the patched version comes back through the
-    # watch. In a burst the watch lags more than kopf's 5 s: kopf then took the status write's event (older than
-    # its annotation patch) for a job never handled and ran the create handler again (1 in 3 jobs at 500)
+    # after a patch of its own (a retry's progress record, a finalizer) kopf holds an object's next events until
+    # the patched version comes back through the watch. In a burst the watch lags more than kopf's 5 s: kopf then
+    # took an event older than its patch for the object's current state (with its diff base in annotations that
+    # ran the create handler again for 1 job in 3 at 500)
     settings.persistence.consistency_timeout = 30.0
     # no watching of Namespaces and CRDs: the account needs no cluster-wide read rights, at the
     # price that CRDs (ours, KubeRay's) installed after the operator started need a restart
@@ -70,17 +72,45 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
             poller.stop()
 
 
+@kopf.index("ray.io", "v1", "rayjobs", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
+def ray_job_owners(body: kopf.Body, **_: Any) -> dict[str, None]:
+    """The uids of the jobs whose RayJob exists. kopf fills its indexes from its first listings before it calls
+    any other handler, so every resume after a restart finds its job's RayJob here, at no API call of its own."""
+    return {str(o["uid"]): None for o in body.metadata.get("ownerReferences", []) if o.get("kind") == "LoRATrainingJob"}
+
+
 @kopf.on.resume(*JOBS)
 @kopf.on.create(*JOBS)
-def job_created(namespace: str | None, name: str, memo: Any, reason: str, body: kopf.Body, **_: Any) -> None:
+def job_created(namespace: str | None, name: str, memo: Any, reason: str, body: kopf.Body, uid: str,
+                **kwargs: Any) -> None:
+    ctx: Context = memo.ctx
+    owners: kopf.Index[str, None] = kwargs["ray_job_owners"]  # kopf passes each index by its function's name
+    if reason == "resume" and ctx.children is not None and uid in owners:
+        # the RayJob is made last, after the ConfigMap, both Secrets and the NetworkPolicy (each made or the
+        # reconcile stops): the resume reads only the RayJob, as a reconcile does while children are known. One
+        # deleted while the operator was down comes back at the first reconcile after the recheck time, as one
+        # deleted while it runs; a RayJob at once (it is not in the index, so nothing is taken as known). Without
+        # this each resume checked every child: 5 calls a job after every restart, 2 of them Secret creates
+        # answering 409 (the operator may not read Secrets, nor list them).
+        ctx.children.remember_if_new(uid)
+        if ctx.children.derived_any(uid):
+            return  # its RayJob's event from kopf's first listing came first and has reconciled it since the start
     # a job being created is reconciled as kopf was handed it (reconcile.reconcile says why that is safe)
     given = copy.deepcopy(dict(body)) if reason == "create" else None
-    reconcile_job(memo.ctx, str(namespace), name, trigger=reason, body=given)
+    reconcile_job(ctx, str(namespace), name, trigger=reason, body=given)
 
 
 @kopf.on.update(*JOBS, field="spec")
 def job_updated(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
     reconcile_job(memo.ctx, str(namespace), name, trigger="update")
+
+
+@kopf.on.event(*JOBS)
+async def job_event(type: str | None, uid: str | None, memo: Any, **_: Any) -> None:
+    # async: it runs for every event of every job and never waits, so kopf need not hand it to a worker thread
+    handled: HandledSpecs | None = getattr(memo, "handled", None)
+    if type == "DELETED" and handled is not None and uid:
+        handled.forget(uid)  # kopf's diff base of a job that is gone
 
 
 # optional: no finalizer. Children carry ownerReferences, so the garbage collector removes them
@@ -134,4 +164,8 @@ def ray_job_changed(body: kopf.Body, namespace: str | None, memo: Any, type: str
             ctx.children.forget(str(owners[0].get("uid")))  # its reconcile makes the RayJob again
         reconcile_job(ctx, str(namespace), str(job), trigger="rayjob")
     else:  # the RayJob as watched: its reconcile need not read it again
+        if ctx.children is not None and owners:
+            # the same as a resume's (job_created): the RayJob of a job this process has not seen yet, most often
+            # from kopf's first listing, which may come before the job's resume
+            ctx.children.remember_if_new(str(owners[0].get("uid")))
         reconcile_job(ctx, str(namespace), str(job), trigger="rayjob", ray=copy.deepcopy(dict(body)))

@@ -3,7 +3,8 @@ to look at (a running trainer's /status; a runtime-Ray job's state in the Ray Jo
 
 Not a kopf timer on purpose: kopf puts a finalizer on every object a timer serves, so a KubeRay job
 could not be deleted while the operator is down. The set of watched jobs is in memory; reconcile
-keeps it (after a restart kopf's resume handler reconciles every job, which fills it again).
+keeps it (after a restart every job is reconciled again, by kopf's resume handler or its RayJob's event from
+kopf's first listing, which fills it again).
 """
 
 from __future__ import annotations

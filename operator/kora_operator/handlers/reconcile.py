@@ -118,13 +118,17 @@ def forget(ctx: Context | None, ns: str, name: str, uid: str | None = None) -> N
 
 def reconcile(ctx: Context, ns: str, name: str, trigger: str, body: dict[str, Any] | None = None,
               ray: dict[str, Any] | None = None) -> JobView | None:
-    """Reconcile one job; return how it stands now (None: gone or being deleted).
+    """Reconcile one job; return how it stands now (None: gone or being deleted, or nothing to do).
 
     `body`: the job as kopf's create handler was handed it, just listed or watched. A job being created has had
     no reconcile that could have changed it since (none finished: kopf calls create until one does), so it is
     not read again, and its children are created without asking first whether they exist. `ray`: its RayJob as
-    a watch event just showed it, used instead of reading it when the children are known to exist."""
+    a watch event just showed it, used instead of reading it when the children are known to exist; nothing is
+    done when the job's status was derived from this very version of it (the echo of the create that made it:
+    in a burst its event waits here, on the lock, while that reconcile finishes)."""
     with observe_reconcile(trigger), _lock(ns, name):
+        if ray is not None and ctx.children is not None and _status_reflects(ctx.children, ray):
+            return None
         body = body if body is not None else ctx.kube.get_job(ns, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             if ctx.poller is not None:
@@ -137,6 +141,12 @@ def reconcile(ctx: Context, ns: str, name: str, trigger: str, body: dict[str, An
             else:
                 ctx.poller.unwatch(ns, name)
         return view
+
+
+def _status_reflects(children: KnownChildren, ray: Mapping[str, Any]) -> bool:
+    meta = ray.get("metadata") or {}
+    owners = [o for o in meta.get("ownerReferences") or [] if o.get("kind") == "LoRATrainingJob"]
+    return bool(owners) and children.derived_from(str(owners[0].get("uid")), meta.get("resourceVersion"))
 
 
 def job_view(ctx: Context, ns: str, name: str) -> JobView | None:
@@ -232,6 +242,7 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False, create_fi
     status["conditions"] = set_condition(
         current.get("conditions") or [], Cond(ConditionType.VALIDATED, "True", Reason.VALIDATED,
                                              "the spec passed every rule"), generation, now)
+    ray_version = None  # of the RayJob the status is derived from (runtime KubeRay)
     if job.spec.runtime.kind is RuntimeKind.RAY:
         if not poll:
             _ensure_children(ctx, body, job, create_first)  # the ConfigMap (the rendered config), the Secret
@@ -243,6 +254,7 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False, create_fi
         else:
             ray = _ensure_children(ctx, body, job, create_first, ray)
         ray_status = ray.get("status") if ray else None
+        ray_version = ((ray or {}).get("metadata") or {}).get("resourceVersion")
         new = next_status(status, observe(ray_name, ray_status, job.spec.suspend), ray_status,
                           ray_name=ray_name, generation=generation, now=now)
         url = kuberay.control_url(new, meta["namespace"]) if ctx.settings.kuberay_progress else None
@@ -254,6 +266,8 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False, create_fi
         new, runs, error = _with_progress(ctx, body, job, new, url, now)
         trainer = {"url": url, "runs": runs, "error": error}
     _write(kube, body, current, new)
+    if ray_version and ctx.children is not None:
+        ctx.children.derived(str(meta["uid"]), str(ray_version))
     return view.with_status(new, **trainer)
 
 
