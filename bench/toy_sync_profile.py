@@ -29,11 +29,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILER = REPO / "bench" / "sync_profile"
-sys.path[:0] = [str(REPO / "trainer"), str(PROFILER)]
+sys.path[:0] = [str(REPO / "trainer"), str(REPO / "tests"), str(PROFILER)]
 
-# the toy tests' small steps (tests/trainkit.TINY) and the GPU tests' megatron settings (tests/gpu/test_train_megatron)
-TINY = ["algorithm.rolloutBatchSize=8", "algorithm.nSamplesPerPrompt=4", "algorithm.globalBatchSize=16",
-        "sync.bufferSize=256Ki", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit"]
+from trainkit import TINY  # noqa: E402 (the toy tests' small steps; after the path above)
+
+# the GPU tests' megatron settings (tests/gpu/test_train_megatron.MEGATRON: a test module, not imported)
 MEGATRON = ["backend=megatron", "deployment.async=false", "rollout.gpusPerEngine=1", "sync.deltaSkipThreshold=0"]
 
 

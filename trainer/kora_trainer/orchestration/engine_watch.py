@@ -144,8 +144,7 @@ def dead_engines(engines: list[Any], urls: list[str], settle_s: float = 0.0) -> 
             dead.append(f"engine {i} ({urls[i]}): its Ray worker is gone ({type(e).__name__})")
             continue
         if st.hung:
-            dead.append(f"engine {i} (pid {st.pid}, {urls[i]}) {st.hung}; its "
-                        f"log: {st.log}")
+            dead.append(f"engine {i} (pid {st.pid}, {urls[i]}) {st.hung}; its log: {st.log}")
         elif st.code is not None:
             dead.append(f"engine {i} (pid {st.pid}, {urls[i]}) exited with {exit_words(st.code)}; its log: {st.log}")
     return dead
