@@ -74,13 +74,19 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
         assert [c["path"] for c in recorded_calls(record)[before:]] == [
             "/kora/colocated/push" if mode == "Adapter" else "/kora/colocated/checksum"]
         # where the push's time went: the parts add up to its time; the verification is reported beside it
-        parts = {"Merge": {"decide", "lock", "write", "ack"}, "EngineMerge": {"decide", "engine", "engine_spent"},
+        engine_own = {"engine_spent", "engine_wake", "engine_lock", "engine_launch", "engine_launch_cpu",
+                      "engine_wait", "engine_after", "ack_notice"}  # inside "engine"
+        parts = {"Merge": {"decide", "lock", "write", "ack"}, "EngineMerge": {"decide", "engine"} | engine_own,
                  "Adapter": {"decide", "ring"}}[mode]
         assert set(first.phases) == parts | {"verify_ms"}, first.phases
-        assert sum(v for k, v in first.phases.items() if k not in ("verify_ms", "engine_spent")) \
+        assert sum(v for k, v in first.phases.items() if k not in engine_own | {"verify_ms"}) \
             == pytest.approx(first.ms, abs=0.05)
         if mode == "EngineMerge":
-            assert 0 < first.phases["engine_spent"] <= first.phases["engine"]
+            p = first.phases
+            moments = ["engine_wake", "engine_lock", "engine_launch", "engine_wait", "engine_after", "ack_notice"]
+            assert min(p[m] for m in moments) >= 0  # one clock for both processes: the moments are in order
+            assert sum(p[m] for m in moments) == pytest.approx(p["engine"], abs=0.05)
+            assert 0 < p["engine_launch_cpu"] <= p["engine_launch"] + p["engine_lock"] + 0.01  # CPU within wall
         steady_state_pushes(sender, b, client, record, (3, 4, 5), lora_path(mode), ATOL)
         skipped = sender.sync(version=6)  # delta-skip: Merge asked for the lock and gave it back unused
         assert not skipped.pushed and skipped.adapter_version == 5

@@ -111,6 +111,7 @@ class _Plan:
     rung: int = -1  # Adapter: the doorbell value last published
     merge: tuple[float, int, bool] | None = None  # EngineMerge: lora_alpha, lora_rank, merge_fp32
     folds: dict[int, Any] = field(default_factory=dict)  # EngineMerge: each slot's planned fold (model.PlannedMerge)
+    marks: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)  # ... and the CUDA events timing it
     packed: PackedChecksum | None = None
     lora_name: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -305,11 +306,13 @@ class ColocatedRoutes:
         self.fold_slot(slot, None if b.get("weight_version") is None else str(b["weight_version"]))
         return self._checksum({**b, "slot": slot})
 
-    def fold_slot(self, slot: int, version: str | None) -> float | None:
+    def fold_slot(self, slot: int, version: str | None, lap: Callable[[str], None] | None = None) -> float | None:
         """The pairs the trainer wrote into ring slot `slot`, folded into the pristine base (the HTTP lora_merge's
         fold, as one weight write) and the version set, both under the weight lock: a generation admitted after
         it sees the new weights and reports the new version. Returns the fold's device time (ms, CUDA events) on
-        a GPU, else None: the push's report tells the fold from the waking, locking and synchronising around it."""
+        a GPU, else None: the push's report tells the fold from the waking, locking and synchronising around it.
+        `lap("locked")`, `lap("launched")` and `lap("synced")` mark the lock held, the fold enqueued and done (the
+        handshake's words)."""
         plan = self._planned("EngineMerge")
         ring, merge = plan.ring, plan.merge
         assert ring is not None and merge is not None
@@ -322,14 +325,22 @@ class ColocatedRoutes:
             pairs = {m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}
             fold = plan.folds[slot] = engine.planned_merge(pairs, alpha, rank, fp32)
         cuda = engine.device.type == "cuda"
-        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+        if cuda and slot not in plan.marks:  # made once: a push's host time is on its critical path
+            plan.marks[slot] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        marks = plan.marks.get(slot, [])
         with engine.writing():
+            if lap is not None:
+                lap("locked")
             if cuda:
                 marks[0].record()
             fold.run()
+            if lap is not None:
+                lap("launched")
             if cuda:
                 marks[1].record()
                 torch.cuda.synchronize(engine.device)  # whole before the version names it (and the slot is free)
+            if lap is not None:
+                lap("synced")
             if version is not None:
                 engine.weight_version = version
         return marks[0].elapsed_time(marks[1]) if cuda else None

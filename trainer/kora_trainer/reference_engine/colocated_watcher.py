@@ -36,12 +36,19 @@ from kora_trainer.wire.colocated_words import (
     ERR_FAILED,
     ERR_TORN,
     GRANT,
+    LAUNCH_CPU,
     POLL_S,
     REQ,
     SPENT,
+    T_ACK,
+    T_LAUNCHED,
+    T_LOCKED,
+    T_SEEN,
+    T_SYNCED,
     WORK,
     Wake,
     Words,
+    now_us,
 )
 from kora_trainer.wire.fast_receive import doorbell_parts
 
@@ -72,7 +79,9 @@ class Watcher:
                 self.wake.unlink()  # the trainer opened it at plan time, before its first request
             seen = n
             t0 = time.perf_counter()
-            self.words[WORK] = 0
+            for word in (WORK, T_LOCKED, T_LAUNCHED, T_SYNCED, LAUNCH_CPU):
+                self.words[word] = 0
+            self.words[T_SEEN] = now_us()
             try:
                 ack = self.handle(n)
             except Exception:
@@ -80,6 +89,7 @@ class Watcher:
                 self.words[ERR] = ERR_FAILED
                 ack = -n
             self.words[SPENT] = round((time.perf_counter() - t0) * 1e6)
+            self.words[T_ACK] = now_us()
             self.words[ACK] = ack
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -128,13 +138,25 @@ class MergeHandshake:
         return True
 
 
-def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str], float | None]) -> Callable[[int], int]:
-    """An EngineMerge push: fold the slot the request names (WORK: the fold's device time), then ACK (see the
-    module docstring)."""
+Lap = Callable[[str], None]  # fold_slot's marks inside the fold: "locked", "launched", "synced"
+LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
+
+
+def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str, Lap], float | None]
+                           ) -> Callable[[int], int]:
+    """An EngineMerge push: fold the slot the request names (WORK: the fold's device time; T_LOCKED, T_LAUNCHED,
+    T_SYNCED and LAUNCH_CPU: where the time around it went), then ACK (see the module docstring)."""
 
     def handle(n: int) -> int:
+        c0 = time.thread_time()
+
+        def lap(name: str) -> None:
+            words[LAPS[name]] = now_us()
+            if name == "launched":
+                words[LAUNCH_CPU] = round((time.thread_time() - c0) * 1e6)
+
         version, slot = doorbell_parts(words[ARG])
-        fold_ms = fold_slot(slot, str(version))
+        fold_ms = fold_slot(slot, str(version), lap)
         if fold_ms is not None:
             words[WORK] = round(fold_ms * 1000)
         return n

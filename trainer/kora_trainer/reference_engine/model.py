@@ -183,6 +183,7 @@ class EngineModel:
         self._cache_kw = "cache" if "cache" in forward_args else "past_key_values"
         self._keep_kw = "logits_to_keep" in forward_args
         self._pristine: dict[str, torch.Tensor] = {}  # base W0 of weights a lora_merge has changed
+        self._pristine_dropped = 0  # how many times a base was dropped (a PlannedMerge over older bases re-plans)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -496,13 +497,17 @@ class EngineModel:
                 if tuple(p.shape) != tuple(tensor.shape):
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match the model's {tuple(p.shape)}")
                 p.copy_(tensor.to(device=p.device, dtype=p.dtype))
-                self._pristine.pop(fused_parent(name) or name, None)
+                self._drop_pristine(name)
 
     def weights_replaced(self, names: list[str]) -> None:
         """Full weights a caller wrote in place (kora's fast sync, inside `writing()`): the new pristine base for
         lora_merge, as after `load_weights`."""
         for name in names:
-            self._pristine.pop(fused_parent(name) or name, None)
+            self._drop_pristine(name)
+
+    def _drop_pristine(self, name: str) -> None:
+        if self._pristine.pop(fused_parent(name) or name, None) is not None:
+            self._pristine_dropped += 1
 
     def _merge_targets(self, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]], rank: int
                        ) -> dict[str, ParamTarget]:
@@ -582,9 +587,11 @@ class PlannedMerge:
 
     def __init__(self, engine: EngineModel, run: Callable[[], None], bases: dict[str, torch.Tensor]):
         self.engine, self.run, self.bases = engine, run, bases
+        self.dropped = engine._pristine_dropped
 
     def current(self) -> bool:
-        return all(self.engine._pristine.get(n) is w0 for n, w0 in self.bases.items())
+        """No base dropped since the plan (one comparison per push: a push's host time is on its critical path)."""
+        return self.engine._pristine_dropped == self.dropped
 
     def __call__(self) -> None:
         with self.engine.writing():

@@ -29,15 +29,17 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
   or a failure stores DONE -n: the lock back, nothing changed. An engine that does not answer within the
   transport's timeout fails the sync with a SyncError naming it and the word it did not write; a write that
   outlives its lease (the same timeout) is taken as torn by the engine and refused here.
-- The delta decision (`FlatDelta`) is enqueued first and read after the push's own synchronise (Adapter,
-  EngineMerge: the slot is packed before the decision: it is the slot the ring reuses next, read by nobody) or
-  while the engine takes its lock (Merge): no host read of its own on the push's critical path. On a GPU with
-  data 1 the decision and the slot's gather are one captured CUDA graph per ring slot (`_capture_decide`).
+- The delta decision is enqueued first and read after the push's own synchronise (Adapter, EngineMerge: the slot
+  is packed before the decision: it is the slot the ring reuses next, read by nobody) or while the engine takes
+  its lock (Merge): no host read of its own on the push's critical path. With one trainer rank, Adapter and
+  EngineMerge decide in the gather's own pass against the slot pushed before (`_plan_decide`; else `FlatDelta`),
+  and on a GPU the decision and the slot's gather are one captured CUDA graph per ring slot (`_capture_decide`).
 
 Where a push's time goes (`SyncReport.phases`, ms): `decide` (the delta decision; Adapter and EngineMerge: with the
 slot's gather and its synchronise), then Adapter `ring` (the doorbell store); EngineMerge `engine` (REQ stored to
 every ACK seen) of which `engine_spent` is engine 0's own account (the SPENT word: its fold, synchronise and
-version) and `engine_fold` the fold's device time there (the WORK word, on a GPU); Merge `lock` (to every
+version) and `engine_fold` the fold's device time there (the WORK word, on a GPU), and the moments in between
+(`_engine_laps`); Merge `lock` (to every
 GRANT), `write` (the fold and copies into the mapped weights, synchronised) and `ack` (DONE to every ACK).
 `verify_ms`: a verified push's checksum call, after the engines serve the push, and outside the push's `ms` (its
 hashing is left out of both, as on the HTTP path).
@@ -57,6 +59,7 @@ from typing import Any
 import torch
 
 from kora_trainer.config import SyncMode
+from kora_trainer.kernels.gather_delta import gather, gather_max_delta, runs_of
 from kora_trainer.sync.colocated import ColocatedMerge
 from kora_trainer.sync.fast import FoldEntry, PlainEntry
 from kora_trainer.sync.fast_adapter import AdapterPack, FlatDelta, flatten_parameters
@@ -71,11 +74,18 @@ from kora_trainer.wire.colocated_words import (
     ERR,
     ERRORS,
     GRANT,
+    LAUNCH_CPU,
     REQ,
     SPENT,
+    T_ACK,
+    T_LAUNCHED,
+    T_LOCKED,
+    T_SEEN,
+    T_SYNCED,
     WORK,
     Waker,
     Words,
+    now_us,
     wait_word,
 )
 from kora_trainer.wire.engine_client import EngineClient, EngineError
@@ -115,6 +125,9 @@ class ColocatedFastSender(FastWeightSender):
         self.laps: dict[str, float] = {}  # this push's phases (ms), see the module docstring
         # ring slot k (-1: Merge) -> the captured decision (and gather) and the number it leaves (_capture_decide)
         self.decide_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # ... compared with the previous ring slot in the gather's own pass: (row starts, run, engine 0's slots)
+        self.fused_decide: tuple[torch.Tensor, int, list[torch.Tensor]] | None = None
+        self.number = torch.zeros(1)  # ... the number the fused decision leaves (on the adapter's device)
         self.lap_t = 0.0
 
     # ---- the plan, once -----------------------------------------------------------------------------------
@@ -181,9 +194,9 @@ class ColocatedFastSender(FastWeightSender):
             return self._off(f"the engine's memory: {e}")
         self.flat, self.delta = flat, FlatDelta(flat)
         self.delta.mark_pushed(flat)  # what the HTTP push just sent
-        self.delta.local_max(flat)  # the decision's kernels load now (lazily loaded, ~45 ms on a GPU), not in a push
+        self.delta.local_max(flat)  # the decision's kernels load now (compiled on first use), not in a push
         self._sync_device()
-        self._capture_decide()
+        self._plan_decide()
         self.active = True
         scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
         slow = sorted({w.problem for w in self.wakers if w.problem})  # the engine then reads the words on its poll
@@ -255,9 +268,11 @@ class ColocatedFastSender(FastWeightSender):
         if self.merges:
             self._merge(version, n)
         elif self.mode is SyncMode.ENGINE_MERGE:
+            asked = now_us()
             self._store(ARG, doorbell_value(version, slot), REQ, n)
             self._acks(n, f"folding ring slot {slot} as version {version}")
             self._lap("engine")
+            self._engine_laps(asked, now_us())
             self.laps["engine_spent"] = self.words[0][SPENT] / 1000
             if self.words[0][WORK]:
                 self.laps["engine_fold"] = self.words[0][WORK] / 1000
@@ -269,7 +284,8 @@ class ColocatedFastSender(FastWeightSender):
         if verify:  # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest
             self._lap("verify_ms")
             self.laps["verify_ms"] -= max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
-        self.delta.mark_pushed(self.flat)
+        if self.fused_decide is None:  # fused: the slot just pushed is the record (`_plan_decide`)
+            self.delta.mark_pushed(self.flat)
         self.pushes += 1
         self.engine_version = version
         digest = self._digest(verify, full)
@@ -282,6 +298,20 @@ class ColocatedFastSender(FastWeightSender):
         return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=nbytes, ms=round(ms, 2),
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what=self._what(), path="fast", phases=dict(self.laps))
+
+    def _engine_laps(self, asked: int, answered: int) -> None:
+        """Engine 0's EngineMerge push, moment by moment (the T_ words, one clock for both processes): from the
+        request's store to its watcher reading it (`engine_wake`), its weight lock held (`engine_lock`), the fold
+        enqueued (`engine_launch`, of which `engine_launch_cpu` the thread's CPU), done on the device
+        (`engine_wait`), the ACK stored (`engine_after`), and the ACK seen here (`ack_notice`)."""
+        w = self.words[0]
+        marks = [asked, w[T_SEEN], w[T_LOCKED], w[T_LAUNCHED], w[T_SYNCED], w[T_ACK], answered]
+        if not all(marks):
+            return
+        names = ["engine_wake", "engine_lock", "engine_launch", "engine_wait", "engine_after", "ack_notice"]
+        for name, a, b in zip(names, marks, marks[1:], strict=False):
+            self.laps[name] = (b - a) / 1000
+        self.laps["engine_launch_cpu"] = w[LAUNCH_CPU] / 1000
 
     def _decide(self, n: int) -> tuple[bool, float, int]:
         """The delta decision (push?, max delta) and the ring slot packed (-1: Merge), with no host read of its own:
@@ -296,8 +326,10 @@ class ColocatedFastSender(FastWeightSender):
             if captured is not None:
                 graph, pending = captured
                 graph.replay()
-                if slot >= 0:
-                    self._sync_device()  # the slot whole before the engine is told
+                self._sync_device()  # the number in pinned memory, the slot whole before the engine is told
+            elif slot >= 0 and self.fused_decide is not None:
+                pending = self._fused_decide(slot)
+                self._sync_device()
             else:
                 pending = self.delta.pending(self.flat, self.http.trainer_group)
                 if slot >= 0:
@@ -385,30 +417,61 @@ class ColocatedFastSender(FastWeightSender):
             self.pack.pack_into(ring[k])
         self._sync_device()
 
-    def _capture_decide(self) -> None:
-        """On a GPU, with no trainer group to all-reduce the decision over: the delta decision's number and
-        (Adapter, EngineMerge) the gather into ring slot k, captured once per slot as one CUDA graph, so the host
-        work of a push before the handshake is one replay, one synchronise and one read. Launched op by op from
-        the trainer's actor, those few kernels cost several times their device time in host time. The graphs
-        read the flat adapter, the last pushed copy and the ring slots, all at fixed addresses from here on."""
+    def _plan_decide(self) -> None:
+        """With one trainer rank (no group to all-reduce the number over), Adapter and EngineMerge decide in the
+        slot's gather's own pass (kernels/gather_delta.py): slot k is compared element by element with the slot
+        pushed before it, which holds exactly what the engines were last given (the HTTP push's adapter is
+        gathered into it here), so no copy of the last push is kept or updated. Then, on a GPU, `_capture_decide`."""
         group = self.http.trainer_group
-        assert self.flat is not None and self.delta is not None
-        if not self.flat.is_cuda or (group is not None and group.world_size > 1):
+        assert self.flat is not None
+        if group is not None and group.world_size > 1:
             return
-        device = self.flat.device
-        if self.pack is not None:  # the gather's kernel loaded outside the capture (into the pack's own buffer)
-            self.pack.pack()
+        pack, flat = self.pack, self.flat
+        self.number = torch.zeros(1, dtype=torch.float32, device=flat.device)
+        if pack is not None and pack.tp is None and pack.flat is not None and self.adapter_slots > 1 and self.slots \
+                and pack.flat.data_ptr() == flat.data_ptr() and pack.flat.numel() == flat.numel():
+            starts, run = runs_of(pack.index)
+            views = [pack.view_of(s) for s in self.slots[0]]
+            gather(flat, starts, views[(self.pushes - 1) % len(views)], run)  # the slot pushed last: what is served
+            gather_max_delta(flat, starts, views[0], self.number, pack.out, run)  # compiled now, not in a push
+            self.fused_decide = (starts, run, views)  # a captured graph reads the index: it lives as long as they do
+        if flat.is_cuda:
+            self._capture_decide()
+
+    def _fused_decide(self, k: int) -> torch.Tensor:
+        """Slot k gathered (every engine's) and the number against the slot pushed before it, enqueued."""
+        assert self.fused_decide is not None and self.flat is not None and self.pack is not None
+        starts, run, views = self.fused_decide
+        gather_max_delta(self.flat, starts, views[(k - 1) % len(views)], self.number, views[k], run)
+        for ring in self.slots[1:]:
+            self.pack.pack_into(ring[k])
+        return self.number
+
+    def _capture_decide(self) -> None:
+        """On a GPU: the delta decision's number and (Adapter, EngineMerge) the gather into ring slot k, captured
+        once per slot as one CUDA graph, so the host work of a push before the handshake is one replay, one
+        synchronise and one read of pinned memory. Launched op by op from the trainer's actor, those few kernels
+        cost several times their device time in host time. The graphs read the flat adapter and the ring slots,
+        all at fixed addresses from here on."""
+        assert self.flat is not None and self.delta is not None
+        device, pack = self.flat.device, self.pack
+        if pack is not None:  # the gather's kernel loaded outside the capture (into the pack's own buffer)
+            pack.pack()
         torch.cuda.synchronize(device)
         pool = torch.cuda.graph_pool_handle()  # one pool: the graphs are replayed one at a time
         for k in [-1] if self.merges else range(self.adapter_slots):
             graph = torch.cuda.CUDAGraph()
+            host = torch.zeros(1, dtype=torch.float32, pin_memory=True)  # read after the synchronise, no copy call
             with torch.cuda.graph(graph, pool=pool):
-                number = self.delta.local_max(self.flat).double()
-                if k >= 0:
-                    assert self.pack is not None
-                    for ring in self.slots:
-                        self.pack.pack_into(ring[k])
-            self.decide_graphs[k] = (graph, number)
+                if k >= 0 and self.fused_decide is not None:
+                    number = self._fused_decide(k)
+                else:
+                    number = self.delta.local_max(self.flat)
+                    for ring in self.slots if k >= 0 else []:
+                        assert pack is not None
+                        pack.pack_into(ring[k])
+                host.copy_(number, non_blocking=True)
+            self.decide_graphs[k] = (graph, host)
         torch.cuda.synchronize(device)
 
     def _ring(self, version: int, k: int) -> None:
@@ -435,6 +498,6 @@ class ColocatedFastSender(FastWeightSender):
         return checksum((name, dst[name]) for name in self.names[full])
 
     def close(self) -> None:
-        self.decide_graphs = {}
+        self.decide_graphs, self.fused_decide = {}, None
         self._close_wakers()
         super().close()

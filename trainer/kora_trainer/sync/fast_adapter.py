@@ -8,10 +8,10 @@ the delta-skip with one fused max-abs-diff and one all-reduce of one number (`de
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
 
 import torch
 
+from kora_trainer.kernels.gather_delta import gather, gather_max_delta
 from kora_trainer.sync.fast import GatherSpec
 from kora_trainer.wire.fast_receive import nbytes
 from kora_trainer.wire.group import WeightUpdateGroup
@@ -144,6 +144,13 @@ class AdapterPack:
             torch.index_select(src, 0, self.index, out=self.out)
         return self.out.view(torch.uint8)
 
+    def view_of(self, dst: torch.Tensor) -> torch.Tensor:
+        """The adapter's elements at the start of `dst` (uint8, at least the adapter's bytes: a ring slot)."""
+        n = self.out.numel() * self.out.element_size()
+        if dst.dtype != torch.uint8 or dst.numel() < n:
+            raise ValueError(f"pack_into: need a uint8 buffer of at least {n} bytes")
+        return dst[:n].view(self.dtype)
+
     def pack_into(self, dst: torch.Tensor | None) -> None:
         """The gather straight into `dst` (uint8, at least the adapter's bytes): e.g. an engine's `AdapterRing`
         slot mapped through CUDA IPC (colocated). Enqueued on the current stream; synchronise before telling
@@ -151,10 +158,9 @@ class AdapterPack:
         src = self.source()
         if not self.leader:
             return
-        n = self.out.numel() * self.out.element_size()
-        if dst is None or dst.dtype != torch.uint8 or dst.numel() < n:
-            raise ValueError(f"pack_into: need a uint8 buffer of at least {n} bytes")
-        torch.index_select(src, 0, self.index, out=dst[:n].view(self.dtype))
+        if dst is None:
+            raise ValueError("pack_into: TP rank 0 needs the buffer to write")
+        torch.index_select(src, 0, self.index, out=self.view_of(dst))
 
     def push(self, group: WeightUpdateGroup | None) -> None:
         """Pack and broadcast over `group` (TP ranks other than 0: None, they only send their shards)."""
@@ -172,19 +178,20 @@ class AdapterPack:
 
 
 class FlatDelta:
-    """Delta-skip on the flat adapter: max |now − last pushed| in one reduction over the whole adapter (exact
-    fp32 differences), MAX-all-reduced over the trainer's group (one number), one host read."""
+    """Delta-skip on the flat adapter: max |now − last pushed| in one pass over the adapter (exact fp32
+    differences, kernels/gather_delta.py), MAX-all-reduced over the trainer's group (one number), one host read."""
 
     def __init__(self, source: torch.Tensor):
         self.last: torch.Tensor | None = None
         self.device = source.device
+        self.number = torch.zeros(1, dtype=torch.float32, device=source.device)
 
     def local_max(self, now: torch.Tensor) -> torch.Tensor:
+        """The number, enqueued: the one `self.number` tensor each call (read it before the next call)."""
         if self.last is None:
-            return torch.full((1,), float("inf"), device=self.device)
-        norm = torch.linalg.vector_norm(now.float() - self.last if now.dtype != torch.float32 else now - self.last,
-                                        ord=float("inf"))
-        return cast(torch.Tensor, norm).reshape(1)  # torch.linalg's functions are untyped (_add_docstr)
+            return self.number.fill_(float("inf"))
+        gather_max_delta(now, None, self.last, self.number)
+        return self.number
 
     def should_push(self, now: torch.Tensor, threshold: float, group: WeightUpdateGroup | None = None
                     ) -> tuple[bool, float]:
@@ -208,5 +215,5 @@ class FlatDelta:
 
     def mark_pushed(self, now: torch.Tensor) -> None:
         if self.last is None:
-            self.last = torch.empty(now.shape, dtype=torch.float32, device=now.device)
-        self.last.copy_(now)
+            self.last = torch.empty(now.numel(), dtype=torch.float32, device=now.device)
+        gather(now.reshape(-1), None, self.last)

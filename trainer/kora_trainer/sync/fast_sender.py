@@ -85,8 +85,9 @@ def with_fast_path(sender: WeightSender, cfg: TrainerConfig) -> Any:
     if type(sender.transport) is ColocatedTransport:
         from kora_trainer.sync.colocated_sender import ColocatedFastSender
 
-        # EngineMerge: each push's pairs are folded before its call returns, so one slot serves
-        return ColocatedFastSender(sender, adapter_slots=1 if sender.mode is SyncMode.ENGINE_MERGE else 3 + ahead)
+        # EngineMerge: each push's pairs are folded before its call returns, so one slot would serve; two let the
+        # next push's delta decision read the last pushed pairs from the other slot (colocated_sender._capture_decide)
+        return ColocatedFastSender(sender, adapter_slots=2 if sender.mode is SyncMode.ENGINE_MERGE else 3 + ahead)
     return FastWeightSender(sender, adapter_slots=3 + ahead)
 
 

@@ -18,7 +18,11 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
     WORK   engine   microseconds of device time of the engine's own work on request ACK (EngineMerge: the
                     fold, by CUDA events; 0 where there is none or no GPU), written before ACK: what of SPENT
                     is the fold and what is waking, locking, launching and synchronising
-
+    T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK  engine  request ACK's moments on CLOCK_MONOTONIC (µs; one clock
+                    for every process of the host): REQ read, weight lock held, fold enqueued, fold done on the
+                    device, ACK about to be stored (the last four EngineMerge's; 0 where not reached)
+    LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
+                    T_LAUNCHED - T_SEEN, the thread was waiting (for the GIL, a core) rather than working
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
 publishes it (ARG before REQ, DARG before DONE), which stores in program order keep on x86 (TSO).
 
@@ -42,11 +46,17 @@ from collections.abc import Callable
 import torch
 
 REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT, WORK = range(9)
-NWORDS = 9
+T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK, LAUNCH_CPU = range(9, 15)
+NWORDS = 15
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
 POLL_S = 0.005  # the watcher's read of the words without a wake
+
+
+def now_us() -> int:
+    """CLOCK_MONOTONIC in µs: the T_ words' clock, comparable between the trainer and the engine."""
+    return time.monotonic_ns() // 1000
 
 
 def make_words() -> torch.Tensor:
