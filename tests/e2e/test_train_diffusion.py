@@ -14,6 +14,7 @@ reference diffusion engine beside the trainer, in both of the seed's LoRA sync m
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -32,9 +33,10 @@ def base(toy: Path) -> list[str]:
             "algorithm.nSamplesPerPrompt=4", "diffusion.numInferenceSteps=4"]
 
 
-def run(toy: Path, work: Path, *overrides: str) -> TrainRun:
+def run(toy: Path, work: Path, *overrides: str, env: dict[str, str] | None = None) -> TrainRun:
     # the control plane stays until a poll has read the final phase, as it does for the operator
-    return TrainRun(toy, work, *overrides, config=DIFFUSION_YAML, base=base(toy), env={"KORA_CONTROL_LINGER_S": "30"})
+    return TrainRun(toy, work, *overrides, config=DIFFUSION_YAML, base=base(toy),
+                    env={"KORA_CONTROL_LINGER_S": "30", **(env or {})})
 
 
 def curve(r: TrainRun) -> list[tuple[int, float, float]]:
@@ -100,6 +102,42 @@ def test_a_restarted_run_resumes_and_repeats_the_uninterrupted_steps_exactly(uni
     summary = second.summary()
     assert summary["resumed_from_step"] == 2 and second.events("resume")[0]["step"] == 2
     assert curve(first) + curve(second) == curve(ref)  # every step, loss and reward, to the last bit
+    want, got = adapter(ref_ckpt, STEPS), adapter(ckpt, STEPS)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+def test_an_engine_hung_mid_rollout_fails_the_attempt_and_a_retry_resumes_exactly(uninterrupted, diffusion_toy_dir,
+                                                                                 tmp_path):
+    """The engine SIGSTOPs itself inside step 2's rollouts (its 6th /rollout/generate: 4 prompts a step;
+    reference_engine/faults.py): the driver's hang watch kills it after rollout.engineHangSeconds and the attempt
+    fails with EngineLost naming the engine, that it hung, its state, what the driver was doing and the fix; a retry
+    on the same checkpoint.path resumes from step 1 and runs steps 2-4 as the uninterrupted run did."""
+    from kora_trainer.reference_engine.faults import HANG_AT_ENV, HANG_MARK
+
+    ref, ref_ckpt = uninterrupted
+    hang_s, ckpt = 4, tmp_path / "ckpt"
+    job = ("lora.syncMode=EngineMerge", f"algorithm.numSteps={STEPS}", "checkpoint.interval=1",
+           f"checkpoint.path={ckpt}", f"rollout.engineHangSeconds={hang_s}")
+    hung = run(diffusion_toy_dir, tmp_path / "hung", *job, env={HANG_AT_ENV: "/rollout/generate:6:stop"})
+    log = hung.run_dir / "engines" / "engine-0.log"
+    seen: dict[str, float] = {}  # when the engine's own hang mark, then the Failed phase, were first seen
+
+    def timed(r: TrainRun) -> None:
+        if "hung" not in seen and log.is_file() and HANG_MARK in log.read_text(errors="replace"):
+            seen["hung"] = time.monotonic()
+        if "failed" not in seen and r.seen and r.seen[-1].get("phase") == "Failed":
+            seen["failed"] = time.monotonic()
+
+    wait_all([hung], each=timed)
+    msg = hung.seen[-1]["message"]
+    assert hung.proc.returncode != 0 and seen["failed"] - seen["hung"] < hang_s + 15, (seen, msg)
+    for part in ("EngineLost", "engine 0 (pid", " hung: GET /health unanswered", "stopped (SIGSTOP)",
+                 "step 2's rollouts", "step 1", "raise rollout.engineHangSeconds"):
+        assert part in msg, (part, msg)
+    retry = run(diffusion_toy_dir, tmp_path / "retry", *job)
+    wait_all([retry])
+    assert retry.summary()["resumed_from_step"] == 1
+    assert curve(hung) + curve(retry) == curve(ref)  # every step, loss and reward, to the last bit
     want, got = adapter(ref_ckpt, STEPS), adapter(ckpt, STEPS)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
 

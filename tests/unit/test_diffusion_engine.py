@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import msgpack
 import pytest
@@ -180,3 +182,24 @@ def test_training_through_the_engine_with_ipc_merge_raises_the_reward(engine_url
     assert sync.lines[0].endswith("pushed 30 lora tensors, 15 layer prefixes in 2 buckets (unmapped=0)")
     assert all(abs(h["ratio_mean"] - 1.0) < 1e-6 for h in out["history"])
     assert out["reward_after"] - out["reward_before"] >= 0.05
+
+
+def test_the_engine_answers_health_while_a_rollout_runs(engine_url):
+    """Rollouts run off the event loop (one at a time), so GET /health answers at once throughout: the trainer's hang
+    watch (orchestration/engine_watch.py) takes a long silence for a hang and kills the engine."""
+    done: list[int] = []
+    body = {"prompt": "colour-03", "seed": 3, "num_inference_steps": 100, "num_outputs_per_prompt": 64}
+    sent = time.monotonic()
+    workers = [threading.Thread(target=lambda: done.append(_generate(engine_url, **body).status_code))
+               for _ in range(3)]  # queued behind each other on the engine's one work thread: seconds of work
+    for w in workers:
+        w.start()
+    probes = []  # (started after the requests, seconds to answer) while the rollouts run
+    while any(w.is_alive() for w in workers):
+        t0 = time.monotonic()
+        assert requests.get(f"{engine_url}/health", timeout=5).status_code == 200
+        probes.append((t0 - sent, time.monotonic() - t0))
+    took = time.monotonic() - sent
+    assert done == [200] * 3 and took > 1.5, took  # long enough for probes well inside it
+    inside = [p for p in probes if 0.5 < p[0] < took - 0.5]
+    assert inside and max(answer for _, answer in probes) < 0.5, (took, probes[:5], len(probes))

@@ -74,7 +74,6 @@ def test_a_diffusion_job_on_data_parallel_ranks_is_valid_when_its_prompt_groups_
     ("algorithm.clipEps", 0.28, "diffusion.clipEps"),
     ("lora.targetModules", ["linear_qkv"], "diffusion.targetModules"),
     ("data.rewardType", "deepscaler", "diffusion.reward"),
-    ("rollout.engineHangSeconds", 30, "no hang watch"),
 ])
 def test_a_language_model_field_set_on_a_diffusion_job_is_refused_naming_its_counterpart(path, value, fix):
     found = errors(set_path(diffusion_job(), path, value))

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     from kora_trainer.diffusion.engine_client import Pushed
     from kora_trainer.diffusion.toy import DiffusionToy
     from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
+    from kora_trainer.orchestration.engine_watch import HangWatch
     from kora_trainer.orchestration.engines import EngineProcess
     from kora_trainer.recorder import StepRecorder
     from kora_trainer.sync.sender import SyncReport
@@ -145,21 +146,13 @@ def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int, device: torch.
 
 
 @contextlib.contextmanager
-def engine_watched(engine: EngineProcess, doing: str, saved_step: int | None) -> Iterator[None]:
-    """A failure while the engine is dead becomes EngineLost naming it (orchestration/engine_watch.py: why the
-    attempt fails rather than restarting the engine)."""
-    from kora_trainer.orchestration.engine_watch import EngineLost, exit_words
+def engine_watched(engine: EngineProcess, watch: HangWatch, doing: str, saved_step: int | None) -> Iterator[None]:
+    """A failure while the engine is dead, or once its hang watch killed it, becomes EngineLost naming it
+    (orchestration/engine_watch.py: why the attempt fails rather than restarting the engine)."""
+    from kora_trainer.orchestration.engine_watch import engine_process_watched
 
-    try:
+    with engine_process_watched(engine.proc, engine.url, engine.log_path, watch, doing, saved_step):
         yield
-    except Exception as e:
-        code = engine.proc.poll()
-        if code is None:
-            raise
-        resume = f"step {saved_step}" if saved_step is not None else "none yet"
-        raise EngineLost(f"engine 0 (pid {engine.proc.pid}, {engine.url}) exited with {exit_words(code)}; its log: "
-                         f"{engine.log_path}; noticed during {doing} ({type(e).__name__}). The attempt stops here: a "
-                         f"retry resumes from the newest good checkpoint under checkpoint.path ({resume})") from e
 
 
 def sync_report(cfg: TrainerConfig, pushed: Pushed, version: int) -> SyncReport:
@@ -224,7 +217,7 @@ class DiffusionSteps:
         self.reward = reward_of(cfg, prompts, toy.latent_shape[0])
 
     def step(self, step: int, rollout: Callable[..., Any], trainer: LocalPolicy | DiffusionRanks,
-             engine: EngineProcess, saved: int | None) -> tuple[Any, float]:
+             engine: EngineProcess, watch: HangWatch, saved: int | None) -> tuple[Any, float]:
         """Roll out, score, update: (StepMetrics, gen_ms)."""
         from kora_trainer.algorithm.lr_schedule import lr_at
         from kora_trainer.backends.grpo_step import StepMetrics
@@ -236,7 +229,7 @@ class DiffusionSteps:
             s.samples_per_prompt)  # [B] a prompt's G samples adjacent
         ids = self.prompts.ids[rows]
         t0 = time.perf_counter()
-        with engine_watched(engine, f"step {step}'s rollouts", saved):
+        with engine_watched(engine, watch, f"step {step}'s rollouts", saved):
             traj = rollout(self.toy, ids, step)
         gen_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
@@ -285,6 +278,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
     """Start the engine and the trainer, resume, push, then per step: roll out, train, sync; checkpoint as
     checkpoint.* says."""
     from kora_trainer.diffusion.engine_client import EngineRollout
+    from kora_trainer.orchestration.engine_watch import HangWatch
 
     assert cfg.diffusion is not None
     torch.set_num_threads(threads)
@@ -293,6 +287,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
     steps = DiffusionSteps(cfg, toy, load_prompts(cfg, toy))
     s = steps.settings
     engine = start_engine(cfg, run_dir, threads, device)
+    watch = HangWatch(engine.proc, engine.url, cfg.rollout.engine_hang_seconds)  # a silent engine is killed: a hang
     try:
         with trainer_of(cfg, toy, engine, threads) as trainer:
             def checkpoint(step: int) -> None:
@@ -315,7 +310,7 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
                     rec.say(pushed.log)
                 return sync_report(cfg, pushed, version)
 
-            with engine_watched(engine, "the first push of the policy", rec.run.saved_step):
+            with engine_watched(engine, watch, "the first push of the policy", rec.run.saved_step):
                 first = synced(rec.run.start)
             ranks = getattr(trainer, "ranks", None)  # where each Ray rank runs (N > 1)
             rec.started({"backend": "torch", "device": device.type, "world": cfg.parallelism.data,
@@ -325,8 +320,8 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
                 if not time_left():
                     rec.stopped(f"time limit: stopping after step {step - 1}")
                     break
-                metrics, gen_ms = steps.step(step, rollout, trainer, engine, rec.run.saved_step)
-                with engine_watched(engine, f"step {step}'s weight sync", rec.run.saved_step):
+                metrics, gen_ms = steps.step(step, rollout, trainer, engine, watch, rec.run.saved_step)
+                with engine_watched(engine, watch, f"step {step}'s weight sync", rec.run.saved_step):
                     report = synced(step)
                 rec.stepped(step, metrics, {"gen_ms": gen_ms, "data_position": step}, report)
                 if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
@@ -336,4 +331,5 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
             if root and cfg.checkpoint.export_hf:
                 rec.exported(str(trainer.export(root, rec.run.done)), "diffusers LoRA")
     finally:
+        watch.stop()
         engine.stop()

@@ -350,8 +350,6 @@ LANGUAGE_ONLY: tuple[tuple[str, str, str], ...] = (
     ("data", "reward_type", "set diffusion.reward (colour, or custom with data.customRewardPath)"),
     ("sync", "served_logp_gap_max", "set diffusion.servedLogpGapMax (a denoising step's log-prob is a mean over "
      "the latent's elements, far smaller than a token's)"),
-    ("rollout", "engine_hang_seconds", "remove it (the diffusion engine has no hang watch yet: a dead one still "
-     "fails the run with EngineLost)"),
 )
 
 

@@ -222,7 +222,7 @@ class RolloutSpec(CamelModel):
     answers; a busy one answers /health at once (SGLang counts any scheduler output as healthy, the reference engine
     any work in progress). Default 60: twice the rollout manager's 30 s /health limit, which SGLang's own 20 s probe
     sets. Raise it if an engine's scheduler is legitimately silent longer (a very long weight push on SGLang).
-    Language-model jobs only: a diffusion job refuses it (its engine has no hang watch yet)."""
+    A diffusion job's engine is watched the same way (it answers /health while it denoises or folds)."""
     sglang_build: SGLangBuild | None = None
     """The SGLang build the engines run, which decides the routes the trainer may use (docs/sglang_builds.md):
     0.5.23 (stock, the default for engine sglang) or sglang-miles-94949da7. With engine hf it starts the

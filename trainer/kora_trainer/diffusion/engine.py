@@ -1,7 +1,7 @@
 """A reference diffusion rollout engine for the toy: sglang-diffusion's rollout route, on CPU or a GPU, on 127.0.0.1.
 
 `python -m kora_trainer.diffusion.engine --toy DIR --port P` serves
-  GET  /health                       200 once the toy is loaded
+  GET  /health                       200 once the toy is loaded, at once even while a rollout or update runs
   POST /rollout/generate             a JSON `RolloutRequest` -> a msgpack list of `RolloutResponse`, one per output
   POST /update_weights_from_tensor   `serialized_named_tensors` (wire/serialize.py: same-host handles, one entry; the
                                      payload is unpickled, so the engine binds 127.0.0.1 and trusts its trainer),
@@ -31,9 +31,12 @@ On a GPU (`--device cuda`) a push's tensors arrive as CUDA IPC handles of the tr
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
+import concurrent.futures
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -47,6 +50,7 @@ from kora_trainer.diffusion.lora_sync import LORA_MERGE
 from kora_trainer.diffusion.policy import velocity_fn
 from kora_trainer.diffusion.stacked_fold import StackedFolds
 from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
+from kora_trainer.reference_engine.faults import ExitAt
 from kora_trainer.wire import flat_bucket
 from kora_trainer.wire.protocol import FLAT
 from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
@@ -218,17 +222,28 @@ def rollout(toy: DiffusionToy, req: RolloutRequest, default_steps: int = 10) -> 
 
 def make_app(toy: DiffusionToy) -> web.Application:
     engine = ToyEngine(toy)
+    # the work runs on one thread of its own, one request at a time (the toy's weights are shared), so the event
+    # loop answers /health while a rollout or an update runs: the trainer's hang watch (orchestration/engine_watch.py)
+    # asks it every second and takes a long silence for a hang
+    work = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="diffusion-engine")
+
+    async def on_work(fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(work, fn)
 
     async def update_weights_from_tensor(request: web.Request) -> web.Response:
         try:
             req = UpdateWeightsFromTensorRequest.model_validate_json(await request.read())
-            message = engine.update(req)
+            message = await on_work(lambda: engine.update(req))
         except (ValidationError, ValueError, KeyError) as e:  # a bad payload is the caller's: 400
             return web.json_response({"success": False, "message": str(e)}, status=400)
         return web.json_response({"success": True, "message": message})
 
     async def health(_request: web.Request) -> web.Response:
         return web.Response(status=200)
+
+    def generated(req: RolloutRequest) -> bytes:
+        with torch.no_grad():
+            return bytes(msgpack.packb(rollout(toy, req)))
 
     async def generate(request: web.Request) -> web.Response:
         try:
@@ -239,11 +254,10 @@ def make_app(toy: DiffusionToy) -> web.Application:
         why = _refusal(req, toy)
         if why is not None:
             return web.json_response({"detail": f"Invalid sampling params: {why}"}, status=400)
-        with torch.no_grad():
-            payload = rollout(toy, req)
-        return web.Response(body=msgpack.packb(payload), content_type="application/msgpack")
+        return web.Response(body=await on_work(lambda: generated(req)), content_type="application/msgpack")
 
-    app = web.Application(client_max_size=1 << 20)
+    faults = ExitAt()  # test-only fault knob (reference_engine/faults.py); inert unless its env var is set
+    app = web.Application(client_max_size=1 << 20, middlewares=[faults.middleware] if faults.armed else [])
     app.router.add_get("/health", health)
     app.router.add_post("/rollout/generate", generate)
     app.router.add_post("/update_weights_from_tensor", update_weights_from_tensor)

@@ -162,13 +162,36 @@ def engines_watched(engines: list[Any], urls: list[str], doing: str, saved_step:
         dead = dead_engines(engines, urls, hang_s + 2 * PROBE_INTERVAL_S if hang_s else 0.0)
         if not dead:
             raise
-        if resume is None:
-            resume = (f"the newest checkpoint of this attempt is step {saved_step}" if saved_step is not None
-                      else "this attempt saved no checkpoint")
-        hung = any(" hung: " in d for d in dead)
-        fix = (" If the engine was only slow (its scheduler silent that long on purpose), raise "
-               "rollout.engineHangSeconds." if hung else "")
-        first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
-        raise EngineLost(f"{'; '.join(dead)}; noticed during {doing} ({first}). The attempt stops here: a retry of "
-                         f"the job resumes from the newest good checkpoint under checkpoint.path ({resume}).{fix}"
-                         ) from e
+        raise lost(dead, doing, e, saved_step, resume) from e
+
+
+def lost(dead: list[str], doing: str, e: BaseException, saved_step: int | None, resume: str | None = None
+         ) -> EngineLost:
+    """EngineLost naming the `dead` engines (dead_engines' words), what the driver was `doing`, the failure it
+    met, what a retry resumes from and, for a hang, what to raise if the engine was only slow."""
+    if resume is None:
+        resume = (f"the newest checkpoint of this attempt is step {saved_step}" if saved_step is not None
+                  else "this attempt saved no checkpoint")
+    hung = any(" hung: " in d for d in dead)
+    fix = (" If the engine was only slow (its scheduler silent that long on purpose), raise "
+           "rollout.engineHangSeconds." if hung else "")
+    first = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
+    return EngineLost(f"{'; '.join(dead)}; noticed during {doing} ({first}). The attempt stops here: a retry of "
+                      f"the job resumes from the newest good checkpoint under checkpoint.path ({resume}).{fix}")
+
+
+@contextlib.contextmanager
+def engine_process_watched(proc: subprocess.Popen, url: str, log: Path, watch: HangWatch | None,  # type: ignore[type-arg]
+                           doing: str, saved_step: int | None) -> Iterator[None]:
+    """`engines_watched` for one engine process of this driver's own (the diffusion driver's, no Ray): a failure
+    while it is dead, or once its `watch` killed it as hung, becomes EngineLost naming it."""
+    try:
+        yield
+    except Exception as e:
+        if proc.poll() is None and watch is not None:
+            watch.settle(watch.hang_s + 2 * PROBE_INTERVAL_S)
+        code = proc.poll()
+        if code is None:
+            raise
+        what = watch.hung if watch is not None and watch.hung else f"exited with {exit_words(code)}"
+        raise lost([f"engine 0 (pid {proc.pid}, {url}) {what}; its log: {log}"], doing, e, saved_step) from e
