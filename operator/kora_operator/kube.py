@@ -17,6 +17,7 @@ from kubernetes.client.exceptions import ApiException
 
 from kora_operator.api.job import GROUP, VERSION
 from kora_operator.conditions import truncate
+from kora_operator.events import EventPoster
 from kora_trainer.config.status import rfc3339
 
 JOB_PLURAL = "loratrainingjobs"
@@ -64,6 +65,8 @@ class Kube:
         self.custom: Any = client.CustomObjectsApi(self.api)
         self.networking: Any = client.NetworkingV1Api(self.api)
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
+        # None: event() posts each Event itself, before it returns (the CLI's one-shot reconcile, tests)
+        self.poster: EventPoster | None = None
 
     # -- reads: None when absent
     def get_job(self, ns: str, name: str) -> Obj | None:
@@ -161,7 +164,8 @@ class Kube:
                                                           {"status": status})
 
     def event(self, job: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-        """A core/v1 Event on the job or adapter `job` (what `kubectl describe` lists)."""
+        """A core/v1 Event on the job or adapter `job` (what `kubectl describe` lists), stamped now; posted by
+        `poster` when there is one (events.py: behind the reconciles, in order), else here."""
         meta = job["metadata"]
         now = now_rfc3339()
         body = {
@@ -176,7 +180,13 @@ class Kube:
             "reportingComponent": COMPONENT, "reportingInstance": self.instance,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        self._send("POST", f"/api/v1/namespaces/{quote(meta['namespace'], safe='')}/events", body)
+        if self.poster is not None:
+            self.poster.put(meta["namespace"], body)
+        else:
+            self.post_event(meta["namespace"], body)
+
+    def post_event(self, ns: str, body: Mapping[str, Any]) -> None:
+        self._send("POST", f"/api/v1/namespaces/{quote(ns, safe='')}/events", body)
 
     def _send(self, method: str, path: str, body: Any, content_type: str = "application/json") -> bytes:
         """One write as the client's generated methods make it (the same connection pool, headers and credentials,
