@@ -335,6 +335,11 @@ def summary(args: argparse.Namespace, ours: dict[str, float], floor: dict[str, f
         # until every RayJob exists: the operator's, the API server's, etcd's, kube-controller-manager's and this
         # bench's (`_direct`: in the direct run); and the operator's until every job was Pending and every Event posted
         "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        # how much of the machine those processes took until every RayJob existed (the rest: other work on it)
+        "cores_busy": {
+            run: round(sum(v for k, v in cpu.items() if k.endswith("_direct") == (run == "direct")
+                           and k != "operator_until_done") / ((os.cpu_count() or 1) * times["all_exist_s"]), 2)
+            for run, times in (("operator", ours), ("direct", floor))},
         "ratio_all_exist": round(ratio_all, 2),
         "ratio_p99_to_floor_all_exist": round(ratio_p99, 2),
         "ratio_p50": round(ours["p50_ms"] / floor["p50_ms"], 2),
@@ -367,6 +372,8 @@ def table(r: dict[str, Any]) -> str:
         *(f"{name + ' CPU s':28}{r['cpu_s'][key]:>12.1f}{r['cpu_s'][key + '_direct']:>12.1f}"
           for name, key in (("etcd", "etcd"), ("kube-controller-manager", "kube_controller_manager"),
                             ("this bench", "bench")) if key in r["cpu_s"]),
+        f"{'all of the above, of the cores':28}{r['cores_busy']['operator']:>11.0%}{r['cores_busy']['direct']:>12.0%}"
+        "  (their CPU over cores x all-exist time: below 100% the machine was shared)",
         f"{'every job Pending, every Event posted (s)':44}{op['all_done_s']:>7.1f}  (operator CPU until then "
         f"{r['cpu_s']['operator_until_done']:.1f} s)",
         "  * p99 against the direct floor's all-exist time",
