@@ -13,8 +13,10 @@ Prints: per-object latency from create to RayJob seen (p50/p99), time until all 
 operator's peak RSS and CPU seconds, the same for N RayJobs created directly (the floor), the ratios
 against issue 18's targets (all within 3x the floor's all-exist time, p99 within 3x it, RSS <= 250 MiB),
 and the API requests per job (the kube-apiserver's own apiserver_request_total, by verb and resource,
-counted from the first create until every job shows Pending); then restarts the operator once over the N jobs and
-prints the requests per job its resume sweep made and how long it took. Writes bench/results/operator_scale_<date>.json.
+counted from the first create until every job shows Pending and the operator has posted every Event it queued:
+it posts them behind its other writes, kora_operator/events.py; the seconds until then are printed too); then
+restarts the operator once over the N jobs and prints the requests per job its resume sweep made and how long it
+took. Writes bench/results/operator_scale_<date>.json.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ def run(api: Any, ns: str, n: int, concurrency: int, make: Any) -> dict[str, flo
         raise SystemExit(f"only {len(seen)} of {n} RayJobs appeared within 600 s")
     lat = sorted(seen[k] - created[k] for k in created)
     return {
+        "t0": t0,
         "create_all_s": t_created,
         "all_exist_s": max(seen.values()) - t0,
         "p50_ms": 1000 * statistics.median(lat),
@@ -114,6 +117,16 @@ def cpu_s(pid: int) -> float:
     """User + system CPU seconds of a living process."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def others_cpu_s(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds so far of etcd, kube-controller-manager and this bench (its creating threads and its watch): the
+    rest of what shares the machine's cores with the API server and the operator."""
+    got = {name.replace("-", "_"): cpu_s(pid) for name, pid in cluster.pids.items()
+           if name in ("etcd", "kube-controller-manager")}
+    mine = os.times()
+    got["bench"] = mine.user + mine.system
+    return got
 
 
 def api_requests(cluster: LocalCluster) -> tuple[Counter[str], Counter[str]]:
@@ -163,9 +176,17 @@ def all_pending(api: Any, ns: str, n: int) -> bool:
     return sum((i.get("status") or {}).get("phase") == "Pending" for i in items) >= n
 
 
-def start_operator(args: argparse.Namespace, cluster: LocalCluster, mode: str) -> tuple[subprocess.Popen[bytes], float]:
+def events_queued(metrics_port: int) -> float:
+    """The Events the operator has handed to its poster and not yet posted (0 for an operator that posts them
+    itself, which has no such gauge)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kora_events_queued "))
+
+
+def start_operator(args: argparse.Namespace, cluster: LocalCluster, mode: str
+                   ) -> tuple[subprocess.Popen[bytes], float, int]:
     """`kora operator` on the bench namespace, its log appended to --keep-logs (`mode` "wb" truncates it first);
-    returns it once live, and the seconds that took."""
+    returns it once live, the seconds that took, and its metrics port."""
     liveness, metrics = free_ports(2)
     Path(args.keep_logs).parent.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
@@ -176,7 +197,7 @@ def start_operator(args: argparse.Namespace, cluster: LocalCluster, mode: str) -
              "127.0.0.1"], env=cluster.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{liveness}/healthz", timeout=2).status == 200,
              timeout=60, what="operator liveness")
-    return op, time.monotonic() - t0
+    return op, time.monotonic() - t0, metrics
 
 
 def stop_operator(op: subprocess.Popen[bytes]) -> None:
@@ -199,7 +220,7 @@ def restart(args: argparse.Namespace, cluster: LocalCluster, op: subprocess.Pope
     offset = log.stat().st_size
     requests0, _ = api_requests(cluster)
     t0 = time.monotonic()
-    op, live_s = start_operator(args, cluster, "ab")
+    op, live_s, _ = start_operator(args, cluster, "ab")
 
     def swept() -> bool:
         with open(log, "rb") as fh:
@@ -256,13 +277,14 @@ def main() -> int:
             return str(body["metadata"]["name"])
 
         apiserver = cluster.pids["kube-apiserver"]
-        api_cpu0 = cpu_s(apiserver)
+        api_cpu0, others0 = cpu_s(apiserver), others_cpu_s(cluster)
         floor = run(api, "bench-direct", args.n, args.concurrency, direct)
         cpu_api_floor = cpu_s(apiserver) - api_cpu0
+        others_floor = {f"{k}_direct": v - others0[k] for k, v in others_cpu_s(cluster).items()}
 
-        op, _ = start_operator(args, cluster, "wb")
+        op, _, metrics_port = start_operator(args, cluster, "wb")
         rss_idle, cpu_idle = peak_rss_mib(op.pid), cpu_s(op.pid)
-        api_cpu0, (requests0, ms0) = cpu_s(apiserver), api_requests(cluster)
+        api_cpu0, (requests0, ms0), others0 = cpu_s(apiserver), api_requests(cluster), others_cpu_s(cluster)
 
         def via_operator(i: int) -> str:
             api.create_namespaced_custom_object("kora.dev", "v1alpha1", "bench-operator", "loratrainingjobs",
@@ -272,13 +294,21 @@ def main() -> int:
         ours = run(api, "bench-operator", args.n, args.concurrency, via_operator)
         rss_peak, cpu_op = peak_rss_mib(op.pid), cpu_s(op.pid) - cpu_idle
         cpu_api = cpu_s(apiserver) - api_cpu0
-        # the rest of each job's first reconcile (its status) happens after its RayJob: count it too
+        others = {k: v - others0[k] for k, v in others_cpu_s(cluster).items()}
+        # the rest of each job's first reconcile (its status, its Events) happens after its RayJob: count it too
         wait_for(lambda: all_pending(api, "bench-operator", args.n), timeout=300, what="every job Pending")
+        wait_for(lambda: events_queued(metrics_port) == 0, timeout=300, interval=0.1, what="every Event posted")
+        ours["all_done_s"] = time.monotonic() - ours["t0"]
+        cpu_done = cpu_s(op.pid) - cpu_idle
         requests, ms = api_requests(cluster)
         ours.update(server_view(api, "bench-operator", jobs=True))
         floor.update(server_view(api, "bench-direct", jobs=False))
+        for r in (ours, floor):
+            r.pop("t0")
         result = summary(args, ours, floor, rss_idle, rss_peak, {"operator": cpu_op, "kube_apiserver": cpu_api,
-                                                                 "kube_apiserver_direct": cpu_api_floor},
+                                                                 "kube_apiserver_direct": cpu_api_floor,
+                                                                 "operator_until_done": cpu_done, **others,
+                                                                 **others_floor},
                          requests - requests0, ms - ms0)
         op, result["restart"] = restart(args, cluster, op)
         print(table(result))
@@ -302,8 +332,14 @@ def summary(args: argparse.Namespace, ours: dict[str, float], floor: dict[str, f
         "operator": {k: round(v, 1) for k, v in ours.items()},
         "direct_floor": {k: round(v, 1) for k, v in floor.items()},
         "operator_rss_mib": {"idle": round(rss_idle, 1), "peak": round(rss_peak, 1)},
-        # until every RayJob exists: the operator's, the API server's, and the API server's in the direct run
+        # until every RayJob exists: the operator's, the API server's, etcd's, kube-controller-manager's and this
+        # bench's (`_direct`: in the direct run); and the operator's until every job was Pending and every Event posted
         "cpu_s": {k: round(v, 1) for k, v in cpu.items()},
+        # how much of the machine those processes took until every RayJob existed (the rest: other work on it)
+        "cores_busy": {
+            run: round(sum(v for k, v in cpu.items() if k.endswith("_direct") == (run == "direct")
+                           and k != "operator_until_done") / ((os.cpu_count() or 1) * times["all_exist_s"]), 2)
+            for run, times in (("operator", ours), ("direct", floor))},
         "ratio_all_exist": round(ratio_all, 2),
         "ratio_p99_to_floor_all_exist": round(ratio_p99, 2),
         "ratio_p50": round(ours["p50_ms"] / floor["p50_ms"], 2),
@@ -333,6 +369,13 @@ def table(r: dict[str, Any]) -> str:
         f"{ok[met['rss']]:>6}",
         f"{'kube-apiserver CPU s':28}{r['cpu_s']['kube_apiserver']:>12.1f}{r['cpu_s']['kube_apiserver_direct']:>12.1f}",
         f"{'operator CPU s':28}{r['cpu_s']['operator']:>12.1f}",
+        *(f"{name + ' CPU s':28}{r['cpu_s'][key]:>12.1f}{r['cpu_s'][key + '_direct']:>12.1f}"
+          for name, key in (("etcd", "etcd"), ("kube-controller-manager", "kube_controller_manager"),
+                            ("this bench", "bench")) if key in r["cpu_s"]),
+        f"{'all of the above, of the cores':28}{r['cores_busy']['operator']:>11.0%}{r['cores_busy']['direct']:>12.0%}"
+        "  (their CPU over cores x all-exist time: below 100% the machine was shared)",
+        f"{'every job Pending, every Event posted (s)':44}{op['all_done_s']:>7.1f}  (operator CPU until then "
+        f"{r['cpu_s']['operator_until_done']:.1f} s)",
         "  * p99 against the direct floor's all-exist time",
         f"  on the API server's clock (creationTimestamps, 1 s): all exist {op['server_all_exist_s']:.0f} s vs "
         f"{fl['server_all_exist_s']:.0f} s direct; job -> RayJob p99 {op['server_lag_p99_s']:.0f} s, "

@@ -16,7 +16,7 @@ import sys
 import threading
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -172,10 +172,27 @@ def job_status(cluster: LocalCluster, name: str, ns: str) -> dict[str, Any]:
     return (got or {}).get("status") or {}
 
 
-def events(cluster: LocalCluster, name: str, ns: str, kind: str = "LoRATrainingJob") -> list[dict[str, Any]]:
-    out = cluster.kubectl("get", "events", "-n", ns, "--field-selector",
-                          f"involvedObject.name={name},involvedObject.kind={kind}", "-o", "json")
-    return list(json.loads(out.stdout)["items"])
+EVENT_WAIT = 30.0  # seconds an Event may come after what it tells of (the operator holds them back while busy)
+
+
+def events(cluster: LocalCluster, name: str, ns: str, kind: str = "LoRATrainingJob",
+           wanting: Iterable[str] = ()) -> list[dict[str, Any]]:
+    """The Events of one object; with `wanting`, once one of each of those reasons is among them. The operator
+    posts Events behind its reconciles (kora_operator/events.py), like any controller's event recorder, so an
+    Event may come a moment after the status change it tells of."""
+    def read() -> list[dict[str, Any]]:
+        out = cluster.kubectl("get", "events", "-n", ns, "--field-selector",
+                              f"involvedObject.name={name},involvedObject.kind={kind}", "-o", "json")
+        return list(json.loads(out.stdout)["items"])
+
+    want = set(wanting)
+    if not want:
+        return read()
+    def complete() -> list[dict[str, Any]] | None:
+        got = read()
+        return got if want <= {e["reason"] for e in got} else None
+
+    return wait_for(complete, timeout=EVENT_WAIT, interval=0.2, what=f"events {sorted(want)} of {kind} {ns}/{name}")
 
 
 class Watch:

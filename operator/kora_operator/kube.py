@@ -4,11 +4,12 @@ handlers in its thread pool). Nothing here decides anything; handlers/reconcile.
 from __future__ import annotations
 
 import base64
-import datetime as dt
+import json
 import os
 import socket
 from collections.abc import Mapping
 from typing import Any, cast
+from urllib.parse import quote
 
 from kubernetes import client
 from kubernetes import config as _config
@@ -16,11 +17,19 @@ from kubernetes.client.exceptions import ApiException
 
 from kora_operator.api.job import GROUP, VERSION
 from kora_operator.conditions import truncate
+from kora_operator.events import EventPoster
 from kora_trainer.config.status import rfc3339
 
 JOB_PLURAL = "loratrainingjobs"
 ADAPTER_PLURAL = "loraadapters"
 RAY_GROUP, RAY_VERSION, RAY_PLURAL = "ray.io", "v1", "rayjobs"
+# where each kind of child is created (POST), by namespace
+CHILD_COLLECTIONS = {
+    "ConfigMap": "/api/v1/namespaces/{ns}/configmaps",
+    "Secret": "/api/v1/namespaces/{ns}/secrets",
+    "NetworkPolicy": "/apis/networking.k8s.io/v1/namespaces/{ns}/networkpolicies",
+    "RayJob": f"/apis/{RAY_GROUP}/{RAY_VERSION}/namespaces/{{ns}}/{RAY_PLURAL}",
+}
 COMPONENT = "kora-operator"
 
 Obj = dict[str, Any]
@@ -56,6 +65,8 @@ class Kube:
         self.custom: Any = client.CustomObjectsApi(self.api)
         self.networking: Any = client.NetworkingV1Api(self.api)
         self.instance = os.environ.get("POD_NAME") or socket.gethostname()
+        # None: event() posts each Event itself, before it returns (the CLI's one-shot reconcile, tests)
+        self.poster: EventPoster | None = None
 
     # -- reads: None when absent
     def get_job(self, ns: str, name: str) -> Obj | None:
@@ -122,31 +133,26 @@ class Kube:
     def create_child(self, obj: Mapping[str, Any]) -> Obj | None:
         """Create `obj`; None if it exists already (someone, maybe our former self, made it). The RayJob as
         made; {} for the other kinds, whose answer is dropped unread: only whether they were made matters (the
-        Secrets' values are never held longer than needed), and turning the client's answer into its model
-        classes is most of the operator's CPU per call."""
+        Secrets' values are never held longer than needed)."""
         ns, kind = obj["metadata"]["namespace"], obj["kind"]
+        collection = CHILD_COLLECTIONS.get(kind)
+        if collection is None:
+            raise ValueError(f"unknown child kind {kind}")
         try:
-            if kind == "RayJob":
-                made = self.custom.create_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, obj)
-                return cast(Obj, made)
-            create = {"ConfigMap": self.core.create_namespaced_config_map,
-                      "Secret": self.core.create_namespaced_secret,
-                      "NetworkPolicy": self.networking.create_namespaced_network_policy}.get(kind)
-            if create is None:
-                raise ValueError(f"unknown child kind {kind}")
-            _drop(create(ns, obj, _preload_content=False))
-            return {}
+            made = self._send("POST", collection.format(ns=quote(ns, safe="")), obj)
         except ApiException as e:
             if e.status == 409:
                 return None
             raise
+        return cast(Obj, json.loads(made)) if kind == "RayJob" else {}
 
     def patch_ray_job(self, ns: str, name: str, patch: Mapping[str, Any]) -> None:
         self.custom.patch_namespaced_custom_object(RAY_GROUP, RAY_VERSION, ns, RAY_PLURAL, name, patch)
 
     def patch_job_status(self, ns: str, name: str, status: Mapping[str, Any]) -> None:
         """A merge patch of the /status subresource (the main resource ignores status)."""
-        self.custom.patch_namespaced_custom_object_status(GROUP, VERSION, ns, JOB_PLURAL, name, {"status": status})
+        self._send("PATCH", f"/apis/{GROUP}/{VERSION}/namespaces/{quote(ns, safe='')}/{JOB_PLURAL}/"
+                   f"{quote(name, safe='')}/status", {"status": status}, "application/merge-patch+json")
 
     def patch_adapter(self, ns: str, name: str, patch: Mapping[str, Any]) -> Obj:
         """A merge patch of a LoRAAdapter (its metadata: ownerReferences, finalizers). Give
@@ -158,9 +164,10 @@ class Kube:
                                                           {"status": status})
 
     def event(self, job: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
-        """A core/v1 Event on the job or adapter `job` (what `kubectl describe` lists)."""
+        """A core/v1 Event on the job or adapter `job` (what `kubectl describe` lists), stamped now; posted by
+        `poster` when there is one (events.py: behind the reconciles, in order), else here."""
         meta = job["metadata"]
-        now = dt.datetime.now(dt.UTC)
+        now = now_rfc3339()
         body = {
             "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
             "involvedObject": {
@@ -173,10 +180,28 @@ class Kube:
             "reportingComponent": COMPONENT, "reportingInstance": self.instance,
             "firstTimestamp": now, "lastTimestamp": now, "count": 1,
         }
-        _drop(self.core.create_namespaced_event(meta["namespace"], body, _preload_content=False))
+        if self.poster is not None:
+            self.poster.put(meta["namespace"], body)
+        else:
+            self.post_event(meta["namespace"], body)
 
+    def post_event(self, ns: str, body: Mapping[str, Any]) -> None:
+        self._send("POST", f"/api/v1/namespaces/{quote(ns, safe='')}/events", body)
 
-def _drop(response: Any) -> None:
-    """Read and discard an answer taken with _preload_content=False, so its connection goes back to the pool."""
-    response.read()
-    response.release_conn()
+    def _send(self, method: str, path: str, body: Any, content_type: str = "application/json") -> bytes:
+        """One write as the client's generated methods make it (the same connection pool, headers and credentials,
+        a refreshed token included), without their per-call work: a pydantic check of every argument and a
+        recursive copy of the body, which were a good part of the operator's CPU per job in a burst
+        (bench/operator_scale.py). Returns the answer's bytes; an error answer raises ApiException, as they do."""
+        headers = {**self.api.default_headers, "Content-Type": content_type, "Accept": "application/json"}
+        if self.api.cookie:
+            headers["Cookie"] = self.api.cookie
+        self.api.update_params_for_auth(headers, [], ["BearerToken"], path, method, body)
+        answer = self.api.call_api(method, self.api.configuration.host + path, headers, body)
+        try:
+            data: bytes = answer.read()
+        finally:
+            answer.response.release_conn()
+        if not 200 <= answer.status <= 299:
+            raise ApiException.from_response(http_resp=answer, body=data.decode(errors="replace"), data=None)
+        return data

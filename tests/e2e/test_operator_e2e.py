@@ -161,7 +161,8 @@ def test_apply_trains_to_the_end_and_describe_shows_it(cluster, ns, operator, he
     assert not s.get("restarts") and s["rayJobName"] == sub
     assert step_lines(logs) == list(range(1, steps + 1)), logs[-3000:]
     # events for the job, and the HF-PEFT export of the final adapter
-    got = [(e["type"], e["reason"]) for e in events(cluster, "toy-local", ns)]
+    got = [(e["type"], e["reason"]) for e in events(cluster, "toy-local", ns, wanting=[
+        "CreatedChildren", "SubmittedRayJob", "TrainerRunning", "Succeeded"])]
     for reason in ("CreatedChildren", "SubmittedRayJob", "TrainerRunning", "Succeeded"):
         assert ("Normal", reason) in got, got
     assert (ckpt / "lora_adapter" / "adapter_config.json").is_file(), sorted(f.name for f in ckpt.iterdir())
@@ -268,7 +269,7 @@ def test_a_killed_trainer_restarts_once_and_resumes_from_its_checkpoint(cluster,
     assert all(step >= k for step in seen[got_there:]), watch.rows
     assert rerun == sorted(rerun) and rerun[-1] == steps, watch.rows
     assert s["progress"]["lastCheckpoint"]["step"] == steps
-    warn = [e for e in events(cluster, "phoenix", ns) if e["reason"] == "TrainerFailed"]
+    warn = [e for e in events(cluster, "phoenix", ns, wanting=["TrainerFailed"]) if e["reason"] == "TrainerFailed"]
     assert warn and "restart 1 of 1" in warn[0]["message"], warn
     assert (ckpt / "lora_adapter" / "adapter_config.json").is_file()
     delete_job(cluster, "phoenix", ns)

@@ -76,8 +76,8 @@ def wait_lad(cluster, name, ns, pred, what) -> dict[str, Any]:
                     interval=0.2, what=f"lad {name}: {what} (now {lad(cluster, name, ns).get('status')})")
 
 
-def reasons(cluster, name, ns) -> list[tuple[str, str]]:
-    return [(e["type"], e["reason"]) for e in events(cluster, name, ns, kind="LoRAAdapter")]
+def reasons(cluster, name, ns, *wanting) -> list[tuple[str, str]]:
+    return [(e["type"], e["reason"]) for e in events(cluster, name, ns, kind="LoRAAdapter", wanting=wanting)]
 
 
 def names(state: dict[str, Any]) -> list[str]:
@@ -115,14 +115,14 @@ def test_an_adapter_registers_trains_and_is_deregistered_when_deleted(cluster, n
         wait_lad(cluster, "second", ns, lambda s: s.get("phase") == "Training", "Training")
         s = wait_lad(cluster, "third", ns, lambda s: cond(s, "Registered").get("reason") == "NoFreeSlot", "NoFreeSlot")
         assert s["phase"] == "Pending" and "no free slot" in cond(s, "Registered")["message"]
-        assert ("Warning", "NoFreeSlot") in reasons(cluster, "third", ns)
+        assert ("Warning", "NoFreeSlot") in reasons(cluster, "third", ns, "NoFreeSlot")
         assert FINALIZER not in (lad(cluster, "third", ns)["metadata"].get("finalizers") or [])
         assert state()["active"] == 2
 
         # deleted: retired at the trainer's next step boundary, then forgotten there; the delete waits for it
         cluster.kubectl("delete", "lad", "second", "-n", ns, "--wait=true", f"--timeout={WAIT}s")
         assert "second" not in names(state())
-        assert ("Normal", "Deregistered") in reasons(cluster, "second", ns)
+        assert ("Normal", "Deregistered") in reasons(cluster, "second", ns, "Deregistered")
         # the freed slot goes to the adapter that waited for one
         s = wait_lad(cluster, "third", ns, lambda s: s.get("phase") == "Training", "Training once a slot freed")
         assert s["slot"] == 1 and names(state()) == ["early", "third"]
@@ -170,7 +170,7 @@ def test_an_adapter_that_cannot_join_its_job_fails_with_the_fix(cluster, ns, ray
             s = wait_lad(cluster, name, ns, lambda s: s.get("phase") == "Failed", "Failed")
             failed = cond(s, "Failed")
             assert (failed["status"], failed["reason"]) == ("True", "ValidationFailed") and words in failed["message"]
-            assert ("Warning", "ValidationFailed") in reasons(cluster, name, ns)
+            assert ("Warning", "ValidationFailed") in reasons(cluster, name, ns, "ValidationFailed")
             assert FINALIZER not in (lad(cluster, name, ns)["metadata"].get("finalizers") or [])
         assert names(state()) == []
         # what CEL can check on the adapter alone is refused at apply

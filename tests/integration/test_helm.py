@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from localcluster import wait_for
-from operatorkit import Operator, all_children, apply, children, install_crds, job_status
+from operatorkit import Operator, all_children, apply, children, events, install_crds, job_status
 from specs import valid_job
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -218,8 +218,9 @@ def test_namespaced_install_grants_only_its_namespace(cluster, helm, tmp_path):
         wait_for(lambda: all_children(children(cluster, "rbac", ns)), timeout=30,
                  what="children made under the chart's RBAC")
         wait_for(lambda: job_status(cluster, "rbac", ns).get("phase") == "Pending", timeout=30, what="status")
-        events = json.loads(cluster.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
-        assert any(e["reason"] == "CreatedChildren" and "RayJob rbac-ray" in e["message"] for e in events)
+        # posted under the chart's RBAC, a moment after the status (kora_operator/events.py)
+        made = events(cluster, "rbac", ns, wanting=["CreatedChildren"])
+        assert any(e["reason"] == "CreatedChildren" and "RayJob rbac-ray" in e["message"] for e in made)
     finally:
         op.stop()
     assert "403" not in op.log.read_text() and "Forbidden" not in op.log.read_text()

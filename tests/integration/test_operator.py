@@ -60,8 +60,8 @@ def condition(status, type_):
     return next(c for c in status["conditions"] if c["type"] == type_)
 
 
-def reasons(cluster, name, ns):
-    return [(e["type"], e["reason"]) for e in events(cluster, name, ns)]
+def reasons(cluster, name, ns, *wanting):
+    return [(e["type"], e["reason"]) for e in events(cluster, name, ns, wanting=wanting)]
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.stem)
@@ -87,7 +87,7 @@ def test_each_sample_gets_exactly_its_configmap_secrets_policy_and_rayjob(cluste
     assert condition(status, "Validated")["status"] == "True"
     assert status["rayJobName"] == rayjob["metadata"]["name"]
     assert status["syncMode"] == doc["spec"]["lora"].get("syncMode", "Merge")
-    got = reasons(cluster, name, ns)
+    got = reasons(cluster, name, ns, "Validated", "CreatedChildren")
     assert ("Normal", "Validated") in got, got
     # one Event for the five children the first reconcile made (one API write, not five), naming each
     (made,) = [e["message"] for e in events(cluster, name, ns) if e["reason"] == "CreatedChildren"]
@@ -130,7 +130,7 @@ def test_status_follows_the_rayjob_to_succeeded(cluster, ns, operator):
     s = wait_phase(cluster, "happy", ns, "Succeeded")
     assert condition(s, "Complete")["status"] == "True" and s["completionTime"] == "2026-11-30T11:00:00Z"
     assert condition(s, "ClusterReady")["lastTransitionTime"] >= ready_at
-    got = reasons(cluster, "happy", ns)
+    got = reasons(cluster, "happy", ns, "ClusterProvisioning", "ClusterReady", "TrainerRunning", "Succeeded")
     for r in ("ClusterProvisioning", "ClusterReady", "TrainerRunning", "Succeeded"):
         assert ("Normal", r) in got, got
     describe = cluster.kubectl("describe", "ltj", "happy", "-n", ns).stdout
@@ -150,7 +150,7 @@ def test_a_failed_rayjob_fails_the_job_with_a_warning(cluster, ns, operator):
     failed = condition(s, "Failed")
     assert (failed["status"], failed["reason"]) == ("True", "TrainerFailed")
     assert "exit code 1" in failed["message"]
-    assert ("Warning", "TrainerFailed") in reasons(cluster, "sad", ns)
+    assert ("Warning", "TrainerFailed") in reasons(cluster, "sad", ns, "TrainerFailed")
 
 
 def test_an_invalid_spec_fails_validation_and_gets_no_rayjob(cluster, ns, operator, tmp_path):
@@ -166,7 +166,7 @@ def test_an_invalid_spec_fails_validation_and_gets_no_rayjob(cluster, ns, operat
     validated = condition(s, "Validated")
     assert (validated["status"], validated["reason"]) == ("False", "ValidationFailed")
     assert "lora.scope" in validated["message"]
-    assert ("Warning", "ValidationFailed") in reasons(cluster, "vl-bad", ns)
+    assert ("Warning", "ValidationFailed") in reasons(cluster, "vl-bad", ns, "ValidationFailed")
     assert all(v == [] for v in children(cluster, "vl-bad", ns).values())
 
 
@@ -215,7 +215,7 @@ def test_a_stored_job_that_does_not_fit_fails_validation_and_gets_no_rayjob(clus
     validated = condition(s, "Validated")
     assert (validated["status"], validated["reason"]) == ("False", "ValidationFailed")
     assert validated["message"] == f"{problem.field}: {problem.message}"
-    assert ("Warning", "ValidationFailed") in reasons(cluster, "stored-too-big", ns)
+    assert ("Warning", "ValidationFailed") in reasons(cluster, "stored-too-big", ns, "ValidationFailed")
     assert all(v == [] for v in children(cluster, "stored-too-big", ns).values())
 
 
@@ -243,7 +243,7 @@ def test_suspend_and_lifecycle_fields_reach_the_rayjob(cluster, ns, operator):
     wait_for(lambda: get(cluster, "rayjob", rj, ns)["spec"]["suspend"] is False, timeout=WAIT, what="resumed RayJob")
     s = wait_phase(cluster, "pause", ns, "Provisioning")
     assert condition(s, "ClusterReady")["reason"] == "Resuming"
-    assert ("Normal", "UpdatedRayJob") in reasons(cluster, "pause", ns)
+    assert ("Normal", "UpdatedRayJob") in reasons(cluster, "pause", ns, "UpdatedRayJob")
 
 
 def test_a_deleted_rayjob_is_recreated(cluster, ns, operator):
@@ -302,8 +302,12 @@ def test_a_deleted_configmap_and_secret_are_made_again_once_the_recheck_time_has
             return all_children(got) and got["ConfigMap"][0]["metadata"]["uid"] != cm["metadata"]["uid"]
 
         wait_for(made_again, timeout=WAIT, interval=0.5, what="the deleted ConfigMap and Secret made again")
-        remade = [e["message"] for e in events(cluster, "mend", namespace) if e["reason"] == "CreatedChildren"]
-        assert any(f"ConfigMap {cm['metadata']['name']}, Secret {token['metadata']['name']}" in m
-                   and "RayJob" not in m for m in remade), remade
+
+        def remade():  # the Event comes a moment after the children (kora_operator/events.py)
+            return any(f"ConfigMap {cm['metadata']['name']}, Secret {token['metadata']['name']}" in e["message"]
+                       and "RayJob" not in e["message"] for e in events(cluster, "mend", namespace)
+                       if e["reason"] == "CreatedChildren")
+
+        wait_for(remade, timeout=WAIT, what="a CreatedChildren event naming the ConfigMap and Secret made again")
     finally:
         op.stop()

@@ -49,8 +49,8 @@ def condition(status, type_):
     return next(c for c in status["conditions"] if c["type"] == type_)
 
 
-def reasons(cluster, name, ns):
-    return [(e["type"], e["reason"]) for e in events(cluster, name, ns)]
+def reasons(cluster, name, ns, *wanting):
+    return [(e["type"], e["reason"]) for e in events(cluster, name, ns, wanting=wanting)]
 
 
 def test_a_job_is_submitted_once_runs_and_succeeds(cluster, ns, ray_operator, head, control_port, tmp_path):
@@ -76,7 +76,7 @@ def test_a_job_is_submitted_once_runs_and_succeeds(cluster, ns, ray_operator, he
         assert seen["env"]["KORA_CONTROL_TOKEN"] == derive_token(TEST_OPERATOR_KEY.encode(), uid)
         assert seen["env"]["KORA_CONTROL_PORT"] == str(control_port) and seen["env"]["KORA_CONTROL_HOST"] == "127.0.0.1"
         assert seen["run_dir"] == f".kora/runs/{sub}"
-        got_reasons = reasons(cluster, "ok", ns)
+        got_reasons = reasons(cluster, "ok", ns, "CreatedChildren", "SubmittedRayJob", "TrainerRunning", "Succeeded")
         for r in ("CreatedChildren", "SubmittedRayJob", "TrainerRunning", "Succeeded"):
             assert ("Normal", r) in got_reasons, got_reasons
         row = cluster.kubectl("get", "ltj", "ok", "-n", ns, "--no-headers").stdout.split()
@@ -99,7 +99,7 @@ def test_a_failed_trainer_fails_the_job_with_its_message(cluster, ns, ray_operat
         assert (failed["status"], failed["reason"]) == ("True", "TrainerFailed")
         assert "exit code 3" in failed["message"] and "ValueError: data.path" in failed["message"]
         assert "INFO" not in failed["message"]  # Ray's own log lines are left out
-        assert ("Warning", "TrainerFailed") in reasons(cluster, "crash", ns)
+        assert ("Warning", "TrainerFailed") in reasons(cluster, "crash", ns, "TrainerFailed")
         assert [j["status"] for j in submissions(head, uid).values()] == ["FAILED"]
 
 
@@ -117,8 +117,10 @@ def test_backoff_resubmits_and_the_trainer_resumes_from_its_checkpoint(cluster, 
         assert (home / "steps").read_text().split() == ["1", "2", "3", "4"]
         assert s["progress"]["step"] == 4 and s["progress"]["lastCheckpoint"]["step"] == 4
         assert condition(s, "Checkpointed")["status"] == "True"
-        warn = [e for e in events(cluster, "retry", ns) if e["reason"] == "TrainerFailed"]
+        warn = [e for e in events(cluster, "retry", ns, wanting=["TrainerFailed"]) if e["reason"] == "TrainerFailed"]
         assert warn and "restart 1 of 1" in warn[0]["message"] and "scripted crash at step 2" in warn[0]["message"]
+        wait_for(lambda: [e["reason"] for e in events(cluster, "retry", ns)].count("SubmittedRayJob") >= 2,
+                 timeout=WAIT, what="two SubmittedRayJob events")
         assert [e["reason"] for e in events(cluster, "retry", ns)].count("SubmittedRayJob") == 2
 
 
@@ -134,7 +136,7 @@ def test_suspend_stops_the_ray_job_and_resume_resubmits(cluster, ns, ray_operato
         wait_for(lambda: submissions(head, uid)[f"kora-{uid}-0"]["status"] == "STOPPED", timeout=WAIT,
                  what="the Ray job stopped")
         wait_for(lambda: all_dead(first), timeout=30, what="the trainer process gone")
-        assert ("Normal", "StoppedRayJob") in reasons(cluster, "pause", ns)
+        assert ("Normal", "StoppedRayJob") in reasons(cluster, "pause", ns, "StoppedRayJob")
         apply(cluster, doc, ns)  # resume
         s = wait_phase(cluster, "pause", ns, "Running")
         assert s["rayJobName"] == f"kora-{uid}-1" and not s.get("restarts")  # a resume is not a restart
@@ -185,7 +187,7 @@ def test_an_unreachable_ray_cluster_shows_and_deleting_does_not_hang(cluster, ns
     ready = condition(s, "ClusterReady")
     assert ready["status"] == "False" and f"127.0.0.1:{closed}" in ready["message"]
     assert s["phase"] == "Pending" and "rayJobName" not in s
-    assert ("Warning", "RayUnreachable") in reasons(cluster, "nowhere", ns)
+    assert ("Warning", "RayUnreachable") in reasons(cluster, "nowhere", ns, "RayUnreachable")
     delete_job(cluster, "nowhere", ns, timeout=30)  # nothing was submitted: nothing to wait for
 
 

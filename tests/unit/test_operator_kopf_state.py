@@ -40,3 +40,20 @@ def test_a_deleted_object_is_forgotten():
     assert len(handled) == 1
     handled.forget("uid-a")
     assert len(handled) == 0
+
+
+def test_the_essence_is_kopfs_own_built_from_less():
+    # kopf's build copies the whole body (managedFields, status) and drops what it does not keep; ours copies only
+    # what it keeps: the same essence, with or without the extra fields a handler names
+    raw = {"apiVersion": "kora.dev/v1alpha1", "kind": "LoRATrainingJob",
+           "metadata": {"name": "j", "namespace": "ns", "uid": "u", "generation": 3, "resourceVersion": "7",
+                        "labels": {"a": "b"}, "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": {}}}],
+                        "annotations": {"note": "x", "kubectl.kubernetes.io/last-applied-configuration": "{}",
+                                        "kora.dev/kopf-managed": "yes", "kora.dev/job_created": "{}"}},
+           "spec": {"suspend": True, "lora": {"rank": 8}}, "status": {"phase": "Pending", "observedGeneration": 3}}
+    for extra in (None, [("spec",)], ["spec.lora"], [("status", "phase")], [("metadata", "generation")], []):
+        ours = HandledSpecs().build(body=kopf.Body(raw), extra_fields=extra)
+        assert ours == kopf.DiffBaseStorage.build(HandledSpecs(), body=kopf.Body(raw), extra_fields=extra), extra
+    mine = HandledSpecs().build(body=kopf.Body(raw))
+    mine["spec"]["lora"]["rank"] = 16
+    assert raw["spec"]["lora"]["rank"] == 8  # a copy

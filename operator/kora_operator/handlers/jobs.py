@@ -15,12 +15,14 @@ import kopf
 
 from kora_operator.api.job import GROUP, VERSION, RuntimeKind
 from kora_operator.builders.meta import JOB_LABEL, MANAGED_BY
+from kora_operator.events import EventPoster
 from kora_operator.handlers.adapter_sync import poll_deletion, reconcile_job
 from kora_operator.handlers.kopf_state import HandledSpecs, UnmarkedProgress
 from kora_operator.handlers.memory import AdapterIndex, KnownChildren
 from kora_operator.handlers.poller import Poller
 from kora_operator.handlers.reconcile import Context, forget, stop_ray_job
 from kora_operator.kube import Kube
+from kora_operator.metrics import reconciles_in_flight
 from kora_operator.phase import TERMINAL
 from kora_operator.runtimes.rayjobs import RayError
 from kora_operator.settings import Settings
@@ -55,6 +57,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.scanning.disabled = True
     ours: Settings = getattr(memo, "settings", None) or Settings.from_env()
     kube = Kube()
+    # Events behind the reconciles' own writes (events.py)
+    kube.poster = EventPoster(kube.post_event, busy=lambda: reconciles_in_flight() > 0).start()
     tokens = load_tokens(ours, kube)
     log.info("control-plane tokens are derived from the operator key in %s", tokens.source)
     ctx = Context(kube=kube, tokens=tokens, settings=ours, adapters=AdapterIndex(),
@@ -70,6 +74,8 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
     for poller in (ctx.poller, ctx.deletions) if ctx is not None else ():
         if poller is not None:
             poller.stop()
+    if ctx is not None and ctx.kube.poster is not None:
+        ctx.kube.poster.stop()  # posts the Events still waiting
 
 
 @kopf.index("ray.io", "v1", "rayjobs", labels={"app.kubernetes.io/managed-by": MANAGED_BY})
@@ -168,4 +174,7 @@ def ray_job_changed(body: kopf.Body, namespace: str | None, memo: Any, type: str
             # the same as a resume's (job_created): the RayJob of a job this process has not seen yet, most often
             # from kopf's first listing, which may come before the job's resume
             ctx.children.remember_if_new(str(owners[0].get("uid")))
-        reconcile_job(ctx, str(namespace), str(job), trigger="rayjob", ray=copy.deepcopy(dict(body)))
+        # a copy deep enough for what a reconcile writes into it (_align_ray_job: top-level spec fields); the rest is
+        # only read, and a deep copy of every RayJob event was a good part of the operator's CPU in a burst
+        raw = dict(body)
+        reconcile_job(ctx, str(namespace), str(job), trigger="rayjob", ray={**raw, "spec": dict(raw.get("spec") or {})})

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Iterable
 from typing import Any, cast
 
 import kopf
@@ -36,6 +37,19 @@ class HandledSpecs(kopf.DiffBaseStorage):
         super().__init__()
         self._essences: dict[str, kopf.BodyEssence | None] = {}
         self._lock = threading.Lock()
+
+    def build(self, *, body: kopf.Body, extra_fields: Iterable[Any] | None = None) -> kopf.BodyEssence:
+        """kopf's essence, built from only the parts of the body that go into it. kopf's own `build` deep-copies
+        the whole body, managedFields and status included, and then drops them: on every watch event of every
+        job (most of kopf's CPU per event in a burst). The essence is the same: the spec and other top-level
+        stanzas, labels and annotations, and the extra fields handlers name (`on.update(field=...)`)."""
+        fields = list(extra_fields or ())
+        roots = {f.split(".", 1)[0] if isinstance(f, str) else f[0] for f in fields}
+        slim = {k: v for k, v in body.items() if k not in ("metadata", "status") or k in roots}
+        if "metadata" not in roots:
+            meta = body.get("metadata") or {}
+            slim["metadata"] = {k: meta[k] for k in ("labels", "annotations") if k in meta}
+        return super().build(body=kopf.Body(cast(kopf.RawBody, slim)), extra_fields=fields)
 
     def fetch(self, *, body: kopf.Body) -> kopf.BodyEssence | None:
         uid = str(body.metadata.uid)
