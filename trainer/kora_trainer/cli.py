@@ -10,7 +10,7 @@ import argparse
 import json
 
 
-def register_make_toy(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register_make_toy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("make-toy", help="write the toy model, tokenizer and addition dataset to DIR",
                        description="Write a tiny Qwen3 (briefly pretrained on 2-digit addition), its tokenizer "
                                    "and train.parquet to DIR, loadable with from_pretrained.")

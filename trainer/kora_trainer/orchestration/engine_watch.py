@@ -81,7 +81,7 @@ class HangWatch:
     """Asks one engine's GET /health every `interval_s`; once it has gone `hang_s` without an answered probe it
     SIGKILLs the engine and keeps why in `hung`. `settle` lets a caller wait for the watch's word on it."""
 
-    def __init__(self, proc: subprocess.Popen, url: str, hang_s: float,  # type: ignore[type-arg]
+    def __init__(self, proc: subprocess.Popen[bytes], url: str, hang_s: float,
                  interval_s: float = PROBE_INTERVAL_S):
         from kora_trainer.wire.engine_client import EngineClient
 
@@ -181,7 +181,7 @@ def lost(dead: list[str], doing: str, e: BaseException, saved_step: int | None, 
 
 
 @contextlib.contextmanager
-def engine_process_watched(proc: subprocess.Popen, url: str, log: Path, watch: HangWatch | None,  # type: ignore[type-arg]
+def engine_process_watched(proc: subprocess.Popen[bytes], url: str, log: Path, watch: HangWatch | None,
                            doing: str, saved_step: int | None) -> Iterator[None]:
     """`engines_watched` for one engine process of this driver's own (the diffusion driver's, no Ray): a failure
     while it is dead, or once its `watch` killed it as hung, becomes EngineLost naming it."""

@@ -47,7 +47,7 @@ def _write_private(path: Path, text: str) -> None:
 
 @dataclass
 class EngineProcess:
-    proc: subprocess.Popen  # type: ignore[type-arg]
+    proc: subprocess.Popen[bytes]
     url: str
     log_path: Path
 

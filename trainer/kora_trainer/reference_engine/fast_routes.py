@@ -41,7 +41,7 @@ from kora_trainer.wire.protocol import PackedChecksum, checksum, dtype_name, dty
 log = logging.getLogger("kora.hf_engine")
 
 PLAN_ROUTE, PUSH_ROUTE = "/kora/fast_sync/plan", "/kora/fast_sync/push"
-Metadata = Sequence[Mapping[str, list]]  # type: ignore[type-arg]
+Metadata = Sequence[Mapping[str, list[Any]]]
 
 
 def completed_names(metadata: Metadata) -> list[str]:

@@ -21,6 +21,7 @@ collectives of a group must be issued in the same order on every member.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -40,8 +41,8 @@ class BucketMeta:
     byte_ranges: list[list[int]] | None = None
     load_format: str | None = None
 
-    def as_protocol(self) -> dict[str, list]:  # type: ignore[type-arg]
-        meta: dict[str, list] = {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes}  # type: ignore[type-arg]
+    def as_protocol(self) -> dict[str, list[Any]]:
+        meta: dict[str, list[Any]] = {"names": self.names, "dtypes": self.dtypes, "shapes": self.shapes}
         if self.byte_ranges is not None:
             meta["byte_ranges"] = self.byte_ranges
         return meta

@@ -254,7 +254,7 @@ class MergePlan:
         return sum(b.nbytes for b in self.buckets)
 
     @property
-    def metadata(self) -> list[dict[str, list]]:  # type: ignore[type-arg]
+    def metadata(self) -> list[dict[str, list[Any]]]:
         return [b.metadata() for b in self.buckets]
 
 

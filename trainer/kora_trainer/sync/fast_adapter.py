@@ -8,6 +8,7 @@ the delta-skip with one fused max-abs-diff and one all-reduce of one number (`de
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -173,7 +174,7 @@ class AdapterPack:
             group.broadcast(flat[start:end], src=0)
 
     @property
-    def metadata(self) -> list[dict[str, list]]:  # type: ignore[type-arg]
+    def metadata(self) -> list[dict[str, list[Any]]]:
         return [b.metadata() for b in self.buckets]
 
 

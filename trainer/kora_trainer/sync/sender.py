@@ -370,7 +370,7 @@ class WeightSender:
         results: list[dict[str, Any]] = []
         nb = len(buckets)
         for i, bucket in enumerate(buckets):
-            def call(c: EngineClient, meta: dict[str, list], i: int = i) -> dict[str, Any]:  # type: ignore[type-arg]
+            def call(c: EngineClient, meta: dict[str, list[Any]], i: int = i) -> dict[str, Any]:
                 return c.load_lora_adapter_from_distributed(name, config, meta, bucket_index=i,
                                                             num_buckets=nb, load_format=FLAT, weight_version=wv)
 
@@ -383,7 +383,7 @@ class WeightSender:
         assert isinstance(self.transport, DistributedTransport)
         config, name = self.adapter_config, self.adapter_name
 
-        def over_group(c: EngineClient, meta: dict[str, list]) -> dict[str, Any]:  # type: ignore[type-arg]
+        def over_group(c: EngineClient, meta: dict[str, list[Any]]) -> dict[str, Any]:
             return c.load_lora_adapter_over_group(name, config, meta, upsert=True)
 
         self.transport.send_tensors(named, over_group)

@@ -68,7 +68,7 @@ class DistributedTransport:
         return cls(clients, group, timeout_s)
 
     def send(self, bucket: Bucket, tensors: dict[str, torch.Tensor],
-             call: Callable[[EngineClient, dict[str, list]], dict[str, Any]]) -> list[dict[str, Any]]:  # type: ignore[type-arg]
+             call: Callable[[EngineClient, dict[str, list[Any]]], dict[str, Any]]) -> list[dict[str, Any]]:
         """One bucket: HTTP metadata to every engine (threads) + one broadcast from rank 0."""
         meta = bucket.metadata()
         futs = [c.submit(call, c, meta) for c in self.clients]
@@ -76,7 +76,7 @@ class DistributedTransport:
         return wait_all(futs, self.timeout_s)
 
     def send_tensors(self, named: list[tuple[str, torch.Tensor]],
-                     call: Callable[[EngineClient, dict[str, list]], dict[str, Any]]) -> list[dict[str, Any]]:  # type: ignore[type-arg]
+                     call: Callable[[EngineClient, dict[str, list[Any]]], dict[str, Any]]) -> list[dict[str, Any]]:
         """SGLang's per-tensor form (what every build has; kora's flat bucket is the reference engine's): HTTP
         names/dtypes/shapes to every engine, then one broadcast per tensor in that order from rank 0."""
         meta = tensor_metadata(named)
@@ -91,7 +91,7 @@ class DistributedTransport:
                 c.destroy_weights_update_group(GROUP_NAME)
 
 
-def tensor_metadata(named: list[tuple[str, torch.Tensor]]) -> dict[str, list]:  # type: ignore[type-arg]
+def tensor_metadata(named: list[tuple[str, torch.Tensor]]) -> dict[str, list[Any]]:
     """SGLang's names / dtypes (torch attribute names) / shapes of whole tensors."""
     return {"names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
             "shapes": [list(t.shape) for _, t in named]}

@@ -200,7 +200,7 @@ class EngineClient:
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> dict[str, Any]:
         return cast("dict[str, Any]", self.post("/destroy_weights_update_group", {"group_name": group_name}))
 
-    def update_weights_from_distributed(self, metadata: dict[str, list], group_name: str = DEFAULT_GROUP,  # type: ignore[type-arg]
+    def update_weights_from_distributed(self, metadata: dict[str, list[Any]], group_name: str = DEFAULT_GROUP,
                                         load_format: str | None = None, weight_version: str | None = None,
                                         flush_cache: bool = True, abort_all_requests: bool = False,
                                         **extra: Any) -> dict[str, Any]:
@@ -212,7 +212,7 @@ class EngineClient:
             body.pop("byte_ranges", None)
         return cast("dict[str, Any]", self.post("/update_weights_from_distributed", body))
 
-    def update_weights_lora_merge(self, metadata: dict[str, list], lora_alpha: float, lora_rank: int,  # type: ignore[type-arg]
+    def update_weights_lora_merge(self, metadata: dict[str, list[Any]], lora_alpha: float, lora_rank: int,
                                   merge_fp32: bool = True, **kwargs: Any) -> dict[str, Any]:
         """kora EngineMerge: the bucket holds PEFT lora_A/lora_B pairs the engine folds into its pristine base."""
         return self.update_weights_from_distributed(
@@ -246,7 +246,7 @@ class EngineClient:
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
         return cast("dict[str, Any]", self.post("/unload_lora_adapter", {"lora_name": name}))
 
-    def load_lora_adapter_from_distributed(self, name: str, config_dict: dict[str, Any], metadata: dict[str, list],  # type: ignore[type-arg]
+    def load_lora_adapter_from_distributed(self, name: str, config_dict: dict[str, Any], metadata: dict[str, list[Any]],
                                            bucket_index: int = 0, num_buckets: int = 1,
                                            group_name: str = DEFAULT_GROUP, load_format: str | None = FLAT,
                                            weight_version: str | None = None) -> dict[str, Any]:
@@ -259,7 +259,7 @@ class EngineClient:
             body.pop("byte_ranges", None)
         return cast("dict[str, Any]", self.post("/load_lora_adapter_from_distributed", body))
 
-    def load_lora_adapter_over_group(self, name: str, config_dict: dict[str, Any], metadata: dict[str, list],  # type: ignore[type-arg]
+    def load_lora_adapter_over_group(self, name: str, config_dict: dict[str, Any], metadata: dict[str, list[Any]],
                                      group_name: str = DEFAULT_GROUP, upsert: bool = True,
                                      pinned: bool = False) -> dict[str, Any]:
         """sglang-miles' /load_lora_adapter_from_distributed (#27268, upsert #30913): the whole adapter in one
@@ -295,7 +295,7 @@ class EngineClient:
 
     # ---- kora's fast sync (reference engine only: reference_engine/fast_routes.py; SGLang answers 404) ----------
 
-    def fast_sync_plan(self, mode: str, metadata: list[dict[str, list]], group_name: str = DEFAULT_GROUP,  # type: ignore[type-arg]
+    def fast_sync_plan(self, mode: str, metadata: list[dict[str, list[Any]]], group_name: str = DEFAULT_GROUP,
                        slots: int = 2, lora_name: str | None = None,
                        config_dict: dict[str, Any] | None = None) -> dict[str, Any]:
         """The layout of every later fast push (`metadata`: one Bucket.metadata() per bucket), once."""
@@ -325,7 +325,7 @@ class EngineClient:
         return cast("dict[str, Any]", self.post("/continue_generation", {}))
 
 
-def applied_checksum(metadata: dict[str, list], tensors: dict[str, torch.Tensor]) -> str:  # type: ignore[type-arg]
+def applied_checksum(metadata: dict[str, list[Any]], tensors: dict[str, torch.Tensor]) -> str:
     """The `checksum` an engine reports for one /update_weights_from_distributed call: protocol.checksum
     over the tensors this bucket completed (a split tensor counts in the bucket holding its last byte)."""
     ranges = metadata.get("byte_ranges")

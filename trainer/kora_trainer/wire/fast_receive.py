@@ -13,6 +13,7 @@ On CPU (gloo) the same classes run sequentially without streams.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -54,7 +55,7 @@ class Streams:
 class PipelinedReceiver:
     """Engine side: receive bucket i+1 while bucket i is copied into the parameters. Plan-time views only."""
 
-    def __init__(self, metadata: Sequence[Mapping[str, list]], params: Mapping[str, torch.Tensor],  # type: ignore[type-arg]
+    def __init__(self, metadata: Sequence[Mapping[str, list[Any]]], params: Mapping[str, torch.Tensor],
                  group: WeightUpdateGroup, slots: int = 2):
         self.group, self.slots = group, slots
         self.device = group.device
@@ -121,7 +122,7 @@ class AdapterRing:
     engine wraps `weights[k]`: the trainer must cycle the slots in order so a slot is rewritten only after
     slots-1 newer versions."""
 
-    def __init__(self, metadata: Sequence[Mapping[str, list]], device: torch.device, scaling: Mapping[str, float],  # type: ignore[type-arg]
+    def __init__(self, metadata: Sequence[Mapping[str, list[Any]]], device: torch.device, scaling: Mapping[str, float],
                  slots: int = 3):
         self.sizes = [sum(int(e) - int(s) for s, e in m["byte_ranges"]) for m in metadata]
         total = sum(self.sizes)

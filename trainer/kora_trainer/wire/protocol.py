@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -63,7 +64,7 @@ class Bucket:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.pieces)
 
-    def metadata(self) -> dict[str, list]:  # type: ignore[type-arg]
+    def metadata(self) -> dict[str, list[Any]]:
         """The JSON the HTTP call carries (SGLang's names/dtypes/shapes + kora's byte ranges)."""
         return {
             "names": [p.name for p in self.pieces],
@@ -130,7 +131,7 @@ class Assembler:
         self.device = device
         self._partial: dict[str, tuple[torch.Tensor, int]] = {}
 
-    def feed(self, metadata: dict[str, list], flat: torch.Tensor) -> Iterator[Named]:  # type: ignore[type-arg]
+    def feed(self, metadata: dict[str, list[Any]], flat: torch.Tensor) -> Iterator[Named]:
         ranges = metadata.get("byte_ranges")
         offset = 0
         for i, name in enumerate(metadata["names"]):
