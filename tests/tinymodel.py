@@ -60,27 +60,51 @@ def make_tiny_model(dir: str | Path, seed: int = 0, vocab: int = 16, hidden: int
     return _save(model, out)
 
 
+def tiny_moe_config(norm_topk_prob: bool = True, **kw):
+    """A tiny Qwen3MoeConfig: 3 layers (layer 1 dense via `mlp_only_layers`), hidden 64, 4 heads / 2 KV heads, 8
+    experts top-2, moe_intermediate_size 32, dense intermediate_size 96, vocab 32; `kw` overrides any field."""
+    from transformers import Qwen3MoeConfig
+
+    args = dict(vocab_size=32, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[1],
+                max_position_embeddings=256, tie_word_embeddings=False, router_aux_loss_coef=0.0, dtype="float32")
+    args.update(kw)
+    return Qwen3MoeConfig(**args)
+
+
+def tiny_moe_model(cfg, seed: int = 0):
+    """Qwen3MoeForCausalLM of `cfg`, float32, randomly initialised wider than from_config's std 0.02: varied
+    logits and well separated router scores."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def make_tiny_moe(dst: Path, norm_topk_prob: bool, seed: int = 0, **kw) -> Path:
+    """`tiny_moe_model` of `tiny_moe_config(norm_topk_prob, **kw)` saved to `dst` (weights and config only)."""
+    tiny_moe_model(tiny_moe_config(norm_topk_prob, **kw), seed).save_pretrained(dst, safe_serialization=True)
+    return dst
+
+
 def make_tiny_moe_model(dir: str | Path, seed: int = 0, vocab: int = 16, hidden: int = 64, layers: int = 3,
                         experts: int = 8, top_k: int = 2, moe_intermediate: int = 32, dense_layers: tuple = (1,)
                         ) -> Path:
     """A randomly initialised Qwen3MoeForCausalLM (float32; layers in `dense_layers` keep a dense MLP) plus the
     toy tokenizer in `dir`: what transformers 5 holds as fused 3-D experts and a bare router weight."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(
-        vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=hidden // 4, intermediate_size=2 * hidden, moe_intermediate_size=moe_intermediate,
-        num_experts=experts, num_experts_per_tok=top_k, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=list(dense_layers), max_position_embeddings=256, tie_word_embeddings=False,
-        router_aux_loss_coef=0.0, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID, dtype="float32")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # widen the init: varied logits, well separated router scores
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    return _save(model, Path(dir))
+    config = tiny_moe_config(
+        True, vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, head_dim=hidden // 4,
+        intermediate_size=2 * hidden, moe_intermediate_size=moe_intermediate, num_experts=experts,
+        num_experts_per_tok=top_k, mlp_only_layers=list(dense_layers), pad_token_id=PAD_ID, bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID)
+    return _save(tiny_moe_model(config, seed), Path(dir))
 
 
 def _save(model, out: Path) -> Path:

@@ -26,6 +26,7 @@ import torch
 
 from kora_trainer.backends.megatron import megatron_available
 from kora_trainer.backends.megatron.convert import layout_from_hf_config, moe_layer_indices, param_maps
+from tinymodel import make_tiny_moe, tiny_moe_config, tiny_moe_model
 
 pytestmark = [pytest.mark.timeout(600)]
 GPU_MARKS = [
@@ -48,34 +49,6 @@ def report(**kw: object) -> None:
     if REPORT:
         with open(REPORT, "a") as f:
             f.write(json.dumps(kw) + "\n")
-
-
-def tiny_moe_config(norm_topk_prob: bool = True, **kw):
-    from transformers import Qwen3MoeConfig
-
-    args = dict(vocab_size=32, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                intermediate_size=96, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                norm_topk_prob=norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[1],
-                max_position_embeddings=256, tie_word_embeddings=False, router_aux_loss_coef=0.0, dtype="float32")
-    args.update(kw)
-    return Qwen3MoeConfig(**args)
-
-
-def tiny_moe_model(cfg, seed: int = 0):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():  # wider than from_config's std 0.02: varied logits and well separated router scores
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    return model.eval()
-
-
-def make_tiny_moe(dst: Path, norm_topk_prob: bool, seed: int = 0, **kw) -> Path:
-    tiny_moe_model(tiny_moe_config(norm_topk_prob, **kw), seed).save_pretrained(dst, safe_serialization=True)
-    return dst
 
 
 # ---- CPU: names, layouts, router settings ---------------------------------------------------------------

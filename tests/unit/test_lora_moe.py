@@ -13,12 +13,12 @@ import pytest
 import torch
 from peft import PeftModel
 
-from gpu.test_megatron_moe import tiny_moe_config, tiny_moe_model
 from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.config import LoRASpec
 from kora_trainer.lora import adapter_disabled, adapter_parameters, adapter_tensors, apply_lora, folded_state
 from kora_trainer.lora.model import peft_config_dict
 from kora_trainer.lora.params import LoRAParam
+from tinymodel import tiny_moe_config, tiny_moe_model
 
 TOL = 1e-5  # fp32, no near-tie in the router (weights N(0, 0.2))
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 11, 4], [6, 6, 2, 8, 1, 30, 12, 5]])

@@ -20,11 +20,11 @@ import torch
 from peft import PeftModel, get_peft_model_state_dict
 from torch import nn
 
-from gpu.test_megatron_moe import make_tiny_moe, tiny_moe_model
 from kora_trainer.backends.megatron import export, parallel
 from kora_trainer.backends.megatron.convert import REPL, Layout, adapter_modules, layout_from_hf_config, split_qkv
 from kora_trainer.backends.megatron.lora import MegatronLoRA
 from kora_trainer.config import LoRASpec
+from tinymodel import make_tiny_moe, tiny_moe_model
 
 R, ALPHA = 4, 8.0
 TOL = 1e-4  # fp32; the router's top-k must pick the same experts on both sides (weights N(0, 0.2): no near-tie)
