@@ -328,6 +328,28 @@ def colocated_sender(b: Any, client: EngineClient, transport_timeout_s: float = 
     return sender
 
 
+def greedy(client: EngineClient) -> list[tuple[str | None, list[int], list[float]]]:
+    """What the engine serves: greedy continuations of the fixed prompts, their log-probs and version."""
+    outs = client.generate(PROMPTS, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True})
+    return [(o.weight_version, list(o.output_ids), list(o.output_logprobs)) for o in outs]
+
+
+def skip_under_threshold_keeps_what_is_served(sender: Any, b: Any, client: EngineClient, version: int) -> Any:
+    """Move the adapter a little, under a raised delta threshold, and sync as `version`: a delta-skip, and the
+    engine serves exactly what it served before (weights, to the bit, and version), though an EngineMerge engine
+    folded the moved pairs before the decision came (colocated_sender._fold_overlapped) and had to put them back."""
+    served = greedy(client)
+    threshold, sender.http.threshold = sender.http.threshold, 1.0
+    try:
+        step(b, 1e-3)
+        report = sender.sync(version=version)
+    finally:
+        sender.http.threshold = threshold
+    assert not report.pushed and 0 < report.max_delta < 1.0, report
+    assert greedy(client) == served
+    return report
+
+
 def step(b: Any, by: float = 0.05) -> None:
     """A stand-in optimizer step: every adapter parameter moves by `by`."""
     with torch.no_grad():

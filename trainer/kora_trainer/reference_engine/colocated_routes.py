@@ -49,6 +49,7 @@ watcher's pushes take the same weight lock.
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -112,6 +113,11 @@ class _Plan:
     merge: tuple[float, int, bool] | None = None  # EngineMerge: lora_alpha, lora_rank, merge_fp32
     folds: dict[int, Any] = field(default_factory=dict)  # EngineMerge: each slot's planned fold (model.PlannedMerge)
     marks: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)  # ... and the CUDA events timing it
+    # EngineMerge with `verdict`: the fold starts before the trainer's delta decision is read (see fold_slot); on a
+    # GPU the engine's stream first waits for the trainer's IPC event, recorded after it wrote the slot
+    verdict: bool = False
+    gathered: torch.cuda.Event | None = None
+    lease_s: float = 0.0
     packed: PackedChecksum | None = None
     lora_name: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -174,9 +180,14 @@ class ColocatedRoutes:
                 exported.append(("doorbell", plan.doorbell))
             else:  # the fold's parameters, checked once
                 plan.merge = (float(b["lora_alpha"]), int(b["lora_rank"]), bool(b.get("merge_fp32", True)))
+                plan.verdict, plan.lease_s = bool(b.get("verdict")), lease_s
+                if b.get("gathered_event") and engine.device.type == "cuda":
+                    handle = base64.b64decode(str(b["gathered_event"]))
+                    plan.gathered = torch.cuda.Event.from_ipc_handle(engine.device, handle)
         else:
             raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge, Adapter or EngineMerge")
-        answer: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for _, t in exported)}
+        answer: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for _, t in exported),
+                                  "verdict": plan.verdict}
         if plan.mode != "Adapter":  # the per-push handshake in shared memory (wire/colocated_words.py)
             words, wake = make_words(), Wake()
             exported.append(("handshake", words))
@@ -194,7 +205,7 @@ class ColocatedRoutes:
             handle = MergeHandshake(self.server.engine, words, wake, plan.names, lease_s,
                                     lambda: watcher is not None and watcher.stopping)
         else:
-            handle = engine_merge_handshake(words, self.fold_slot)
+            handle = engine_merge_handshake(words, self.fold_slot, plan.lease_s if plan.verdict else None)
         watcher = Watcher(words, wake, handle, self.server.engine.device)
         return watcher
 
@@ -306,44 +317,68 @@ class ColocatedRoutes:
         self.fold_slot(slot, None if b.get("weight_version") is None else str(b["weight_version"]))
         return self._checksum({**b, "slot": slot})
 
-    def fold_slot(self, slot: int, version: str | None, lap: Callable[[str], None] | None = None) -> float | None:
+    def fold_slot(self, slot: int, version: str | None, lap: Callable[[str], None] | None = None,
+                  verdict: Callable[[], bool | None] | None = None) -> float | None:
         """The pairs the trainer wrote into ring slot `slot`, folded into the pristine base (the HTTP lora_merge's
         fold, as one weight write) and the version set, both under the weight lock: a generation admitted after
         it sees the new weights and reports the new version. Returns the fold's device time (ms, CUDA events) on
         a GPU, else None: the push's report tells the fold from the waking, locking and synchronising around it.
         `lap("locked")`, `lap("launched")` and `lap("synced")` mark the lock held, the fold enqueued and done (the
-        handshake's words)."""
+        handshake's words).
+
+        `verdict` (the plan's `verdict`): the trainer asked before it read its own delta decision, so the fold is
+        enqueued at once (on a GPU behind the trainer's `gathered` IPC event: the slot is whole when it runs) and
+        `verdict()` then says whether the push stands. A push that does not (the delta-skip: False; no verdict
+        within the lease: None) folds the previous slot again, which holds the pairs last pushed, so the weights
+        come back bit for bit before the lock is given back, and the version stays."""
         plan = self._planned("EngineMerge")
-        ring, merge = plan.ring, plan.merge
-        assert ring is not None and merge is not None
+        ring = plan.ring
+        assert ring is not None
         if not 0 <= slot < len(ring.buffers):
             raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
-        alpha, rank, fp32 = merge
         engine = self.server.engine
-        fold = plan.folds.get(slot)
-        if fold is None or not fold.current():  # planned once per slot: its pairs stay at their addresses
-            pairs = {m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}
-            fold = plan.folds[slot] = engine.planned_merge(pairs, alpha, rank, fp32)
+        fold = self._slot_fold(plan, slot)
         cuda = engine.device.type == "cuda"
         if cuda and slot not in plan.marks:  # made once: a push's host time is on its critical path
             plan.marks[slot] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         marks = plan.marks.get(slot, [])
+        keep: bool | None = True
         with engine.writing():
             if lap is not None:
                 lap("locked")
+            if cuda and plan.gathered is not None:
+                torch.cuda.current_stream(engine.device).wait_event(plan.gathered)
             if cuda:
                 marks[0].record()
             fold.run()
             if lap is not None:
                 lap("launched")
+            if verdict is not None:
+                keep = verdict()
+                if not keep:
+                    self._slot_fold(plan, (slot - 1) % len(ring.buffers)).run()  # the last pushed pairs again
             if cuda:
                 marks[1].record()
                 torch.cuda.synchronize(engine.device)  # whole before the version names it (and the slot is free)
             if lap is not None:
                 lap("synced")
-            if version is not None:
+            if keep and version is not None:
                 engine.weight_version = version
+        if keep is None:
+            raise TimeoutError(f"no verdict on slot {slot} within the lease of {plan.lease_s:g} s: the weights were "
+                               "folded back to the last push")
         return marks[0].elapsed_time(marks[1]) if cuda else None
+
+    def _slot_fold(self, plan: _Plan, slot: int) -> Any:
+        """Slot `slot`'s planned fold (model.PlannedMerge), planned once: its pairs stay at their addresses."""
+        ring, merge = plan.ring, plan.merge
+        assert ring is not None and merge is not None
+        fold = plan.folds.get(slot)
+        if fold is None or not fold.current():
+            alpha, rank, fp32 = merge
+            pairs = {m: (a, bb) for m, (a, bb, _) in ring.weights[slot].items()}
+            fold = plan.folds[slot] = self.server.engine.planned_merge(pairs, alpha, rank, fp32)
+        return fold
 
     def _checksum(self, b: dict[str, Any]) -> dict[str, Any]:
         """`POST /kora/colocated/checksum` {slot} (Adapter, EngineMerge) or {full} (Merge): what the engine serves

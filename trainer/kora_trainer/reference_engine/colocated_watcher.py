@@ -11,6 +11,9 @@ the wake FIFO, reads the shared words, and serves each request the trainer makes
   ACK -n (ERR_TORN), so a late DONE is an error on the trainer's side, not a silent success.
 - EngineMerge (`fold_slot` of colocated_routes): request n (ARG: version, slot) folds ring slot `slot` into the
   pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
+  With the plan's `verdict` the trainer stores request n before it has read its delta decision (the fold runs
+  behind its gather on the device) and VERDICT n or -n after: -n (a skip) folds the previous slot back in, so
+  the weights and the version stay the last push's.
 
 A handler returns its answer (n, or -n with ERR set) and stores its device time in WORK if it has any; the watcher
 stores the time the handler took in SPENT, then the answer in ACK. A handler that raises answers ACK -n
@@ -45,10 +48,12 @@ from kora_trainer.wire.colocated_words import (
     T_LOCKED,
     T_SEEN,
     T_SYNCED,
+    VERDICT,
     WORK,
     Wake,
     Words,
     now_us,
+    wait_word,
 )
 from kora_trainer.wire.fast_receive import doorbell_parts
 
@@ -142,10 +147,12 @@ Lap = Callable[[str], None]  # fold_slot's marks inside the fold: "locked", "lau
 LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
 
 
-def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str, Lap], float | None]
+def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None], verdict_s: float | None = None
                            ) -> Callable[[int], int]:
     """An EngineMerge push: fold the slot the request names (WORK: the fold's device time; T_LOCKED, T_LAUNCHED,
-    T_SYNCED and LAUNCH_CPU: where the time around it went), then ACK (see the module docstring)."""
+    T_SYNCED and LAUNCH_CPU: where the time around it went), then ACK (see the module docstring). `verdict_s`
+    (the plan's `verdict`): the fold starts before the trainer's delta decision, which comes as VERDICT n (the
+    push stands) or -n (a skip: fold_slot puts the last push back), waited for at most `verdict_s` seconds."""
 
     def handle(n: int) -> int:
         c0 = time.thread_time()
@@ -155,8 +162,14 @@ def engine_merge_handshake(words: Words, fold_slot: Callable[[int, str, Lap], fl
             if name == "launched":
                 words[LAUNCH_CPU] = round((time.thread_time() - c0) * 1e6)
 
+        def verdict() -> bool | None:
+            try:
+                return wait_word(words, VERDICT, lambda v: v in (n, -n), verdict_s or 0.0, f"verdict on {n}") == n
+            except TimeoutError:
+                return None
+
         version, slot = doorbell_parts(words[ARG])
-        fold_ms = fold_slot(slot, str(version), lap)
+        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None)
         if fold_ms is not None:
             words[WORK] = round(fold_ms * 1000)
         return n

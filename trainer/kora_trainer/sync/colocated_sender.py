@@ -14,11 +14,13 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
   k (cycling in order), a synchronise, and one 8-byte store of (version, k) into the doorbell, which the engine
   reads before every adapter lookup. Nothing the engine reads is written: a request keeps the slot it was
   admitted with, rewritten only `adapter_slots` pushes later.
-- EngineMerge: the same ring, and the handshake words of wire/colocated_words.py; a push is the gather into slot
-  k, a synchronise, ARG = (version, k) and REQ = n in shared memory (and a wake byte), then a bounded wait for
-  each engine's ACK n: its watcher folds the pairs into its pristine base (the HTTP path's lora_merge, one weight
-  write; on a GPU the planned CUDA-graph fold, `EngineModel.planned_merge`), synchronised, the version set
-  under the weight lock.
+- EngineMerge: the same ring (two slots), and the handshake words of wire/colocated_words.py; a push is the
+  gather into slot k, ARG = (version, k) and REQ = n in shared memory (and a wake byte) at once, then the delta
+  decision read and VERDICT n (push) or -n (skip), then a bounded wait for each engine's ACK n: its watcher takes
+  the weight lock and folds the pairs into its pristine base (the HTTP path's lora_merge, one weight write; on a
+  GPU the planned CUDA-graph fold, `EngineModel.planned_merge`, its stream first waiting on the trainer's
+  `gathered` IPC event, recorded after the gather) while the trainer reads its decision; on -n it folds the
+  previous slot (the last push) back in; synchronised, the version set under the lock (`_fold_overlapped`).
 - Merge: the engine hands over its parameters and the handshake words. A push stores REQ = n first (the engine
   takes its weight lock: generation in flight gives way at its next step and recomputes its KV cache after),
   reads the delta decision meanwhile, waits for GRANT n, folds W + s·B·A straight into the mapped weights
@@ -52,8 +54,10 @@ this proves the engine serves the memory the trainer wrote (a stale mapping show
 
 from __future__ import annotations
 
+import base64
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -82,6 +86,7 @@ from kora_trainer.wire.colocated_words import (
     T_LOCKED,
     T_SEEN,
     T_SYNCED,
+    VERDICT,
     WORK,
     Waker,
     Words,
@@ -128,6 +133,9 @@ class ColocatedFastSender(FastWeightSender):
         # ... compared with the previous ring slot in the gather's own pass: (row starts, run, engine 0's slots)
         self.fused_decide: tuple[torch.Tensor, int, list[torch.Tensor]] | None = None
         self.number = torch.zeros(1)  # ... the number the fused decision leaves (on the adapter's device)
+        self.verdicts = False  # EngineMerge: the engines wait for a VERDICT after each request (the plan's answer)
+        self.overlapped = False  # ... and the request is made before the decision is read (fused decision)
+        self.gathered: torch.cuda.Event | None = None  # ... on a GPU: recorded once the slot is written
         self.lap_t = 0.0
 
     # ---- the plan, once -----------------------------------------------------------------------------------
@@ -161,7 +169,11 @@ class ColocatedFastSender(FastWeightSender):
                         "lora_name": POLICY_ADAPTER, "config_dict": self.http.adapter_config}
                 if self.mode is SyncMode.ENGINE_MERGE:  # the HTTP path's lora_merge parameters
                     lora = self.http.cfg.lora
-                    body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True)
+                    body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True, verdict=True,
+                                lease_s=min(self.transport.timeout_s, 3600.0))
+                    if device.type == "cuda":  # the engine's fold waits for it on its stream (`_fold_overlapped`)
+                        self.gathered = torch.cuda.Event(interprocess=True)
+                        body["gathered_event"] = base64.b64encode(self.gathered.ipc_handle()).decode()
         except (NotImplementedError, ValueError, KeyError) as e:
             return self._off(f"the policy: {e}")
         answers, refused = self._ask_plan(body)
@@ -197,6 +209,8 @@ class ColocatedFastSender(FastWeightSender):
         self.delta.local_max(flat)  # the decision's kernels load now (compiled on first use), not in a push
         self._sync_device()
         self._plan_decide()
+        self.verdicts = self.mode is SyncMode.ENGINE_MERGE and all(a.get("verdict") for a in answers)
+        self.overlapped = self.verdicts and self.fused_decide is not None
         self.active = True
         scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
         slow = sorted({w.problem for w in self.wakers if w.problem})  # the engine then reads the words on its poll
@@ -256,30 +270,33 @@ class ColocatedFastSender(FastWeightSender):
         mode = str(self.mode)
         self._settled()
         n = self.seq = self.seq + 1
-        push, delta, slot = self._decide(n)
-        self._lap("decide")
+        if self.overlapped:  # EngineMerge: the request before the decision is read (`_fold_overlapped`)
+            push, delta, slot = self._fold_overlapped(version, n)
+        else:
+            push, delta, slot = self._decide(n)
+            self._lap("decide")
         if not push:
             if self.merges:
                 self._store(DARG, 0, DONE, -n)  # the locks back, unused
                 self._acks(n, f"giving the weight lock back unused (delta-skip of version {version})")
-            return SyncReport.skip(mode, self.transport.kind, self.engine_version, delta, path="fast")
+            skip = SyncReport.skip(mode, self.transport.kind, self.engine_version, delta, path="fast")
+            if self.overlapped:  # the engine folded and put the last push back: what that took
+                skip = replace(skip, ms=round((time.perf_counter() - t0) * 1000, 2), phases=dict(self.laps))
+            return skip
         verify = self.http.verify and self.pushes % self.verify_every == 0
         full = self.pushes == 0  # Merge: the checksum covers every tensor (the write is the adapted weights')
         if self.merges:
             self._merge(version, n)
-        elif self.mode is SyncMode.ENGINE_MERGE:
+        elif self.mode is SyncMode.ENGINE_MERGE and not self.overlapped:
             asked = now_us()
             self._store(ARG, doorbell_value(version, slot), REQ, n)
-            self._acks(n, f"folding ring slot {slot} as version {version}")
-            self._lap("engine")
-            self._engine_laps(asked, now_us())
-            self.laps["engine_spent"] = self.words[0][SPENT] / 1000
-            if self.words[0][WORK]:
-                self.laps["engine_fold"] = self.words[0][WORK] / 1000
-        else:
+            if self.verdicts:  # the engine waits for the word even when the decision came first
+                self._say(VERDICT, n)
+            self._engine_answered(n, f"folding ring slot {slot} as version {version}", asked)
+        elif self.mode is SyncMode.ADAPTER:
             self._ring(version, slot)
             self._lap("ring")
-        ms = (time.perf_counter() - t0) * 1000  # the engines serve the push from here on
+        ms = (self.lap_t - t0) * 1000  # the last phase's end: the engines serve the push from there on
         results = self._verified(slot, full) if verify else []
         if verify:  # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest
             self._lap("verify_ms")
@@ -298,6 +315,51 @@ class ColocatedFastSender(FastWeightSender):
         return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=nbytes, ms=round(ms, 2),
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what=self._what(), path="fast", phases=dict(self.laps))
+
+    def _fold_overlapped(self, version: int, n: int) -> tuple[bool, float, int]:
+        """EngineMerge with a fused decision: slot k gathered and the number enqueued (on a GPU the captured graph,
+        then the `gathered` IPC event), request n stored at once — the engine locks, waits for the event on its
+        stream and launches its fold while this side synchronises and reads the number — then VERDICT n (push) or
+        -n (the delta-skip: the engine folds the previous slot, the last push, back in) and the ACK."""
+        slot = self.pushes % self.adapter_slots
+        captured = self.decide_graphs.get(slot)
+        if captured is not None:
+            graph, pending = captured
+            graph.replay()
+            assert self.gathered is not None
+            self.gathered.record()
+        else:
+            pending = self._fused_decide(slot)
+        asked = now_us()
+        self._store(ARG, doorbell_value(version, slot), REQ, n)
+        try:
+            self._sync_device()
+            assert self.delta is not None
+            push, delta = self.delta.decide(pending, self.http.threshold)
+        except BaseException:
+            self._say(VERDICT, -n)  # the engine puts the last push back before giving its lock back
+            raise
+        self._lap("decide")
+        self._say(VERDICT, n if push else -n)
+        self._engine_answered(n, f"folding ring slot {slot} as version {version}" if push else
+                              f"folding the last push back in (delta-skip of version {version})", asked)
+        return push, delta, slot
+
+    def _engine_answered(self, n: int, what: str, asked: int) -> None:
+        """Every engine's ACK n, then engine 0's account of the push (`engine`, `engine_spent`, the moments)."""
+        self._acks(n, what)
+        self._lap("engine")
+        self._engine_laps(asked, now_us())
+        self.laps["engine_spent"] = self.words[0][SPENT] / 1000
+        if self.words[0][WORK]:
+            self.laps["engine_fold"] = self.words[0][WORK] / 1000
+
+    def _say(self, word: int, value: int) -> None:
+        """`value` into every engine's `word`, then its wake."""
+        for words in self.words:
+            words[word] = value
+        for wake in self.wakers:
+            wake()
 
     def _engine_laps(self, asked: int, answered: int) -> None:
         """Engine 0's EngineMerge push, moment by moment (the T_ words, one clock for both processes): from the

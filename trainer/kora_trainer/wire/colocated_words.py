@@ -21,6 +21,8 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
     T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK  engine  request ACK's moments on CLOCK_MONOTONIC (µs; one clock
                     for every process of the host): REQ read, weight lock held, fold enqueued, fold done on the
                     device, ACK about to be stored (the last four EngineMerge's; 0 where not reached)
+    VERDICT trainer EngineMerge with the plan's `verdict`: n once request n's delta decision says push, -n skip
+                    (request n was made before the decision was read: the engine's fold runs meanwhile)
     LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
                     T_LAUNCHED - T_SEEN, the thread was waiting (for the GIL, a core) rather than working
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
@@ -47,7 +49,8 @@ import torch
 
 REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT, WORK = range(9)
 T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK, LAUNCH_CPU = range(9, 15)
-NWORDS = 15
+VERDICT = 15
+NWORDS = 16
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
