@@ -230,14 +230,16 @@ class StatusWriter:
         retry time come, not held back) and take it; None once stopping and nothing is left."""
         while True:
             now = time.monotonic()
-            ready = [(k, e) for k, e in self._pending.items() if k not in self._writing and e.not_before <= now]
-            if not ready:
+            # the oldest first; in a burst it is the first one (one look, however many wait)
+            ready = next(((k, e) for k, e in self._pending.items() if k not in self._writing and e.not_before <= now),
+                         None)
+            if ready is None:
                 if self._stopping and not self._pending:
                     return None
                 soon = [e.not_before - now for k, e in self._pending.items() if k not in self._writing]
                 self._cond.wait(max(min(soon), 0.001) if soon else None)
                 continue
-            key, entry = ready[0]
+            key, entry = ready
             wait = self._hold_back(entry, now)
             if wait > 0:
                 self._cond.wait(wait)
