@@ -41,6 +41,13 @@ class Recorder:
             return [n for n, _ in self.written]
 
 
+def reconciles_running() -> threading.Event:
+    """What the writer's `busy` looks at: set while reconciles run (here: from the start)."""
+    busy = threading.Event()
+    busy.set()
+    return busy
+
+
 def test_merge_patches_compose_as_applied_one_after_the_other():
     base = {"phase": "Pending", "conditions": [{"type": "Validated"}], "progress": {"step": 1, "total": 9}}
     a = {"phase": "Running", "progress": {"step": 2}, "rayJobName": "x"}
@@ -81,8 +88,7 @@ def test_a_jobs_newer_status_replaces_its_pending_one_and_the_jobs_keep_their_or
 
 def test_statuses_are_held_back_while_reconciles_run_up_to_the_most_delay(monkeypatch):
     monkeypatch.setattr(statuses, "BUSY_POLL", 0.01)
-    busy = threading.Event()
-    busy.set()
+    busy = reconciles_running()
     rec = Recorder()
     writer = StatusWriter(rec, busy=busy.is_set, max_delay=30.0).start()
     writer.put("ns", "a", "ua", {"phase": "Pending"})
@@ -110,8 +116,7 @@ def test_statuses_are_held_back_while_reconciles_run_up_to_the_most_delay(monkey
 
 
 def test_a_write_now_goes_after_the_jobs_pending_status_in_one_write():
-    busy = threading.Event()
-    busy.set()
+    busy = reconciles_running()
     rec = Recorder()
     writer = StatusWriter(rec, busy=busy.is_set, max_delay=30.0).start()
     writer.put("ns", "a", "ua", {"phase": "Pending", "rayJobName": "a-1", "restarts": 0})
@@ -141,8 +146,7 @@ def test_a_status_the_api_server_could_not_take_is_written_again_and_a_refused_o
     assert rec.stored == {"retried": {"phase": "Pending"}}
     assert after == ["retried"]  # a refused status's Events are not posted
     # a job deleted (its DELETED event) or made again under the same name: its old status is not written
-    busy = threading.Event()
-    busy.set()
+    busy = reconciles_running()
     rec = Recorder()
     writer = StatusWriter(rec, busy=busy.is_set, max_delay=30.0).start()
     writer.put("ns", "a", "old", {"phase": "Running"})
