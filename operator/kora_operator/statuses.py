@@ -96,8 +96,11 @@ class StatusWriter:
                          for i in range(workers)]
         self._started = False
         self._stopping = False
+        self._live = 0  # threads taking what is handed over (while stopping too: they write it without holding back)
 
     def start(self) -> StatusWriter:
+        with self._cond:
+            self._live = len(self._threads)
         for t in self._threads:
             t.start()
         self._started = True
@@ -107,30 +110,27 @@ class StatusWriter:
             then: Callable[[], None] | None = None) -> None:
         """Hand the job's status over (a merge patch of it); `then` runs once it is written. Never waits. Without a
         running writer (not started, or stopped), writes it here and now."""
-        if not self._running():
-            self._patch(ns, name, dict(status))
-            if then is not None:
-                then()
-            return
         key, mine = (ns, name), copy.deepcopy(dict(status))
         with self._cond:
-            entry = self._pending.get(key)
-            if entry is not None and entry.uid == uid:
-                entry.patch = compose(entry.patch, mine)
-            else:  # none waits, or one of an earlier job of the same name (deleted since): that one is moot
-                entry = self._pending[key] = _Entry(uid, mine, time.monotonic())
-                self._pending.move_to_end(key)
-            if then is not None:
-                entry.then.append(then)
-            PENDING.set(len(self._pending))
-            self._cond.notify()
+            if self._live:
+                entry = self._pending.get(key)
+                if entry is not None and entry.uid == uid:
+                    entry.patch = compose(entry.patch, mine)
+                else:  # none waits, or one of an earlier job of the same name (deleted since): that one is moot
+                    entry = self._pending[key] = _Entry(uid, mine, time.monotonic())
+                    self._pending.move_to_end(key)
+                if then is not None:
+                    entry.then.append(then)
+                PENDING.set(len(self._pending))
+                self._cond.notify()
+                return
+        self._patch(ns, name, mine)
+        if then is not None:
+            then()
 
     def write_now(self, ns: str, name: str, uid: str | None, status: Mapping[str, Any]) -> None:
         """Write the patch `status` before returning, with the job's pending status merged in before it (so the
         job's writes keep their order); raises what the write raised (the pending status then still waits)."""
-        if not self._running():
-            self._patch(ns, name, dict(status))
-            return
         key = (ns, name)
         with self._cond:
             while key in self._writing:
@@ -196,15 +196,12 @@ class StatusWriter:
         if left:
             log.warning("%d job statuses still waiting at shutdown were not written", left)
 
-    def _running(self) -> bool:
-        """Its threads take what is handed over (while stopping too: they write it without holding it back)."""
-        return self._started and any(t.is_alive() for t in self._threads)
-
     def _run(self) -> None:
         while True:
             with self._cond:
                 picked = self._next()
                 if picked is None:
+                    self._live -= 1
                     return
                 key, entry = picked
             try:
