@@ -177,10 +177,12 @@ def all_pending(api: Any, ns: str, n: int) -> bool:
 
 
 def events_queued(metrics_port: int) -> float:
-    """The Events the operator has handed to its poster and not yet posted (0 for an operator that posts them
-    itself, which has no such gauge)."""
+    """The Events the operator has handed to its poster and not yet posted, and the job statuses handed to its
+    status writer and not yet written (whose transitions' Events are handed over once they are): 0 for an operator
+    that posts and writes them itself, which has no such gauges."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("kora_events_queued "))
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(("kora_events_queued ", "kora_status_writes_pending ")))
 
 
 def start_operator(args: argparse.Namespace, cluster: LocalCluster, mode: str

@@ -23,7 +23,8 @@ _in_flight_lock = threading.Lock()
 
 
 def reconciles_in_flight() -> int:
-    """How many reconciles run now: the Event poster (events.py) waits while any does."""
+    """How many reconciles run now: the Event poster (events.py) and the status writer (statuses.py) hold back while
+    any does."""
     return _in_flight
 
 

@@ -224,7 +224,9 @@ def test_unset_sync_mode_warns_and_uses_merge(cluster, ns, operator):
     del doc["spec"]["lora"]["syncMode"]
     apply(cluster, doc, ns)
     wait_children(cluster, "nomode", ns)
-    assert job_status(cluster, "nomode", ns).get("syncMode") == "Merge"
+    # the status is written behind the reconcile that made the children (statuses.py): wait for it
+    wait_for(lambda: job_status(cluster, "nomode", ns).get("syncMode") == "Merge", timeout=WAIT,
+             what=f"status.syncMode Merge (now {job_status(cluster, 'nomode', ns)})")
     wait_for(lambda: ("Warning", "SyncModeDefaulted") in reasons(cluster, "nomode", ns), timeout=WAIT,
              what="a SyncModeDefaulted warning")
 

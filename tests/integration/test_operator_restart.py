@@ -102,7 +102,10 @@ def test_a_spec_changed_and_a_rayjob_deleted_while_the_operator_was_down_are_see
         wait_for(lambda: (r := get(cluster, "rayjob", rayjob["robbed"]["name"], ns))
                  and r["metadata"]["uid"] != rayjob["robbed"]["uid"], timeout=60, interval=0.3,
                  what="the RayJob deleted while the operator was down made again")
-        changed = get(cluster, "ltj", "changed", ns)
-        assert changed["status"]["observedGeneration"] == changed["metadata"]["generation"] == 2
+        # the status is written behind the reconcile that patched the RayJob (statuses.py): wait for it
+        changed = wait_for(lambda: (j := get(cluster, "ltj", "changed", ns))
+                           and j["status"].get("observedGeneration") == 2 and j, timeout=60, interval=0.3,
+                           what="status.observedGeneration 2 on the changed job")
+        assert changed["metadata"]["generation"] == 2
     finally:
         op.stop()

@@ -26,6 +26,7 @@ from kora_operator.metrics import reconciles_in_flight
 from kora_operator.phase import TERMINAL
 from kora_operator.runtimes.rayjobs import RayError
 from kora_operator.settings import Settings
+from kora_operator.statuses import StatusWriter
 from kora_operator.tokens import load_tokens
 
 JOBS = (GROUP, VERSION, "loratrainingjobs")
@@ -62,7 +63,9 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     tokens = load_tokens(ours, kube)
     log.info("control-plane tokens are derived from the operator key in %s", tokens.source)
     ctx = Context(kube=kube, tokens=tokens, settings=ours, adapters=AdapterIndex(),
-                  children=KnownChildren(ours.children_recheck) if ours.children_recheck > 0 else None)
+                  children=KnownChildren(ours.children_recheck) if ours.children_recheck > 0 else None,
+                  # job statuses behind the reconciles too, coalesced per job (statuses.py)
+                  statuses=StatusWriter(kube.patch_job_status, busy=lambda: reconciles_in_flight() > 0).start())
     ctx.poller = Poller(ours.poll_interval, lambda ns, name: reconcile_job(ctx, ns, name, trigger="poll")).start()
     ctx.deletions = Poller(ours.poll_interval, lambda ns, name: poll_deletion(ctx, ns, name)).start()
     memo.ctx = ctx
@@ -74,6 +77,10 @@ def shutdown(memo: kopf.Memo, **_: Any) -> None:
     for poller in (ctx.poller, ctx.deletions) if ctx is not None else ():
         if poller is not None:
             poller.stop()
+    if ctx is not None and ctx.statuses is not None:
+        # writes the statuses still waiting (a restart reads status.observedGeneration: handlers/kopf_state.py), and
+        # hands their transitions' Events to the poster
+        ctx.statuses.stop()
     if ctx is not None and ctx.kube.poster is not None:
         ctx.kube.poster.stop()  # posts the Events still waiting
 
@@ -112,11 +119,17 @@ def job_updated(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
 
 
 @kopf.on.event(*JOBS)
-async def job_event(type: str | None, uid: str | None, memo: Any, **_: Any) -> None:
+async def job_event(type: str | None, uid: str | None, namespace: str | None, name: str | None, memo: Any,
+                    **_: Any) -> None:
     # async: it runs for every event of every job and never waits, so kopf need not hand it to a worker thread
+    if type != "DELETED" or not uid:
+        return
     handled: HandledSpecs | None = getattr(memo, "handled", None)
-    if type == "DELETED" and handled is not None and uid:
+    if handled is not None:
         handled.forget(uid)  # kopf's diff base of a job that is gone
+    ctx: Context | None = getattr(memo, "ctx", None)
+    if ctx is not None and ctx.statuses is not None:
+        ctx.statuses.forget(str(namespace), str(name), uid)  # a status still waiting for it: nothing to write it to
 
 
 # optional: no finalizer. Children carry ownerReferences, so the garbage collector removes them

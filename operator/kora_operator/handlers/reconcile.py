@@ -5,7 +5,10 @@ It reads the job afresh, creates whatever child is missing (deterministic names:
 attempt finds the first one's objects), nudges the RayJob's lifecycle fields to the spec (runtime
 KubeRay) or the Ray job's submission to its state (runtime Ray, runtimes/ray.py), reads the
 trainer's progress while it runs, derives the status and writes it, through /status, only when it
-changed. Transient API trouble raises kopf.TemporaryError; nothing here sleeps.
+changed: handed to the status writer (statuses.py: behind the reconciles, coalesced per job), and derived from
+the status as this operator last decided it (the API's, with its writes still pending applied), so that a
+write not made yet neither repeats a transition's Event nor redoes work. Transient API trouble raises
+kopf.TemporaryError; nothing here sleeps.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from kora_operator.runtimes.rayjobs import (
     ray_auth_token,
 )
 from kora_operator.settings import Settings
+from kora_operator.statuses import StatusWriter
 from kora_operator.tokens import Tokens
 from kora_operator.validation import validate_job
 from kora_trainer.config.adapter_runs import AdapterRunsState
@@ -69,7 +73,8 @@ class Context:
     """What a reconcile needs besides the job: the API, the token source, the operator's settings,
     and the poll loops (None: nothing polls, e.g. in a one-shot reconcile): the jobs', and the one that
     deregisters deleted LoRAAdapters (handlers/adapter_sync.py); what the operator remembers between reconciles
-    (handlers/memory.py; None: nothing is remembered, every reconcile checks every child and LISTs adapters)."""
+    (handlers/memory.py; None: nothing is remembered, every reconcile checks every child and LISTs adapters); the
+    status writer (statuses.py; None: each status is written before the reconcile goes on)."""
 
     kube: Kube
     tokens: Tokens
@@ -78,12 +83,41 @@ class Context:
     deletions: Poller | None = None
     children: KnownChildren | None = None
     adapters: AdapterIndex | None = None
+    statuses: StatusWriter | None = None
     ray_token: Callable[[], str | None] = ray_auth_token
     # the last progress trouble per job, so that it is logged (and a refused token posted) once
     progress_errors: dict[tuple[str, str], str] = field(default_factory=dict)
 
     def ray_client(self, address: str) -> RayJobsClient:
         return RayJobsClient(address, self.ray_token(), self.settings.http_timeout)
+
+    def decided(self, body: dict[str, Any] | None) -> dict[str, Any] | None:
+        """The job `body` as the API server returned it, with the status this operator last decided for it (its
+        writes not made yet applied on top; the API's own after a restart)."""
+        if body is None or self.statuses is None:
+            return body
+        meta = body["metadata"]
+        return {**body, "status": self.statuses.status(meta["namespace"], meta["name"], meta.get("uid"),
+                                                       body.get("status"))}
+
+    def write_status(self, body: Mapping[str, Any], status: dict[str, Any],
+                     then: Callable[[], None] | None = None) -> None:
+        """The job's new status, through the writer (`then` once it is written), or here and now."""
+        meta = body["metadata"]
+        if self.statuses is not None:
+            self.statuses.put(meta["namespace"], meta["name"], meta.get("uid"), status, then)
+            return
+        self.kube.patch_job_status(meta["namespace"], meta["name"], status)
+        if then is not None:
+            then()
+
+    def write_status_now(self, body: Mapping[str, Any], patch: dict[str, Any]) -> None:
+        """A patch that must be stored before the caller goes on, after the job's pending status (statuses.py)."""
+        meta = body["metadata"]
+        if self.statuses is not None:
+            self.statuses.write_now(meta["namespace"], meta["name"], meta.get("uid"), patch)
+        else:
+            self.kube.patch_job_status(meta["namespace"], meta["name"], patch)
 
 
 @dataclass(frozen=True)
@@ -109,6 +143,8 @@ def forget(ctx: Context | None, ns: str, name: str, uid: str | None = None) -> N
     with _locks_guard:
         _locks.pop((ns, name), None)
     if ctx is not None:
+        if ctx.statuses is not None and uid:
+            ctx.statuses.forget(ns, name, uid)
         if ctx.children is not None and uid:
             ctx.children.forget(uid)
         ctx.progress_errors.pop((ns, name), None)
@@ -129,7 +165,7 @@ def reconcile(ctx: Context, ns: str, name: str, trigger: str, body: dict[str, An
     with observe_reconcile(trigger), _lock(ns, name):
         if ray is not None and ctx.children is not None and _status_reflects(ctx.children, ray):
             return None
-        body = body if body is not None else ctx.kube.get_job(ns, name)
+        body = ctx.decided(body if body is not None else ctx.kube.get_job(ns, name))
         if body is None or body["metadata"].get("deletionTimestamp"):
             if ctx.poller is not None:
                 ctx.poller.unwatch(ns, name)
@@ -152,7 +188,7 @@ def _status_reflects(children: KnownChildren, ray: Mapping[str, Any]) -> bool:
 def job_view(ctx: Context, ns: str, name: str) -> JobView | None:
     """A job as its adapters see it, read afresh without reconciling it (None: no such job): its trainer's URL
     and adapter state while it runs."""
-    body = ctx.kube.get_job(ns, name)
+    body = ctx.decided(ctx.kube.get_job(ns, name))
     if body is None:
         return None
     url = trainer_url(ctx, body)
@@ -185,7 +221,7 @@ def stop_ray_job(ctx: Context, ns: str, name: str) -> tuple[str | None, JobInfo 
     request), (None, None) when nothing was submitted. Under the job's lock, on a fresh read: a
     reconcile that is submitting right now finishes first, and its submission is the one stopped."""
     with _lock(ns, name):
-        body = ctx.kube.get_job(ns, name)
+        body = ctx.decided(ctx.kube.get_job(ns, name))
         if body is None:
             return None, None
         sub = (body.get("status") or {}).get("rayJobName")
@@ -232,7 +268,7 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False, create_fi
     if job is None or errors:
         message = "; ".join(f"{p.field}: {p.message}" for p in errors) or "invalid spec"
         return view.with_status(
-            _fail(kube, body, Cond(ConditionType.VALIDATED, "False", Reason.VALIDATION_FAILED, message), now))
+            _fail(ctx, body, Cond(ConditionType.VALIDATED, "False", Reason.VALIDATION_FAILED, message), now))
     status: dict[str, Any] = dict(current)
     first_time = get_condition(current.get("conditions") or [], ConditionType.VALIDATED) is None
     if first_time and job.spec.lora.sync_mode is None:
@@ -265,7 +301,7 @@ def _reconcile(ctx: Context, body: dict[str, Any], poll: bool = False, create_fi
                                                       and new.get("phase") in TERMINAL)):
         new, runs, error = _with_progress(ctx, body, job, new, url, now)
         trainer = {"url": url, "runs": runs, "error": error}
-    _write(kube, body, current, new)
+    _write(ctx, body, current, new)
     if ray_version and ctx.children is not None:
         ctx.children.derived(str(meta["uid"]), str(ray_version))
     return view.with_status(new, **trainer)
@@ -355,7 +391,7 @@ def _align_ray_job(kube: Kube, body: dict[str, Any], job: LoRATrainingJob, ray: 
     kube.event(body, EventType.NORMAL, Reason.UPDATED_RAY_JOB, f"set {changes} on RayJob {meta['name']}")
 
 
-def _fail(kube: Kube, body: dict[str, Any], cond: Cond, now: str,
+def _fail(ctx: Context, body: dict[str, Any], cond: Cond, now: str,
           status: dict[str, Any] | None = None) -> dict[str, Any]:
     current = body.get("status") or {}
     status = dict(status if status is not None else current)
@@ -365,17 +401,23 @@ def _fail(kube: Kube, body: dict[str, Any], cond: Cond, now: str,
         conditions = set_condition(conditions, Cond(ConditionType.FAILED, "True", cond.reason, cond.message),
                                    generation, now)
     status.update(phase="Failed", conditions=conditions, observedGeneration=generation, completionTime=now)
-    _write(kube, body, current, status)
+    _write(ctx, body, current, status)
     return status
 
 
-def _write(kube: Kube, body: dict[str, Any], current: Mapping[str, Any], new: dict[str, Any]) -> None:
+def _write(ctx: Context, body: dict[str, Any], current: Mapping[str, Any], new: dict[str, Any]) -> None:
+    """Write the status `new` if it differs from `current` (as this operator last decided it), and once it is
+    written post an Event for each transition (after the status that shows it, as ever)."""
     if new == current:
         return
     meta = body["metadata"]
-    kube.patch_job_status(meta["namespace"], meta["name"], new)
-    for t in transitions(current.get("conditions") or [], new.get("conditions") or []):
-        kube.event(body, t.type, t.reason, t.message)
+    news = transitions(current.get("conditions") or [], new.get("conditions") or [])
+
+    def post() -> None:
+        for t in news:
+            ctx.kube.event(body, t.type, t.reason, t.message)
+
+    ctx.write_status(body, new, post if news else None)
     if new.get("phase") != current.get("phase"):
         log.info("%s/%s: phase %s -> %s", meta["namespace"], meta["name"], current.get("phase"), new.get("phase"))
 
@@ -401,7 +443,7 @@ def _reconcile_ray(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, sta
         obs = decision.obs
         if decision.action is rayrt.Action.SUBMIT:
             if status.get("rayJobName") != sub:  # named before it exists: a delete then knows what to stop
-                ctx.kube.patch_job_status(meta["namespace"], meta["name"], {"rayJobName": sub})
+                ctx.write_status_now(body, {"rayJobName": sub})
             _submit(ctx, client, body, job, sub)
             submitted = True
         elif decision.action is rayrt.Action.STOP:
@@ -417,7 +459,7 @@ def _reconcile_ray(ctx: Context, body: dict[str, Any], job: LoRATrainingJob, sta
                                f"{rayrt.failure_message(info) if info else failed}")
             # the new id is written before it is submitted: an operator that dies in between finds
             # the id in the status, sees no such Ray job and submits it, never a second one
-            ctx.kube.patch_job_status(meta["namespace"], meta["name"], {"rayJobName": sub, "restarts": restarts})
+            ctx.write_status_now(body, {"rayJobName": sub, "restarts": restarts})
             info = None
             _submit(ctx, client, body, job, sub)
             submitted = True
