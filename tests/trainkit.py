@@ -165,3 +165,21 @@ def wait_all(runs: list[TrainRun], timeout_s: float = TIMEOUT_S, poll: bool = Tr
         for r in runs:
             if r.running():
                 r.kill()
+
+
+def hang_notice_s(run: TrainRun, engine_log: Path) -> float:
+    """Wait for `run` to exit (wait_all); the seconds from its engine's own hang mark in `engine_log` (the test-only
+    fault of reference_engine/faults.py) to the first poll that saw the run Failed."""
+    from kora_trainer.reference_engine.faults import HANG_MARK
+
+    seen: dict[str, float] = {}
+
+    def timed(r: TrainRun) -> None:
+        if "hung" not in seen and engine_log.is_file() and HANG_MARK in engine_log.read_text(errors="replace"):
+            seen["hung"] = time.monotonic()
+        if "failed" not in seen and r.seen and r.seen[-1].get("phase") == "Failed":
+            seen["failed"] = time.monotonic()
+
+    wait_all([run], each=timed)
+    assert "hung" in seen and "failed" in seen, (seen, run.output[-2000:])
+    return seen["failed"] - seen["hung"]

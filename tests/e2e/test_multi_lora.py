@@ -26,7 +26,7 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from trainkit import TrainRun, wait_all
+from trainkit import TrainRun, hang_notice_s, wait_all
 
 GAP_MAX = 1e-4  # fp32 engine vs trainer log-probs of the sampled tokens, as in the one-adapter tests
 
@@ -243,24 +243,14 @@ def test_an_engine_hung_mid_generate_fails_the_job_naming_it(toy_dir, tmp_path):
     """The engine SIGSTOPs itself inside its third /generate (reference_engine/faults.py): the hang watch kills it
     after rollout.engineHangSeconds and the multi-adapter job fails with EngineLost naming the engine, that it hung
     and in what state, the round it was in and what a retry resumes from (each adapter's own checkpoint)."""
-    from kora_trainer.reference_engine.faults import HANG_AT_ENV, HANG_MARK
+    from kora_trainer.reference_engine.faults import HANG_AT_ENV
 
     hang_s = 5
     job = job_file(toy_dir, tmp_path, [{"name": "odd", "rank": 16, "numSteps": 6}],
                    rollout={"engineHangSeconds": hang_s})
     run = TrainRun(toy_dir, tmp_path, config=job, env={HANG_AT_ENV: "/generate:3:stop",
                                                         "KORA_CONTROL_LINGER_S": "60"})
-    log = run.run_dir / "logs" / "engine-0.log"
-    seen: dict[str, float] = {}  # when the engine's own hang mark, then the Failed phase, were first seen
-
-    def timed(r: TrainRun) -> None:
-        if "hung" not in seen and log.is_file() and HANG_MARK in log.read_text(errors="replace"):
-            seen["hung"] = time.monotonic()
-        if "failed" not in seen and r.seen and r.seen[-1].get("phase") == "Failed":
-            seen["failed"] = time.monotonic()
-
-    wait_all([run], each=timed)
-    notice_s = seen["failed"] - seen["hung"]
+    notice_s = hang_notice_s(run, run.run_dir / "logs" / "engine-0.log")
     msg = run.seen[-1]["message"]
     assert run.proc.returncode != 0 and notice_s < hang_s + 15, (notice_s, msg)
     for part in ("EngineLost", "engine 0 (pid", " hung: GET /health unanswered", "stopped (SIGSTOP)",

@@ -14,14 +14,13 @@ reference diffusion engine beside the trainer, in both of the seed's LoRA sync m
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from trainkit import REPO, TrainRun, wait_all
+from trainkit import REPO, TrainRun, hang_notice_s, wait_all
 
 DIFFUSION_YAML = REPO / "trainer" / "examples" / "diffusion_toy.yaml"
 STEPS = 4
@@ -112,25 +111,16 @@ def test_an_engine_hung_mid_rollout_fails_the_attempt_and_a_retry_resumes_exactl
     reference_engine/faults.py): the driver's hang watch kills it after rollout.engineHangSeconds and the attempt
     fails with EngineLost naming the engine, that it hung, its state, what the driver was doing and the fix; a retry
     on the same checkpoint.path resumes from step 1 and runs steps 2-4 as the uninterrupted run did."""
-    from kora_trainer.reference_engine.faults import HANG_AT_ENV, HANG_MARK
+    from kora_trainer.reference_engine.faults import HANG_AT_ENV
 
     ref, ref_ckpt = uninterrupted
     hang_s, ckpt = 4, tmp_path / "ckpt"
     job = ("lora.syncMode=EngineMerge", f"algorithm.numSteps={STEPS}", "checkpoint.interval=1",
            f"checkpoint.path={ckpt}", f"rollout.engineHangSeconds={hang_s}")
     hung = run(diffusion_toy_dir, tmp_path / "hung", *job, env={HANG_AT_ENV: "/rollout/generate:6:stop"})
-    log = hung.run_dir / "engines" / "engine-0.log"
-    seen: dict[str, float] = {}  # when the engine's own hang mark, then the Failed phase, were first seen
-
-    def timed(r: TrainRun) -> None:
-        if "hung" not in seen and log.is_file() and HANG_MARK in log.read_text(errors="replace"):
-            seen["hung"] = time.monotonic()
-        if "failed" not in seen and r.seen and r.seen[-1].get("phase") == "Failed":
-            seen["failed"] = time.monotonic()
-
-    wait_all([hung], each=timed)
+    notice_s = hang_notice_s(hung, hung.run_dir / "engines" / "engine-0.log")
     msg = hung.seen[-1]["message"]
-    assert hung.proc.returncode != 0 and seen["failed"] - seen["hung"] < hang_s + 15, (seen, msg)
+    assert hung.proc.returncode != 0 and notice_s < hang_s + 15, (notice_s, msg)
     for part in ("EngineLost", "engine 0 (pid", " hung: GET /health unanswered", "stopped (SIGSTOP)",
                  "step 2's rollouts", "step 1", "raise rollout.engineHangSeconds"):
         assert part in msg, (part, msg)
