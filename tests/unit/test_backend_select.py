@@ -55,10 +55,15 @@ def test_weights_bytes_counts_only_weight_files(tmp_path):
     assert weights_bytes(tmp_path / "missing") == 0
 
 
-def test_unlaunched_layouts_are_refused_at_start_and_data_and_tensor_parallel_run():
-    with pytest.raises(ConfigError, match=r"pipeline 2: the trainer runs data and tensor parallelism so far.*set "
-                                          r"them to 1"):
-        check_actor_layout(cfg("parallelism.pipeline=2"), Backend.MEGATRON)
+def test_unlaunched_layouts_are_refused_at_start_and_data_tensor_and_pipeline_parallel_run():
+    with pytest.raises(ConfigError, match=r"context 2: the trainer runs data, tensor and pipeline parallelism so "
+                                          r"far.*set them to 1"):
+        check_actor_layout(cfg("parallelism.context=2"), Backend.MEGATRON)
+    check_actor_layout(cfg("parallelism.pipeline=2"), Backend.MEGATRON)  # megatron's schedule, one actor a stage
+    check_actor_layout(cfg("parallelism.pipeline=2", "parallelism.tensor=2", "parallelism.data=2"), Backend.MEGATRON)
+    with pytest.raises(ConfigError, match=r"parallelism.pipeline 4 does not divide the model's 6 layers.*a divisor"):
+        check_actor_layout(cfg("parallelism.pipeline=4"), Backend.MEGATRON, num_layers=6)
+    check_actor_layout(cfg("parallelism.pipeline=3"), Backend.MEGATRON, num_layers=6)
     with pytest.raises(ConfigError, match=r"parallelism expert 2: .*not launched yet") as refused:
         check_actor_layout(cfg("parallelism.tensor=2", "parallelism.data=2", "parallelism.expert=2"),
                            Backend.MEGATRON)

@@ -172,7 +172,8 @@ def run(*fns: Callable[[], Any], tps: list[Any] | None = None) -> list[Any]:
 
 @pytest.fixture
 def megatron_tp(monkeypatch):
-    """megatron's TP hooks (rank / size, the shard all-gather, the TP group) answered by the thread's gloo group."""
+    """megatron's TP hooks (rank / size, the shard all-gather, the TP group) answered by the thread's gloo group;
+    one pipeline stage."""
     from kora_trainer.backends.megatron import export, model, parallel
     from kora_trainer.backends.megatron import sync as msync
 
@@ -189,6 +190,9 @@ def megatron_tp(monkeypatch):
     monkeypatch.setattr(model, "gather_tp", gather_tp)
     monkeypatch.setattr(export, "gather_tp", gather_tp)
     monkeypatch.setattr(msync, "tp_group", lambda: LOCAL.tp)
+    monkeypatch.setattr(msync, "model_parallel_group", lambda: LOCAL.tp)  # one pipeline stage: the TP group
+    monkeypatch.setattr(msync, "pp_rank_size", lambda: (0, 1))
+    monkeypatch.setattr(parallel, "pp_rank_size", lambda: (0, 1))
 
 
 def _push_merge(plans: list[Any], tp: list[Any], wu: list[Any], want: dict[str, torch.Tensor],

@@ -85,7 +85,7 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     import os
 
     from kora_trainer.backends.select import check_actor_layout, resolve_backend, weights_bytes
-    from kora_trainer.config import ConfigError
+    from kora_trainer.config import ConfigError, read_hf_config
     from kora_trainer.config.placement import Node, parse_nodes, plan_job
 
     try:
@@ -107,7 +107,8 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     size = weights_bytes(cfg.model.path)
     try:
         check_actor_layout(cfg, resolve_backend(cfg, cuda=any(n.gpus for n in nodes), megatron=megatron,
-                                                model_bytes=size))
+                                                model_bytes=size),
+                           (read_hf_config(cfg.model.path) or {}).get("num_hidden_layers"))
     except ConfigError as e:
         unread = "" if size else f" (model.path {cfg.model.path} is not readable here: backend auto took torch)"
         print(f"the trainer would refuse this job at start{unread}: {e}", file=sys.stderr)

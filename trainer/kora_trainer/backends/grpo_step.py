@@ -68,6 +68,17 @@ class StepMetrics:
         return asdict(self)
 
 TokenLogp = Callable[[Padded, float], torch.Tensor]  # (padded batch, temperature) -> [B, R]
+MicroLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (micro-batch's sample indices, its [b, R] logp)
+# (padded batch, micro-batches' sample indices, temperature, loss of a micro-batch): forwards and backwards them all
+ForwardBackward = Callable[[Padded, list[torch.Tensor], float, MicroLoss], None]
+
+
+def one_by_one(token_logp: TokenLogp) -> ForwardBackward:
+    """Each micro-batch forward then backward, in turn (one stage: the torch backend, megatron without pipeline)."""
+    def run(p: Padded, mbs: list[torch.Tensor], temperature: float, loss_of: MicroLoss) -> None:
+        for mb in mbs:
+            loss_of(mb, token_logp(p.select(mb), temperature)).backward()
+    return run
 
 
 class StepOwner(Protocol):
@@ -81,6 +92,7 @@ class StepOwner(Protocol):
     micro_batch_size: int
     max_grad_norm: float
     dp: DataParallel
+    stages: DataParallel  # the pipeline group (size 1 without one): metrics summed over it too
     _shuffle: torch.Generator
 
 
@@ -100,8 +112,12 @@ class ShuffleState:
 
 def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
               adapter_off: Callable[[], AbstractContextManager[None]],
-              clip_grad_norm: Callable[[list[torch.nn.Parameter], float], float]) -> StepMetrics:
-    """Train `owner`'s adapter on one batch of rollouts; bumps `owner.version`; returns the step's metrics."""
+              clip_grad_norm: Callable[[list[torch.nn.Parameter], float], float],
+              forward_backward: ForwardBackward | None = None) -> StepMetrics:
+    """Train `owner`'s adapter on one batch of rollouts; bumps `owner.version`; returns the step's metrics.
+    `forward_backward` runs a minibatch's micro-batches (default: one by one through `token_logp`); with pipeline
+    stages only the last one computes losses, so the metrics are summed over the stages too."""
+    forward_backward = forward_backward or one_by_one(token_logp)
     t0 = time.monotonic()
     alg = owner.cfg.algorithm
     device = owner.device
@@ -138,12 +154,14 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
             idx = order[start:start + gbs]
             num_tokens = float(p.response_mask[idx].sum())
             owner.optimizer.zero_grad(set_to_none=True)
-            for mb in owner.dp.share(idx).split(owner.micro_batch_size):
+
+            def loss_of(mb: torch.Tensor, logp: torch.Tensor, num_tokens: float = num_tokens,
+                        first_update: bool = updates == 0) -> torch.Tensor:
+                """The loss of micro-batch `mb` (sample indices) from its [b, R] log-probs; adds its metrics."""
+                nonlocal gap_max, gap_sum, gap_n
                 mbd = mb.to(device)
-                logp = token_logp(p.select(mb), temperature)  # [b, R]
                 out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
                                 None if ref is None else ref[mbd], alg.kl_coef, num_tokens=num_tokens)
-                out.loss.backward()
                 w = float(mask[mbd].sum()) / max(num_tokens, 1.0)
                 # pg_loss and kl are already over the minibatch's tokens (num_tokens): a share adds up as is;
                 # clip_frac and ratio are means over this micro-batch's tokens: weighted by its share
@@ -152,11 +170,14 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
                 sums["kl"] += out.kl
                 sums["ratio"] += out.ratio_mean * w
                 sums["ppo_kl"] += out.ppo_kl * w
-                if updates == 0 and on_policy:  # before any update: trainer vs engine, the same policy
+                if first_update and on_policy:  # before any update: trainer vs engine, the same policy
                     gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
                     gap_max = max(gap_max, float(gap.max()))
                     gap_sum += float(gap.sum())
                     gap_n += float(mask[mbd].sum())
+                return out.loss
+
+            forward_backward(p, list(owner.dp.share(idx).split(owner.micro_batch_size)), temperature, loss_of)
             t_reduce = time.monotonic()
             owner.dp.allreduce_grads(owner.params)  # the minibatch's gradient: every rank's share summed
             reduce_s += time.monotonic() - t_reduce
@@ -171,9 +192,9 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
         torch.cuda.synchronize(device)
     # the shares' sums -> the step's (grad_norm is already the whole minibatch's on every rank)
     keys = ["loss", "clip_frac", "kl", "ratio", "ppo_kl"]
-    *totals, gap_sum, gap_n = owner.dp.sum([sums[k] for k in keys] + [gap_sum, gap_n])
+    *totals, gap_sum, gap_n = owner.stages.sum(owner.dp.sum([sums[k] for k in keys] + [gap_sum, gap_n]))
     sums.update(zip(keys, totals, strict=True))
-    gap_max = owner.dp.max(gap_max)
+    gap_max = owner.stages.max(owner.dp.max(gap_max))
     rewards = torch.tensor(batch.rewards)
     lengths = p.response_mask.sum(dim=1)  # [B]
     return StepMetrics(

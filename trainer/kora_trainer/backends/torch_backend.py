@@ -56,6 +56,7 @@ class TorchBackend(ShuffleState):
         # the trainer's group: every rank a data-parallel replica (the torch backend splits the data only)
         self.group = rank.join("nccl" if self.device.type == "cuda" else "gloo") if rank else None
         self.dp = DataParallel(rank.rank, rank.world, self.group) if rank else DataParallel()
+        self.stages = DataParallel()  # no pipeline stages on the torch backend
         torch.manual_seed(cfg.algorithm.seed)  # the same LoRA init on every rank
         self.cfg = cfg
         # a VL checkpoint with its vision tower, the class the engine serves (wire/vision.py)

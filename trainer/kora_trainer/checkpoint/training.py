@@ -74,7 +74,8 @@ def save_training_state(root: Path, backend: Any, *, data_position: int, keep: i
     return lora_only.save(
         Path(root), backend.version, adapter=dict(adapter), optimizer=optimizer, scheduler=None, rng=rng, keep=keep,
         meta={"data_position": data_position, "param_names": [n for n, _ in adapter],
-              "tensor_parallel": shards.size if shards is not None else 1, **(meta or {})})
+              "tensor_parallel": shards.size if shards is not None else 1,
+              "pipeline_parallel": shards.stages if shards is not None else 1, **(meta or {})})
 
 
 def restore_training_state(root: Path, backend: Any) -> Resumed | None:
@@ -94,13 +95,15 @@ def restore_training_state(root: Path, backend: Any) -> Resumed | None:
         raise CheckpointError(f"{ckpt.path} holds a policy trained at parallelism.tensor {tp} and this job runs "
                               f"{ours}: set parallelism.tensor to {tp} to resume it, or point checkpoint.path at "
                               "a new directory to start afresh")
-    if list(live) != list(names) or set(adapter) != set(live):
-        gone, new = sorted(set(adapter) - set(live)), sorted(set(live) - set(adapter))
+    everyone = shards.all_names(list(live)) if shards is not None else list(live)  # every pipeline stage's
+    if everyone != list(names) or set(adapter) != set(everyone):
+        gone, new = sorted(set(adapter) - set(everyone)), sorted(set(everyone) - set(adapter))
         raise CheckpointError(f"{ckpt.path} does not fit this model's adapter (lora.targetModules / lora.scope "
                               f"changed?): only in the checkpoint {gone[:3]}, only in the model {new[:3]}")
-    if shards is not None:  # this TP rank's shards (tp_checkpoint.py)
-        adapter, optimizer = shards.local(adapter, names, optimizer)
+    if shards is not None:  # this TP rank's shards of this pipeline stage's parameters (tp_checkpoint.py)
+        adapter, optimizer = shards.local(adapter, names, optimizer, list(live))
         rng = shards.own_rng(rng)
+        names = list(live)
     bad = [n for n in names if adapter[n].shape != live[n].shape]
     if bad:
         raise CheckpointError(f"{ckpt.path}: {bad[0]} is {tuple(adapter[bad[0]].shape)} in the checkpoint but "

@@ -2,7 +2,8 @@
 it before a cluster is asked for (backends/select.check_actor_layout raises the same lines at start).
 
 Data parallelism runs on both backends (one Ray actor per rank); tensor parallelism on megatron's layers (every TP
-rank a Ray actor of one node); pipeline, context and expert parallelism are not launched yet.
+rank a Ray actor of one node) and pipeline parallelism through megatron's schedule (backends/megatron/pipeline.py);
+context and expert parallelism are not launched yet.
 """
 
 from __future__ import annotations
@@ -23,20 +24,25 @@ def megatron_maps(model_type: str | None, vision: bool) -> bool:
     return (model_type is None or model_type in MEGATRON_MODEL_TYPES) and not vision
 
 
-def actor_layout_problems(cfg: TrainerConfig, backend: Backend) -> list[str]:
-    """One line per layout this trainer would not train as asked on `backend` (empty: it starts)."""
+def actor_layout_problems(cfg: TrainerConfig, backend: Backend, num_layers: int | None = None) -> list[str]:
+    """One line per layout this trainer would not train as asked on `backend` (empty: it starts); `num_layers`: the
+    model's decoder layers where its config was read (each pipeline stage takes an equal share)."""
     p = cfg.parallelism
     problems = parallel_problems(p)
+    if num_layers and p.pipeline > 1 and num_layers % p.pipeline:
+        problems.append(f"parallelism.pipeline {p.pipeline} does not divide the model's {num_layers} layers (each "
+                        "stage holds an equal share): set parallelism.pipeline to a divisor of num_hidden_layers")
     split = {name: size for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("context", p.context),
                                            ("expert", p.expert), ("expertTensor", p.expert_tensor)) if size > 1}
     if split and backend is Backend.TORCH:
         problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())} needs backend: megatron "
                         "(megatron-core's parallel layers, on GPUs); the torch backend splits the data only: set "
                         "backend: megatron on a GPU cluster, or those sizes to 1 and raise parallelism.data")
-    elif unlaunched := {k: v for k, v in split.items() if k != "tensor"}:
-        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in unlaunched.items())}: the trainer runs data "
-                        "and tensor parallelism so far (pipeline, context and expert parallelism are not launched "
-                        "yet): set them to 1 and spread the GPUs over parallelism.tensor and parallelism.data")
+    elif unlaunched := {k: v for k, v in split.items() if k not in ("tensor", "pipeline")}:
+        problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in unlaunched.items())}: the trainer runs data, "
+                        "tensor and pipeline parallelism so far (context and expert parallelism are not launched "
+                        "yet): set them to 1 and spread the GPUs over parallelism.tensor, parallelism.pipeline and "
+                        "parallelism.data")
     if cfg.multi_lora.max_adapters > 0 and backend is Backend.MEGATRON:
         problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters}: multi-LoRA trains on the torch backend "
                         "so far (adapter slots on an HF model), not megatron: set backend: torch")
@@ -58,4 +64,5 @@ def planned_backend(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpu
 def planned_start_problems(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpus: bool) -> list[str]:
     """What the trainer would refuse at start, on the backend it would pick (`planned_backend`)."""
     backend = planned_backend(cfg, hf_config, gpus)
-    return [f"backend {backend}: {line}" for line in actor_layout_problems(cfg, backend)]
+    layers = (hf_config or {}).get("num_hidden_layers")
+    return [f"backend {backend}: {line}" for line in actor_layout_problems(cfg, backend, layers)]

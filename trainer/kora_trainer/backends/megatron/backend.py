@@ -20,57 +20,40 @@ from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.megatron.convert import layout_from_hf_config
 from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora, lora_modules
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
-from kora_trainer.backends.megatron.parallel import init_parallel
+from kora_trainer.backends.megatron.parallel import gather_stages, init_parallel, pp_rank_size
+from kora_trainer.backends.megatron.pipeline import logits_logp, packed, pipeline_forward_backward, pipeline_logp
 from kora_trainer.backends.megatron.tp_checkpoint import TensorShards
 from kora_trainer.config import TrainerConfig
 from kora_trainer.wire.group import WeightUpdateGroup
 
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """[B, L] ids -> [B, L-1] log p(token t+1 | tokens <= t), reduced over the TP group's vocab shards."""
-    from megatron.core import tensor_parallel
-
+    """[B, L] ids -> [B, L-1] log p(token t+1 | tokens <= t), reduced over the TP group's vocab shards (one stage)."""
     b, length = input_ids.shape
     position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(b, length)
     # causal mask built inside (attn_mask_type causal); right padding never reaches a real token's context
-    logits = model(input_ids, position_ids, None)  # [B, L, V/tp]
-    # vocab_parallel_cross_entropy works in place on its input: hand it its own fp32 copy
-    shifted = logits[:, :-1].to(torch.float32, copy=True)  # [B, L-1, V/tp]
-    if temperature > 0 and temperature != 1.0:
-        shifted = shifted / temperature
-    loss = tensor_parallel.vocab_parallel_cross_entropy(shifted, input_ids[:, 1:].contiguous())  # megatron: untyped
-    return -cast(torch.Tensor, loss)  # [B, L-1]
+    return logits_logp(model(input_ids, position_ids, None), input_ids, temperature)  # logits [B, L, V/tp]
 
 
 def response_logprobs(model: torch.nn.Module, prompts: list[list[int]], response_ids: torch.Tensor,
                       response_mask: torch.Tensor, pad_id: int = 0, temperature: float = 1.0) -> torch.Tensor:
-    """[B, R] log p of each response token given its prompt (0 where response_mask is 0).
-
-    prompt+response right-padded into one sequence per sample; response token j of sample i sits at
-    position len(prompt_i)+j and is predicted by position len(prompt_i)+j-1.
-    """
+    """[B, R] log p of each response token given its prompt (0 where response_mask is 0; one stage)."""
     device = next(model.parameters()).device
-    b, r = response_ids.shape
-    lens = [len(x) for x in prompts]
-    ids = torch.full((b, max(lens) + r), pad_id, dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        ids[i, :lens[i]] = torch.tensor(prompt, dtype=torch.long)
-        ids[i, lens[i]:lens[i] + r] = response_ids[i]
+    ids, pos = packed(prompts, response_ids, pad_id)
     lp = token_logprobs(model, ids.to(device), temperature)  # [B, W-1]
-    pos = (torch.tensor(lens).unsqueeze(1) - 1 + torch.arange(r).unsqueeze(0)).to(device)  # [B, R]
-    return lp.gather(1, pos) * response_mask.to(device)
+    return lp.gather(1, pos.to(device)) * response_mask.to(device)
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """torch's clip_grad_norm_ for a TP-sharded parameter set: shards' squares summed over the TP group,
-    replicated parameters counted once."""
+    """torch's clip_grad_norm_ for a TP-sharded, pipeline-split parameter set: shards' squares summed over the TP
+    group, replicated parameters counted once, each stage's own parameters summed over the pipeline group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in params if p.grad is not None]
-    if not grads:
+    if not grads and parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return 0.0
-    dev = grads[0][0].device
+    dev = grads[0][0].device if grads else params[0].device
     sharded = torch.zeros((), device=dev)
     replicated = torch.zeros((), device=dev)
     for g, is_shard in grads:
@@ -81,7 +64,10 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
             replicated += sq
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-    total = torch.sqrt(sharded + replicated)
+    total = sharded + replicated
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
+    total = torch.sqrt(total)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g, _ in grads:
         g.mul_(coef.to(g.dtype))
@@ -107,10 +93,13 @@ class MegatronBackend(ShuffleState):
 
         if rank is not None:  # one Ray actor per rank: the default group megatron's layers talk through
             os.environ.update(rank.torch_env())
-        init_parallel(cfg.parallelism.tensor, cfg.algorithm.seed)
+        init_parallel(cfg.parallelism.tensor, cfg.algorithm.seed, pipeline=cfg.parallelism.pipeline)
         world = torch.distributed.get_world_size()
         self.dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
                                WeightUpdateGroup.wrap(parallel_state.get_data_parallel_group()) if world > 1 else None)
+        stage, stages = pp_rank_size()
+        self.stages = DataParallel(stage, stages, WeightUpdateGroup.wrap(
+            parallel_state.get_pipeline_model_parallel_group()) if stages > 1 else None)
         # the delta-skip decision spans every rank (MAX over the world); None: one rank
         self.group = WeightUpdateGroup.wrap(torch.distributed.group.WORLD) if world > 1 else None  # type: ignore[arg-type]
         torch.manual_seed(cfg.algorithm.seed)  # the same LoRA init on every rank (apply_lora takes the seed too)
@@ -147,14 +136,20 @@ class MegatronBackend(ShuffleState):
         check_lora_only(n for n, p in self.model.named_parameters() if p.requires_grad)
 
     def peft_export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
-        """(tensors, adapter_config.json, adapted module names) of the HF-PEFT export (a TP collective)."""
+        """(tensors, adapter_config.json, adapted module names) of the HF-PEFT export (a TP and pipeline
+        collective)."""
         from pathlib import Path
 
         from kora_trainer.backends.megatron.export import hf_adapter_tensors, peft_config
 
         base = str(Path(self.cfg.model.path).resolve())
-        return (hf_adapter_tensors(self.model, self.layout), peft_config(self.model, self.cfg.lora, base),
-                list(lora_modules(self.model)))
+        tensors, modules = hf_adapter_tensors(self.model, self.layout), list(lora_modules(self.model))
+        if self.stages.size > 1:  # each stage's own layers: gathered, in stage order
+            parts = cast(list[tuple[dict[str, torch.Tensor], list[str]]], gather_stages(
+                ({n: t.cpu() for n, t in tensors.items()}, modules)))
+            tensors = {n: t for part, _ in parts for n, t in part.items()}
+            modules = [m for _, part in parts for m in part]
+        return tensors, peft_config(self.model, self.cfg.lora, base, modules), modules
 
     def make_sender(self, transport: Any) -> Any:
         from kora_trainer.backends.megatron.sync import MegatronWeightSender
@@ -162,7 +157,10 @@ class MegatronBackend(ShuffleState):
         return MegatronWeightSender(self.model, self.layout, self.cfg, transport, trainer_group=self.group)
 
     def _token_logp(self, p: Padded, temperature: float = 1.0) -> torch.Tensor:
-        """[B, R] log p of each response token (aligned with `p.response_ids`, 0 on padding)."""
+        """[B, R] log p of each response token (aligned with `p.response_ids`, 0 on padding); with pipeline stages
+        (no grad: the step's own forwards go through `pipeline_forward_backward`) the same on every stage."""
+        if self.stages.size > 1:
+            return pipeline_logp(self.model, p, self.pad_id, temperature, self.micro_batch_size)
         return response_logprobs(self.model, p.prompts, p.response_ids, p.response_mask, self.pad_id, temperature)
 
     @torch.no_grad()
@@ -179,4 +177,5 @@ class MegatronBackend(ShuffleState):
     def train_step(self, batch: RolloutBatch) -> StepMetrics:
         """One GRPO step: `backends/grpo_step.py`, the torch backend's loop, with megatron's log-probs and the
         TP-aware grad-norm clip."""
-        return grpo_step(self, batch, self._token_logp, lambda: adapter_disabled(self.model), clip_grad_norm)
+        staged = pipeline_forward_backward(self.model, self.pad_id) if self.stages.size > 1 else None
+        return grpo_step(self, batch, self._token_logp, lambda: adapter_disabled(self.model), clip_grad_norm, staged)

@@ -106,10 +106,12 @@ def peft_targets(wrapped: Iterable[str]) -> tuple[list[str], list[str]]:
     return sorted(leaves), params
 
 
-def peft_config(model: nn.Module, spec: LoRASpec, base_model: str) -> dict[str, Any]:
+def peft_config(model: nn.Module, spec: LoRASpec, base_model: str, wrapped: Iterable[str] | None = None
+                ) -> dict[str, Any]:
+    """adapter_config.json for the model's LoRA modules (`wrapped`: every pipeline stage's, when given)."""
     from kora_trainer.checkpoint.peft_export import adapter_config
 
-    modules, params = peft_targets(lora_modules(model))
+    modules, params = peft_targets(lora_modules(model) if wrapped is None else wrapped)
     return adapter_config(base_model=base_model, rank=spec.rank, alpha=spec.alpha, target_modules=modules,
                           dropout=spec.dropout, target_parameters=params)
 

@@ -25,8 +25,9 @@ RNG, seeded alike across TP by megatron); on the sharded input of a row wrapper 
 model-parallel RNG (different per rank), as megatron does for its own dropout in TP regions.
 
 Init (PEFT's): A ~ kaiming-uniform(a=√5) = U(±1/√in), B = 0, so training starts from the base policy.
-A is drawn at full size from one CPU generator in model order, then sliced: the same seed gives the same
-adapter whatever the TP size.
+A is drawn at full size, then sliced, from a CPU generator per layer seeded with (seed, the layer's GLOBAL
+index), in model order within the layer: the same seed gives the same adapter whatever the TP and pipeline sizes
+(a later stage draws its layers' A without replaying the earlier stages' draws).
 
 Router (`router`, Qwen3-MoE; SPEC rule 5: Adapter mode only): megatron's TopKRouter keeps its gate as a bare
 [E, H] parameter and computes the logits in `gating(input)` (megatron-core 0.19.2: `Router.gating`, called by
@@ -220,21 +221,26 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
     if TargetModule.ROUTER in spec.target_modules and spec.effective_sync_mode is not SyncMode.ADAPTER:
         raise ValueError("lora.targetModules contains router, which requires lora.syncMode Adapter (SPEC rule 5: "
                          "Merge and EngineMerge fold plain linear layers only)")
+    from kora_trainer.backends.megatron.model import global_name, layer_numbers
+
     leaves = {SUPPORTED[TargetModule(t)] for t in spec.target_modules}
-    gen = torch.Generator().manual_seed(seed)
+    numbers = layer_numbers(model)
+    gens: dict[int, torch.Generator] = {}
     model.requires_grad_(False)
     names: list[str] = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in leaves:
             continue
+        layer = int(global_name(name, numbers).split(".")[2])  # decoder.layers.{i}.…: LoRA wraps layer modules only
+        gen = gens.setdefault(layer, torch.Generator().manual_seed(layer_seed(seed, layer)))
         wrapper = _wrap(module, spec, gen)
         if wrapper is None:
             continue
         wrapper.train(module.training)
         parent_name, _, _ = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, wrapper)
-        names.append(name)
+        names.append(global_name(name, numbers))
     unmatched = sorted(leaves - {n.rsplit(".", 1)[-1] for n in names})
     if unmatched:
         raise ValueError(f"lora.targetModules {unmatched} matched no module of this megatron model (router needs an "
@@ -242,6 +248,11 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
     for p in adapter_parameters(model):
         p.requires_grad_(True)
     return names
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """The LoRA init seed of one layer (global index): distinct per layer, the same on every TP rank and stage."""
+    return (seed * 1_000_003 + layer) % (2**63)
 
 
 def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator) -> MegatronLoRA | None:
@@ -264,7 +275,11 @@ def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator) -> MegatronLo
 
 
 def lora_modules(model: nn.Module) -> dict[str, MegatronLoRA]:
-    return hf_lora.lora_modules(model, MegatronLoRA)
+    """This stage's LoRA wrappers by GLOBAL module name (`decoder.layers.{global index}.…`), in model order."""
+    from kora_trainer.backends.megatron.model import global_name, layer_numbers
+
+    numbers = layer_numbers(model)
+    return {global_name(name, numbers): m for name, m in hf_lora.lora_modules(model, MegatronLoRA).items()}
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -10,10 +10,17 @@ Numerics that differ from HF and why logits still agree: megatron's fallback sof
 `attention_softmax_in_fp32`; RoPE's cos/sin are cast to the activation dtype before use in both; HF's
 RMSNorm computes in fp32 and rounds once, torch.nn.RMSNorm in bf16 accumulates in fp32 too. The GPU tests
 state the tolerances measured.
+
+Pipeline stages: each stage builds its share of the layers (megatron numbers them locally, `decoder.layers.0` on
+every stage, and keeps the global number in `layer_number`), the embedding on the first stage, the final norm and
+the output layer on the last. Everything kora names a parameter by (the HF maps, the adapter's names, checkpoints,
+sync) takes the GLOBAL layer index (`base_parameters`, `global_name`), so a stage's tensors are named as the
+one-stage model names them.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +35,7 @@ from kora_trainer.backends.megatron.convert import (
     param_maps,
     to_megatron_shard,
 )
-from kora_trainer.backends.megatron.parallel import gather_tp, tp_rank_size
+from kora_trainer.backends.megatron.parallel import gather_tp, pp_rank_size, tp_rank_size
 from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES
 
 
@@ -54,10 +61,13 @@ def check_supported(cfg: Any) -> None:
 
 
 def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: int = 1, init: bool = False,
-                       moe_dispatcher: str = "alltoall") -> Any:
+                       moe_dispatcher: str = "alltoall", pipeline: int = 1) -> Any:
     """megatron TransformerConfig for an HF Qwen3 (or Qwen3-MoE: moe.py) config. `init`: megatron initialises
     the weights (random models for benchmarks); otherwise they stay uninitialised until `load_hf_state`.
-    `moe_dispatcher`: megatron's token dispatcher for MoE layers ("alltoall" or "allgather")."""
+    `moe_dispatcher`: megatron's token dispatcher for MoE layers ("alltoall" or "allgather").
+    `pipeline` stages: micro-batches of any length pass between them (`variable_seq_lengths`: GRPO batches are
+    padded per micro-batch), and the loss a micro-batch returns is taken as is (`calculate_per_token_loss`: the
+    GRPO loss is already normalised by the minibatch's tokens)."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -77,8 +87,11 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
         tensor_model_parallel_size=tensor, sequence_parallel=False,
+        pipeline_model_parallel_size=pipeline, variable_seq_lengths=pipeline > 1, calculate_per_token_loss=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         perform_initialization=init,  # False: every base weight is loaded from the HF checkpoint
+        # megatron refuses variable_seq_lengths beside its default dispatcher, MoE layers or not
+        **({"moe_token_dispatcher_type": "alltoall"} if pipeline > 1 else {}),
         **moe_config_kwargs(cfg, tensor, moe_dispatcher),  # {} for a dense config
     )
 
@@ -96,14 +109,18 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
     from kora_trainer.backends.megatron.moe import moe_block_spec
 
     _, tp = tp_rank_size()
-    config = transformer_config(cfg, dtype, tp, init, moe_dispatcher)
+    stage, stages = pp_rank_size()
+    if cfg.num_hidden_layers % stages:
+        raise ValueError(f"parallelism.pipeline {stages} does not divide the model's {cfg.num_hidden_layers} layers: "
+                         "set parallelism.pipeline to a divisor of num_hidden_layers")
+    config = transformer_config(cfg, dtype, tp, init, moe_dispatcher, pipeline=stages)
     if config.num_moe_experts:  # Qwen3-MoE: per-layer specs, SequentialMLP experts where HF has experts
         spec = moe_block_spec(config)
     else:
         spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.max_position_embeddings, pre_process=True, post_process=True,
+        max_sequence_length=cfg.max_position_embeddings, pre_process=stage == 0, post_process=stage == stages - 1,
         parallel_output=True,  # logits stay vocab-sharded; token_logprobs reduces over the TP group
         share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
         position_embedding_type="rope", rotary_percent=1.0, rotary_base=rope_theta(cfg),
@@ -132,6 +149,59 @@ def base_param_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".")
 
 
+_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def layer_numbers(model: torch.nn.Module) -> dict[int, int]:
+    """This stage's layers: local index -> global (0-based) index (a layer without megatron's `layer_number` keeps
+    its own index: the CPU tests' stand-ins for megatron modules)."""
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    if layers is None:
+        return {}
+    return {int(name): int(getattr(layer, "layer_number", int(name) + 1)) - 1
+            for name, layer in layers.named_children()}
+
+
+def global_name(name: str, numbers: Mapping[int, int]) -> str:
+    """A stage-local module or parameter name under its global layer index (`layer_numbers`)."""
+    m = _LOCAL_LAYER.match(name)
+    if m is None:
+        return name
+    local = int(m.group(1))
+    return f"decoder.layers.{numbers.get(local, local)}.{name[m.end():]}"
+
+
+def base_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """This stage's base parameters by global megatron name (LoRA factors left out). A later stage's copy of a tied
+    embedding (`output_layer.weight` where the stage has no embedding) is the first stage's to name: left out."""
+    numbers = layer_numbers(model)
+    tied_copy = bool(getattr(model, "share_embeddings_and_output_weights", False)) and not getattr(
+        model, "pre_process", True)
+    out = []
+    for name, p in model.named_parameters():
+        base = base_param_name(name)
+        if base is None or (tied_copy and base == "output_layer.weight"):
+            continue
+        out.append((global_name(base, numbers), p))
+    return out
+
+
+def stage_param_names(model: torch.nn.Module, maps: Mapping[str, Any]) -> set[str]:
+    """The megatron names of `maps` this stage holds: its own layers, the embedding on the first stage, the final
+    norm and the output layer on the last."""
+    layers = {f"decoder.layers.{i}." for i in layer_numbers(model).values()}
+    pre, post = getattr(model, "pre_process", True), getattr(model, "post_process", True)
+
+    def mine(name: str) -> bool:
+        if name.startswith("decoder.layers."):
+            return any(name.startswith(prefix) for prefix in layers)
+        if name.startswith("embedding."):
+            return bool(pre)
+        return bool(post)  # decoder.final_layernorm, output_layer
+
+    return {n for n in maps if mine(n)}
+
+
 @torch.no_grad()
 def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], layout: Layout) -> None:
     """Copy HF tensors into the model: fused QKV / gate-up layouts, this TP rank's shards. Strict both ways.
@@ -145,13 +215,10 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
     if layout.tied:  # a tied checkpoint may still carry lm_head.weight; it is the embedding
         maps.pop("output_layer.weight", None)
     seen: set[str] = set()
-    for name, p in model.named_parameters():
-        base = base_param_name(name)
-        if base is None:
-            continue
+    for base, p in base_parameters(model):
         pm = maps.get(base)
         if pm is None:
-            raise KeyError(f"megatron parameter {name} has no HF counterpart in the {layout} mapping")
+            raise KeyError(f"megatron parameter {base} has no HF counterpart in the {layout} mapping")
         missing = [n for n in pm.hf if n not in state]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} (for megatron {base})")
@@ -160,7 +227,13 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
             raise ValueError(f"{base}: HF gives {tuple(shard.shape)} on TP rank {tp_rank}, model has {tuple(p.shape)}")
         p.copy_(shard.to(device=p.device, dtype=p.dtype))
         seen.add(base)
-    unloaded = sorted(set(maps) - seen)
+    tied_copy = layout.tied and not getattr(model, "pre_process", True) and getattr(model, "post_process", True)
+    if tied_copy:  # a last stage's own copy of the tied embedding: the output layer reads it
+        out = model.get_parameter("output_layer.weight")
+        pm = next(pm for pm in param_maps(layout) if pm.megatron == "embedding.word_embeddings.weight")
+        out.copy_(to_megatron_shard(pm.kind, [state[n] for n in pm.hf], layout, tp_rank, tp_size).to(
+            device=out.device, dtype=out.dtype))
+    unloaded = sorted(stage_param_names(model, maps) - seen)
     if unloaded:
         raise KeyError(f"megatron model has no parameter for {unloaded[:5]}")
 
@@ -178,10 +251,7 @@ def hf_state(model: torch.nn.Module, layout: Layout, flavour: str = "hf", merged
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout)}
     hf_names = {pm.megatron: pm for pm in param_maps(layout, flavour)}
-    for name, p in model.named_parameters():
-        base = base_param_name(name)
-        if base is None:
-            continue
+    for base, p in base_parameters(model):
         yield from param_hf_tensors(p, maps[base].kind, hf_names[base].hf, wrapped.get(base), layout)
 
 

@@ -2,6 +2,10 @@
 
 One process per GPU. Started by torchrun (RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* in the environment) or
 alone: then a real process group of size 1 on 127.0.0.1 — megatron's layers always talk through a group.
+
+Pipeline stages: megatron's parallel_state orders the world tensor-first, so the ranks of one stage's TP group are
+adjacent and a rank's pipeline group holds its counterparts on the other stages. Only the last stage computes
+log-probs; `from_last_stage` hands them to the other stages so every rank returns the same numbers.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import torch
 import torch.distributed as dist
 
 
-def init_parallel(tensor: int = 1, seed: int = 0, backend: str = "nccl") -> None:
-    """Join (or create) the default process group, then initialise megatron's model-parallel groups and RNG."""
+def init_parallel(tensor: int = 1, seed: int = 0, backend: str | None = None, pipeline: int = 1) -> None:
+    """Join (or create) the default process group (NCCL with a GPU, else gloo), then initialise megatron's
+    model-parallel groups and RNG."""
     from megatron.core import parallel_state, tensor_parallel
 
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized():
         from kora_trainer.wire.ports import free_port
 
@@ -26,10 +32,13 @@ def init_parallel(tensor: int = 1, seed: int = 0, backend: str = "nccl") -> None
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", str(rank))))
         dist.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor)
-    elif parallel_state.get_tensor_model_parallel_world_size() != tensor:
-        raise RuntimeError(f"megatron is already initialised with tensor parallel size "
-                           f"{parallel_state.get_tensor_model_parallel_world_size()}, not {tensor}")
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor,
+                                                 pipeline_model_parallel_size=pipeline)
+    elif (parallel_state.get_tensor_model_parallel_world_size(),
+          parallel_state.get_pipeline_model_parallel_world_size()) != (tensor, pipeline):
+        raise RuntimeError(f"megatron is already initialised with tensor x pipeline parallel size "
+                           f"{parallel_state.get_tensor_model_parallel_world_size()} x "
+                           f"{parallel_state.get_pipeline_model_parallel_world_size()}, not {tensor} x {pipeline}")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -57,3 +66,44 @@ def gather_tp(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(size)]
     dist.all_gather(out, t.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
     return out
+
+
+def pp_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+
+
+def is_last_stage() -> bool:
+    rank, size = pp_rank_size()
+    return rank == size - 1
+
+
+def from_last_stage(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+                    device: torch.device) -> torch.Tensor:
+    """The last pipeline stage's tensor `t` on every stage (`t` is ignored elsewhere; `shape` and `dtype` say
+    what arrives). One broadcast over this rank's pipeline group."""
+    from megatron.core import parallel_state
+
+    rank, size = pp_rank_size()
+    if size == 1:
+        assert t is not None
+        return t
+    out = t.contiguous() if rank == size - 1 and t is not None else torch.empty(shape, dtype=dtype, device=device)
+    dist.broadcast(out, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
+    return out
+
+
+def gather_stages(obj: object) -> list[object]:
+    """Every pipeline stage's `obj`, in stage order, on every stage ([obj] with one stage). Pickled: for small or
+    CPU-side things (names, an export's tensors moved to the CPU)."""
+    from megatron.core import parallel_state
+
+    _, size = pp_rank_size()
+    if size == 1:
+        return [obj]
+    parts: list[object] = [None] * size
+    dist.all_gather_object(parts, obj, group=parallel_state.get_pipeline_model_parallel_group())
+    return parts

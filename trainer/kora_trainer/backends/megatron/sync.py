@@ -15,6 +15,11 @@
   own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `fast.PipelinedSender` / `fast_adapter.AdapterPack` gather
   them to TP rank 0 over `tp_group()`. `MegatronWeightSender` hands them to the trainer's fast path
   (`sync/fast_sender.py`) at TP = 1 for dense models.
+- Pipeline stages: each stage's sources name its own layers (global indices); `across_stages` makes them the whole
+  model's, every tensor broadcast from its stage over the pipeline group when its bucket goes out, so the rank that
+  holds the transport (stage 0's TP rank 0; under Colocate every rank with an engine) pushes the whole policy and
+  the other stages follow (`_tp_transport` over megatron's model-parallel group, TP x PP). The fast path is wired
+  for one stage: pipeline jobs take the HTTP path, with the reason printed.
 
 megatron-core is imported lazily (through lora.py / model.py helpers): this module imports without it.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -41,7 +46,8 @@ from kora_trainer.backends.megatron.convert import (
     param_maps,
 )
 from kora_trainer.backends.megatron.lora import lora_modules
-from kora_trainer.backends.megatron.model import base_param_name, param_hf_tensors
+from kora_trainer.backends.megatron.model import base_parameters, param_hf_tensors
+from kora_trainer.backends.megatron.parallel import gather_stages, pp_rank_size
 from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
 from kora_trainer.sync.sender import WeightSender, follower
 from kora_trainer.sync.sources import Source
@@ -69,6 +75,51 @@ def tp_group() -> WeightUpdateGroup | None:
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return None
     return WeightUpdateGroup.wrap(parallel_state.get_tensor_model_parallel_group())
+
+
+def model_parallel_group() -> WeightUpdateGroup | None:
+    """megatron's model-parallel group (TP x PP: one copy of the model) as a `WeightUpdateGroup`, None when the
+    model is not split."""
+    from megatron.core import parallel_state
+
+    if _tp_size() == 1 and pp_rank_size()[1] == 1:
+        return None
+    return WeightUpdateGroup.wrap(parallel_state.get_model_parallel_group())
+
+
+def across_stages(src: Source, model: nn.Module) -> Source:
+    """This pipeline stage's Source as the whole model's (itself with one stage): the plan is every stage's groups
+    in stage order; `get` is a collective of the pipeline group (every stage asks for the same names in the same
+    order), each tensor broadcast from the stage that holds it."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    stage, stages = pp_rank_size()
+    if stages == 1:
+        return src
+    plan = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in g] for g in src.groups]
+    plans = cast(list[list[list[tuple[str, tuple[int, ...], str]]]], gather_stages(plan))
+    pp = parallel_state.get_pipeline_model_parallel_group()
+    ranks = dist.get_process_group_ranks(pp)  # global rank of each stage, in stage order
+    device = next(model.parameters()).device
+    groups: list[list[Named]] = []
+    meta: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+    for s, stage_plan in enumerate(plans):
+        for g in stage_plan:
+            groups.append([(n, _meta(shape, getattr(torch, dtype))) for n, shape, dtype in g])
+            meta.update({n: (s, shape, getattr(torch, dtype)) for n, shape, dtype in g})
+
+    def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
+        mine = src.get([n for n in names if meta[n][0] == stage])  # a TP collective where sharded: same names
+        out: dict[str, torch.Tensor] = {}
+        for n in names:
+            s, shape, dtype = meta[n]
+            t = mine[n].contiguous() if s == stage else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=ranks[s], group=pp)
+            out[n] = t
+        return out
+
+    return Source(groups, get)
 
 
 def _tp_size() -> int:
@@ -105,10 +156,7 @@ def merge_entries(model: nn.Module, layout: Layout, merged: bool = True, flavour
     device = next(model.parameters()).device
     qkv_map = qkv_row_map(_local_layout(layout, tp)).to(device)  # this rank's fused rows -> [q_t; k_t; v_t]
     entries: list[Entry] = []
-    for name, p in model.named_parameters():
-        base = base_param_name(name)
-        if base is None:
-            continue
+    for base, p in base_parameters(model):
         pm = maps[base]
         w = p.detach()
         m = wrapped.get(base)
@@ -188,10 +236,7 @@ def megatron_source(model: nn.Module, layout: Layout, merged: bool, flavour: str
     params = {}
     groups: list[list[Named]] = []
     owner: dict[str, str] = {}
-    for name, p in model.named_parameters():
-        base = base_param_name(name)
-        if base is None:
-            continue
+    for base, p in base_parameters(model):
         pm = maps[base]
         params[base] = p
         for hf_name, shape in _meta_outs(pm.kind, p.shape, pm.hf, layout, tp):
@@ -233,31 +278,33 @@ class MegatronWeightSender(WeightSender):
                  verify: bool = True, flavour: str = "hf"):
         self.layout, self.flavour = layout, flavour
         self._adapter_src: Source | None = None
-        tp = tp_group()
-        if tp is not None:
-            transport = _tp_transport(tp, transport)
-            if trainer_group is None:  # the shards differ per TP rank: the skip decision spans the TP group
-                trainer_group = tp
+        mp = model_parallel_group()
+        if mp is not None:
+            transport = _tp_transport(mp, transport)
+            if trainer_group is None:  # the shards differ per TP rank and stage: the skip decision spans them
+                trainer_group = mp
         super().__init__(model, cfg, transport, trainer_group, verify)
 
     def make_adapter_config(self) -> dict[str, Any]:
         from kora_trainer.backends.megatron.export import peft_config
 
-        return peft_config(self.model, self.cfg.lora, self.cfg.model.path)
+        modules = [m for part in gather_stages(list(lora_modules(self.model))) for m in cast(list[str], part)]
+        return peft_config(self.model, self.cfg.lora, self.cfg.model.path, modules)  # every stage's modules
 
     def adapter_named(self) -> list[Named]:
         return [(f"{n}.lora_{w}", getattr(m, f"lora_{w}").weight.detach())
                 for n, m in lora_modules(self.model).items() for w in "AB"]
 
     def merged_source(self) -> Source:
-        return megatron_source(self.model, self.layout, True, self.flavour)
+        return across_stages(megatron_source(self.model, self.layout, True, self.flavour), self.model)
 
     def base_source(self) -> Source:
-        return megatron_source(self.model, self.layout, False, self.flavour)
+        return across_stages(megatron_source(self.model, self.layout, False, self.flavour), self.model)
 
     def adapter_source(self) -> Source:
         if self._adapter_src is None:  # the plan (names, shapes) is fixed: one export per push, not two
-            self._adapter_src = megatron_adapter_source(self.model, self.layout, self.flavour)
+            self._adapter_src = across_stages(megatron_adapter_source(self.model, self.layout, self.flavour),
+                                              self.model)
         return self._adapter_src
 
     def served_adapter_source(self) -> Source:  # its flavour already names what the engines take
@@ -268,6 +315,8 @@ class MegatronWeightSender(WeightSender):
     def _fast_covered(self) -> None:
         if _tp_size() > 1:
             raise NotImplementedError("tensor parallelism: the trainer's fast path is wired at TP = 1")
+        if pp_rank_size()[1] > 1:
+            raise NotImplementedError("pipeline parallelism: the trainer's fast path is wired for one stage")
         if self.layout.num_experts:
             raise NotImplementedError("MoE models: expert tensors and adapters go through the HTTP path")
 

@@ -7,6 +7,10 @@ replicas hold the same state), with the TP size in its meta: resuming splits the
 `parallelism.tensor` (refused otherwise, with the fix). Every rank's RNG state goes in too (`ranks`, in global
 rank order): with lora.dropout > 0 each rank draws its own masks, and a resumed rank continues its own stream.
 
+Pipeline stages each hold their own layers' factors (named by global layer index: model.py `global_name`): the
+writer gathers every stage's, in stage order, with the AdamW state renumbered to that order, so the checkpoint is
+the one-stage policy's and resumes at any `parallelism.pipeline` (each stage takes its own names back out).
+
 Every function here that gathers is a collective: every rank of the world calls it, in the same order.
 """
 
@@ -39,23 +43,53 @@ def split_shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> to
 
 @dataclass(frozen=True)
 class TensorShards:
-    """How this rank's adapter parameters (in the optimizer's order) split over its TP group."""
+    """How this rank's adapter parameters (in the optimizer's order) split over its TP group, and which pipeline
+    stage holds them."""
 
     rank: int  # TP rank
     size: int  # TP size
     dims: tuple[int | None, ...]  # per parameter: the split dim, or None
     group: Any  # megatron's TP process group
+    stages: int = 1  # pipeline size
+    stage_group: Any = None  # megatron's pipeline group (stages > 1)
 
     @classmethod
     def of(cls, params: list[torch.nn.Parameter]) -> TensorShards | None:
-        """None at TP = 1: the checkpoint is this rank's state as it is."""
+        """None at TP = 1 and one stage: the checkpoint is this rank's state as it is."""
         from megatron.core import parallel_state
 
         size = parallel_state.get_tensor_model_parallel_world_size()
-        if size == 1:
+        stages = parallel_state.get_pipeline_model_parallel_world_size()
+        if size == 1 and stages == 1:
             return None
         return cls(parallel_state.get_tensor_model_parallel_rank(), size, tuple(shard_dim(p) for p in params),
-                   parallel_state.get_tensor_model_parallel_group())
+                   parallel_state.get_tensor_model_parallel_group(), stages,
+                   parallel_state.get_pipeline_model_parallel_group() if stages > 1 else None)
+
+    def all_names(self, mine: list[str]) -> list[str]:
+        """Every stage's parameter names, in stage order (`mine` alone with one stage; a collective)."""
+        if self.stages == 1:
+            return mine
+        parts: list[Any] = [None] * self.stages
+        dist.all_gather_object(parts, mine, group=self.stage_group)
+        return [n for part in parts for n in part]
+
+    def _gather_stages(self, adapter: list[Named], optimizer: Mapping[str, Any]
+                       ) -> tuple[list[Named], dict[str, Any]]:
+        """Every stage's (whole-TP) factors and AdamW state, in stage order, the state renumbered to that order."""
+        if len(optimizer["param_groups"]) != 1:
+            raise ValueError("a pipeline checkpoint joins one optimizer parameter group per stage")
+        cpu = {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+               for i, st in optimizer["state"].items()}
+        parts: list[Any] = [None] * self.stages
+        dist.all_gather_object(parts, ([(n, t.cpu()) for n, t in adapter], cpu), group=self.stage_group)
+        joined: list[Named] = []
+        state: dict[int, Any] = {}
+        for named, part_state in parts:
+            state.update({len(joined) + i: st for i, st in part_state.items()})
+            joined.extend(named)
+        group = {**optimizer["param_groups"][0], "params": list(range(len(joined)))}
+        return joined, {**optimizer, "state": state, "param_groups": [group]}
 
     def _gather(self, t: torch.Tensor, dim: int | None) -> torch.Tensor:
         if dim is None:
@@ -72,17 +106,25 @@ class TensorShards:
         whole = [(n, self._gather(t, d)) for (n, t), d in zip(adapter, self.dims, strict=True)]
         state = {i: {k: self._gather(v, self.dims[i]) if _moment(v, adapter[i][1]) else v for k, v in s.items()}
                  for i, s in optimizer["state"].items()}
+        joined: dict[str, Any] = {**optimizer, "state": state}
+        if self.stages > 1:
+            whole, joined = self._gather_stages(whole, joined)
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, dict(rng))
-        return whole, {**optimizer, "state": state}, {**rng, RNG_RANKS: ranks}
+        return whole, joined, {**rng, RNG_RANKS: ranks}
 
-    def local(self, adapter: Mapping[str, torch.Tensor], names: list[str], optimizer: Mapping[str, Any]
-              ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """This rank's shards of a checkpoint `gather` wrote (`names`: the parameters in the optimizer's order)."""
-        shards = {n: split_shard(adapter[n], d, self.rank, self.size) for n, d in zip(names, self.dims, strict=True)}
-        state = {i: {k: split_shard(v, self.dims[i], self.rank, self.size) if _moment(v, adapter[names[i]]) else v
-                     for k, v in s.items()} for i, s in optimizer["state"].items()}
-        return shards, {**optimizer, "state": state}
+    def local(self, adapter: Mapping[str, torch.Tensor], names: list[str], optimizer: Mapping[str, Any],
+              mine: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """This rank's shards of a checkpoint `gather` wrote (`names`: the checkpoint's parameters in the
+        optimizer's order; `mine`: this stage's, in its optimizer's order — all of `names` with one stage)."""
+        mine = names if mine is None else mine
+        index = {n: i for i, n in enumerate(names)}
+        own = {j: optimizer["state"][index[n]] for j, n in enumerate(mine) if index[n] in optimizer["state"]}
+        shards = {n: split_shard(adapter[n], d, self.rank, self.size) for n, d in zip(mine, self.dims, strict=True)}
+        state = {i: {k: split_shard(v, self.dims[i], self.rank, self.size) if _moment(v, adapter[mine[i]]) else v
+                     for k, v in s.items()} for i, s in own.items()}
+        groups = [{**g, "params": list(range(len(mine)))} for g in optimizer["param_groups"]]
+        return shards, {**optimizer, "state": state, "param_groups": groups}
 
     @staticmethod
     def own_rng(rng: Mapping[str, Any]) -> Mapping[str, Any]:

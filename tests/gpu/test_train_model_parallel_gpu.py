@@ -1,15 +1,16 @@
-"""The trainer at parallelism.tensor 2 on GPUs (megatron: one Ray actor per TP rank, a GPU each, NCCL), Colocate
-(an engine on each rank's GPU, each rank feeding its own: 2 GPUs) and Disaggregated (TP rank 0 broadcasting to an
-engine on a GPU of its own: 3 GPUs), each against the same job at tensor 1; then the TP = 2 job resumed from its
-checkpoint continues the uninterrupted run's losses, and the export is written once. Skipped below the GPUs a case
-needs; the two-GPU issue runs them.
+"""The trainer at parallelism.tensor 2 and at parallelism.pipeline 2 on GPUs (megatron: one Ray actor per rank, a GPU
+each, NCCL; pipeline stages through megatron's 1F1B schedule), Colocate (an engine on each rank's GPU, each rank
+feeding its own: 2 GPUs) and Disaggregated (rank 0 broadcasting to an engine on a GPU of its own: 3 GPUs), each
+against the same job on one GPU; then the split job resumed from its checkpoint continues the uninterrupted run's
+losses, and the export is written once. Skipped below the GPUs a case needs; the two-GPU issue runs them. (On the
+CPU, tests/unit/test_megatron_pipeline.py runs the pipeline's policy, checkpoints and pushes over gloo.)
 
 Tolerances: fp32 toy; the TP all-reduces sum in another order than one GPU's matmuls, and AdamW amplifies that
 rounding over the steps (tests/gpu/test_megatron_tp.py measures the same on the policy alone: 1e-4 at the first
 step, 2e-3 relative after), so losses are compared at 1e-5 + 2e-3 relative.
 
 Run: PYTHONPATH=$PWD/trainer:$PWD/tests:/path/to/megatron-core NCCL_NVLS_ENABLE=0 \
-    pytest -m gpu tests/gpu/test_train_tensor_parallel_gpu.py
+    pytest -m gpu tests/gpu/test_train_model_parallel_gpu.py
 """
 
 from __future__ import annotations
@@ -44,13 +45,15 @@ def toy(tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["Merge", "Adapter", "EngineMerge"])
 @pytest.mark.parametrize(("deployment", "engines", "gpus"), [("Colocate", 2, 2), ("Disaggregated", 1, 3)])
-def test_tensor_2_on_gpus_takes_the_steps_of_tensor_1_and_resumes(toy, tmp_path, mode, deployment, engines, gpus):
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_a_model_split_over_2_gpus_takes_the_steps_of_one_gpu_and_resumes(toy, tmp_path, mode, deployment, engines,
+                                                                          gpus, split):
     if torch.cuda.device_count() < gpus:
-        pytest.skip(f"tensor 2 {deployment} needs {gpus} GPUs")
+        pytest.skip(f"{split} 2 {deployment} needs {gpus} GPUs")
     common = (f"data.path={toy}/train.jsonl", "backend=megatron", f"deployment.mode={deployment}",
               "deployment.async=false", "rollout.gpusPerEngine=1", f"rollout.numEngines={engines}",
               f"lora.syncMode={mode}", "sync.deltaSkipThreshold=0", "checkpoint.interval=1")
-    runs = [TrainRun(toy, tmp_path / f"tp{t}", f"parallelism.tensor={t}", f"checkpoint.path={tmp_path}/ckpt{t}",
+    runs = [TrainRun(toy, tmp_path / f"{split}{t}", f"parallelism.{split}={t}", f"checkpoint.path={tmp_path}/ckpt{t}",
                      f"algorithm.numSteps={STEPS}", *common) for t in (1, 2)]
     wait_all(runs)
     one, two = (r.summary() for r in runs)
@@ -59,10 +62,10 @@ def test_tensor_2_on_gpus_takes_the_steps_of_tensor_1_and_resumes(toy, tmp_path,
     assert all(close(b, a) for a, b in zip(one["loss_curve"], two["loss_curve"], strict=True)), \
         (one["loss_curve"], two["loss_curve"])
     gaps = [e["rollout_logp_gap_max"] for e in runs[1].events("step")]
-    assert None not in gaps and max(gaps) < GAP_MAX, gaps  # the engines serve the TP-trained policy
+    assert None not in gaps and max(gaps) < GAP_MAX, gaps  # the engines serve the split-trained policy
     assert two["export"] and (Path(two["export"]) / "adapter_model.safetensors").is_file()
-    # resume: the same TP = 2 job asked for two more steps continues from step STEPS's checkpoint
-    more = TrainRun(toy, tmp_path / "tp2-more", "parallelism.tensor=2", f"checkpoint.path={tmp_path}/ckpt2",
+    # resume: the same split job asked for two more steps continues from step STEPS's checkpoint
+    more = TrainRun(toy, tmp_path / f"{split}2-more", f"parallelism.{split}=2", f"checkpoint.path={tmp_path}/ckpt2",
                     f"algorithm.numSteps={STEPS + 2}", *common)
     wait_all([more])
     tail = more.summary()
