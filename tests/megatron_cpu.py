@@ -2,11 +2,16 @@
 
 A TEST DOUBLE FOR CUDA (which cannot run here), nothing else: megatron-core places a few tensors on "cuda" by name
 (the pipeline schedules' token counter, the p2p shape exchange, the default causal mask, `.cuda()` on the model),
-seeds CUDA RNG streams and synchronises the CUDA device. `install()` sends those placements to the CPU, turns the
-CUDA RNG tracker's fork into a no-op (dropout is 0 in every megatron config kora builds; LoRA dropout draws from
-torch's own generator) and the device synchronise into one. Every layer, every collective (gloo), the schedules
-and parallel_state run as they are. The megatron-core that installs on Python 3.11 is 0.16.1 (the test group pins
-it); the GPU machines run 0.19.2, where the GPU tests cover the CUDA paths this replaces.
+seeds CUDA RNG streams, synchronises the CUDA device and, in the MoE token dispatcher, copies routing counts to the
+host on a side stream. `install()` sends those placements to the CPU, turns the CUDA RNG tracker's fork into a no-op
+(dropout is 0 in every megatron config kora builds; LoRA dropout draws from torch's own generator), and the device
+synchronise, streams and events into ones that have nothing to wait for (the CPU runs every op in order). Every
+layer, every collective (gloo), the schedules and parallel_state run as they are.
+
+The megatron-core that installs on Python 3.11 is 0.16.1 (the test group pins it); the GPU machines run 0.19.2,
+where the GPU tests cover the CUDA paths this replaces. One fix that is not CUDA's: 0.16.1's router gating refers to
+TransformerEngine's GEMM by a name it never binds without TransformerEngine (a NameError); `install()` binds it to
+None, as 0.19.2 does.
 """
 
 from __future__ import annotations
@@ -30,7 +35,53 @@ class _CudaOnCpu(TorchFunctionMode):
             kwargs["device"] = "cpu"
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.Tensor.record_stream:
+            return None
         return func(*args, **kwargs)
+
+
+class _Event:
+    """A CUDA event on the CPU: every op before it has already run."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _Stream:
+    """A CUDA stream on the CPU: ops run in program order, so there is never anything to wait for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _Event:
+        return event or _Event()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CURRENT = _Stream()
 
 
 def install() -> None:
@@ -46,8 +97,16 @@ def install() -> None:
 
     torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.Stream = _Stream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _Event  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _CURRENT  # type: ignore[assignment,return-value]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
     mc_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[assignment,method-assign]
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     _CudaOnCpu().__enter__()
     _installed = True
 

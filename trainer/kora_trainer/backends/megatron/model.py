@@ -90,9 +90,10 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         pipeline_model_parallel_size=pipeline, variable_seq_lengths=pipeline > 1, calculate_per_token_loss=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         perform_initialization=init,  # False: every base weight is loaded from the HF checkpoint
-        # megatron refuses variable_seq_lengths beside its default dispatcher, MoE layers or not
-        **({"moe_token_dispatcher_type": "alltoall"} if pipeline > 1 else {}),
-        **moe_config_kwargs(cfg, tensor, moe_dispatcher),  # {} for a dense config
+        # megatron refuses variable_seq_lengths beside its default dispatcher, MoE layers or not; an MoE config's
+        # own dispatcher (moe_config_kwargs: {} for a dense config) comes last
+        **({"moe_token_dispatcher_type": "alltoall"} if pipeline > 1 else {}) | moe_config_kwargs(
+            cfg, tensor, moe_dispatcher),
     )
 
 

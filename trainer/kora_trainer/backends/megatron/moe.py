@@ -90,16 +90,24 @@ def moe_config_kwargs(cfg: Any, tensor: int = 1, dispatcher: str = "alltoall") -
 
 
 def moe_block_spec(config: Any) -> Any:
-    """TransformerBlockSubmodules: the dense local layer spec where `moe_layer_freq` is 0, the same spec with
-    `num_experts` (SequentialMLP experts, TopKRouter) where it is 1; the final norm the dense path gets."""
+    """TransformerBlockSubmodules of this pipeline stage's layers: the dense local layer spec where `moe_layer_freq`
+    is 0, the same spec with `num_experts` (SequentialMLP experts, TopKRouter) where it is 1; the final norm the
+    dense path gets. The block builds its specs as the stage's own (megatron's decoder block specs are sliced so)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import LayerNormImpl, TransformerBlockSubmodules
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     sparse = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                       qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    return TransformerBlockSubmodules(layer_specs=[sparse if f else dense for f in config.moe_layer_freq],
-                                      layer_norm=LayerNormImpl)
+    offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(
+        layer_specs=[sparse if f else dense for f in config.moe_layer_freq[offset:offset + count]],
+        layer_norm=LayerNormImpl)
 
 
 # ---- expert LoRA in PEFT's grouped layout ----------------------------------------------------------------
