@@ -3,7 +3,9 @@
 A TEST DOUBLE FOR CUDA (which cannot run here), nothing else: megatron-core places a few tensors on "cuda" by name
 (the pipeline schedules' token counter, the p2p shape exchange, the default causal mask, `.cuda()` on the model),
 seeds CUDA RNG streams, synchronises the CUDA device and, in the MoE token dispatcher, copies routing counts to the
-host on a side stream. `install()` sends those placements to the CPU, turns the CUDA RNG tracker's fork into a no-op
+host on a side stream (as numpy arrays: the all-to-all's split sizes; a tensor already on the host stays a
+tensor, which the all-to-all refuses). `install()` sends those placements to the CPU, makes that copy's numpy
+arrays from host tensors too, turns the CUDA RNG tracker's fork into a no-op
 (dropout is 0 in every megatron config kora builds; LoRA dropout draws from torch's own generator), and the device
 synchronise, streams and events into ones that have nothing to wait for (the CPU runs every op in order). Every
 layer, every collective (gloo), the schedules and parallel_state run as they are.
@@ -84,6 +86,12 @@ class _Stream:
 _CURRENT = _Stream()
 
 
+def _to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's `maybe_move_tensor_to_cpu` (the MoE dispatcher's D2H copy) for tensors already on the host: the
+    numpy array the GPU path returns where `as_numpy`, else the tensor."""
+    return tensor.numpy() if as_numpy and isinstance(tensor, torch.Tensor) else tensor
+
+
 def install() -> None:
     """Make this process run megatron-core on the CPU (idempotent; call before building a model). Refuses to act
     where a GPU is present: there the real CUDA paths must run."""
@@ -103,29 +111,33 @@ def install() -> None:
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     tensor_parallel.model_parallel_cuda_manual_seed = lambda *a, **k: None
     mc_random.CudaRNGStatesTracker.fork = lambda self, name=None: contextlib.nullcontext()  # type: ignore[assignment,method-assign]
-    from megatron.core.transformer.moe import moe_utils
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
+    token_dispatcher.maybe_move_tensor_to_cpu = _to_host  # type: ignore[attr-defined]
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     _CudaOnCpu().__enter__()
     _installed = True
 
 
-def run_ranks(module: str, func: str, world: int, *args: Any, timeout_s: float = 240.0) -> None:
+def run_ranks(module: str, func: str, world: int, *args: Any, timeout_s: float = 150.0) -> None:
     """`module.func(rank, world, *args)` in `world` fresh processes (one per rank), each with `install()` done;
-    returns once all exited 0, else raises with the failing ranks' output. Plain subprocesses, waited on by pid:
+    returns once all exited 0, else raises with the failing ranks' output (a rank still running after `timeout_s`
+    writes its threads' stacks there first). Plain subprocesses, waited on by pid:
     the in-memory weight hand-over starts torch's shared-memory manager, a daemon that inherits its starter's
     pipes, so a launcher that waits for a pipe to close (multiprocessing, torch.multiprocessing.spawn) never
     returns."""
     import json
     import os
+    import signal
     import subprocess
     import sys
     import tempfile
     from pathlib import Path
 
     tests = Path(__file__).resolve().parent
-    code = ("import json, sys\nimport megatron_cpu\nmegatron_cpu.install()\n"
+    code = ("import faulthandler, json, signal, sys\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+            "import megatron_cpu\nmegatron_cpu.install()\n"
             f"from {module} import {func}\n{func}(int(sys.argv[1]), {world}, *json.loads(sys.argv[2]))\n")
     paths = [str(tests), str(tests / "unit"), str(tests.parent / "hack"), str(tests.parent / "trainer")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*paths, os.environ.get("PYTHONPATH", "")]),
@@ -140,9 +152,16 @@ def run_ranks(module: str, func: str, world: int, *args: Any, timeout_s: float =
         for rank, (proc, log) in enumerate(procs):
             try:
                 rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+            except subprocess.TimeoutExpired:  # every rank's stacks into its log, then stop them all
                 for p, _ in procs:
-                    p.kill()
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGUSR1)
+                for p, _ in procs:
+                    try:
+                        p.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
+                        p.wait()
                 rc = "timed out"
             log.close()
             if rc != 0:

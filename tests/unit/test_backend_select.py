@@ -55,19 +55,28 @@ def test_weights_bytes_counts_only_weight_files(tmp_path):
     assert weights_bytes(tmp_path / "missing") == 0
 
 
-def test_unlaunched_layouts_are_refused_at_start_and_data_tensor_and_pipeline_parallel_run():
-    with pytest.raises(ConfigError, match=r"context 2: the trainer runs data, tensor and pipeline parallelism so "
-                                          r"far.*set them to 1"):
+def test_unlaunched_layouts_are_refused_at_start_and_data_tensor_pipeline_and_expert_parallel_run():
+    with pytest.raises(ConfigError, match=r"context 2: the trainer runs data, tensor, pipeline and expert "
+                                          r"parallelism so far.*set them to 1"):
         check_actor_layout(cfg("parallelism.context=2"), Backend.MEGATRON)
     check_actor_layout(cfg("parallelism.pipeline=2"), Backend.MEGATRON)  # megatron's schedule, one actor a stage
     check_actor_layout(cfg("parallelism.pipeline=2", "parallelism.tensor=2", "parallelism.data=2"), Backend.MEGATRON)
     with pytest.raises(ConfigError, match=r"parallelism.pipeline 4 does not divide the model's 6 layers.*a divisor"):
         check_actor_layout(cfg("parallelism.pipeline=4"), Backend.MEGATRON, num_layers=6)
     check_actor_layout(cfg("parallelism.pipeline=3"), Backend.MEGATRON, num_layers=6)
-    with pytest.raises(ConfigError, match=r"parallelism expert 2: .*not launched yet") as refused:
+    with pytest.raises(ConfigError, match=r"parallelism expertTensor 2: .*not launched yet") as refused:
+        check_actor_layout(cfg("parallelism.data=4", "parallelism.expert=2", "parallelism.expertTensor=2"),
+                           Backend.MEGATRON)
+    assert "data 4" not in str(refused.value)  # only what is refused is named
+    check_actor_layout(cfg("parallelism.data=2", "parallelism.expert=2"), Backend.MEGATRON, num_experts=8)
+    with pytest.raises(ConfigError, match=r"expert 2 with tensor 2: the MoE layers train at tensor 1.*set "
+                                          r"parallelism.tensor to 1"):
         check_actor_layout(cfg("parallelism.tensor=2", "parallelism.data=2", "parallelism.expert=2"),
                            Backend.MEGATRON)
-    assert "tensor 2" not in str(refused.value)  # only what is refused is named
+    with pytest.raises(ConfigError, match=r"expert 2: the model has no experts per MoE layer.*1 for a dense model"):
+        check_actor_layout(cfg("parallelism.data=2", "parallelism.expert=2"), Backend.MEGATRON, num_experts=0)
+    with pytest.raises(ConfigError, match=r"expert 4: the model has 6 experts per MoE layer.*a divisor"):
+        check_actor_layout(cfg("parallelism.data=4", "parallelism.expert=4"), Backend.MEGATRON, num_experts=6)
     with pytest.raises(ConfigError, match=r"tensor 2 needs backend: megatron"):
         check_actor_layout(cfg("parallelism.tensor=2"), Backend.TORCH)
     check_actor_layout(cfg("parallelism.tensor=2"), Backend.MEGATRON)  # megatron's TP layers, one actor a rank

@@ -34,6 +34,8 @@ TOL = 1e-4  # fp32; the router's top-k must pick the same experts on both sides 
 def tp1(monkeypatch):
     monkeypatch.setattr(export, "gather_tp", lambda t: [t])
     monkeypatch.setattr(parallel, "tp_rank_size", lambda: (0, 1))
+    monkeypatch.setattr(parallel, "ep_rank_size", lambda: (0, 1))
+    monkeypatch.setattr(parallel, "pp_rank_size", lambda: (0, 1))
 
 
 def megatron_shapes(cfg, layout: Layout) -> dict[str, tuple[int, int]]:

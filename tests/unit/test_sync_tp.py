@@ -193,6 +193,7 @@ def megatron_tp(monkeypatch):
     monkeypatch.setattr(msync, "model_parallel_group", lambda: LOCAL.tp)  # one pipeline stage: the TP group
     monkeypatch.setattr(msync, "pp_rank_size", lambda: (0, 1))
     monkeypatch.setattr(parallel, "pp_rank_size", lambda: (0, 1))
+    monkeypatch.setattr(parallel, "ep_rank_size", lambda: (0, 1))
 
 
 def _push_merge(plans: list[Any], tp: list[Any], wu: list[Any], want: dict[str, torch.Tensor],

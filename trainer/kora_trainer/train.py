@@ -87,6 +87,7 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     from kora_trainer.backends.select import check_actor_layout, resolve_backend, weights_bytes
     from kora_trainer.config import ConfigError, read_hf_config
     from kora_trainer.config.placement import Node, parse_nodes, plan_job
+    from kora_trainer.config.start_layout import config_experts
 
     try:
         if args.nodes:  # a cluster elsewhere: assume its image has megatron-core where it has GPUs
@@ -106,9 +107,10 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     print(json.dumps(job_plan.as_dict()) if args.json else "\n".join(job_plan.lines()))
     size = weights_bytes(cfg.model.path)
     try:
+        hf = read_hf_config(cfg.model.path) or {}
         check_actor_layout(cfg, resolve_backend(cfg, cuda=any(n.gpus for n in nodes), megatron=megatron,
                                                 model_bytes=size),
-                           (read_hf_config(cfg.model.path) or {}).get("num_hidden_layers"))
+                           hf.get("num_hidden_layers"), config_experts(hf))
     except ConfigError as e:
         unread = "" if size else f" (model.path {cfg.model.path} is not readable here: backend auto took torch)"
         print(f"the trainer would refuse this job at start{unread}: {e}", file=sys.stderr)

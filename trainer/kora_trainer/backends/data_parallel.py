@@ -51,6 +51,11 @@ class DataParallel:
     rank: int = 0
     size: int = 1
     group: WeightUpdateGroup | None = None  # None: one rank
+    # expert parallelism (megatron): the experts' parameters (by id) are each held by the ranks of one expert-data-
+    # parallel group and summed over it (their gradients already hold every token routed to them: megatron's
+    # all-to-all brings them); None: no such group, or a group of one
+    expert_group: WeightUpdateGroup | None = None
+    expert_params: frozenset[int] = frozenset()
 
     def share(self, idx: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous share of a minibatch's sample indices (the first ranks take one more when
@@ -58,19 +63,19 @@ class DataParallel:
         return idx if self.size == 1 else idx.tensor_split(self.size)[self.rank]
 
     def allreduce_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the parameters' gradients over the DP group (a rank whose share was empty contributes zeros)."""
-        if self.group is None or self.size == 1:
+        """Sum the parameters' gradients over the DP group (a rank whose share was empty contributes zeros), the
+        experts' over their expert-data-parallel group."""
+        if (self.group is None or self.size == 1) and self.expert_group is None:
             return
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.group.allreduce_sum(flat)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        dense = [p for p in params if id(p) not in self.expert_params]
+        experts = [p for p in params if id(p) in self.expert_params]
+        if self.group is not None and self.size > 1:
+            _sum_grads(self.group, dense)
+        if self.expert_group is not None:
+            _sum_grads(self.expert_group, experts)
 
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over the DP group (float64, one collective)."""
@@ -86,3 +91,16 @@ class DataParallel:
         t = torch.tensor([value], dtype=torch.float64, device=self.group.device)
         self.group.allreduce_max(t)
         return float(t.item())
+
+
+def _sum_grads(group: WeightUpdateGroup, params: list[torch.nn.Parameter]) -> None:
+    """Sum `params`' gradients over `group`: one flat buffer, one collective."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    group.allreduce_sum(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -21,7 +21,7 @@ import torch
 
 from kora_trainer.backends.data_parallel import RankContext
 from kora_trainer.config import Backend, ConfigError, TrainerConfig, read_hf_config
-from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES, actor_layout_problems, megatron_maps
+from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES, actor_layout_problems, config_experts, megatron_maps
 
 if TYPE_CHECKING:
     from kora_trainer.backends.grpo_step import StepMetrics
@@ -88,10 +88,11 @@ def resolve_backend(cfg: TrainerConfig, *, cuda: bool, megatron: bool, model_byt
     return Backend.MEGATRON if cuda and megatron and mapped and model_bytes >= LARGE_MODEL_BYTES else Backend.TORCH
 
 
-def check_actor_layout(cfg: TrainerConfig, backend: Backend, num_layers: int | None = None) -> None:
+def check_actor_layout(cfg: TrainerConfig, backend: Backend, num_layers: int | None = None,
+                       num_experts: int | None = None) -> None:
     """Refuse, at start, a layout this trainer would not train as asked (config/start_layout.py: `kora plan` says
     the same lines)."""
-    if problems := actor_layout_problems(cfg, backend, num_layers):
+    if problems := actor_layout_problems(cfg, backend, num_layers, num_experts):
         raise ConfigError(problems)
 
 
@@ -105,7 +106,7 @@ def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankConte
     backend = resolve_backend(cfg, cuda=cuda, megatron=cuda and megatron_available(),
                               model_bytes=weights_bytes(cfg.model.path), model_type=hf.get("model_type"),
                               vision=bool(hf.get("vision_config")))
-    check_actor_layout(cfg, backend, hf.get("num_hidden_layers"))
+    check_actor_layout(cfg, backend, hf.get("num_hidden_layers"), config_experts(hf))
     if backend is Backend.MEGATRON:
         from kora_trainer.backends.megatron.backend import MegatronBackend
 

@@ -286,3 +286,12 @@ def load_latest(root: Path, map_location: str = "cpu") -> Checkpoint | None:
     if skipped:
         raise CheckpointError("no checkpoint under {} verifies:\n  {}".format(root, "\n  ".join(skipped)))
     return None
+
+
+def select_state(optimizer: Mapping[str, Any], names: list[str], mine: list[str]) -> dict[str, Any]:
+    """The AdamW state of parameters `mine` (this rank's, in its optimizer's order) out of a checkpoint's state
+    over `names` (the checkpoint's order), by name."""
+    index = {n: i for i, n in enumerate(names)}
+    state = {j: optimizer["state"][index[n]] for j, n in enumerate(mine) if index[n] in optimizer["state"]}
+    groups = [{**g, "params": list(range(len(mine)))} for g in optimizer["param_groups"]]
+    return {**optimizer, "state": state, "param_groups": groups}

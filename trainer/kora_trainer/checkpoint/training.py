@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from kora_trainer.checkpoint import lora_only
-from kora_trainer.checkpoint.lora_only import CheckpointError
+from kora_trainer.checkpoint.lora_only import CheckpointError, select_state
 from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.config import MEGATRON_TO_HF, TrainerConfig
 
@@ -75,7 +75,8 @@ def save_training_state(root: Path, backend: Any, *, data_position: int, keep: i
         Path(root), backend.version, adapter=dict(adapter), optimizer=optimizer, scheduler=None, rng=rng, keep=keep,
         meta={"data_position": data_position, "param_names": [n for n, _ in adapter],
               "tensor_parallel": shards.size if shards is not None else 1,
-              "pipeline_parallel": shards.stages if shards is not None else 1, **(meta or {})})
+              "pipeline_parallel": shards.stages if shards is not None else 1,
+              "expert_parallel": shards.experts if shards is not None else 1, **(meta or {})})
 
 
 def restore_training_state(root: Path, backend: Any) -> Resumed | None:
@@ -95,15 +96,19 @@ def restore_training_state(root: Path, backend: Any) -> Resumed | None:
         raise CheckpointError(f"{ckpt.path} holds a policy trained at parallelism.tensor {tp} and this job runs "
                               f"{ours}: set parallelism.tensor to {tp} to resume it, or point checkpoint.path at "
                               "a new directory to start afresh")
-    everyone = shards.all_names(list(live)) if shards is not None else list(live)  # every pipeline stage's
-    if everyone != list(names) or set(adapter) != set(everyone):
+    # every pipeline stage's and expert-parallel rank's names (a checkpoint written at another split lists them in
+    # another order: the state is taken by name)
+    everyone = shards.all_names(list(live)) if shards is not None else list(live)
+    if set(everyone) != set(names) or len(everyone) != len(names) or set(adapter) != set(everyone):
         gone, new = sorted(set(adapter) - set(everyone)), sorted(set(everyone) - set(adapter))
         raise CheckpointError(f"{ckpt.path} does not fit this model's adapter (lora.targetModules / lora.scope "
                               f"changed?): only in the checkpoint {gone[:3]}, only in the model {new[:3]}")
-    if shards is not None:  # this TP rank's shards of this pipeline stage's parameters (tp_checkpoint.py)
+    if shards is not None:  # this TP rank's shards of this rank's own parameters (tp_checkpoint.py)
         adapter, optimizer = shards.local(adapter, names, optimizer, list(live))
         rng = shards.own_rng(rng)
-        names = list(live)
+    elif list(live) != list(names):
+        optimizer = select_state(optimizer, names, list(live))
+    names = list(live)
     bad = [n for n in names if adapter[n].shape != live[n].shape]
     if bad:
         raise CheckpointError(f"{ckpt.path}: {bad[0]} is {tuple(adapter[bad[0]].shape)} in the checkpoint but "

@@ -2,8 +2,9 @@
 it before a cluster is asked for (backends/select.check_actor_layout raises the same lines at start).
 
 Data parallelism runs on both backends (one Ray actor per rank); tensor parallelism on megatron's layers (every TP
-rank a Ray actor of one node) and pipeline parallelism through megatron's schedule (backends/megatron/pipeline.py);
-context and expert parallelism are not launched yet.
+rank a Ray actor of one node), pipeline parallelism through megatron's schedule (backends/megatron/pipeline.py) and
+expert parallelism on an MoE model's experts (carved out of the data ranks, at tensor 1: the experts are not split by
+TP yet); context parallelism and expertTensor > 1 are not launched yet.
 """
 
 from __future__ import annotations
@@ -24,29 +25,46 @@ def megatron_maps(model_type: str | None, vision: bool) -> bool:
     return (model_type is None or model_type in MEGATRON_MODEL_TYPES) and not vision
 
 
-def actor_layout_problems(cfg: TrainerConfig, backend: Backend, num_layers: int | None = None) -> list[str]:
-    """One line per layout this trainer would not train as asked on `backend` (empty: it starts); `num_layers`: the
-    model's decoder layers where its config was read (each pipeline stage takes an equal share)."""
+def actor_layout_problems(cfg: TrainerConfig, backend: Backend, num_layers: int | None = None,
+                          num_experts: int | None = None) -> list[str]:
+    """One line per layout this trainer would not train as asked on `backend` (empty: it starts); `num_layers`,
+    `num_experts`: the model's decoder layers and experts per MoE layer (0: dense), where its config was read."""
     p = cfg.parallelism
     problems = parallel_problems(p)
     if num_layers and p.pipeline > 1 and num_layers % p.pipeline:
         problems.append(f"parallelism.pipeline {p.pipeline} does not divide the model's {num_layers} layers (each "
                         "stage holds an equal share): set parallelism.pipeline to a divisor of num_hidden_layers")
+    if p.expert > 1 and num_experts is not None and (num_experts == 0 or num_experts % p.expert):
+        problems.append(f"parallelism.expert {p.expert}: the model has {num_experts or 'no'} experts per MoE layer, "
+                        "which expert parallelism must divide: set parallelism.expert to a divisor of num_experts "
+                        "(1 for a dense model)")
+    if p.expert > 1 and p.tensor > 1 and backend is Backend.MEGATRON:
+        problems.append(f"parallelism.expert {p.expert} with tensor {p.tensor}: the MoE layers train at tensor 1 so "
+                        "far (experts and router are not split by tensor parallelism): set parallelism.tensor to 1 "
+                        "and spread the GPUs over parallelism.data (expert parallelism is carved out of it)")
     split = {name: size for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("context", p.context),
                                            ("expert", p.expert), ("expertTensor", p.expert_tensor)) if size > 1}
     if split and backend is Backend.TORCH:
         problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in split.items())} needs backend: megatron "
                         "(megatron-core's parallel layers, on GPUs); the torch backend splits the data only: set "
                         "backend: megatron on a GPU cluster, or those sizes to 1 and raise parallelism.data")
-    elif unlaunched := {k: v for k, v in split.items() if k not in ("tensor", "pipeline")}:
+    elif unlaunched := {k: v for k, v in split.items() if k not in ("tensor", "pipeline", "expert")}:
         problems.append(f"parallelism {', '.join(f'{k} {v}' for k, v in unlaunched.items())}: the trainer runs data, "
-                        "tensor and pipeline parallelism so far (context and expert parallelism are not launched "
-                        "yet): set them to 1 and spread the GPUs over parallelism.tensor, parallelism.pipeline and "
-                        "parallelism.data")
+                        "tensor, pipeline and expert parallelism so far (context parallelism and expertTensor > 1 "
+                        "are not launched yet): set them to 1 and spread the GPUs over parallelism.tensor, "
+                        "parallelism.pipeline, parallelism.expert and parallelism.data")
     if cfg.multi_lora.max_adapters > 0 and backend is Backend.MEGATRON:
         problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters}: multi-LoRA trains on the torch backend "
                         "so far (adapter slots on an HF model), not megatron: set backend: torch")
     return problems
+
+
+def config_experts(hf_config: Mapping[str, Any] | None) -> int | None:
+    """Experts per MoE layer in an HF config.json (a VL model's in its text_config; 0: dense), None: not read."""
+    if not hf_config:
+        return None
+    text = hf_config.get("text_config") or {}
+    return int(hf_config.get("num_experts") or text.get("num_experts") or 0)
 
 
 def planned_backend(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpus: bool) -> Backend:
@@ -65,4 +83,5 @@ def planned_start_problems(cfg: TrainerConfig, hf_config: Mapping[str, Any] | No
     """What the trainer would refuse at start, on the backend it would pick (`planned_backend`)."""
     backend = planned_backend(cfg, hf_config, gpus)
     layers = (hf_config or {}).get("num_hidden_layers")
-    return [f"backend {backend}: {line}" for line in actor_layout_problems(cfg, backend, layers)]
+    return [f"backend {backend}: {line}"
+            for line in actor_layout_problems(cfg, backend, layers, config_experts(hf_config))]

@@ -18,7 +18,13 @@ from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.backends.data_parallel import DataParallel, RankContext
 from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.megatron.convert import layout_from_hf_config
-from kora_trainer.backends.megatron.lora import adapter_disabled, adapter_parameters, apply_lora, lora_modules
+from kora_trainer.backends.megatron.lora import (
+    adapter_disabled,
+    adapter_parameters,
+    all_lora_modules,
+    apply_lora,
+    lora_modules,
+)
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
 from kora_trainer.backends.megatron.parallel import gather_stages, init_parallel, pp_rank_size
 from kora_trainer.backends.megatron.pipeline import logits_logp, packed, pipeline_forward_backward, pipeline_logp
@@ -45,31 +51,38 @@ def response_logprobs(model: torch.nn.Module, prompts: list[list[int]], response
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
-    """torch's clip_grad_norm_ for a TP-sharded, pipeline-split parameter set: shards' squares summed over the TP
-    group, replicated parameters counted once, each stage's own parameters summed over the pipeline group."""
+    """torch's clip_grad_norm_ for a TP-sharded, pipeline- and expert-split parameter set: shards' squares summed
+    over the TP group, the experts' over the expert-parallel group, replicated parameters counted once, each stage's
+    own parameters summed over the pipeline group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False))) for p in params if p.grad is not None]
+    grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False)), bool(getattr(p, "expert_parallel", False)))
+             for p in params if p.grad is not None]
     if not grads and parallel_state.get_pipeline_model_parallel_world_size() == 1:
         return 0.0
     dev = grads[0][0].device if grads else params[0].device
     sharded = torch.zeros((), device=dev)
     replicated = torch.zeros((), device=dev)
-    for g, is_shard in grads:
+    experts = torch.zeros((), device=dev)  # each expert-parallel rank's own experts
+    for g, is_shard, is_expert in grads:
         sq = g.float().pow(2).sum()
-        if is_shard:
+        if is_expert:
+            experts += sq
+        elif is_shard:
             sharded += sq
         else:
             replicated += sq
     if parallel_state.get_tensor_model_parallel_world_size() > 1:
         dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-    total = sharded + replicated
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(experts, group=parallel_state.get_expert_model_parallel_group())
+    total = sharded + replicated + experts
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
     total = torch.sqrt(total)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g, _ in grads:
+    for g, *_ in grads:
         g.mul_(coef.to(g.dtype))
     return float(total)
 
@@ -93,10 +106,9 @@ class MegatronBackend(ShuffleState):
 
         if rank is not None:  # one Ray actor per rank: the default group megatron's layers talk through
             os.environ.update(rank.torch_env())
-        init_parallel(cfg.parallelism.tensor, cfg.algorithm.seed, pipeline=cfg.parallelism.pipeline)
+        init_parallel(cfg.parallelism.tensor, cfg.algorithm.seed, pipeline=cfg.parallelism.pipeline,
+                      expert=cfg.parallelism.expert)
         world = torch.distributed.get_world_size()
-        self.dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-                               WeightUpdateGroup.wrap(parallel_state.get_data_parallel_group()) if world > 1 else None)
         stage, stages = pp_rank_size()
         self.stages = DataParallel(stage, stages, WeightUpdateGroup.wrap(
             parallel_state.get_pipeline_model_parallel_group()) if stages > 1 else None)
@@ -113,6 +125,7 @@ class MegatronBackend(ShuffleState):
         self.model.eval()
         self.pad_id = getattr(self.hf_config, "pad_token_id", None) or 0
         self.params = adapter_parameters(self.model)
+        self.dp = self._data_parallel(world)
         self.optimizer: torch.optim.Optimizer = torch.optim.AdamW(self.params, lr=cfg.algorithm.lr, weight_decay=0.0)
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
@@ -121,6 +134,27 @@ class MegatronBackend(ShuffleState):
         # checkpoints and the export: the TP shards gathered (a collective), written once by global rank 0
         self.checkpoint_writer = torch.distributed.get_rank() == 0
         self.checkpoint_shards = TensorShards.of(self.params)
+
+    def _data_parallel(self, world: int) -> DataParallel:
+        """The DP group the adapter's gradients are summed over; under expert parallelism the experts' factors are
+        marked (`expert_parallel`: clip_grad_norm sums them over the EP group) and summed over the expert-data-
+        parallel group instead."""
+        from megatron.core import parallel_state
+
+        from kora_trainer.backends.megatron.moe import is_expert_module
+
+        group = WeightUpdateGroup.wrap(parallel_state.get_data_parallel_group()) if world > 1 else None
+        dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), group)
+        if parallel_state.get_expert_model_parallel_world_size() == 1:
+            return dp
+        experts = [w.weight for name, m in lora_modules(self.model).items() if is_expert_module(name)
+                   for w in (m.lora_A, m.lora_B)]
+        for p in experts:
+            p.expert_parallel = True  # type: ignore[attr-defined]
+        edp = parallel_state.get_expert_data_parallel_group()
+        dp.expert_group = WeightUpdateGroup.wrap(edp) if edp.size() > 1 else None
+        dp.expert_params = frozenset(id(p) for p in experts)
+        return dp
 
     # ---- checkpoint, export and sync hooks (the same as TorchBackend's; backends/select.PolicyBackend) ----
 
@@ -143,12 +177,10 @@ class MegatronBackend(ShuffleState):
         from kora_trainer.backends.megatron.export import hf_adapter_tensors, peft_config
 
         base = str(Path(self.cfg.model.path).resolve())
-        tensors, modules = hf_adapter_tensors(self.model, self.layout), list(lora_modules(self.model))
-        if self.stages.size > 1:  # each stage's own layers: gathered, in stage order
-            parts = cast(list[tuple[dict[str, torch.Tensor], list[str]]], gather_stages(
-                ({n: t.cpu() for n, t in tensors.items()}, modules)))
-            tensors = {n: t for part, _ in parts for n, t in part.items()}
-            modules = [m for _, part in parts for m in part]
+        tensors, modules = hf_adapter_tensors(self.model, self.layout), all_lora_modules(self.model)
+        if self.stages.size > 1:  # each stage's own layers: gathered, in stage order (experts: already whole)
+            parts = cast(list[dict[str, torch.Tensor]], gather_stages({n: t.cpu() for n, t in tensors.items()}))
+            tensors = {n: t for part in parts for n, t in part.items()}
         return tensors, peft_config(self.model, self.cfg.lora, base, modules), modules
 
     def make_sender(self, transport: Any) -> Any:

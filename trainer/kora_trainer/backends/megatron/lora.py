@@ -25,9 +25,9 @@ RNG, seeded alike across TP by megatron); on the sharded input of a row wrapper 
 model-parallel RNG (different per rank), as megatron does for its own dropout in TP regions.
 
 Init (PEFT's): A ~ kaiming-uniform(a=√5) = U(±1/√in), B = 0, so training starts from the base policy.
-A is drawn at full size, then sliced, from a CPU generator per layer seeded with (seed, the layer's GLOBAL
-index), in model order within the layer: the same seed gives the same adapter whatever the TP and pipeline sizes
-(a later stage draws its layers' A without replaying the earlier stages' draws).
+A is drawn at full size, then sliced, from a CPU generator per wrapped module seeded with (seed, the module's
+GLOBAL name: model.py `global_name`): the same seed gives the same adapter whatever the TP, pipeline and expert
+sizes (a later stage, or an expert-parallel rank, draws its own modules' A without replaying the others' draws).
 
 Router (`router`, Qwen3-MoE; SPEC rule 5: Adapter mode only): megatron's TopKRouter keeps its gate as a bare
 [E, H] parameter and computes the logits in `gating(input)` (megatron-core 0.19.2: `Router.gating`, called by
@@ -119,8 +119,10 @@ class _ParallelLoRA(MegatronLoRA):
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
         if getattr(base, "sequence_parallel", False):
             raise NotImplementedError("LoRA with sequence parallelism is not wired yet")
-        if getattr(base, "explicit_expert_comm", False):
-            raise NotImplementedError("LoRA on grouped / sequential MoE experts is the next step of issue 7")
+        if getattr(base, "explicit_expert_comm", False) and _tp(base)[1] > 1:
+            # an expert linear whose own TP group splits it (expertTensor > 1); one per expert-parallel rank is fine
+            raise NotImplementedError("LoRA on MoE experts split by tensor parallelism (expertTensor > 1) is not "
+                                      "wired yet")
         tp_rank, tp_size = _tp(base)
         # column: A replicated [r, in], B sharded like W [out/tp, r]; row: A sharded like W [r, in/tp], B replicated
         super().__init__(base, rank, alpha, dropout, a_full if self.column else a_full.chunk(tp_size, dim=1)[tp_rank])
@@ -221,19 +223,17 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
     if TargetModule.ROUTER in spec.target_modules and spec.effective_sync_mode is not SyncMode.ADAPTER:
         raise ValueError("lora.targetModules contains router, which requires lora.syncMode Adapter (SPEC rule 5: "
                          "Merge and EngineMerge fold plain linear layers only)")
-    from kora_trainer.backends.megatron.model import global_name, layer_numbers
+    from kora_trainer.backends.megatron.model import global_name, numbering
 
     leaves = {SUPPORTED[TargetModule(t)] for t in spec.target_modules}
-    numbers = layer_numbers(model)
-    gens: dict[int, torch.Generator] = {}
+    numbers = numbering(model)
     model.requires_grad_(False)
     names: list[str] = []
     for name, module in list(model.named_modules()):
         leaf = name.rsplit(".", 1)[-1]
         if leaf not in leaves:
             continue
-        layer = int(global_name(name, numbers).split(".")[2])  # decoder.layers.{i}.…: LoRA wraps layer modules only
-        gen = gens.setdefault(layer, torch.Generator().manual_seed(layer_seed(seed, layer)))
+        gen = torch.Generator().manual_seed(module_seed(seed, global_name(name, numbers)))
         wrapper = _wrap(module, spec, gen)
         if wrapper is None:
             continue
@@ -250,9 +250,11 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
     return names
 
 
-def layer_seed(seed: int, layer: int) -> int:
-    """The LoRA init seed of one layer (global index): distinct per layer, the same on every TP rank and stage."""
-    return (seed * 1_000_003 + layer) % (2**63)
+def module_seed(seed: int, name: str) -> int:
+    """The LoRA init seed of one wrapped module (its global name): distinct per module, the same on every rank."""
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator) -> MegatronLoRA | None:
@@ -276,10 +278,21 @@ def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator) -> MegatronLo
 
 def lora_modules(model: nn.Module) -> dict[str, MegatronLoRA]:
     """This stage's LoRA wrappers by GLOBAL module name (`decoder.layers.{global index}.…`), in model order."""
-    from kora_trainer.backends.megatron.model import global_name, layer_numbers
+    from kora_trainer.backends.megatron.model import global_name, numbering
 
-    numbers = layer_numbers(model)
+    numbers = numbering(model)
     return {global_name(name, numbers): m for name, m in hf_lora.lora_modules(model, MegatronLoRA).items()}
+
+
+def all_lora_modules(model: nn.Module) -> list[str]:
+    """Every LoRA module name of the whole model: this rank's, then the other expert-parallel ranks' experts, then
+    the other pipeline stages' (each once; a collective of those groups)."""
+    from kora_trainer.backends.megatron.parallel import gather_experts, gather_stages
+
+    names = list(lora_modules(model))
+    for gather in (gather_experts, gather_stages):
+        names = list(dict.fromkeys(n for part in gather(names) for n in cast(list[str], part)))
+    return names
 
 
 def adapter_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from kora_trainer.backends.megatron.convert import (
     param_maps,
     to_megatron_shard,
 )
-from kora_trainer.backends.megatron.parallel import gather_tp, pp_rank_size, tp_rank_size
+from kora_trainer.backends.megatron.parallel import ep_rank_size, gather_tp, pp_rank_size, tp_rank_size
 from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES
 
 
@@ -61,7 +62,7 @@ def check_supported(cfg: Any) -> None:
 
 
 def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: int = 1, init: bool = False,
-                       moe_dispatcher: str = "alltoall", pipeline: int = 1) -> Any:
+                       moe_dispatcher: str = "alltoall", pipeline: int = 1, expert: int = 1) -> Any:
     """megatron TransformerConfig for an HF Qwen3 (or Qwen3-MoE: moe.py) config. `init`: megatron initialises
     the weights (random models for benchmarks); otherwise they stay uninitialised until `load_hf_state`.
     `moe_dispatcher`: megatron's token dispatcher for MoE layers ("alltoall" or "allgather").
@@ -93,7 +94,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         # megatron refuses variable_seq_lengths beside its default dispatcher, MoE layers or not; an MoE config's
         # own dispatcher (moe_config_kwargs: {} for a dense config) comes last
         **({"moe_token_dispatcher_type": "alltoall"} if pipeline > 1 else {}) | moe_config_kwargs(
-            cfg, tensor, moe_dispatcher),
+            cfg, tensor, moe_dispatcher, expert),
     )
 
 
@@ -114,7 +115,7 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
     if cfg.num_hidden_layers % stages:
         raise ValueError(f"parallelism.pipeline {stages} does not divide the model's {cfg.num_hidden_layers} layers: "
                          "set parallelism.pipeline to a divisor of num_hidden_layers")
-    config = transformer_config(cfg, dtype, tp, init, moe_dispatcher, pipeline=stages)
+    config = transformer_config(cfg, dtype, tp, init, moe_dispatcher, pipeline=stages, expert=ep_rank_size()[1])
     if config.num_moe_experts:  # Qwen3-MoE: per-layer specs, SequentialMLP experts where HF has experts
         spec = moe_block_spec(config)
     else:
@@ -151,31 +152,51 @@ def base_param_name(name: str) -> str | None:
 
 
 _LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
-def layer_numbers(model: torch.nn.Module) -> dict[int, int]:
-    """This stage's layers: local index -> global (0-based) index (a layer without megatron's `layer_number` keeps
-    its own index: the CPU tests' stand-ins for megatron modules)."""
+@dataclass(frozen=True)
+class Numbering:
+    """How this rank's local layer and expert indices map onto the model's: its pipeline stage's layers (local ->
+    global index) and its expert-parallel share of every MoE layer's experts (a contiguous block)."""
+
+    layers: Mapping[int, int]
+    expert_offset: int = 0  # the global index of this rank's first local expert
+    local_experts: int = 0  # experts per MoE layer on this rank (0: a dense model)
+
+    def owns_expert(self, index: int) -> bool:
+        return self.local_experts == 0 or self.expert_offset <= index < self.expert_offset + self.local_experts
+
+
+def numbering(model: torch.nn.Module) -> Numbering:
+    """This rank's `Numbering` (a layer without megatron's `layer_number` keeps its own index, and a model without
+    megatron's config holds every expert: the CPU tests' stand-ins for megatron modules)."""
     layers = getattr(getattr(model, "decoder", None), "layers", None)
-    if layers is None:
-        return {}
-    return {int(name): int(getattr(layer, "layer_number", int(name) + 1)) - 1
-            for name, layer in layers.named_children()}
+    index = {} if layers is None else {int(name): int(getattr(layer, "layer_number", int(name) + 1)) - 1
+                                       for name, layer in layers.named_children()}
+    experts = int(getattr(getattr(model, "config", None), "num_moe_experts", None) or 0)
+    if not experts:
+        return Numbering(index)
+    rank, size = ep_rank_size()
+    return Numbering(index, rank * (experts // size), experts // size)
 
 
-def global_name(name: str, numbers: Mapping[int, int]) -> str:
-    """A stage-local module or parameter name under its global layer index (`layer_numbers`)."""
+def global_name(name: str, n: Numbering) -> str:
+    """A rank-local module or parameter name under its global layer and expert indices (`numbering`)."""
     m = _LOCAL_LAYER.match(name)
     if m is None:
         return name
     local = int(m.group(1))
-    return f"decoder.layers.{numbers.get(local, local)}.{name[m.end():]}"
+    name = f"decoder.layers.{n.layers.get(local, local)}.{name[m.end():]}"
+    if n.expert_offset and (e := _LOCAL_EXPERT.search(name)) is not None:
+        name = f"{name[:e.start()]}.mlp.experts.local_experts.{n.expert_offset + int(e.group(1))}.{name[e.end():]}"
+    return name
 
 
 def base_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """This stage's base parameters by global megatron name (LoRA factors left out). A later stage's copy of a tied
     embedding (`output_layer.weight` where the stage has no embedding) is the first stage's to name: left out."""
-    numbers = layer_numbers(model)
+    numbers = numbering(model)
     tied_copy = bool(getattr(model, "share_embeddings_and_output_weights", False)) and not getattr(
         model, "pre_process", True)
     out = []
@@ -188,14 +209,17 @@ def base_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
 
 
 def stage_param_names(model: torch.nn.Module, maps: Mapping[str, Any]) -> set[str]:
-    """The megatron names of `maps` this stage holds: its own layers, the embedding on the first stage, the final
-    norm and the output layer on the last."""
-    layers = {f"decoder.layers.{i}." for i in layer_numbers(model).values()}
+    """The megatron names of `maps` this rank holds: its stage's own layers (of their experts, its expert-parallel
+    share), the embedding on the first stage, the final norm and the output layer on the last."""
+    n = numbering(model)
+    layers = {f"decoder.layers.{i}." for i in n.layers.values()}
     pre, post = getattr(model, "pre_process", True), getattr(model, "post_process", True)
 
     def mine(name: str) -> bool:
         if name.startswith("decoder.layers."):
-            return any(name.startswith(prefix) for prefix in layers)
+            expert = _LOCAL_EXPERT.search(name)
+            return any(name.startswith(prefix) for prefix in layers) and (
+                expert is None or n.owns_expert(int(expert.group(1))))
         if name.startswith("embedding."):
             return bool(pre)
         return bool(post)  # decoder.final_layernorm, output_layer

@@ -35,7 +35,7 @@ Not yet: tensor / expert parallelism for the experts (raises), shared experts (Q
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -56,7 +56,7 @@ def check_moe_supported(cfg: Any, tensor: int = 1) -> None:
         raise NotImplementedError("shared experts (Qwen2-MoE style) are not mapped onto megatron yet")
     if tensor != 1:
         raise NotImplementedError("Qwen3-MoE on megatron: tensor parallelism is not wired for the experts yet "
-                                  "(TP = 1, EP = 1 only)")
+                                  "(parallelism.tensor 1; expert parallelism splits the experts)")
     k, e = int(cfg.num_experts_per_tok), int(cfg.num_experts)
     if not 0 < k <= e:
         raise ValueError(f"num_experts_per_tok {k} with {e} experts")
@@ -65,11 +65,15 @@ def check_moe_supported(cfg: Any, tensor: int = 1) -> None:
         raise NotImplementedError("num_experts_per_tok = 1 with norm_topk_prob is not mapped onto megatron")
 
 
-def moe_config_kwargs(cfg: Any, tensor: int = 1, dispatcher: str = "alltoall") -> dict[str, Any]:
-    """The TransformerConfig fields of an HF Qwen3-MoE config (an empty dict for a dense config)."""
+def moe_config_kwargs(cfg: Any, tensor: int = 1, dispatcher: str = "alltoall", expert: int = 1) -> dict[str, Any]:
+    """The TransformerConfig fields of an HF Qwen3-MoE config (an empty dict for a dense config); `expert`: the
+    expert-parallel size (each rank holds num_experts / expert of every MoE layer's experts)."""
     if not is_moe_config(cfg):
         return {}
     check_moe_supported(cfg, tensor)
+    if int(cfg.num_experts) % expert:
+        raise ValueError(f"parallelism.expert {expert} does not divide the model's {cfg.num_experts} experts: set "
+                         "parallelism.expert to a divisor of num_experts")
     if dispatcher not in DISPATCHERS:
         raise ValueError(f"moe dispatcher {dispatcher!r}: one of {DISPATCHERS}")
     moe = set(moe_layer_indices(cfg))
@@ -85,7 +89,7 @@ def moe_config_kwargs(cfg: Any, tensor: int = 1, dispatcher: str = "alltoall") -
         moe_input_jitter_eps=None, moe_expert_capacity_factor=None, moe_pad_expert_input_to_capacity=False,
         moe_token_dispatcher_type=dispatcher, moe_grouped_gemm=False, moe_permute_fusion=False,
         moe_router_fusion=False, moe_shared_expert_intermediate_size=None,
-        expert_model_parallel_size=1,
+        expert_model_parallel_size=expert, expert_tensor_parallel_size=1,
     )
 
 
@@ -123,24 +127,45 @@ def is_expert_module(name: str) -> bool:
     return _EXPERT in name
 
 
-def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int, str], list[Any]]:
-    """(MoE layer, fused HF parameter) -> the E expert LoRA wrappers, in expert order."""
+def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int, str], list[Any | None]]:
+    """(MoE layer, fused HF parameter) -> the E expert LoRA wrappers in expert order: this rank's own, None where
+    another expert-parallel rank holds the expert."""
     from kora_trainer.backends.megatron.lora import lora_modules
+    from kora_trainer.backends.megatron.model import numbering
 
     mods = lora_modules(model)
-    out: dict[tuple[int, str], list[Any]] = {}
+    owns = numbering(model).owns_expert
+    out: dict[tuple[int, str], list[Any | None]] = {}
     for i in layout.moe_layers:
         for leaf, param in EXPERT_PARAMS.items():
             ms = [mods.get(f"decoder.layers.{i}{_EXPERT}{e}.{leaf}") for e in range(layout.num_experts)]
             if all(m is None for m in ms):
                 continue
             loras = [m for m in ms if m is not None]
-            if len(loras) != len(ms) or len({(m.rank, m.scaling) for m in loras}) != 1:
+            mine = [e for e in range(layout.num_experts) if owns(e)]
+            if [e for e, m in enumerate(ms) if m is not None] != mine or len({(m.rank, m.scaling) for m in loras}) != 1:
                 raise ValueError(f"layer {i} {leaf}: every expert needs a LoRA of the same rank and alpha")
             if any(m.tp_size != 1 for m in loras):
                 raise NotImplementedError("expert LoRA under tensor parallelism is not wired yet")
-            out[(i, param)] = loras
+            out[(i, param)] = ms
     return out
+
+
+def expert_factors(model: torch.nn.Module, layout: Layout) -> dict[tuple[int, str], list[tuple[torch.Tensor,
+                                                                                             torch.Tensor]]]:
+    """(MoE layer, fused HF parameter) -> every expert's (A, B), in expert order: under expert parallelism each
+    rank's own, gathered over the expert-parallel group (a collective of it; on this rank's device)."""
+    from kora_trainer.backends.megatron.parallel import ep_rank_size, gather_experts
+
+    groups = expert_lora_groups(model, layout)
+    own = {(key, e): (m.lora_A.weight.detach(), m.lora_B.weight.detach())
+           for key, ms in groups.items() for e, m in enumerate(ms) if m is not None}
+    if ep_rank_size()[1] > 1:
+        device = next(model.parameters()).device
+        for part in gather_experts({k: (a.cpu(), b.cpu()) for k, (a, b) in own.items()}):
+            own.update({k: (a.to(device), b.to(device)) for k, (a, b) in cast(dict[Any, Any], part).items()
+                        if k not in own})
+    return {key: [own[(key, e)] for e in range(len(ms))] for key, ms in groups.items()}
 
 
 def expert_target_parameters(wrapped: Iterable[str]) -> list[str]:
@@ -162,12 +187,13 @@ def _grouped_params(groups: Mapping[tuple[int, str], Any]) -> list[str]:
 
 
 def expert_adapter_tensors(model: torch.nn.Module, layout: Layout) -> dict[str, torch.Tensor]:
-    """The experts' LoRA factors under PEFT's grouped names ({} without expert LoRA). TP = 1."""
-    groups = expert_lora_groups(model, layout)
+    """The experts' LoRA factors under PEFT's grouped names ({} without expert LoRA; every expert-parallel rank's
+    experts, a collective of the EP group). TP = 1."""
+    groups = expert_factors(model, layout)
     params = _grouped_params(groups)
     out: dict[str, torch.Tensor] = {}
-    for (i, param), ms in groups.items():
-        a, b = group_expert_factors([m.lora_A.weight.detach() for m in ms], [m.lora_B.weight.detach() for m in ms])
+    for (i, param), factors in groups.items():
+        a, b = group_expert_factors([f[0] for f in factors], [f[1] for f in factors])
         out[peft_expert_key(i, param, "A", params)], out[peft_expert_key(i, param, "B", params)] = a, b
     return out
 
@@ -180,6 +206,7 @@ def load_expert_adapter(model: torch.nn.Module, tensors: Mapping[str, torch.Tens
     for (i, param), ms in groups.items():
         ka, kb = peft_expert_key(i, param, "A", params), peft_expert_key(i, param, "B", params)
         for m, (a, b) in zip(ms, split_expert_factors(tensors[ka], tensors[kb], len(ms)), strict=True):
-            m.load_factors(a, b)
+            if m is not None:  # this rank's own experts (expert parallelism: the others' are theirs to load)
+                m.load_factors(a, b)
         used.update((ka, kb))
     return used

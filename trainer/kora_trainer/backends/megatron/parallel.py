@@ -11,12 +11,15 @@ log-probs; `from_last_stage` hands them to the other stages so every rank return
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 
-def init_parallel(tensor: int = 1, seed: int = 0, backend: str | None = None, pipeline: int = 1) -> None:
+def init_parallel(tensor: int = 1, seed: int = 0, backend: str | None = None, pipeline: int = 1,
+                  expert: int = 1) -> None:
     """Join (or create) the default process group (NCCL with a GPU, else gloo), then initialise megatron's
     model-parallel groups and RNG."""
     from megatron.core import parallel_state, tensor_parallel
@@ -32,13 +35,16 @@ def init_parallel(tensor: int = 1, seed: int = 0, backend: str | None = None, pi
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", str(rank))))
         dist.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
+        # experts: carved out of the data-parallel ranks (megatron's expert_model_parallel_size), not split by TP
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor,
-                                                 pipeline_model_parallel_size=pipeline)
-    elif (parallel_state.get_tensor_model_parallel_world_size(),
-          parallel_state.get_pipeline_model_parallel_world_size()) != (tensor, pipeline):
-        raise RuntimeError(f"megatron is already initialised with tensor x pipeline parallel size "
-                           f"{parallel_state.get_tensor_model_parallel_world_size()} x "
-                           f"{parallel_state.get_pipeline_model_parallel_world_size()}, not {tensor} x {pipeline}")
+                                                 pipeline_model_parallel_size=pipeline,
+                                                 expert_model_parallel_size=expert,
+                                                 expert_tensor_parallel_size=1 if expert > 1 else None)
+    elif (got := (parallel_state.get_tensor_model_parallel_world_size(),
+                  parallel_state.get_pipeline_model_parallel_world_size(),
+                  parallel_state.get_expert_model_parallel_world_size())) != (tensor, pipeline, expert):
+        raise RuntimeError(f"megatron is already initialised with tensor x pipeline x expert parallel size "
+                           f"{' x '.join(map(str, got))}, not {tensor} x {pipeline} x {expert}")
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -96,14 +102,31 @@ def from_last_stage(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch
     return out
 
 
-def gather_stages(obj: object) -> list[object]:
-    """Every pipeline stage's `obj`, in stage order, on every stage ([obj] with one stage). Pickled: for small or
-    CPU-side things (names, an export's tensors moved to the CPU)."""
-    from megatron.core import parallel_state
-
-    _, size = pp_rank_size()
+def _gather_objects(obj: object, size: int, group: Callable[[], Any]) -> list[object]:
+    """Every member's `obj` of the group `group()` (of `size` members), in member order; [obj] for a group of one.
+    Pickled: for small or CPU-side things (names, tensors moved to the CPU)."""
     if size == 1:
         return [obj]
     parts: list[object] = [None] * size
-    dist.all_gather_object(parts, obj, group=parallel_state.get_pipeline_model_parallel_group())
+    dist.all_gather_object(parts, obj, group=group())
     return parts
+
+
+def gather_stages(obj: object) -> list[object]:
+    """Every pipeline stage's `obj`, in stage order, on every stage ([obj] with one stage)."""
+    from megatron.core import parallel_state
+
+    return _gather_objects(obj, pp_rank_size()[1], parallel_state.get_pipeline_model_parallel_group)
+
+
+def ep_rank_size() -> tuple[int, int]:
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size())
+
+
+def gather_experts(obj: object) -> list[object]:
+    """Every expert-parallel rank's `obj`, in EP rank order ([obj] without expert parallelism)."""
+    from megatron.core import parallel_state
+
+    return _gather_objects(obj, ep_rank_size()[1], parallel_state.get_expert_model_parallel_group)

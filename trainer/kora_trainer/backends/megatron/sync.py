@@ -15,11 +15,12 @@
   own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `fast.PipelinedSender` / `fast_adapter.AdapterPack` gather
   them to TP rank 0 over `tp_group()`. `MegatronWeightSender` hands them to the trainer's fast path
   (`sync/fast_sender.py`) at TP = 1 for dense models.
-- Pipeline stages: each stage's sources name its own layers (global indices); `across_stages` makes them the whole
-  model's, every tensor broadcast from its stage over the pipeline group when its bucket goes out, so the rank that
-  holds the transport (stage 0's TP rank 0; under Colocate every rank with an engine) pushes the whole policy and
-  the other stages follow (`_tp_transport` over megatron's model-parallel group, TP x PP). The fast path is wired
-  for one stage: pipeline jobs take the HTTP path, with the reason printed.
+- Pipeline stages and expert parallelism: each rank's sources name its own layers and experts (global indices);
+  `across_ranks` makes them the whole model's, every tensor broadcast from its owner over the expert-parallel, then
+  the pipeline group when its bucket goes out, so the rank that holds the transport (rank 0; under Colocate every
+  rank with an engine) pushes the whole policy and the others of its model copy follow (`_tp_transport` over
+  `model_parallel_group()`). The fast path is wired for one stage and no expert parallelism: such jobs take the HTTP
+  path, with the reason printed.
 
 megatron-core is imported lazily (through lora.py / model.py helpers): this module imports without it.
 """
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,9 +46,9 @@ from kora_trainer.backends.megatron.convert import (
     from_megatron_shards,
     param_maps,
 )
-from kora_trainer.backends.megatron.lora import lora_modules
+from kora_trainer.backends.megatron.lora import all_lora_modules, lora_modules
 from kora_trainer.backends.megatron.model import base_parameters, param_hf_tensors
-from kora_trainer.backends.megatron.parallel import gather_stages, pp_rank_size
+from kora_trainer.backends.megatron.parallel import pp_rank_size
 from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
 from kora_trainer.sync.sender import WeightSender, follower
 from kora_trainer.sync.sources import Source
@@ -78,44 +79,63 @@ def tp_group() -> WeightUpdateGroup | None:
 
 
 def model_parallel_group() -> WeightUpdateGroup | None:
-    """megatron's model-parallel group (TP x PP: one copy of the model) as a `WeightUpdateGroup`, None when the
-    model is not split."""
+    """The ranks that hold one copy of the model between them, as a `WeightUpdateGroup`: megatron's model-parallel
+    group (TP x PP), or with expert parallelism its expert group (expertTensor x EP x PP: the experts are carved out
+    of the data ranks); None when the model is not split."""
     from megatron.core import parallel_state
 
+    from kora_trainer.backends.megatron.parallel import ep_rank_size
+
+    if ep_rank_size()[1] > 1:
+        return WeightUpdateGroup.wrap(parallel_state.get_expert_tensor_model_pipeline_parallel_group())
     if _tp_size() == 1 and pp_rank_size()[1] == 1:
         return None
     return WeightUpdateGroup.wrap(parallel_state.get_model_parallel_group())
 
 
-def across_stages(src: Source, model: nn.Module) -> Source:
-    """This pipeline stage's Source as the whole model's (itself with one stage): the plan is every stage's groups
-    in stage order; `get` is a collective of the pipeline group (every stage asks for the same names in the same
-    order), each tensor broadcast from the stage that holds it."""
-    import torch.distributed as dist
+def across_ranks(src: Source, model: nn.Module) -> Source:
+    """This rank's Source as the whole model's (itself when nothing is split but TP, which the sources gather):
+    the expert-parallel ranks' experts joined, then the pipeline stages' layers (`_joined`)."""
     from megatron.core import parallel_state
 
-    stage, stages = pp_rank_size()
-    if stages == 1:
-        return src
-    plan = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in g] for g in src.groups]
-    plans = cast(list[list[list[tuple[str, tuple[int, ...], str]]]], gather_stages(plan))
-    pp = parallel_state.get_pipeline_model_parallel_group()
-    ranks = dist.get_process_group_ranks(pp)  # global rank of each stage, in stage order
+    from kora_trainer.backends.megatron.parallel import ep_rank_size
+
     device = next(model.parameters()).device
+    if ep_rank_size()[1] > 1:
+        src = _joined(src, parallel_state.get_expert_model_parallel_group(), device)
+    if pp_rank_size()[1] > 1:
+        src = _joined(src, parallel_state.get_pipeline_model_parallel_group(), device)
+    return src
+
+
+def _joined(src: Source, group: Any, device: torch.device) -> Source:
+    """`src` of every rank of `group` as one Source: the plan is every member's groups, each name once (the first
+    member holding it owns it: the others hold a replica), in member order; `get` is a collective of the group
+    (every member asks for the same names in the same order, and calls its own `src.get` once, maybe for none),
+    each tensor broadcast from its owner."""
+    import torch.distributed as dist
+
+    plan = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in g] for g in src.groups]
+    plans: list[Any] = [None] * group.size()
+    dist.all_gather_object(plans, plan, group=group)
+    ranks = dist.get_process_group_ranks(group)  # global rank of each member, in member order
+    me = group.rank()
     groups: list[list[Named]] = []
     meta: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
-    for s, stage_plan in enumerate(plans):
-        for g in stage_plan:
+    for member, member_plan in enumerate(plans):
+        for g in member_plan:
+            if g[0][0] in meta:
+                continue  # a replica of a group an earlier member owns
             groups.append([(n, _meta(shape, getattr(torch, dtype))) for n, shape, dtype in g])
-            meta.update({n: (s, shape, getattr(torch, dtype)) for n, shape, dtype in g})
+            meta.update({n: (member, shape, getattr(torch, dtype)) for n, shape, dtype in g})
 
     def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
-        mine = src.get([n for n in names if meta[n][0] == stage])  # a TP collective where sharded: same names
+        mine = src.get([n for n in names if meta[n][0] == me])  # may be a collective inside (TP, experts): once
         out: dict[str, torch.Tensor] = {}
         for n in names:
-            s, shape, dtype = meta[n]
-            t = mine[n].contiguous() if s == stage else torch.empty(shape, dtype=dtype, device=device)
-            dist.broadcast(t, src=ranks[s], group=pp)
+            member, shape, dtype = meta[n]
+            t = mine[n].contiguous() if member == me else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(t, src=ranks[member], group=group)
             out[n] = t
         return out
 
@@ -288,22 +308,21 @@ class MegatronWeightSender(WeightSender):
     def make_adapter_config(self) -> dict[str, Any]:
         from kora_trainer.backends.megatron.export import peft_config
 
-        modules = [m for part in gather_stages(list(lora_modules(self.model))) for m in cast(list[str], part)]
-        return peft_config(self.model, self.cfg.lora, self.cfg.model.path, modules)  # every stage's modules
+        return peft_config(self.model, self.cfg.lora, self.cfg.model.path, all_lora_modules(self.model))
 
     def adapter_named(self) -> list[Named]:
         return [(f"{n}.lora_{w}", getattr(m, f"lora_{w}").weight.detach())
                 for n, m in lora_modules(self.model).items() for w in "AB"]
 
     def merged_source(self) -> Source:
-        return across_stages(megatron_source(self.model, self.layout, True, self.flavour), self.model)
+        return across_ranks(megatron_source(self.model, self.layout, True, self.flavour), self.model)
 
     def base_source(self) -> Source:
-        return across_stages(megatron_source(self.model, self.layout, False, self.flavour), self.model)
+        return across_ranks(megatron_source(self.model, self.layout, False, self.flavour), self.model)
 
     def adapter_source(self) -> Source:
         if self._adapter_src is None:  # the plan (names, shapes) is fixed: one export per push, not two
-            self._adapter_src = across_stages(megatron_adapter_source(self.model, self.layout, self.flavour),
+            self._adapter_src = across_ranks(megatron_adapter_source(self.model, self.layout, self.flavour),
                                               self.model)
         return self._adapter_src
 

@@ -7,9 +7,11 @@ replicas hold the same state), with the TP size in its meta: resuming splits the
 `parallelism.tensor` (refused otherwise, with the fix). Every rank's RNG state goes in too (`ranks`, in global
 rank order): with lora.dropout > 0 each rank draws its own masks, and a resumed rank continues its own stream.
 
-Pipeline stages each hold their own layers' factors (named by global layer index: model.py `global_name`): the
-writer gathers every stage's, in stage order, with the AdamW state renumbered to that order, so the checkpoint is
-the one-stage policy's and resumes at any `parallelism.pipeline` (each stage takes its own names back out).
+Pipeline stages each hold their own layers' factors, and expert-parallel ranks their own experts' (named by global
+layer and expert index: model.py `global_name`): the writer gathers every expert-parallel rank's, then every
+stage's, each name once, with the AdamW state renumbered to that order, so the checkpoint is the one-process
+policy's and resumes at any `parallelism.pipeline` and `parallelism.expert` (each rank takes its own names back out,
+by name: `select_state`).
 
 Every function here that gathers is a collective: every rank of the world calls it, in the same order.
 """
@@ -22,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from kora_trainer.checkpoint.lora_only import select_state
 
 Named = tuple[str, torch.Tensor]
 RNG_RANKS = "ranks"
@@ -52,44 +56,61 @@ class TensorShards:
     group: Any  # megatron's TP process group
     stages: int = 1  # pipeline size
     stage_group: Any = None  # megatron's pipeline group (stages > 1)
+    experts: int = 1  # expert-parallel size
+    expert_group: Any = None  # megatron's expert-parallel group (experts > 1)
 
     @classmethod
     def of(cls, params: list[torch.nn.Parameter]) -> TensorShards | None:
-        """None at TP = 1 and one stage: the checkpoint is this rank's state as it is."""
+        """None at TP = 1, one stage and no expert parallelism: the checkpoint is this rank's state as it is."""
         from megatron.core import parallel_state
 
         size = parallel_state.get_tensor_model_parallel_world_size()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
-        if size == 1 and stages == 1:
+        experts = parallel_state.get_expert_model_parallel_world_size()
+        if size == 1 and stages == 1 and experts == 1:
             return None
         return cls(parallel_state.get_tensor_model_parallel_rank(), size, tuple(shard_dim(p) for p in params),
                    parallel_state.get_tensor_model_parallel_group(), stages,
-                   parallel_state.get_pipeline_model_parallel_group() if stages > 1 else None)
+                   parallel_state.get_pipeline_model_parallel_group() if stages > 1 else None, experts,
+                   parallel_state.get_expert_model_parallel_group() if experts > 1 else None)
+
+    def _joined(self) -> list[tuple[int, Any]]:
+        return [(n, g) for n, g in ((self.experts, self.expert_group), (self.stages, self.stage_group)) if n > 1]
 
     def all_names(self, mine: list[str]) -> list[str]:
-        """Every stage's parameter names, in stage order (`mine` alone with one stage; a collective)."""
-        if self.stages == 1:
-            return mine
-        parts: list[Any] = [None] * self.stages
-        dist.all_gather_object(parts, mine, group=self.stage_group)
-        return [n for part in parts for n in part]
+        """Every expert-parallel rank's and stage's parameter names, each once, in rank order (`mine` alone
+        without either; a collective)."""
+        names = mine
+        for size, group in self._joined():
+            parts: list[Any] = [None] * size
+            dist.all_gather_object(parts, names, group=group)
+            names = list(dict.fromkeys(n for part in parts for n in part))
+        return names
 
-    def _gather_stages(self, adapter: list[Named], optimizer: Mapping[str, Any]
-                       ) -> tuple[list[Named], dict[str, Any]]:
-        """Every stage's (whole-TP) factors and AdamW state, in stage order, the state renumbered to that order."""
+    @staticmethod
+    def _join(adapter: list[Named], optimizer: Mapping[str, Any], size: int, group: Any
+              ) -> tuple[list[Named], dict[str, Any]]:
+        """Every rank of `group`'s factors and AdamW state, each name once (the first rank's: the others hold a
+        replica of a name they share), in rank order, the state renumbered to that order."""
         if len(optimizer["param_groups"]) != 1:
-            raise ValueError("a pipeline checkpoint joins one optimizer parameter group per stage")
+            raise ValueError("a pipeline or expert-parallel checkpoint joins one optimizer parameter group per rank")
         cpu = {i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in st.items()}
                for i, st in optimizer["state"].items()}
-        parts: list[Any] = [None] * self.stages
-        dist.all_gather_object(parts, ([(n, t.cpu()) for n, t in adapter], cpu), group=self.stage_group)
+        parts: list[Any] = [None] * size
+        dist.all_gather_object(parts, ([(n, t.cpu()) for n, t in adapter], cpu), group=group)
         joined: list[Named] = []
+        seen: set[str] = set()
         state: dict[int, Any] = {}
         for named, part_state in parts:
-            state.update({len(joined) + i: st for i, st in part_state.items()})
-            joined.extend(named)
-        group = {**optimizer["param_groups"][0], "params": list(range(len(joined)))}
-        return joined, {**optimizer, "state": state, "param_groups": [group]}
+            for i, (n, t) in enumerate(named):
+                if n in seen:
+                    continue
+                seen.add(n)
+                if i in part_state:
+                    state[len(joined)] = part_state[i]
+                joined.append((n, t))
+        group_0 = {**optimizer["param_groups"][0], "params": list(range(len(joined)))}
+        return joined, {**optimizer, "state": state, "param_groups": [group_0]}
 
     def _gather(self, t: torch.Tensor, dim: int | None) -> torch.Tensor:
         if dim is None:
@@ -107,8 +128,8 @@ class TensorShards:
         state = {i: {k: self._gather(v, self.dims[i]) if _moment(v, adapter[i][1]) else v for k, v in s.items()}
                  for i, s in optimizer["state"].items()}
         joined: dict[str, Any] = {**optimizer, "state": state}
-        if self.stages > 1:
-            whole, joined = self._gather_stages(whole, joined)
+        for size, group in self._joined():  # the expert-parallel ranks' experts, then the stages' layers
+            whole, joined = self._join(whole, joined, size, group)
         ranks: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(ranks, dict(rng))
         return whole, joined, {**rng, RNG_RANKS: ranks}
@@ -118,13 +139,11 @@ class TensorShards:
         """This rank's shards of a checkpoint `gather` wrote (`names`: the checkpoint's parameters in the
         optimizer's order; `mine`: this stage's, in its optimizer's order — all of `names` with one stage)."""
         mine = names if mine is None else mine
-        index = {n: i for i, n in enumerate(names)}
-        own = {j: optimizer["state"][index[n]] for j, n in enumerate(mine) if index[n] in optimizer["state"]}
+        own = select_state(optimizer, names, mine)
         shards = {n: split_shard(adapter[n], d, self.rank, self.size) for n, d in zip(mine, self.dims, strict=True)}
         state = {i: {k: split_shard(v, self.dims[i], self.rank, self.size) if _moment(v, adapter[mine[i]]) else v
-                     for k, v in s.items()} for i, s in own.items()}
-        groups = [{**g, "params": list(range(len(mine)))} for g in optimizer["param_groups"]]
-        return shards, {**optimizer, "state": state, "param_groups": groups}
+                     for k, v in s.items()} for i, s in own["state"].items()}
+        return shards, {**own, "state": state}
 
     @staticmethod
     def own_rng(rng: Mapping[str, Any]) -> Mapping[str, Any]:
