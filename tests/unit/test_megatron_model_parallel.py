@@ -230,7 +230,9 @@ def sync_rank(rank: int, world: int, port: int, model_dir: str, out: str, url: s
 SPLITS = {"pipeline2": ("dense", (1, 2, 1, 1), "pipeline"), "moe-expert2": ("moe", (1, 1, 2, 2), "MoE")}
 
 
-@pytest.mark.parametrize("mode", ["Merge", "Adapter", "EngineMerge"])
+# Merge runs in the CI-size suite; the other two modes take the same sources' other routes (`make test-full`)
+@pytest.mark.parametrize("mode", ["Merge", pytest.param("Adapter", marks=pytest.mark.full),
+                                  pytest.param("EngineMerge", marks=pytest.mark.full)])
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_engines_serve_the_policy_two_ranks_hold(tmp_path, split, mode):
     kind, layout, why = SPLITS[split]

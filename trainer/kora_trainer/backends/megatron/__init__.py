@@ -1,5 +1,6 @@
-"""The megatron-core backend (GPU): Qwen3 dense GPTModel from an HF checkpoint, tensor-parallel LoRA wrappers,
-GRPO steps, and conversion of base and adapter tensors to HF / SGLang names for sync and export.
+"""The megatron-core backend (GPU; CPU-tested over gloo, tests/megatron_cpu.py): Qwen3 dense GPTModel from an HF
+checkpoint, tensor-parallel LoRA wrappers, GRPO steps, and conversion of base and adapter tensors to HF / SGLang
+names for sync and export.
 
 Modules (megatron-core is imported lazily inside functions, so every module imports without it):
 - convert:  HF <-> megatron names and layouts (fused QKV, [gate; up], TP shards); pure torch.
@@ -7,6 +8,9 @@ Modules (megatron-core is imported lazily inside functions, so every module impo
 - model:    TransformerConfig / GPTModel (local layer spec) from an HF config; HF weight loading; HF export.
 - lora:     LoRAColumnParallelLinear / LoRARowParallelLinear and apply_lora.
 - export:   the adapter under HF-PEFT / SGLang names, loading it back, the HF-PEFT directory.
+- pipeline: GRPO's forwards and backwards through megatron's 1F1B schedule (parallelism.pipeline > 1).
+- moe:      Qwen3-MoE: config fields, per-stage layer specs, expert LoRA in PEFT's grouped layout (gathered over
+            expert parallelism).
 - backend:  MegatronBackend (the training actor) and token_logprobs.
 See docs/megatron_backend.md.
 """
