@@ -211,20 +211,20 @@ def base_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Paramete
 def stage_param_names(model: torch.nn.Module, maps: Mapping[str, Any]) -> set[str]:
     """The megatron names of `maps` this rank holds: its stage's own layers (of their experts, its expert-parallel
     share), the embedding on the first stage, the final norm and the output layer on the last."""
-    n = numbering(model)
-    layers = {f"decoder.layers.{i}." for i in n.layers.values()}
+    numbers = numbering(model)
+    layers = {f"decoder.layers.{i}." for i in numbers.layers.values()}
     pre, post = getattr(model, "pre_process", True), getattr(model, "post_process", True)
 
     def mine(name: str) -> bool:
         if name.startswith("decoder.layers."):
             expert = _LOCAL_EXPERT.search(name)
             return any(name.startswith(prefix) for prefix in layers) and (
-                expert is None or n.owns_expert(int(expert.group(1))))
+                expert is None or numbers.owns_expert(int(expert.group(1))))
         if name.startswith("embedding."):
             return bool(pre)
         return bool(post)  # decoder.final_layernorm, output_layer
 
-    return {n for n in maps if mine(n)}
+    return {name for name in maps if mine(name)}
 
 
 @torch.no_grad()

@@ -20,7 +20,7 @@ from typing import Any, cast
 import torch
 
 from kora_trainer.backends.batch import Padded
-from kora_trainer.backends.grpo_step import MicroLoss
+from kora_trainer.backends.grpo_step import ForwardBackward, MicroLoss
 from kora_trainer.backends.megatron.parallel import from_last_stage, is_last_stage
 
 
@@ -95,7 +95,7 @@ def pipeline_logp(model: torch.nn.Module, p: Padded, pad_id: int, temperature: f
     return from_last_stage(mine, (b, r), torch.float32, device)
 
 
-def pipeline_forward_backward(model: torch.nn.Module, pad_id: int) -> Any:
+def pipeline_forward_backward(model: torch.nn.Module, pad_id: int) -> ForwardBackward:
     """grpo_step's `forward_backward` for a pipeline stage."""
     def run(p: Padded, mbs: list[torch.Tensor], temperature: float, loss_of: MicroLoss) -> None:
         run_pipeline(model, p, mbs, pad_id, temperature, loss_of)

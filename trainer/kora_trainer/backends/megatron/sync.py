@@ -93,15 +93,16 @@ def model_parallel_group() -> WeightUpdateGroup | None:
     return WeightUpdateGroup.wrap(parallel_state.get_model_parallel_group())
 
 
-def across_ranks(src: Source, model: nn.Module) -> Source:
+def across_ranks(src: Source, model: nn.Module, experts_whole: bool = False) -> Source:
     """This rank's Source as the whole model's (itself when nothing is split but TP, which the sources gather):
-    the expert-parallel ranks' experts joined, then the pipeline stages' layers (`_joined`)."""
+    the expert-parallel ranks' experts joined (unless `experts_whole`: the source already gathers them, as the
+    adapter's does for PEFT's grouped layout), then the pipeline stages' layers (`_joined`)."""
     from megatron.core import parallel_state
 
     from kora_trainer.backends.megatron.parallel import ep_rank_size
 
     device = next(model.parameters()).device
-    if ep_rank_size()[1] > 1:
+    if ep_rank_size()[1] > 1 and not experts_whole:
         src = _joined(src, parallel_state.get_expert_model_parallel_group(), device)
     if pp_rank_size()[1] > 1:
         src = _joined(src, parallel_state.get_pipeline_model_parallel_group(), device)
@@ -323,7 +324,7 @@ class MegatronWeightSender(WeightSender):
     def adapter_source(self) -> Source:
         if self._adapter_src is None:  # the plan (names, shapes) is fixed: one export per push, not two
             self._adapter_src = across_ranks(megatron_adapter_source(self.model, self.layout, self.flavour),
-                                              self.model)
+                                              self.model, experts_whole=True)
         return self._adapter_src
 
     def served_adapter_source(self) -> Source:  # its flavour already names what the engines take
