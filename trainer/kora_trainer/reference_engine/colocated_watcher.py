@@ -11,9 +11,11 @@ the wake FIFO, reads the shared words, and serves each request the trainer makes
   ACK -n (ERR_TORN), so a late DONE is an error on the trainer's side, not a silent success.
 - EngineMerge (`fold_slot` of colocated_routes): request n (ARG: version, slot) folds ring slot `slot` into the
   pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
-  With the plan's `verdict` the trainer stores request n before it has read its delta decision (the fold runs
-  behind its gather on the device) and VERDICT n or -n after: -n (a skip) folds the previous slot back in, so
-  the weights and the version stay the last push's.
+  With the plan's `verdict` the trainer stores request n before it has written the slot — as early as the end of
+  the step's update (`arm`) — and VERDICT n or -n once it has read its delta decision: the engine takes its lock
+  and enqueues the fold behind `Go` (the slot written: on a GPU a wait on the device, so the fold starts right
+  behind the trainer's gather), and -n (a skip) folds the previous slot back in, so the weights and the version
+  stay the last push's.
 
 A handler returns its answer (n, or -n with ERR set) and stores its device time in WORK if it has any; the watcher
 stores the time the handler took in SPENT, then the answer in ACK. A handler that raises answers ACK -n
@@ -38,6 +40,7 @@ from kora_trainer.wire.colocated_words import (
     ERR,
     ERR_FAILED,
     ERR_TORN,
+    GO,
     GRANT,
     LAUNCH_CPU,
     POLL_S,
@@ -56,6 +59,7 @@ from kora_trainer.wire.colocated_words import (
     wait_word,
 )
 from kora_trainer.wire.fast_receive import doorbell_parts
+from kora_trainer.wire.stream_wait import wait_geq
 
 log = logging.getLogger("kora.hf_engine")
 
@@ -147,12 +151,39 @@ Lap = Callable[[str], None]  # fold_slot's marks inside the fold: "locked", "lau
 LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
 
 
-def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None], verdict_s: float | None = None
-                           ) -> Callable[[int], int]:
+class Go:
+    """Request n's ring slot is written, told by the trainer after its gather (the request itself may come before:
+    the engine then holds its lock with the fold enqueued behind this). On a GPU (`word`: int32 in the engine's
+    device memory, mapped by the trainer) the engine's stream waits on the device until the trainer's stream has
+    stored n there; on the CPU the watcher waits for the GO word, at most `lease_s`."""
+
+    def __init__(self, words: Words, word: torch.Tensor | None, lease_s: float):
+        self.words, self.word, self.lease_s = words, word, lease_s
+        self.side = torch.cuda.Stream(word.device) if word is not None else None
+
+    def hold(self, n: int) -> None:
+        """What the engine enqueues next waits for request n's slot (CPU: returns once it is written)."""
+        if self.word is not None:
+            wait_geq(torch.cuda.current_stream(self.word.device), self.word, n)
+        else:
+            wait_word(self.words, GO, lambda v: v >= n, self.lease_s, f"the ring slot of push {n}")
+
+    def release(self, n: int) -> None:
+        """A GPU wait let go by the engine itself (a skip, or a verdict that never came): the fold it holds runs on
+        whatever the slot holds and the last push is folded back after it, so the stream never waits longer than
+        the verdict did. After the trainer's own store (it stores go before its verdict) this changes nothing."""
+        if self.word is not None:
+            with torch.cuda.stream(self.side):
+                self.word.fill_(n)
+
+
+def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None], verdict_s: float | None = None,
+                           go: Go | None = None) -> Callable[[int], int]:
     """An EngineMerge push: fold the slot the request names (WORK: the fold's device time; T_LOCKED, T_LAUNCHED,
     T_SYNCED and LAUNCH_CPU: where the time around it went), then ACK (see the module docstring). `verdict_s`
-    (the plan's `verdict`): the fold starts before the trainer's delta decision, which comes as VERDICT n (the
-    push stands) or -n (a skip: fold_slot puts the last push back), waited for at most `verdict_s` seconds."""
+    (the plan's `verdict`): the fold is enqueued behind `go` before the trainer's delta decision, which comes as
+    VERDICT n (the push stands) or -n (a skip: fold_slot puts the last push back), waited for at most
+    `verdict_s` seconds."""
 
     def handle(n: int) -> int:
         c0 = time.thread_time()
@@ -169,7 +200,8 @@ def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None],
                 return None
 
         version, slot = doorbell_parts(words[ARG])
-        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None)
+        gate = None if go is None else (lambda: go.hold(n), lambda: go.release(n))
+        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None, gate)
         if fold_ms is not None:
             words[WORK] = round(fold_ms * 1000)
         return n
