@@ -32,10 +32,9 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   `lease_s` loses the lock: the weights are taken as torn (`weight_version` says so) and the push is refused
   (ACK -n). EngineMerge: request n (ARG: version, slot) folds the slot into the pristine base (the HTTP
   lora_merge's fold, one weight write, `EngineModel.planned_merge`), synchronised, the version set under the lock;
-  then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32` and `verdict` (the request may come
-  before the slot is written and the decision read: colocated_watcher.py); with `verdict` a GPU engine hands over
-  `go` too, the int32 device word its stream waits on (wire/stream_wait.py), or answers `verdict: false` where its
-  driver cannot wait on one.
+  then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`, `verdict` (the request may come
+  before the slot is written and the decision read: colocated_watcher.py) and on a GPU `gathered_event`, the IPC
+  handle of the event the trainer records after each gather.
 - `POST /kora/colocated/checksum` {full} (Merge) or {slot}: the checksum of what the engine serves, for the
   trainer's verified pushes.
 - The same pushes over HTTP, for a caller without the shared words: Merge `POST /kora/colocated/begin` {lease_s}
@@ -52,6 +51,7 @@ watcher's pushes take the same weight lock.
 
 from __future__ import annotations
 
+import base64
 import logging
 import threading
 import time
@@ -75,7 +75,6 @@ from kora_trainer.wire.colocated_words import Wake, Words, make_words
 from kora_trainer.wire.fast_receive import AdapterRing, doorbell_parts, fuse_rows
 from kora_trainer.wire.protocol import PackedChecksum, checksum
 from kora_trainer.wire.serialize import serialize_payload
-from kora_trainer.wire.stream_wait import unsupported
 
 log = logging.getLogger("kora.hf_engine")
 
@@ -118,9 +117,9 @@ class _Plan:
     folds: dict[int, Any] = field(default_factory=dict)  # EngineMerge: each slot's planned fold (model.PlannedMerge)
     marks: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)  # ... and the CUDA events timing it
     # EngineMerge with `verdict`: the fold is enqueued before the trainer's delta decision is read (see fold_slot),
-    # behind the trainer's word that the slot is written: on a GPU `go`, int32 in device memory (stream_wait.py)
+    # once the trainer says the slot is written; on a GPU behind the trainer's IPC event, recorded after its gather
     verdict: bool = False
-    go: torch.Tensor | None = None
+    gathered: torch.cuda.Event | None = None
     lease_s: float = 0.0
     packed: PackedChecksum | None = None
     lora_name: str = ""
@@ -185,14 +184,9 @@ class ColocatedRoutes:
             else:  # the fold's parameters, checked once
                 plan.merge = (float(b["lora_alpha"]), int(b["lora_rank"]), bool(b.get("merge_fp32", True)))
                 plan.verdict, plan.lease_s = bool(b.get("verdict")), lease_s
-                if plan.verdict and engine.device.type == "cuda":
-                    problem = unsupported(engine.device)
-                    if problem is None:
-                        plan.go = torch.zeros(1, dtype=torch.int32, device=engine.device)
-                        exported.append(("go", plan.go))
-                    else:  # the trainer then asks once its decision is read (no overlap)
-                        log.warning("colocated EngineMerge: the fold cannot wait on the device (%s)", problem)
-                        plan.verdict = False
+                if b.get("gathered_event") and engine.device.type == "cuda":
+                    handle = base64.b64decode(str(b["gathered_event"]))
+                    plan.gathered = torch.cuda.Event.from_ipc_handle(engine.device, handle)
         else:
             raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge, Adapter or EngineMerge")
         answer: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for _, t in exported),
@@ -214,7 +208,7 @@ class ColocatedRoutes:
             handle = MergeHandshake(self.server.engine, words, wake, plan.names, lease_s,
                                     lambda: watcher is not None and watcher.stopping)
         else:
-            go = Go(words, plan.go, plan.lease_s) if plan.verdict else None
+            go = Go(words, plan.gathered, plan.lease_s) if plan.verdict else None
             handle = engine_merge_handshake(words, self.fold_slot, plan.lease_s if plan.verdict else None, go)
         watcher = Watcher(words, wake, handle, self.server.engine.device)
         return watcher
@@ -329,7 +323,7 @@ class ColocatedRoutes:
 
     def fold_slot(self, slot: int, version: str | None, lap: Callable[[str], None] | None = None,
                   verdict: Callable[[], bool | None] | None = None,
-                  gate: tuple[Callable[[], None], Callable[[], None]] | None = None) -> float | None:
+                  go: Callable[[torch.device], None] | None = None) -> float | None:
         """The pairs the trainer wrote into ring slot `slot`, folded into the pristine base (the HTTP lora_merge's
         fold, as one weight write) and the version set, both under the weight lock: a generation admitted after
         it sees the new weights and reports the new version. Returns the fold's device time (ms, CUDA events) on
@@ -338,11 +332,11 @@ class ColocatedRoutes:
         handshake's words).
 
         `verdict` (the plan's `verdict`): the trainer asked before it wrote the slot and read its own delta
-        decision, so the fold is enqueued at once behind `gate`'s hold (colocated_watcher.Go: on a GPU a wait on
-        the device for the trainer's word that the slot is written) and `verdict()` then says whether the push
-        stands. A push that does not (the delta-skip: False; no verdict within the lease: None) lets the hold go
-        (`gate`'s release) and folds the previous slot again, which holds the pairs last pushed, so the weights
-        come back bit for bit before the lock is given back, and the version stays."""
+        decision, so the fold is enqueued as soon as `go` returns (colocated_watcher.Go: the trainer's word that
+        the slot is written; on a GPU behind its IPC event) and `verdict()` then says whether the push stands. A
+        push that does not (the delta-skip: False; no verdict within the lease: None) folds the previous slot
+        again, which holds the pairs last pushed, so the weights come back bit for bit before the lock is given
+        back, and the version stays."""
         plan = self._planned("EngineMerge")
         ring = plan.ring
         assert ring is not None
@@ -358,8 +352,8 @@ class ColocatedRoutes:
         with engine.writing():
             if lap is not None:
                 lap("locked")
-            if gate is not None:
-                gate[0]()
+            if go is not None:
+                go(engine.device)
             if cuda:
                 marks[0].record()
             fold.run()
@@ -368,8 +362,6 @@ class ColocatedRoutes:
             if verdict is not None:
                 keep = verdict()
                 if not keep:
-                    if gate is not None:
-                        gate[1]()
                     self._slot_fold(plan, (slot - 1) % len(ring.buffers)).run()  # the last pushed pairs again
             if cuda:
                 marks[1].record()

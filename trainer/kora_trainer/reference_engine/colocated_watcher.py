@@ -59,7 +59,6 @@ from kora_trainer.wire.colocated_words import (
     wait_word,
 )
 from kora_trainer.wire.fast_receive import doorbell_parts
-from kora_trainer.wire.stream_wait import wait_geq
 
 log = logging.getLogger("kora.hf_engine")
 
@@ -76,8 +75,9 @@ class Watcher:
         self.thread.start()
 
     def _run(self) -> None:
-        if self.device.type == "cuda" and self.device.index is not None:  # "cuda": the current device already
-            torch.cuda.set_device(self.device)  # the fold's stream and the synchronise are the engine's device's
+        if self.device.type == "cuda":  # the fold's stream and the synchronise are the engine's device's; setting
+            # it makes the device's context current on this thread, which the driver's stream wait needs
+            torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
         seen = self.words[REQ]
         while not self.stopping:
             n = self.words[REQ]
@@ -153,28 +153,20 @@ LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
 
 class Go:
     """Request n's ring slot is written, told by the trainer after its gather (the request itself may come before:
-    the engine then holds its lock with the fold enqueued behind this). On a GPU (`word`: int32 in the engine's
-    device memory, mapped by the trainer) the engine's stream waits on the device until the trainer's stream has
-    stored n there; on the CPU the watcher waits for the GO word, at most `lease_s`."""
+    the engine then holds its lock and waits here). The watcher waits on the host for the GO word, at most
+    `lease_s`; on a GPU the trainer's gather may still run, so the engine's stream then waits for the trainer's
+    `gathered` IPC event (recorded right after the gather, before GO) and the fold is launched at once behind it.
+    Not a wait on the device ahead of GO: a stream held waiting keeps the engine's context busy, and the GPU then
+    time-slices it against the trainer's, which delays the trainer's own gather by a time slice."""
 
-    def __init__(self, words: Words, word: torch.Tensor | None, lease_s: float):
-        self.words, self.word, self.lease_s = words, word, lease_s
-        self.side = torch.cuda.Stream(word.device) if word is not None else None
+    def __init__(self, words: Words, gathered: torch.cuda.Event | None, lease_s: float):
+        self.words, self.gathered, self.lease_s = words, gathered, lease_s
 
-    def hold(self, n: int) -> None:
-        """What the engine enqueues next waits for request n's slot (CPU: returns once it is written)."""
-        if self.word is not None:
-            wait_geq(torch.cuda.current_stream(self.word.device), self.word, n)
-        else:
-            wait_word(self.words, GO, lambda v: v >= n, self.lease_s, f"the ring slot of push {n}")
-
-    def release(self, n: int) -> None:
-        """A GPU wait let go by the engine itself (a skip, or a verdict that never came): the fold it holds runs on
-        whatever the slot holds and the last push is folded back after it, so the stream never waits longer than
-        the verdict did. After the trainer's own store (it stores go before its verdict) this changes nothing."""
-        if self.word is not None:
-            with torch.cuda.stream(self.side):
-                self.word.fill_(n)
+    def hold(self, n: int, device: torch.device) -> None:
+        """Returns once request n's slot is written, or (GPU) once what the engine enqueues next waits for it."""
+        wait_word(self.words, GO, lambda v: v >= n, self.lease_s, f"the ring slot of push {n}")
+        if self.gathered is not None:
+            torch.cuda.current_stream(device).wait_event(self.gathered)
 
 
 def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None], verdict_s: float | None = None,
@@ -200,8 +192,8 @@ def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None],
                 return None
 
         version, slot = doorbell_parts(words[ARG])
-        gate = None if go is None else (lambda: go.hold(n), lambda: go.release(n))
-        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None, gate)
+        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None,
+                            None if go is None else lambda device: go.hold(n, device))
         if fold_ms is not None:
             words[WORK] = round(fold_ms * 1000)
         return n

@@ -17,15 +17,15 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
 - EngineMerge: the same ring (two slots), and the handshake words of wire/colocated_words.py. Request n is
   ARG = (version, k) and REQ = n in shared memory (and a wake byte), made before slot k is written: at the end of
   the step's update when the driver calls `arm` (orchestration/workers.py), else first thing in the push. The
-  engine's watcher takes its weight lock and enqueues the fold of slot k into its pristine base (the HTTP path's
-  lora_merge, one weight write; on a GPU the planned CUDA-graph fold, `EngineModel.planned_merge`) behind the
-  word that the slot is written. The push gathers slot k, stores that word (GPU: n into the engine's device
-  word `go` on the trainer's own stream, so the fold starts on the device right behind the gather, with no host
-  step between them; CPU: GO = n), reads the delta decision and stores VERDICT n (push) or -n (skip: the engine
-  folds the previous slot, the last push, back in), then waits, bounded, for each engine's ACK n: synchronised,
-  the version set under the lock (`_fold_overlapped`). An armed request holds the engine's lock from the arm
-  (with `deployment.async` generation waits that much longer); a push that never comes is undone at `close`,
-  or by the engine itself after its lease.
+  engine's watcher takes its weight lock and waits for the word that the slot is written. The push gathers slot
+  k (on a GPU: one captured graph, then the `gathered` IPC event recorded) and stores GO = n; the engine launches
+  the fold of slot k into its pristine base (the HTTP path's lora_merge, one weight write; on a GPU the planned
+  CUDA-graph fold, `EngineModel.planned_merge`, its stream waiting on `gathered`) while the push synchronises,
+  reads its delta decision and stores VERDICT n (push) or -n (skip: the engine folds the previous slot, the last
+  push, back in); then a bounded wait for each engine's ACK n: synchronised, the version set under the lock
+  (`_fold_overlapped`). An armed request holds the engine's lock from the arm (with `deployment.async`
+  generation waits that much longer); a push that never comes is undone at `close`, or by the engine itself
+  after its lease.
 - Merge: the engine hands over its parameters and the handshake words. A push stores REQ = n first (the engine
   takes its weight lock: generation in flight gives way at its next step and recomputes its KV cache after),
   reads the delta decision meanwhile, waits for GRANT n, folds W + s·B·A straight into the mapped weights
@@ -60,6 +60,7 @@ this proves the engine serves the memory the trainer wrote (a stale mapping show
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import time
 from collections.abc import Callable
@@ -142,7 +143,7 @@ class ColocatedFastSender(FastWeightSender):
         self.number = torch.zeros(1)  # ... the number the fused decision leaves (on the adapter's device)
         self.verdicts = False  # EngineMerge: the engines wait for a VERDICT after each request (the plan's answer)
         self.overlapped = False  # ... and the request is made before the slot is written (fused decision)
-        self.gos: list[torch.Tensor] = []  # ... on a GPU: each engine's device word its fold waits on (`_go`)
+        self.gathered: torch.cuda.Event | None = None  # ... on a GPU: recorded after each gather (`_go`)
         self.armed: tuple[int, int, int] | None = None  # ... a request `arm` made: (n, version, when in µs)
         self.lap_t = 0.0
         self.asked = 0  # EngineMerge: when this push's request was stored (µs, `now_us`)
@@ -180,6 +181,9 @@ class ColocatedFastSender(FastWeightSender):
                     lora = self.http.cfg.lora
                     body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True, verdict=True,
                                 lease_s=min(self.transport.timeout_s, 3600.0))
+                    if device.type == "cuda":  # the engine's fold waits for it on its stream (`_go`)
+                        self.gathered = torch.cuda.Event(interprocess=True)
+                        body["gathered_event"] = base64.b64encode(self.gathered.ipc_handle()).decode()
         except (NotImplementedError, ValueError, KeyError) as e:
             return self._off(f"the policy: {e}")
         answers, refused = self._ask_plan(body)
@@ -207,7 +211,7 @@ class ColocatedFastSender(FastWeightSender):
                                                                                  strict=True)], device)
                 self.nbytes, self.nbuckets = need, 1
         except (NotImplementedError, ValueError, KeyError) as e:
-            self.merges, self.slots, self.doorbells, self.targets, self.pack, self.gos = [], [], [], [], None, []
+            self.merges, self.slots, self.doorbells, self.targets, self.pack = [], [], [], [], None
             self._close_wakers()
             return self._off(f"the engine's memory: {e}")
         self.flat, self.delta = flat, FlatDelta(flat)
@@ -215,8 +219,7 @@ class ColocatedFastSender(FastWeightSender):
         self.delta.local_max(flat)  # the decision's kernels load now (compiled on first use), not in a push
         self._sync_device()
         self._plan_decide()
-        self.verdicts = self.mode is SyncMode.ENGINE_MERGE and all(a.get("verdict") for a in answers) \
-            and (device.type != "cuda" or len(self.gos) == len(answers))  # a GPU engine's fold waits on `go`
+        self.verdicts = self.mode is SyncMode.ENGINE_MERGE and all(a.get("verdict") for a in answers)
         self.overlapped = self.verdicts and self.fused_decide is not None
         self.active = True
         scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
@@ -234,10 +237,7 @@ class ColocatedFastSender(FastWeightSender):
                 raise ValueError("the engine hands over no push handshake (wire/colocated_words.py)")
             self.words.append(Words(words))
             self.wakers.append(Waker(answer.get("wake")))
-            go = dict(named).get("go")
-            if go is not None:
-                self.gos.append(go)
-            named[:] = [(n, t) for n, t in named if n not in ("handshake", "go")]
+            named[:] = [(n, t) for n, t in named if n != "handshake"]
 
     def _close_wakers(self) -> None:
         for waker in self.wakers:
@@ -365,17 +365,18 @@ class ColocatedFastSender(FastWeightSender):
         self._say(VERDICT, -n)
 
     def _go(self, n: int) -> None:
-        """Request n's ring slot is written: n into each engine's `go` on this stream (GPU: the engine's fold,
-        enqueued behind it, starts on the device) or into GO (CPU: the gather is done)."""
-        for word in self.gos:
-            word.fill_(n)
-        if not self.gos:
-            for words in self.words:
-                words[GO] = n
+        """Request n's ring slot is written: on a GPU `gathered` recorded behind the gather (the engine's stream
+        waits on it), then GO = n for every engine."""
+        if self.gathered is not None:
+            self.gathered.record()
+        for words in self.words:
+            words[GO] = n
+        for wake in self.wakers:
+            wake()
 
     def _fold_overlapped(self, version: int, n: int, armed: bool) -> tuple[bool, float, int]:
         """EngineMerge with a fused decision: request n stored (unless `arm` did), slot k gathered and the number
-        enqueued (on a GPU the captured graph), the slot's word stored (`_go`) — the engine's fold runs behind it
+        enqueued (on a GPU the captured graph), GO stored (`_go`) — the engine launches its fold behind the gather
         while this side synchronises and reads the number — then VERDICT n (push) or -n (the delta-skip: the
         engine folds the previous slot, the last push, back in) and the ACK."""
         slot = self.pushes % self.adapter_slots

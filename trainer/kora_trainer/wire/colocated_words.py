@@ -25,10 +25,9 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
                     (request n was made before the decision was read: the engine's fold runs meanwhile)
     LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
                     T_LAUNCHED - T_SEEN, the thread was waiting (for the GIL, a core) rather than working
-    GO     trainer  EngineMerge with `verdict`, on the CPU: n once request n's ring slot is written (request n may
-                    come before it: the engine takes its lock and waits for GO). On a GPU the engine's stream
-                    waits on its device word `go` instead, which the trainer's stream sets after its gather
-                    (wire/stream_wait.py): the fold starts on the device with no host step in between
+    GO     trainer  EngineMerge with `verdict`: n once request n's ring slot is written (on a GPU: once the gather is
+                    enqueued and the `gathered` IPC event recorded behind it). Request n may come before it: the
+                    engine takes its lock, then waits for GO
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
 publishes it (ARG before REQ, DARG before DONE), which stores in program order keep on x86 (TSO).
 
