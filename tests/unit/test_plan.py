@@ -90,9 +90,9 @@ def test_train_dry_run_prints_the_plan_and_names_the_fix_for_a_layout_it_would_r
 
 
 # A sample the trainer would stop at start plans (where it would run) and says it would not start: the plan's
-# start_refusals, printed as "REFUSED at start by the trainer". Only the recipe that splits an MoE model's attention by
-# tensor parallelism has one.
-REFUSED_AT_START = {"moe-adapter-mode.yaml": "parallelism.expert 4 with tensor 2: the MoE layers train at tensor 1"}
+# start_refusals, printed as "REFUSED at start by the trainer". Every shipped sample starts now (the last refused,
+# moe-adapter-mode.yaml's tensor 2 x expert 4, trains since MoE layers run under sequence parallelism).
+REFUSED_AT_START: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("sample", SAMPLES, ids=lambda p: p.name)

@@ -56,6 +56,10 @@ class DataParallel:
     # all-to-all brings them); None: no such group, or a group of one
     expert_group: WeightUpdateGroup | None = None
     expert_params: frozenset[int] = frozenset()
+    # sequence parallelism (megatron, MoE models at tensor > 1): the replicated LoRA factors that saw only this
+    # rank's tokens (by id), their gradients summed over the tensor-parallel group as well
+    sequence_group: WeightUpdateGroup | None = None
+    sequence_params: frozenset[int] = frozenset()
 
     def share(self, idx: torch.Tensor) -> torch.Tensor:
         """This rank's contiguous share of a minibatch's sample indices (the first ranks take one more when
@@ -64,8 +68,8 @@ class DataParallel:
 
     def allreduce_grads(self, params: list[torch.nn.Parameter]) -> None:
         """Sum the parameters' gradients over the DP group (a rank whose share was empty contributes zeros), the
-        experts' over their expert-data-parallel group."""
-        if (self.group is None or self.size == 1) and self.expert_group is None:
+        experts' over their expert-data-parallel group, the sequence-parallel ones' over the TP group too."""
+        if (self.group is None or self.size == 1) and self.expert_group is None and self.sequence_group is None:
             return
         for p in params:
             if p.grad is None:
@@ -76,6 +80,8 @@ class DataParallel:
             _sum_grads(self.group, dense)
         if self.expert_group is not None:
             _sum_grads(self.expert_group, experts)
+        if self.sequence_group is not None:
+            _sum_grads(self.sequence_group, [p for p in params if id(p) in self.sequence_params])
 
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over the DP group (float64, one collective)."""

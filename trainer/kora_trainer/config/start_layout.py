@@ -38,10 +38,6 @@ def actor_layout_problems(cfg: TrainerConfig, backend: Backend, num_layers: int 
         problems.append(f"parallelism.expert {p.expert}: the model has {num_experts or 'no'} experts per MoE layer, "
                         "which expert parallelism must divide: set parallelism.expert to a divisor of num_experts "
                         "(1 for a dense model)")
-    if p.expert > 1 and p.tensor > 1 and backend is Backend.MEGATRON:
-        problems.append(f"parallelism.expert {p.expert} with tensor {p.tensor}: the MoE layers train at tensor 1 so "
-                        "far (experts and router are not split by tensor parallelism): set parallelism.tensor to 1 "
-                        "and spread the GPUs over parallelism.data (expert parallelism is carved out of it)")
     split = {name: size for name, size in (("tensor", p.tensor), ("pipeline", p.pipeline), ("context", p.context),
                                            ("expert", p.expert), ("expertTensor", p.expert_tensor)) if size > 1}
     if split and backend is Backend.TORCH:

@@ -27,7 +27,14 @@ from kora_trainer.backends.megatron.lora import (
 )
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
 from kora_trainer.backends.megatron.parallel import gather_stages, init_parallel, pp_rank_size
-from kora_trainer.backends.megatron.pipeline import logits_logp, packed, pipeline_forward_backward, pipeline_logp
+from kora_trainer.backends.megatron.pipeline import (
+    logits_logp,
+    packed,
+    padded_to,
+    pipeline_forward_backward,
+    pipeline_logp,
+    sequence_multiple,
+)
 from kora_trainer.backends.megatron.tp_checkpoint import TensorShards
 from kora_trainer.config import TrainerConfig
 from kora_trainer.wire.group import WeightUpdateGroup
@@ -35,10 +42,13 @@ from kora_trainer.wire.group import WeightUpdateGroup
 
 def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """[B, L] ids -> [B, L-1] log p(token t+1 | tokens <= t), reduced over the TP group's vocab shards (one stage)."""
-    b, length = input_ids.shape
-    position_ids = torch.arange(length, device=input_ids.device).unsqueeze(0).expand(b, length)
+    length = input_ids.shape[1]
+    input_ids = padded_to(input_ids, sequence_multiple(model))  # sequence parallelism: a multiple of TP
+    b, width = input_ids.shape
+    position_ids = torch.arange(width, device=input_ids.device).unsqueeze(0).expand(b, width)
     # causal mask built inside (attn_mask_type causal); right padding never reaches a real token's context
-    return logits_logp(model(input_ids, position_ids, None), input_ids, temperature)  # logits [B, L, V/tp]
+    logp = logits_logp(model(input_ids, position_ids, None), input_ids, temperature)  # logits [B, W, V/tp]
+    return logp[:, :length - 1]
 
 
 def response_logprobs(model: torch.nn.Module, prompts: list[list[int]], response_ids: torch.Tensor,
@@ -136,16 +146,21 @@ class MegatronBackend(ShuffleState):
         self.checkpoint_shards = TensorShards.of(self.params)
 
     def _data_parallel(self, world: int) -> DataParallel:
-        """The DP group the adapter's gradients are summed over; under expert parallelism the experts' factors are
-        marked (`expert_parallel`: clip_grad_norm sums them over the EP group) and summed over the expert-data-
-        parallel group instead."""
+        """The DP group the adapter's gradients are summed over. Under expert or sequence parallelism the experts'
+        factors are marked (`expert_parallel`: clip_grad_norm sums them over the EP group) and summed over the
+        expert-data-parallel group instead (with sequence parallelism it holds the TP peers, whose tokens differ);
+        the factors the LoRA wrappers mark `sequence_parallel` are summed over the TP group as well."""
         from megatron.core import parallel_state
 
         from kora_trainer.backends.megatron.moe import is_expert_module
 
         group = WeightUpdateGroup.wrap(parallel_state.get_data_parallel_group()) if world > 1 else None
         dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), group)
-        if parallel_state.get_expert_model_parallel_world_size() == 1:
+        sequence = [p for p in self.params if getattr(p, "sequence_parallel", False)]
+        if sequence:
+            dp.sequence_group = WeightUpdateGroup.wrap(parallel_state.get_tensor_model_parallel_group())
+            dp.sequence_params = frozenset(id(p) for p in sequence)
+        if parallel_state.get_expert_model_parallel_world_size() == 1 and not self.model.config.sequence_parallel:
             return dp
         experts = [w.weight for name, m in lora_modules(self.model).items() if is_expert_module(name)
                    for w in (m.lora_A, m.lora_B)]

@@ -20,6 +20,14 @@ Which factor is sharded under tensor parallelism (TP, no sequence parallelism):
 
 So only the factor on W's sharded side is sharded, and LoRA adds at most one r-wide collective per layer.
 
+Under sequence parallelism (MoE models at TP > 1: moe.py) a column wrapper's input is this rank's share of the
+tokens [s/tp, b, in]: A x is all-gathered over the sequence (`gather_from_sequence_parallel_region`; backward:
+the Σ_t B_tᵀ g_t sum reduce-scattered, each rank its own tokens), and a row wrapper's A_t x_t is reduce-scattered
+to the rank's tokens (`reduce_scatter_to_sequence_parallel_region`) as the base's output is. The replicated
+factor (column A, row B; the router's A and B) then sees only the rank's tokens, so its gradient is partial: it
+is marked `sequence_parallel` and the backend sums it over the TP group (backends/data_parallel.py). Every
+collective runs on the wrapped layer's own TP group (an expert's is of size 1: expertTensor 1).
+
 Dropout: on the replicated input of a column wrapper the mask must be the same on every TP rank (default
 RNG, seeded alike across TP by megatron); on the sharded input of a row wrapper it uses megatron's
 model-parallel RNG (different per rank), as megatron does for its own dropout in TP regions.
@@ -34,7 +42,7 @@ Router (`router`, Qwen3-MoE; SPEC rule 5: Adapter mode only): megatron's TopKRou
 `TopKRouter.forward` after the input jitter, before top-k). `LoRARouter` replaces the router in the MoE layer
 (parameters `…mlp.router.base_layer.weight`, `…mlp.router.lora_{A,B}.weight`, like the linear wrappers) and
 shadows that router's `gating`: logits = x·Wgᵀ + s·(dropout(x)·Aᵀ)·Bᵀ, A [r, H], B [E, r], both replicated;
-routing (softmax, top-k) then sees the adapted logits. TP = 1 only.
+routing (softmax, top-k) then sees the adapted logits. At TP > 1 only under sequence parallelism (above).
 
 megatron is imported lazily: this module imports on machines without megatron-core.
 """
@@ -117,8 +125,6 @@ class _ParallelLoRA(MegatronLoRA):
     column: bool
 
     def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
-        if getattr(base, "sequence_parallel", False):
-            raise NotImplementedError("LoRA with sequence parallelism is not wired yet")
         if getattr(base, "explicit_expert_comm", False) and _tp(base)[1] > 1:
             # an expert linear whose own TP group splits it (expertTensor > 1); one per expert-parallel rank is fine
             raise NotImplementedError("LoRA on MoE experts split by tensor parallelism (expertTensor > 1) is not "
@@ -131,6 +137,11 @@ class _ParallelLoRA(MegatronLoRA):
         sharded, dim = (self.lora_B.weight, 0) if self.column else (self.lora_A.weight, 1)
         if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard
             tensor_parallel.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
+        # sequence parallelism (module docstring): the replicated factor sees this rank's tokens only
+        self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and self.tp_size > 1
+        if self.sequence_parallel:
+            replicated = self.lora_A.weight if self.column else self.lora_B.weight
+            replicated.sequence_parallel = True  # type: ignore[attr-defined]
 
     def backward_dw(self) -> None:
         cast(Any, self.base_layer).backward_dw()  # megatron's TE linear layers (untyped here)
@@ -146,7 +157,11 @@ class LoRAColumnParallelLinear(_ParallelLoRA):
         from megatron.core import tensor_parallel
 
         a = F.linear(self.dropout(x.to(self.lora_A.weight.dtype)), self.lora_A.weight)  # [s, b, r]
-        a = tensor_parallel.copy_to_tensor_model_parallel_region(a)  # backward: Σ over TP of the B_tᵀ g_t parts
+        group = self.base_layer.tp_group
+        if self.sequence_parallel:  # [s/tp, b, r] -> [s, b, r]; backward: Σ over TP, each rank its own tokens
+            a = tensor_parallel.gather_from_sequence_parallel_region(a, True, group)
+        elif self.tp_size > 1:  # backward: Σ over TP of the B_tᵀ g_t parts
+            a = tensor_parallel.copy_to_tensor_model_parallel_region(a, group)
         delta = F.linear(a, self.lora_B.weight) * self.scaling  # [s, b, out/tp]
         gather = kwargs.get("runtime_gather_output")
         if gather is None:
@@ -174,8 +189,12 @@ class LoRARowParallelLinear(_ParallelLoRA):
         else:
             x = self.dropout(x)
         a = F.linear(x, self.lora_A.weight)  # [s, b, r] partial: this rank's slice of the input
-        a = tensor_parallel.reduce_from_tensor_model_parallel_region(a)  # Σ over TP -> A x, the same on all ranks
-        delta = F.linear(a, self.lora_B.weight) * self.scaling  # [s, b, out]
+        group = self.base_layer.tp_group
+        if self.sequence_parallel:  # Σ over TP, each rank keeping its own tokens [s/tp, b, r], as the base's output
+            a = tensor_parallel.reduce_scatter_to_sequence_parallel_region(a, group)
+        elif self.tp_size > 1:  # Σ over TP -> A x, the same on all ranks
+            a = tensor_parallel.reduce_from_tensor_model_parallel_region(a, group)
+        delta = F.linear(a, self.lora_B.weight) * self.scaling  # [s, b, out] ([s/tp, b, out])
         return out + delta.to(out.dtype), bias
 
 
@@ -185,10 +204,14 @@ class LoRARouter(MegatronLoRA, DelegatesToBase):
     else megatron reads off `mlp.router` (topk, config, expert_bias, ...) is the router's."""
 
     def __init__(self, base: Any, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
-        if _tp(base)[1] != 1:
-            raise NotImplementedError("router LoRA under tensor parallelism is not wired yet (tensor parallel size "
-                                      "1 only): remove router from lora.targetModules or set parallelism.tensor 1")
+        sequence_parallel = bool(getattr(base.weight, "sequence_parallel", False))
+        if _tp(base)[1] != 1 and not sequence_parallel:
+            raise NotImplementedError("router LoRA under tensor parallelism without sequence parallelism: the "
+                                      "megatron backend turns sequence parallelism on for MoE models at tensor > 1")
         super().__init__(base, rank, alpha, dropout, a_full)
+        if sequence_parallel:  # the router sees this rank's tokens only: both factors' gradients are partial
+            for p in (self.lora_A.weight, self.lora_B.weight):
+                p.sequence_parallel = True  # type: ignore[attr-defined]
         # this router instance only (TopKRouter.forward calls self.gating); a bound method, so a deepcopy of the
         # model rebinds it to the copy's wrapper
         base.gating = self._gating

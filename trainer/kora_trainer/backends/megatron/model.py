@@ -72,7 +72,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    from kora_trainer.backends.megatron.moe import moe_config_kwargs
+    from kora_trainer.backends.megatron.moe import is_moe_config, moe_config_kwargs
 
     check_supported(cfg)
     layout = layout_from_hf_config(cfg)
@@ -87,14 +87,15 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        tensor_model_parallel_size=tensor, sequence_parallel=False,
+        # megatron trains MoE layers at tensor > 1 only under sequence parallelism (moe.py says how kora's are built)
+        tensor_model_parallel_size=tensor, sequence_parallel=tensor > 1 and is_moe_config(cfg),
         pipeline_model_parallel_size=pipeline, variable_seq_lengths=pipeline > 1, calculate_per_token_loss=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         perform_initialization=init,  # False: every base weight is loaded from the HF checkpoint
         # megatron refuses variable_seq_lengths beside its default dispatcher, MoE layers or not; an MoE config's
         # own dispatcher (moe_config_kwargs: {} for a dense config) comes last
         **({"moe_token_dispatcher_type": "alltoall"} if pipeline > 1 else {}) | moe_config_kwargs(
-            cfg, tensor, moe_dispatcher, expert),
+            cfg, moe_dispatcher, expert),
     )
 
 
@@ -235,6 +236,8 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
         from kora_trainer.hf_experts import unfuse_hf_experts
 
         state = unfuse_hf_experts(state)
+    from kora_trainer.backends.megatron.moe import is_expert_module
+
     tp_rank, tp_size = tp_rank_size()
     maps = {pm.megatron: pm for pm in param_maps(layout)}
     if layout.tied:  # a tied checkpoint may still carry lm_head.weight; it is the embedding
@@ -247,7 +250,8 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
         missing = [n for n in pm.hf if n not in state]
         if missing:
             raise KeyError(f"HF checkpoint lacks {missing} (for megatron {base})")
-        shard = to_megatron_shard(pm.kind, [state[n] for n in pm.hf], layout, tp_rank, tp_size)
+        rank, size = (0, 1) if is_expert_module(base) else (tp_rank, tp_size)  # experts: whole (expertTensor 1)
+        shard = to_megatron_shard(pm.kind, [state[n] for n in pm.hf], layout, rank, size)
         if tuple(shard.shape) != tuple(p.shape):
             raise ValueError(f"{base}: HF gives {tuple(shard.shape)} on TP rank {tp_rank}, model has {tuple(p.shape)}")
         p.copy_(shard.to(device=p.device, dtype=p.dtype))
@@ -272,22 +276,24 @@ def hf_state(model: torch.nn.Module, layout: Layout, flavour: str = "hf", merged
     full fold), computed in fp32 and rounded once (kernels.fold), before the gather.
     """
     from kora_trainer.backends.megatron.lora import lora_modules
+    from kora_trainer.backends.megatron.moe import is_expert_module
 
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout)}
     hf_names = {pm.megatron: pm for pm in param_maps(layout, flavour)}
     for base, p in base_parameters(model):
-        yield from param_hf_tensors(p, maps[base].kind, hf_names[base].hf, wrapped.get(base), layout)
+        yield from param_hf_tensors(p, maps[base].kind, hf_names[base].hf, wrapped.get(base), layout,
+                                    whole=is_expert_module(base))
 
 
-def param_hf_tensors(p: torch.Tensor, kind: str, hf: tuple[str, ...], lora: Any, layout: Layout
+def param_hf_tensors(p: torch.Tensor, kind: str, hf: tuple[str, ...], lora: Any, layout: Layout, whole: bool = False
                      ) -> list[tuple[str, torch.Tensor]]:
     """One megatron base parameter as its HF tensors; `lora` (a wrapper or None) is folded in when enabled.
-    Collective over the TP group for sharded kinds."""
+    Collective over the TP group for sharded kinds, unless `whole` (an expert's: never split by TP)."""
     from kora_trainer.kernels.fold import fold
 
     local = p.detach()
     if lora is not None and lora.enabled:
         local = fold(local, lora.lora_A.weight.detach(), lora.lora_B.weight.detach(), lora.scaling)
-    shards = [local] if kind == REPL else gather_tp(local)
+    shards = [local] if kind == REPL or whole else gather_tp(local)
     return list(zip(hf, from_megatron_shards(kind, shards, layout), strict=True))

@@ -19,7 +19,7 @@ fused `gate_up_proj[e]` rows), `linear_fc2` is down_e. Dense layers (`mlp_only_l
 `decoder_sparse_step`) keep the dense MLP with `intermediate_size`; megatron's `moe_layer_freq` gets HF's
 pattern as an explicit list (its integer form counts from layer 0, HF's from layer 1).
 
-Expert LoRA (TP = 1, EP = 1): `apply_lora` with linear_fc1 / linear_fc2 wraps every expert's linears too (one
+Expert LoRA: `apply_lora` with linear_fc1 / linear_fc2 wraps every expert's linears too (one
 (A, B) per expert; megatron's expert linears are plain Column/RowParallelLinear there). Exported in PEFT's
 grouped `target_parameters` layout on `mlp.experts.{gate_up_proj,down_proj}` (transformers 5's fused
 [E, out, in] expert tensors; peft's ParamWrapper): lora_A [E·r, in] = the experts' A stacked (rows
@@ -29,7 +29,14 @@ too. Merge mode needs nothing new (`hf_state(merged=True)` folds each expert's w
 (`hf_adapter_tensors`, `load_hf_adapter`, `peft_config`) calls the functions below for the experts; the
 router's LoRA (lora.LoRARouter) is a plain [r, H] / [E, r] pair named by convert.py (`mlp.gate`).
 
-Not yet: tensor / expert parallelism for the experts (raises), shared experts (Qwen2-MoE), GroupedMLP.
+Parallelism: expert parallelism splits each MoE layer's experts over the EP ranks (each rank's own LoRA
+factors; `expert_factors` gathers them). The experts are never split by tensor parallelism (expertTensor 1);
+at tensor > 1 megatron trains MoE layers only under sequence parallelism, which kora then turns on for the
+whole model: between the layers each TP rank holds 1/tp of the tokens (sequences padded to a multiple of tp),
+the dispatcher sends a rank's own tokens to the experts, the frozen norms work on the shard (`FrozenTokenNorm`),
+and the LoRA factors that see only a rank's tokens are summed over the TP group (lora.py).
+
+Not yet: expertTensor > 1 (refused at start), shared experts (Qwen2-MoE), GroupedMLP.
 """
 
 from __future__ import annotations
@@ -51,12 +58,9 @@ def is_moe_config(cfg: Any) -> bool:
     return getattr(cfg, "model_type", "") in MOE_MODEL_TYPES and bool(moe_layer_indices(cfg))
 
 
-def check_moe_supported(cfg: Any, tensor: int = 1) -> None:
+def check_moe_supported(cfg: Any) -> None:
     if getattr(cfg, "shared_expert_intermediate_size", 0):
         raise NotImplementedError("shared experts (Qwen2-MoE style) are not mapped onto megatron yet")
-    if tensor != 1:
-        raise NotImplementedError("Qwen3-MoE on megatron: tensor parallelism is not wired for the experts yet "
-                                  "(parallelism.tensor 1; expert parallelism splits the experts)")
     k, e = int(cfg.num_experts_per_tok), int(cfg.num_experts)
     if not 0 < k <= e:
         raise ValueError(f"num_experts_per_tok {k} with {e} experts")
@@ -65,12 +69,14 @@ def check_moe_supported(cfg: Any, tensor: int = 1) -> None:
         raise NotImplementedError("num_experts_per_tok = 1 with norm_topk_prob is not mapped onto megatron")
 
 
-def moe_config_kwargs(cfg: Any, tensor: int = 1, dispatcher: str = "alltoall", expert: int = 1) -> dict[str, Any]:
+def moe_config_kwargs(cfg: Any, dispatcher: str = "alltoall", expert: int = 1) -> dict[str, Any]:
     """The TransformerConfig fields of an HF Qwen3-MoE config (an empty dict for a dense config); `expert`: the
-    expert-parallel size (each rank holds num_experts / expert of every MoE layer's experts)."""
+    expert-parallel size (each rank holds num_experts / expert of every MoE layer's experts). The experts are
+    never split by tensor parallelism (expert_tensor_parallel_size 1: SPEC rule 6, expert LoRA folds on the rank
+    that holds the expert); at tensor > 1 the attention is, under sequence parallelism (model.transformer_config)."""
     if not is_moe_config(cfg):
         return {}
-    check_moe_supported(cfg, tensor)
+    check_moe_supported(cfg)
     if int(cfg.num_experts) % expert:
         raise ValueError(f"parallelism.expert {expert} does not divide the model's {cfg.num_experts} experts: set "
                          "parallelism.expert to a divisor of num_experts")
@@ -108,10 +114,45 @@ def moe_block_spec(config: Any) -> Any:
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     sparse = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                       qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    norm: Any = LayerNormImpl
+    if config.sequence_parallel:
+        dense, sparse, norm = (swap_torch_norms(s) for s in (dense, sparse, norm))
     offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
     return TransformerBlockSubmodules(
         layer_specs=[sparse if f else dense for f in config.moe_layer_freq[offset:offset + count]],
-        layer_norm=LayerNormImpl)
+        layer_norm=norm)
+
+
+class FrozenTokenNorm:
+    """megatron's WrappedTorchNorm (the norm of its local spec without Apex or TransformerEngine) without its refusal
+    of sequence parallelism. A norm works token by token, so a rank's share of the sequence is normalised as the
+    whole would be; megatron refuses it because the norm's own weight gradient would then be partial on each rank,
+    and kora's norms are frozen (only the LoRA factors train)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        norm = (torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        return norm
+
+
+def swap_torch_norms(spec: Any) -> Any:
+    """`spec` (a ModuleSpec tree, its submodules dataclasses, or a module class) with every WrappedTorchNorm
+    replaced by FrozenTokenNorm; other norms (Apex's, TransformerEngine's) take sequence parallelism themselves."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return FrozenTokenNorm
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=swap_torch_norms(spec.module),
+                                   submodules=swap_torch_norms(spec.submodules))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: swap_torch_norms(getattr(spec, f.name))
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
 
 
 # ---- expert LoRA in PEFT's grouped layout ----------------------------------------------------------------

@@ -35,11 +35,12 @@ def init_parallel(tensor: int = 1, seed: int = 0, backend: str | None = None, pi
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", str(rank))))
         dist.init_process_group(backend, rank=rank, world_size=world)
     if not parallel_state.model_parallel_is_initialized():
-        # experts: carved out of the data-parallel ranks (megatron's expert_model_parallel_size), not split by TP
+        # experts: carved out of the data-parallel ranks (megatron's expert_model_parallel_size), never split by TP
+        # (expert_tensor_parallel_size 1, as the TransformerConfig says: moe.moe_config_kwargs)
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor,
                                                  pipeline_model_parallel_size=pipeline,
                                                  expert_model_parallel_size=expert,
-                                                 expert_tensor_parallel_size=1 if expert > 1 else None)
+                                                 expert_tensor_parallel_size=1)
     elif (got := (parallel_state.get_tensor_model_parallel_world_size(),
                   parallel_state.get_pipeline_model_parallel_world_size(),
                   parallel_state.get_expert_model_parallel_world_size())) != (tensor, pipeline, expert):

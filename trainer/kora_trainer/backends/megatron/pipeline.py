@@ -37,6 +37,19 @@ def packed(prompts: list[list[int]], response_ids: torch.Tensor, pad_id: int) ->
     return ids, pos
 
 
+def sequence_multiple(model: torch.nn.Module) -> int:
+    """What a sequence's length must be a multiple of: the TP size under sequence parallelism (each rank holds
+    an equal share of the tokens between the layers), else 1."""
+    config = getattr(model, "config", None)
+    return int(config.tensor_model_parallel_size) if config is not None and config.sequence_parallel else 1
+
+
+def padded_to(ids: torch.Tensor, multiple: int, pad_id: int = 0) -> torch.Tensor:
+    """[B, L] ids right-padded to a multiple of `multiple` (causal attention: no real token sees the padding)."""
+    extra = -ids.shape[1] % multiple
+    return torch.nn.functional.pad(ids, (0, extra), value=pad_id) if extra else ids
+
+
 def logits_logp(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Vocab-sharded logits [B, L, V/tp] of `ids` [B, L] -> [B, L-1] log p(token t+1 | tokens <= t), reduced over
     the TP group's vocab shards (the full [tokens, vocab] logits are never gathered)."""
@@ -59,8 +72,9 @@ def run_pipeline(model: torch.nn.Module, p: Padded, mbs: list[torch.Tensor], pad
     if not mbs:
         return []
     device = next(model.parameters()).device
-    inputs = [(mb, *packed(sub.prompts, sub.response_ids, pad_id), sub.response_mask)
-              for mb in mbs for sub in [p.select(mb)]]
+    multiple = sequence_multiple(model)
+    inputs = [(mb, padded_to(ids, multiple, pad_id), pos, sub.response_mask)
+              for mb in mbs for sub in [p.select(mb)] for ids, pos in [packed(sub.prompts, sub.response_ids, pad_id)]]
 
     def step(it: Iterator[tuple[torch.Tensor, ...]], stage: Any) -> tuple[torch.Tensor, Any]:
         mb, ids, pos, mask = next(it)

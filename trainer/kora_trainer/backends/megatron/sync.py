@@ -48,6 +48,7 @@ from kora_trainer.backends.megatron.convert import (
 )
 from kora_trainer.backends.megatron.lora import all_lora_modules, lora_modules
 from kora_trainer.backends.megatron.model import base_parameters, param_hf_tensors
+from kora_trainer.backends.megatron.moe import is_expert_module
 from kora_trainer.backends.megatron.parallel import pp_rank_size
 from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
 from kora_trainer.sync.sender import WeightSender, follower
@@ -113,7 +114,9 @@ def _joined(src: Source, group: Any, device: torch.device) -> Source:
     """`src` of every rank of `group` as one Source: the plan is every member's groups, each name once (the first
     member holding it owns it: the others hold a replica), in member order; `get` is a collective of the group
     (every member asks for the same names in the same order, and calls its own `src.get` once, maybe for none),
-    each tensor broadcast from its owner."""
+    each tensor broadcast from its owner. A member reads the replicas it holds too: its source's own collectives
+    (the TP gather) need every rank that holds a name to ask for it, and under tensor x expert parallelism the
+    members of `group` can be one another's TP peers."""
     import torch.distributed as dist
 
     plan = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in g] for g in src.groups]
@@ -130,8 +133,10 @@ def _joined(src: Source, group: Any, device: torch.device) -> Source:
             groups.append([(n, _meta(shape, getattr(torch, dtype))) for n, shape, dtype in g])
             meta.update({n: (member, shape, getattr(torch, dtype)) for n, shape, dtype in g})
 
+    held = {n for g in src.groups for n, _ in g}
+
     def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
-        mine = src.get([n for n in names if meta[n][0] == me])  # may be a collective inside (TP, experts): once
+        mine = src.get([n for n in names if n in held])  # may be a collective inside (TP, experts): once
         out: dict[str, torch.Tensor] = {}
         for n in names:
             member, shape, dtype = meta[n]
@@ -260,7 +265,7 @@ def megatron_source(model: nn.Module, layout: Layout, merged: bool, flavour: str
     for base, p in base_parameters(model):
         pm = maps[base]
         params[base] = p
-        for hf_name, shape in _meta_outs(pm.kind, p.shape, pm.hf, layout, tp):
+        for hf_name, shape in _meta_outs(pm.kind, p.shape, pm.hf, layout, 1 if is_expert_module(base) else tp):
             groups.append([(hf_name, _meta(shape, p.dtype))])
             owner[hf_name] = base
 
@@ -268,7 +273,8 @@ def megatron_source(model: nn.Module, layout: Layout, merged: bool, flavour: str
         out: dict[str, torch.Tensor] = {}
         for base in dict.fromkeys(owner[n] for n in names):
             pm = maps[base]
-            out.update(param_hf_tensors(params[base], pm.kind, pm.hf, wrapped.get(base), layout))
+            out.update(param_hf_tensors(params[base], pm.kind, pm.hf, wrapped.get(base), layout,
+                                        whole=is_expert_module(base)))
         return {n: out[n].contiguous() for n in names}
 
     return Source(groups, get)
