@@ -1,10 +1,11 @@
-"""The trainer at parallelism.tensor 2, at parallelism.pipeline 2 and (a tiny Qwen3-MoE) at parallelism.expert 2 on
-GPUs (megatron: one Ray actor per rank, a GPU each, NCCL; pipeline stages through megatron's 1F1B schedule, experts
-through its all-to-all dispatcher), Colocate (an engine on each rank's GPU, each rank
-feeding its own: 2 GPUs) and Disaggregated (rank 0 broadcasting to an engine on a GPU of its own: 3 GPUs), each
-against the same job on one GPU; then the split job resumed from its checkpoint continues the uninterrupted run's
-losses, and the export is written once. Skipped below the GPUs a case needs; the two-GPU issue runs them. (On the
-CPU, tests/unit/test_megatron_model_parallel.py runs these policies, checkpoints and pushes over gloo.)
+"""The trainer at parallelism.tensor 2, at parallelism.pipeline 2 and (a tiny Qwen3-MoE) at parallelism.expert 2 and
+at tensor 2 x expert 2 (sequence parallel) on GPUs (megatron: one Ray actor per rank, a GPU each, NCCL; pipeline
+stages through megatron's 1F1B schedule, experts through its all-to-all dispatcher), Colocate (an engine on each
+rank's GPU, each rank feeding its own: 2 GPUs) and Disaggregated (rank 0 broadcasting to an engine on a GPU of its
+own: 3 GPUs), each against the same job on one GPU; then the split job resumed from its checkpoint continues the
+uninterrupted run's losses, and the export is written once. Skipped below the GPUs a case needs; the two-GPU issue
+runs them. (On the CPU, tests/unit/test_megatron_model_parallel.py runs these policies, checkpoints and pushes over
+gloo.)
 
 Tolerances: fp32 toy; the TP all-reduces sum in another order than one GPU's matmuls, and AdamW amplifies that
 rounding over the steps (tests/gpu/test_megatron_tp.py measures the same on the policy alone: 1e-4 at the first
@@ -54,7 +55,9 @@ def toy_moe(tmp_path_factory):
 
 # the split: the overrides of the job split over 2 GPUs (the one-GPU job sets its sizes to 1)
 SPLITS = {"tensor": ("parallelism.tensor=2",), "pipeline": ("parallelism.pipeline=2",),
-          "expert": ("parallelism.data=2", "parallelism.expert=2")}  # expert parallelism: carved out of the data
+          "expert": ("parallelism.data=2", "parallelism.expert=2"),  # expert parallelism: carved out of the data
+          # MoE at tensor 2: sequence parallel, the experts carved out of the two TP ranks
+          "moe-tensor-expert": ("parallelism.tensor=2", "parallelism.expert=2")}
 
 
 @pytest.mark.parametrize("mode", ["Merge", "Adapter", "EngineMerge"])
@@ -64,7 +67,7 @@ def test_a_model_split_over_2_gpus_takes_the_steps_of_one_gpu_and_resumes(reques
                                                                           engines, gpus, split):
     if torch.cuda.device_count() < gpus:
         pytest.skip(f"{split} 2 {deployment} needs {gpus} GPUs")
-    model = (f"model.path={request.getfixturevalue('toy_moe')}",) if split == "expert" else ()
+    model = (f"model.path={request.getfixturevalue('toy_moe')}",) if "expert" in split else ()
     common = (f"data.path={toy}/train.jsonl", "backend=megatron", f"deployment.mode={deployment}",
               "deployment.async=false", "rollout.gpusPerEngine=1", f"rollout.numEngines={engines}",
               f"lora.syncMode={mode}", "sync.deltaSkipThreshold=0", "checkpoint.interval=1", *model)
