@@ -151,6 +151,10 @@ Lap = Callable[[str], None]  # fold_slot's marks inside the fold: "locked", "lau
 LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
 
 
+GO_SPIN_S = 0.05  # an armed request waits for its push about one driver round trip: spin through it (a slept poll
+# wakes tens of µs late, and that lands on the push), then poll as every other wait does
+
+
 class Go:
     """Request n's ring slot is written, told by the trainer after its gather (the request itself may come before:
     the engine then holds its lock and waits here). The watcher waits on the host for the GO word, at most
@@ -164,7 +168,7 @@ class Go:
 
     def hold(self, n: int, device: torch.device) -> None:
         """Returns once request n's slot is written, or (GPU) once what the engine enqueues next waits for it."""
-        wait_word(self.words, GO, lambda v: v >= n, self.lease_s, f"the ring slot of push {n}")
+        wait_word(self.words, GO, lambda v: v >= n, self.lease_s, f"the ring slot of push {n}", spin_s=GO_SPIN_S)
         if self.gathered is not None:
             torch.cuda.current_stream(device).wait_event(self.gathered)
 

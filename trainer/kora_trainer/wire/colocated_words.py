@@ -90,9 +90,10 @@ class Words:
 SPIN_S = 0.002  # how long `wait_word` spins (yielding the GIL) before it sleeps between reads: a GPU fold's time
 
 
-def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: float, what: str) -> int:
-    """Spin, then sleep briefly between reads, until `accept(words[i])`; TimeoutError naming `what` after
-    `timeout_s`."""
+def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: float, what: str,
+              spin_s: float = SPIN_S) -> int:
+    """Spin for `spin_s`, then sleep briefly between reads, until `accept(words[i])`; TimeoutError naming `what`
+    after `timeout_s`."""
     start = time.monotonic()
     while True:
         value = words[i]
@@ -101,7 +102,7 @@ def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: fl
         waited = time.monotonic() - start
         if waited > timeout_s:
             raise TimeoutError(f"{what}: no answer in shared memory within {timeout_s:g} s")
-        time.sleep(0 if waited < SPIN_S else 20e-6)  # 0: the GIL to the process's other threads, no timer
+        time.sleep(0 if waited < spin_s else 20e-6)  # 0: the GIL to the process's other threads, no timer
 
 
 def _fifo_dir() -> str:
