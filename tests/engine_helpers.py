@@ -289,21 +289,17 @@ def recorded_calls(record: Path) -> list[dict[str, Any]]:
 
 
 def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path, versions: Sequence[int],
-                        lora_path: str | None, atol: float, arm: bool = False) -> list[float]:
+                        lora_path: str | None, atol: float) -> list[float]:
     """Push each of `versions` (the adapter moved before each) through a colocated fast `sender` whose plan and
     first fast push are done: each push makes no HTTP call to the `recording_engine`, which then serves the
-    policy (log-prob gap < atol) at that version. `arm`: each push's request made first (`sender.arm`, as the
-    trainer's worker does where the update ends; the report says how far ahead). Returns the pushes' ms."""
+    policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
     times = []
     for version in versions:
         step(b, 0.05 if version % 2 else -0.04)
-        if arm:
-            sender.arm(version)
         before = len(recorded_calls(record))
         report = sender.sync(version=version)
         made = recorded_calls(record)[before:]
         assert report.pushed and report.path == "fast" and report.adapter_version == version, report
-        assert not arm or report.phases["armed"] > 0, report.phases
         assert made == [], f"a steady-state {sender.mode} push made HTTP calls: {made}"
         times.append(report.ms)
         assert logprob_gap(client, b, lora_path) < atol  # the engine serves the pushed policy

@@ -22,7 +22,6 @@ import torch
 from engine_helpers import (
     ATOL,
     colocated_sender,
-    greedy,
     logprob_gap,
     recorded_calls,
     recording_engine,
@@ -35,19 +34,7 @@ from engine_helpers import (
 )
 from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.sync.transport import SyncError
-from kora_trainer.wire.colocated_words import (
-    ACK,
-    DARG,
-    DONE,
-    ERR,
-    ERR_TORN,
-    GRANT,
-    REQ,
-    T_LOCKED,
-    Waker,
-    Words,
-    wait_word,
-)
+from kora_trainer.wire.colocated_words import ACK, DARG, DONE, ERR, ERR_TORN, GRANT, REQ, Waker, Words, wait_word
 from kora_trainer.wire.fast_receive import doorbell_value
 from kora_trainer.wire.serialize import deserialize_payload
 from localcluster import wait_for
@@ -110,58 +97,6 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
         if mode == "EngineMerge":  # the request went out before the decision: the engine folded, then put v5 back
             assert sender.overlapped
             skip_under_threshold_keeps_what_is_served(sender, b, client, version=7)
-
-
-def test_an_armed_engine_merge_push(recorded):
-    """EngineMerge's request made where the step's update ends (`arm`), before the slot is written: the engine
-    holds its weight lock from then on (a generation waits), the push lands with no HTTP call and is served at its
-    version; an armed request never pushed is undone by the engine after its lease (weights and version as they
-    were) and the next push lands; one undone at `close` gives the lock back at once with nothing changed."""
-    model_dir, engine, record = recorded
-    b = trained_policy(model_dir, "EngineMerge", 60, CAP)
-    with engine.client() as client, engine.client() as other:
-        sender = colocated_sender(b, client, transport_timeout_s=3.0)  # the plan's lease: 3 s
-        sender.sync(version=1)
-        step(b)
-        assert sender.sync(version=2).path == "fast"
-        steady_state_pushes(sender, b, client, record, (3, 4), None, ATOL, arm=True)
-
-        step(b, -0.04)
-        sender.arm(5)
-        assert sender.armed is not None
-        asked = sender.armed[2]
-        wait_word(sender.words[0], T_LOCKED, lambda v: v >= asked, 10, "the engine's lock for the armed request")
-        outs: list = []
-        gen = threading.Thread(target=lambda: outs.extend(other.generate([PROMPT], {"max_new_tokens": 1})))
-        gen.start()
-        wait_engine_state(client, "the generation admitted", in_flight=1)
-        gen.join(0.3)
-        assert not outs, "a generation ran while an armed request held the weights"
-        report = sender.sync(version=5)
-        gen.join(30)
-        assert report.pushed and report.path == "fast" and report.phases["armed"] > 0, report
-        assert len(outs) == 1  # it went on once the push gave the weights back
-        assert logprob_gap(client, b, None) < ATOL
-        assert client.generate([PROMPT], {"max_new_tokens": 1})[0].weight_version == "5"
-
-        served = greedy(client)
-        step(b)
-        sender.arm(6)
-        n = sender.seq
-        gave_up = wait_word(sender.words[0], ACK, lambda v: v == -n, 10, "the engine giving the armed request up")
-        assert gave_up == -n and greedy(client) == served  # after its 3 s lease: folded back, version 5
-        report = sender.sync(version=6)  # the stale request withdrawn, a fresh one made
-        assert report.pushed and report.path == "fast" and "armed" not in report.phases, report
-        assert logprob_gap(client, b, None) < ATOL
-        assert client.generate([PROMPT], {"max_new_tokens": 1})[0].weight_version == "6"
-
-        served = greedy(client)
-        step(b)
-        sender.arm(7)
-        words = sender.words[0]
-        sender.close()  # never pushed: the engine folds v6 back and gives its lock back
-        assert wait_word(words, ACK, lambda v: abs(v) == n + 2, 10, "the withdrawn request's answer") == n + 2
-        assert greedy(client) == served
 
 
 def snapshot(b) -> list[torch.Tensor]:

@@ -32,9 +32,7 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   `lease_s` loses the lock: the weights are taken as torn (`weight_version` says so) and the push is refused
   (ACK -n). EngineMerge: request n (ARG: version, slot) folds the slot into the pristine base (the HTTP
   lora_merge's fold, one weight write, `EngineModel.planned_merge`), synchronised, the version set under the lock;
-  then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`, `verdict` (the request may come
-  before the slot is written and the decision read: colocated_watcher.py) and on a GPU `gathered_event`, the IPC
-  handle of the event the trainer records after each gather.
+  then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`.
 - `POST /kora/colocated/checksum` {full} (Merge) or {slot}: the checksum of what the engine serves, for the
   trainer's verified pushes.
 - The same pushes over HTTP, for a caller without the shared words: Merge `POST /kora/colocated/begin` {lease_s}
@@ -64,7 +62,6 @@ from aiohttp import web
 
 from kora_trainer.reference_engine.colocated_watcher import (
     TORN_VERSION,
-    Go,
     MergeHandshake,
     Watcher,
     engine_merge_handshake,
@@ -116,8 +113,8 @@ class _Plan:
     merge: tuple[float, int, bool] | None = None  # EngineMerge: lora_alpha, lora_rank, merge_fp32
     folds: dict[int, Any] = field(default_factory=dict)  # EngineMerge: each slot's planned fold (model.PlannedMerge)
     marks: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)  # ... and the CUDA events timing it
-    # EngineMerge with `verdict`: the fold is enqueued before the trainer's delta decision is read (see fold_slot),
-    # once the trainer says the slot is written; on a GPU behind the trainer's IPC event, recorded after its gather
+    # EngineMerge with `verdict`: the fold starts before the trainer's delta decision is read (see fold_slot); on a
+    # GPU the engine's stream first waits for the trainer's IPC event, recorded after it wrote the slot
     verdict: bool = False
     gathered: torch.cuda.Event | None = None
     lease_s: float = 0.0
@@ -208,8 +205,7 @@ class ColocatedRoutes:
             handle = MergeHandshake(self.server.engine, words, wake, plan.names, lease_s,
                                     lambda: watcher is not None and watcher.stopping)
         else:
-            go = Go(words, plan.gathered, plan.lease_s) if plan.verdict else None
-            handle = engine_merge_handshake(words, self.fold_slot, plan.lease_s if plan.verdict else None, go)
+            handle = engine_merge_handshake(words, self.fold_slot, plan.lease_s if plan.verdict else None)
         watcher = Watcher(words, wake, handle, self.server.engine.device)
         return watcher
 
@@ -322,8 +318,7 @@ class ColocatedRoutes:
         return self._checksum({**b, "slot": slot})
 
     def fold_slot(self, slot: int, version: str | None, lap: Callable[[str], None] | None = None,
-                  verdict: Callable[[], bool | None] | None = None,
-                  go: Callable[[torch.device], None] | None = None) -> float | None:
+                  verdict: Callable[[], bool | None] | None = None) -> float | None:
         """The pairs the trainer wrote into ring slot `slot`, folded into the pristine base (the HTTP lora_merge's
         fold, as one weight write) and the version set, both under the weight lock: a generation admitted after
         it sees the new weights and reports the new version. Returns the fold's device time (ms, CUDA events) on
@@ -331,12 +326,11 @@ class ColocatedRoutes:
         `lap("locked")`, `lap("launched")` and `lap("synced")` mark the lock held, the fold enqueued and done (the
         handshake's words).
 
-        `verdict` (the plan's `verdict`): the trainer asked before it wrote the slot and read its own delta
-        decision, so the fold is enqueued as soon as `go` returns (colocated_watcher.Go: the trainer's word that
-        the slot is written; on a GPU behind its IPC event) and `verdict()` then says whether the push stands. A
-        push that does not (the delta-skip: False; no verdict within the lease: None) folds the previous slot
-        again, which holds the pairs last pushed, so the weights come back bit for bit before the lock is given
-        back, and the version stays."""
+        `verdict` (the plan's `verdict`): the trainer asked before it read its own delta decision, so the fold is
+        enqueued at once (on a GPU behind the trainer's `gathered` IPC event: the slot is whole when it runs) and
+        `verdict()` then says whether the push stands. A push that does not (the delta-skip: False; no verdict
+        within the lease: None) folds the previous slot again, which holds the pairs last pushed, so the weights
+        come back bit for bit before the lock is given back, and the version stays."""
         plan = self._planned("EngineMerge")
         ring = plan.ring
         assert ring is not None
@@ -352,8 +346,8 @@ class ColocatedRoutes:
         with engine.writing():
             if lap is not None:
                 lap("locked")
-            if go is not None:
-                go(engine.device)
+            if cuda and plan.gathered is not None:
+                torch.cuda.current_stream(engine.device).wait_event(plan.gathered)
             if cuda:
                 marks[0].record()
             fold.run()

@@ -11,11 +11,9 @@ the wake FIFO, reads the shared words, and serves each request the trainer makes
   ACK -n (ERR_TORN), so a late DONE is an error on the trainer's side, not a silent success.
 - EngineMerge (`fold_slot` of colocated_routes): request n (ARG: version, slot) folds ring slot `slot` into the
   pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
-  With the plan's `verdict` the trainer stores request n before it has written the slot — as early as the end of
-  the step's update (`arm`) — and VERDICT n or -n once it has read its delta decision: the engine takes its lock
-  and enqueues the fold behind `Go` (the slot written: on a GPU a wait on the device, so the fold starts right
-  behind the trainer's gather), and -n (a skip) folds the previous slot back in, so the weights and the version
-  stay the last push's.
+  With the plan's `verdict` the trainer stores request n before it has read its delta decision (the fold runs
+  behind its gather on the device) and VERDICT n or -n after: -n (a skip) folds the previous slot back in, so
+  the weights and the version stay the last push's.
 
 A handler returns its answer (n, or -n with ERR set) and stores its device time in WORK if it has any; the watcher
 stores the time the handler took in SPENT, then the answer in ACK. A handler that raises answers ACK -n
@@ -40,7 +38,6 @@ from kora_trainer.wire.colocated_words import (
     ERR,
     ERR_FAILED,
     ERR_TORN,
-    GO,
     GRANT,
     LAUNCH_CPU,
     POLL_S,
@@ -75,9 +72,8 @@ class Watcher:
         self.thread.start()
 
     def _run(self) -> None:
-        if self.device.type == "cuda":  # the fold's stream and the synchronise are the engine's device's; setting
-            # it makes the device's context current on this thread, which the driver's stream wait needs
-            torch.cuda.set_device(self.device if self.device.index is not None else torch.cuda.current_device())
+        if self.device.type == "cuda" and self.device.index is not None:  # "cuda": the current device already
+            torch.cuda.set_device(self.device)  # the fold's stream and the synchronise are the engine's device's
         seen = self.words[REQ]
         while not self.stopping:
             n = self.words[REQ]
@@ -151,35 +147,12 @@ Lap = Callable[[str], None]  # fold_slot's marks inside the fold: "locked", "lau
 LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
 
 
-GO_SPIN_S = 0.05  # an armed request waits for its push about one driver round trip: spin through it (a slept poll
-# wakes tens of µs late, and that lands on the push), then poll as every other wait does
-
-
-class Go:
-    """Request n's ring slot is written, told by the trainer after its gather (the request itself may come before:
-    the engine then holds its lock and waits here). The watcher waits on the host for the GO word, at most
-    `lease_s`; on a GPU the trainer's gather may still run, so the engine's stream then waits for the trainer's
-    `gathered` IPC event (recorded right after the gather, before GO) and the fold is launched at once behind it.
-    Not a wait on the device ahead of GO: a stream held waiting keeps the engine's context busy, and the GPU then
-    time-slices it against the trainer's, which delays the trainer's own gather by a time slice."""
-
-    def __init__(self, words: Words, gathered: torch.cuda.Event | None, lease_s: float):
-        self.words, self.gathered, self.lease_s = words, gathered, lease_s
-
-    def hold(self, n: int, device: torch.device) -> None:
-        """Returns once request n's slot is written, or (GPU) once what the engine enqueues next waits for it."""
-        wait_word(self.words, GO, lambda v: v >= n, self.lease_s, f"the ring slot of push {n}", spin_s=GO_SPIN_S)
-        if self.gathered is not None:
-            torch.cuda.current_stream(device).wait_event(self.gathered)
-
-
-def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None], verdict_s: float | None = None,
-                           go: Go | None = None) -> Callable[[int], int]:
+def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None], verdict_s: float | None = None
+                           ) -> Callable[[int], int]:
     """An EngineMerge push: fold the slot the request names (WORK: the fold's device time; T_LOCKED, T_LAUNCHED,
     T_SYNCED and LAUNCH_CPU: where the time around it went), then ACK (see the module docstring). `verdict_s`
-    (the plan's `verdict`): the fold is enqueued behind `go` before the trainer's delta decision, which comes as
-    VERDICT n (the push stands) or -n (a skip: fold_slot puts the last push back), waited for at most
-    `verdict_s` seconds."""
+    (the plan's `verdict`): the fold starts before the trainer's delta decision, which comes as VERDICT n (the
+    push stands) or -n (a skip: fold_slot puts the last push back), waited for at most `verdict_s` seconds."""
 
     def handle(n: int) -> int:
         c0 = time.thread_time()
@@ -196,8 +169,7 @@ def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None],
                 return None
 
         version, slot = doorbell_parts(words[ARG])
-        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None,
-                            None if go is None else lambda device: go.hold(n, device))
+        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None)
         if fold_ms is not None:
             words[WORK] = round(fold_ms * 1000)
         return n

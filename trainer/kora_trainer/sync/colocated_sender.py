@@ -14,18 +14,13 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
   k (cycling in order), a synchronise, and one 8-byte store of (version, k) into the doorbell, which the engine
   reads before every adapter lookup. Nothing the engine reads is written: a request keeps the slot it was
   admitted with, rewritten only `adapter_slots` pushes later.
-- EngineMerge: the same ring (two slots), and the handshake words of wire/colocated_words.py. Request n is
-  ARG = (version, k) and REQ = n in shared memory (and a wake byte), made before slot k is written: at the end of
-  the step's update when the driver calls `arm` (orchestration/workers.py), else first thing in the push. The
-  engine's watcher takes its weight lock and waits for the word that the slot is written. The push gathers slot
-  k (on a GPU: one captured graph, then the `gathered` IPC event recorded) and stores GO = n; the engine launches
-  the fold of slot k into its pristine base (the HTTP path's lora_merge, one weight write; on a GPU the planned
-  CUDA-graph fold, `EngineModel.planned_merge`, its stream waiting on `gathered`) while the push synchronises,
-  reads its delta decision and stores VERDICT n (push) or -n (skip: the engine folds the previous slot, the last
-  push, back in); then a bounded wait for each engine's ACK n: synchronised, the version set under the lock
-  (`_fold_overlapped`). An armed request holds the engine's lock from the arm (with `deployment.async`
-  generation waits that much longer); a push that never comes is undone at `close`, or by the engine itself
-  after its lease.
+- EngineMerge: the same ring (two slots), and the handshake words of wire/colocated_words.py; a push is the
+  gather into slot k, ARG = (version, k) and REQ = n in shared memory (and a wake byte) at once, then the delta
+  decision read and VERDICT n (push) or -n (skip), then a bounded wait for each engine's ACK n: its watcher takes
+  the weight lock and folds the pairs into its pristine base (the HTTP path's lora_merge, one weight write; on a
+  GPU the planned CUDA-graph fold, `EngineModel.planned_merge`, its stream first waiting on the trainer's
+  `gathered` IPC event, recorded after the gather) while the trainer reads its decision; on -n it folds the
+  previous slot (the last push) back in; synchronised, the version set under the lock (`_fold_overlapped`).
 - Merge: the engine hands over its parameters and the handshake words. A push stores REQ = n first (the engine
   takes its weight lock: generation in flight gives way at its next step and recomputes its KV cache after),
   reads the delta decision meanwhile, waits for GRANT n, folds W + s·B·A straight into the mapped weights
@@ -43,12 +38,11 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
   and on a GPU the decision and the slot's gather are one captured CUDA graph per ring slot (`_capture_decide`).
 
 Where a push's time goes (`SyncReport.phases`, ms): `decide` (the delta decision; Adapter and EngineMerge: with the
-slot's gather and its synchronise), then Adapter `ring` (the doorbell store); EngineMerge `engine` (the decision
-read to every ACK seen), of which `engine_spent` is engine 0's own account (the SPENT word: its fold, synchronise
-and version) and `engine_fold` the fold's device time there (the WORK word, on a GPU), and the moments from the
-request's store on (`_engine_laps`), with `armed` how long before the push `arm` made it (outside `ms`); Merge
-`lock` (to every GRANT), `write` (the fold and copies into the mapped weights, synchronised) and `ack` (DONE to
-every ACK).
+slot's gather and its synchronise), then Adapter `ring` (the doorbell store); EngineMerge `engine` (REQ stored to
+every ACK seen) of which `engine_spent` is engine 0's own account (the SPENT word: its fold, synchronise and
+version) and `engine_fold` the fold's device time there (the WORK word, on a GPU), and the moments in between
+(`_engine_laps`); Merge `lock` (to every
+GRANT), `write` (the fold and copies into the mapped weights, synchronised) and `ack` (DONE to every ACK).
 `verify_ms`: a verified push's checksum call, after the engines serve the push, and outside the push's `ms` (its
 hashing is left out of both, as on the HTTP path).
 
@@ -61,7 +55,6 @@ this proves the engine serves the memory the trainer wrote (a stale mapping show
 from __future__ import annotations
 
 import base64
-import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -84,7 +77,6 @@ from kora_trainer.wire.colocated_words import (
     DONE,
     ERR,
     ERRORS,
-    GO,
     GRANT,
     LAUNCH_CPU,
     REQ,
@@ -142,11 +134,9 @@ class ColocatedFastSender(FastWeightSender):
         self.fused_decide: tuple[torch.Tensor, int, list[torch.Tensor]] | None = None
         self.number = torch.zeros(1)  # ... the number the fused decision leaves (on the adapter's device)
         self.verdicts = False  # EngineMerge: the engines wait for a VERDICT after each request (the plan's answer)
-        self.overlapped = False  # ... and the request is made before the slot is written (fused decision)
-        self.gathered: torch.cuda.Event | None = None  # ... on a GPU: recorded after each gather (`_go`)
-        self.armed: tuple[int, int, int] | None = None  # ... a request `arm` made: (n, version, when in µs)
+        self.overlapped = False  # ... and the request is made before the decision is read (fused decision)
+        self.gathered: torch.cuda.Event | None = None  # ... on a GPU: recorded once the slot is written
         self.lap_t = 0.0
-        self.asked = 0  # EngineMerge: when this push's request was stored (µs, `now_us`)
 
     # ---- the plan, once -----------------------------------------------------------------------------------
 
@@ -181,7 +171,7 @@ class ColocatedFastSender(FastWeightSender):
                     lora = self.http.cfg.lora
                     body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True, verdict=True,
                                 lease_s=min(self.transport.timeout_s, 3600.0))
-                    if device.type == "cuda":  # the engine's fold waits for it on its stream (`_go`)
+                    if device.type == "cuda":  # the engine's fold waits for it on its stream (`_fold_overlapped`)
                         self.gathered = torch.cuda.Event(interprocess=True)
                         body["gathered_event"] = base64.b64encode(self.gathered.ipc_handle()).decode()
         except (NotImplementedError, ValueError, KeyError) as e:
@@ -278,14 +268,10 @@ class ColocatedFastSender(FastWeightSender):
         t0 = self.lap_t = time.perf_counter()
         self.laps = {}
         mode = str(self.mode)
-        armed = self._take_armed(version)
-        if armed is None:
-            self._settled()
-            n = self.seq = self.seq + 1
-        else:
-            n = armed
-        if self.overlapped:  # EngineMerge: the request before the slot is written (`_fold_overlapped`)
-            push, delta, slot = self._fold_overlapped(version, n, armed is not None)
+        self._settled()
+        n = self.seq = self.seq + 1
+        if self.overlapped:  # EngineMerge: the request before the decision is read (`_fold_overlapped`)
+            push, delta, slot = self._fold_overlapped(version, n)
         else:
             push, delta, slot = self._decide(n)
             self._lap("decide")
@@ -330,77 +316,33 @@ class ColocatedFastSender(FastWeightSender):
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what=self._what(), path="fast", phases=dict(self.laps))
 
-    def arm(self, version: int) -> None:
-        """EngineMerge with the fused decision: make the request for pushing `version` now, where the step's update
-        ended, so the engine takes its lock and enqueues its fold while the driver comes round to the push (see the
-        module docstring). Anything else, or a request already armed: nothing."""
-        if not (self.active and self.overlapped) or self.armed is not None:
-            return
-        self._settled()
-        n = self.seq = self.seq + 1
-        self.armed = (n, version, now_us())
-        self._store(ARG, doorbell_value(version, self.pushes % self.adapter_slots), REQ, n)
-
-    def _take_armed(self, version: int) -> int | None:
-        """The armed request's number, when it is for `version` and every engine still waits for its push; else
-        it is withdrawn (an engine that gave up on it after its lease answered it already) and None."""
-        armed, self.armed = self.armed, None
-        if armed is None:
-            return None
-        n, armed_version, when = armed
-        if armed_version == version and all(w[ACK] != -n for w in self.words):
-            self.laps["armed"] = round((now_us() - when) / 1000, 3)
-            self.asked = when
-            return n
-        self._withdraw(n)
-        with contextlib.suppress(SyncError):  # an engine's refusal of a request nothing was pushed by
-            self._acks(n, f"withdrawing the request armed for version {armed_version}")
-        return None
-
-    def _withdraw(self, n: int) -> None:
-        """Request n will not be pushed: its slot word set (the engine's fold may run), then VERDICT -n, so each
-        engine folds the last push back in and gives its lock back."""
-        with contextlib.suppress(Exception):  # a broken device must not keep the verdict from the engines
-            self._go(n)
-        self._say(VERDICT, -n)
-
-    def _go(self, n: int) -> None:
-        """Request n's ring slot is written: on a GPU `gathered` recorded behind the gather (the engine's stream
-        waits on it), then GO = n for every engine."""
-        if self.gathered is not None:
-            self.gathered.record()
-        for words in self.words:
-            words[GO] = n
-        for wake in self.wakers:
-            wake()
-
-    def _fold_overlapped(self, version: int, n: int, armed: bool) -> tuple[bool, float, int]:
-        """EngineMerge with a fused decision: request n stored (unless `arm` did), slot k gathered and the number
-        enqueued (on a GPU the captured graph), GO stored (`_go`) — the engine launches its fold behind the gather
-        while this side synchronises and reads the number — then VERDICT n (push) or -n (the delta-skip: the
-        engine folds the previous slot, the last push, back in) and the ACK."""
+    def _fold_overlapped(self, version: int, n: int) -> tuple[bool, float, int]:
+        """EngineMerge with a fused decision: slot k gathered and the number enqueued (on a GPU the captured graph,
+        then the `gathered` IPC event), request n stored at once — the engine locks, waits for the event on its
+        stream and launches its fold while this side synchronises and reads the number — then VERDICT n (push) or
+        -n (the delta-skip: the engine folds the previous slot, the last push, back in) and the ACK."""
         slot = self.pushes % self.adapter_slots
-        if not armed:
-            self.asked = now_us()
-            self._store(ARG, doorbell_value(version, slot), REQ, n)
+        captured = self.decide_graphs.get(slot)
+        if captured is not None:
+            graph, pending = captured
+            graph.replay()
+            assert self.gathered is not None
+            self.gathered.record()
+        else:
+            pending = self._fused_decide(slot)
+        asked = now_us()
+        self._store(ARG, doorbell_value(version, slot), REQ, n)
         try:
-            captured = self.decide_graphs.get(slot)
-            if captured is not None:
-                graph, pending = captured
-                graph.replay()
-            else:
-                pending = self._fused_decide(slot)
-            self._go(n)
             self._sync_device()
             assert self.delta is not None
             push, delta = self.delta.decide(pending, self.http.threshold)
         except BaseException:
-            self._withdraw(n)  # the engine puts the last push back before giving its lock back
+            self._say(VERDICT, -n)  # the engine puts the last push back before giving its lock back
             raise
         self._lap("decide")
         self._say(VERDICT, n if push else -n)
         self._engine_answered(n, f"folding ring slot {slot} as version {version}" if push else
-                              f"folding the last push back in (delta-skip of version {version})", self.asked)
+                              f"folding the last push back in (delta-skip of version {version})", asked)
         return push, delta, slot
 
     def _engine_answered(self, n: int, what: str, asked: int) -> None:
@@ -618,9 +560,6 @@ class ColocatedFastSender(FastWeightSender):
         return checksum((name, dst[name]) for name in self.names[full])
 
     def close(self) -> None:
-        if self.armed is not None:  # a request never pushed: the engines fold the last push back, locks back
-            self._withdraw(self.armed[0])
-            self.armed = None
         self.decide_graphs, self.fused_decide = {}, None
         self._close_wakers()
         super().close()

@@ -116,10 +116,6 @@ class FastWeightSender:
         self.packed: PackedChecksum | None = None
         self.nbytes = self.nbuckets = 0
 
-    def arm(self, version: int) -> None:
-        """Called where the step's update ended, before `sync(version)`: a sender that can start the push's
-        request early does (colocated EngineMerge: `ColocatedFastSender.arm`); the others have nothing to start."""
-
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
         if not self.active:

@@ -228,9 +228,6 @@ class WeightSender:
 
     # ---- the one entry point ------------------------------------------------------------------
 
-    def arm(self, version: int) -> None:
-        """Nothing to start before the push on the HTTP path (fast_sender.FastWeightSender.arm says what it is)."""
-
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
         t0 = time.perf_counter()

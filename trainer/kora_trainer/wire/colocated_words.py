@@ -25,9 +25,6 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
                     (request n was made before the decision was read: the engine's fold runs meanwhile)
     LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
                     T_LAUNCHED - T_SEEN, the thread was waiting (for the GIL, a core) rather than working
-    GO     trainer  EngineMerge with `verdict`: n once request n's ring slot is written (on a GPU: once the gather is
-                    enqueued and the `gathered` IPC event recorded behind it). Request n may come before it: the
-                    engine takes its lock, then waits for GO
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
 publishes it (ARG before REQ, DARG before DONE), which stores in program order keep on x86 (TSO).
 
@@ -52,8 +49,8 @@ import torch
 
 REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT, WORK = range(9)
 T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK, LAUNCH_CPU = range(9, 15)
-VERDICT, GO = 15, 16
-NWORDS = 17
+VERDICT = 15
+NWORDS = 16
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
@@ -90,10 +87,9 @@ class Words:
 SPIN_S = 0.002  # how long `wait_word` spins (yielding the GIL) before it sleeps between reads: a GPU fold's time
 
 
-def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: float, what: str,
-              spin_s: float = SPIN_S) -> int:
-    """Spin for `spin_s`, then sleep briefly between reads, until `accept(words[i])`; TimeoutError naming `what`
-    after `timeout_s`."""
+def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: float, what: str) -> int:
+    """Spin, then sleep briefly between reads, until `accept(words[i])`; TimeoutError naming `what` after
+    `timeout_s`."""
     start = time.monotonic()
     while True:
         value = words[i]
@@ -102,7 +98,7 @@ def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: fl
         waited = time.monotonic() - start
         if waited > timeout_s:
             raise TimeoutError(f"{what}: no answer in shared memory within {timeout_s:g} s")
-        time.sleep(0 if waited < spin_s else 20e-6)  # 0: the GIL to the process's other threads, no timer
+        time.sleep(0 if waited < SPIN_S else 20e-6)  # 0: the GIL to the process's other threads, no timer
 
 
 def _fifo_dir() -> str:
