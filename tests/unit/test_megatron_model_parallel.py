@@ -5,7 +5,8 @@ against the same job in one process.
 
 What a user would notice: the same job trains the same adapter whichever the layout — pipeline 2, tensor 2 x
 pipeline 2, pipeline 2 x data 2, and on a tiny Qwen3-MoE pipeline 2, expert 2 (data 2), pipeline 2 x expert 2,
-tensor 2 (sequence parallel), tensor 2 x expert 2, and that with the routers adapted too (Adapter mode):
+tensor 2 (sequence parallel), tensor 2 x expert 2, that with the routers adapted too (Adapter mode), and tensor 2 x
+pipeline 2 x expert 2:
 the same LoRA init, the same losses, KL, grad norms and log-probs over 3 GRPO steps (fp32, 2 inner epochs, 3
 micro-batches a minibatch; the tolerances below, the sums' order), every rank reporting the same metrics and
 log-probs, the exported adapter whole on every rank under the one-process names, and checkpoints written split
@@ -145,15 +146,16 @@ def _same_export(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], at
 # model, (tensor, pipeline, data[, expert]), tolerances (metrics relative, log-probs abs, exported adapter abs).
 # Measured against the one-process run over the 3 steps (docs/megatron_backend.md): dense pipeline 2 bit-identical;
 # with tensor or data parallelism, which sum shards and shares in another order, metrics within 2.6e-6 relative,
-# log-probs within 9.1e-6, the exported adapter within 2.6e-6; MoE within 6.3e-6, 3.2e-5 and 1.1e-4 (the router's
+# log-probs within 9.1e-6, the exported adapter within 2.6e-6; MoE within 6.6e-6, 3.8e-5 and 1.1e-4 (the router's
 # and the all-to-all's sums, sequence parallelism's reduce-scatters, and AdamW turning a near-zero gradient's rounding
 # into a whole step)
-DENSE, MOE = (1e-5, 3e-5, 2e-5), (3e-5, 5e-5, 2e-4)
+DENSE, MOE = (1e-5, 3e-5, 2e-5), (3e-5, 1e-4, 2e-4)
 LAYOUTS = {"pipeline2": ("tiny", (1, 2, 1), DENSE), "tensor2-pipeline2": ("tiny", (2, 2, 1), DENSE),
            "pipeline2-data2": ("tiny", (1, 2, 2), DENSE), "moe-pipeline2": ("tiny_moe", (1, 2, 1), MOE),
            "moe-expert2": ("tiny_moe", (1, 1, 2, 2), MOE), "moe-pipeline2-expert2": ("tiny_moe", (1, 2, 2, 2), MOE),
            "moe-tensor2": ("tiny_moe", (2, 1, 1, 1), MOE), "moe-tensor2-expert2": ("tiny_moe", (2, 1, 1, 2), MOE),
-           "moe-router-tensor2-expert2": ("tiny_moe_router", (2, 1, 1, 2, 1), MOE)}
+           "moe-router-tensor2-expert2": ("tiny_moe_router", (2, 1, 1, 2, 1), MOE),
+           "moe-tensor2-pipeline2-expert2": ("tiny_moe", (2, 2, 1, 2), MOE)}
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
