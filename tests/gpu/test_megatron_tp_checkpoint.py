@@ -1,7 +1,8 @@
 """Checkpoints and the HF-PEFT export of the megatron policy under tensor parallelism 2 (checkpoint/training.py with
 backends/megatron/tp_checkpoint.py): every rank calls save / export (the shards are gathered), rank 0 alone writes,
-and a fresh TP = 2 policy restored from the checkpoint continues exactly as the uninterrupted one; a checkpoint
-written at TP 2 is refused by a TP = 1 job with the fix.
+and a fresh TP = 2 policy restored from the checkpoint continues exactly as the uninterrupted one; the checkpoint
+holds the whole factors in the one-rank layout (a gated linear_fc1's B: the ranks' gate halves, then their up
+halves), so a TP = 1 job resumes it with the same adapter.
 
 Two ways to run the two ranks: one GPU each over NCCL (2 GPUs), or both on cuda:0 over gloo (one GPU: NCCL refuses
 two ranks of one group on one device), so the TP code paths run on a one-GPU machine too.
@@ -53,6 +54,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, root: str, out: s
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from kora_trainer.backends.megatron.parallel import destroy_parallel, init_parallel
+    from kora_trainer.backends.megatron.tp_checkpoint import shard_split
     from kora_trainer.checkpoint.training import export_adapter, restore_training_state, save_training_state
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -63,6 +65,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, root: str, out: s
     saved = save_training_state(Path(root), straight, data_position=2, keep=2, meta={"sync_mode": "Merge"})
     exported = export_adapter(Path(root), straight, straight.cfg, {"seed": 0})
     after_save = _shards(straight)
+    splits = {n: shard_split(p) for (n, _), p in zip(straight.adapter_named(), straight.params, strict=True)}
     third = _step(straight)
     want = _shards(straight)
     del straight
@@ -73,6 +76,7 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, root: str, out: s
     torch.save({"losses": losses, "saved": None if saved is None else str(saved),
                 "exported": None if exported is None else str(exported), "after_save": after_save,
                 "restored": restored, "third": third, "again": again, "want": want, "got": _shards(resumed),
+                "splits": splits,
                 "info": None if info is None else info.as_dict()}, f"{out}.{rank}")
     destroy_parallel()
 
@@ -82,7 +86,6 @@ def test_a_tensor_parallel_checkpoint_resumes_exactly_and_is_written_once(tmp_pa
     import torch.multiprocessing as mp
     from safetensors.torch import load_file
 
-    from kora_trainer.checkpoint.lora_only import CheckpointError
 
     model_dir = make_tiny_model(tmp_path / "tiny")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
@@ -102,26 +105,31 @@ def test_a_tensor_parallel_checkpoint_resumes_exactly_and_is_written_once(tmp_pa
             assert torch.equal(r["got"][n], t), n
     # the two ranks' shards differ (the checkpoint split them, it did not hand both rank 0's)
     assert any(not torch.equal(ranks[0]["after_save"][n], ranks[1]["after_save"][n]) for n in ranks[0]["after_save"])
-    # the checkpoint holds whole factors: the ranks' shards concatenated along megatron's partition dim
+    # the checkpoint holds whole factors in the one-rank layout: each rank's shard is its split of it
+    from kora_trainer.backends.megatron.tp_checkpoint import split_shard
+
     whole = load_file(str(root / "step_00000002" / "adapter.safetensors"))
+    assert any(split is not None and split[1] == 2 for split in ranks[0]["splits"].values())  # a gated fc1's B
     for n, t0 in ranks[0]["after_save"].items():
         t1 = ranks[1]["after_save"][n]
         if t0.shape == whole[n].shape:
             assert torch.equal(t0, whole[n]) and torch.equal(t1, whole[n])  # replicated
         else:
-            dim = next(d for d in range(t0.dim()) if t0.shape[d] != whole[n].shape[d])
-            assert torch.equal(torch.cat([t0, t1], dim=dim), whole[n]), n
+            split = ranks[0]["splits"][n]
+            assert torch.equal(split_shard(whole[n], split, 0, TP), t0), n
+            assert torch.equal(split_shard(whole[n], split, 1, TP), t1), n
     exported = load_file(str(Path(ranks[0]["exported"]) / "adapter_model.safetensors"))
     assert exported and all(".lora_A." in k or ".lora_B." in k for k in exported)
-    # a TP = 1 job refuses the TP = 2 checkpoint, naming the field and the fix
+    # a TP = 1 job resumes the TP = 2 checkpoint: the same step, the whole adapter
     from kora_trainer.backends.megatron.parallel import destroy_parallel, init_parallel
     from kora_trainer.checkpoint.training import restore_training_state
 
     os.environ["MASTER_PORT"] = str(free_port())
     init_parallel(1)
     try:
-        with pytest.raises(CheckpointError, match=r"parallelism.tensor 2 and this job runs 1: set parallelism.tensor "
-                                                  r"to 2"):
-            restore_training_state(root, _policy(model_dir, 1))
+        one = _policy(model_dir, 1)
+        assert restore_training_state(root, one).step == 2
+        for n, t in one.adapter_named():
+            assert torch.equal(t.detach().cpu(), whole[n]), n
     finally:
         destroy_parallel()

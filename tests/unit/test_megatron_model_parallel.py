@@ -191,8 +191,9 @@ def test_pipeline_stages_train_what_one_stage_trains(request, root, name):
     assert ranks[0]["ckpt"] is not None and all(r["ckpt"] is None for r in ranks[1:])
 
 
-@pytest.mark.parametrize(("model", "split"), [("tiny", (1, 2, 1)), ("tiny_moe", (1, 1, 2, 2))],
-                         ids=["pipeline2", "moe-expert2"])
+@pytest.mark.parametrize(("model", "split"), [("tiny", (1, 2, 1)), ("tiny_moe", (1, 1, 2, 2)), ("tiny", (2, 1, 1)),
+                                               pytest.param("tiny_moe", (2, 1, 1, 2), marks=pytest.mark.full)],
+                         ids=["pipeline2", "moe-expert2", "tensor2", "moe-tensor2-expert2"])
 def test_a_split_checkpoint_resumes_in_one_process_and_split(request, root, model, split):
     model_dir, _ = request.getfixturevalue(model)
     rel, _, export_tol = DENSE if model == "tiny" else MOE

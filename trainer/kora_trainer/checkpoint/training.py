@@ -74,7 +74,7 @@ def save_training_state(root: Path, backend: Any, *, data_position: int, keep: i
     return lora_only.save(
         Path(root), backend.version, adapter=dict(adapter), optimizer=optimizer, scheduler=None, rng=rng, keep=keep,
         meta={"data_position": data_position, "param_names": [n for n, _ in adapter],
-              "tensor_parallel": shards.size if shards is not None else 1,
+              "tensor_parallel": shards.size if shards is not None else 1, "tp_layout": "whole",
               "pipeline_parallel": shards.stages if shards is not None else 1,
               "expert_parallel": shards.experts if shards is not None else 1, **(meta or {})})
 
@@ -92,10 +92,11 @@ def restore_training_state(root: Path, backend: Any) -> Resumed | None:
     adapter, optimizer, rng = ckpt.adapter, ckpt.optimizer, ckpt.rng
     shards = backend.checkpoint_shards
     tp, ours = int(ckpt.meta.get("tensor_parallel", 1)), shards.size if shards is not None else 1
-    if tp != ours:
-        raise CheckpointError(f"{ckpt.path} holds a policy trained at parallelism.tensor {tp} and this job runs "
-                              f"{ours}: set parallelism.tensor to {tp} to resume it, or point checkpoint.path at "
-                              "a new directory to start afresh")
+    whole = tp == 1 or ckpt.meta.get("tp_layout") == "whole"  # else written as TP shards side by side (older)
+    if not whole and tp != ours:
+        raise CheckpointError(f"{ckpt.path} holds a policy trained at parallelism.tensor {tp} in the older "
+                              f"side-by-side layout and this job runs {ours}: set parallelism.tensor to {tp} to "
+                              "resume it, or point checkpoint.path at a new directory to start afresh")
     # every pipeline stage's and expert-parallel rank's names (a checkpoint written at another split lists them in
     # another order: the state is taken by name)
     everyone = shards.all_names(list(live)) if shards is not None else list(live)
@@ -104,7 +105,7 @@ def restore_training_state(root: Path, backend: Any) -> Resumed | None:
         raise CheckpointError(f"{ckpt.path} does not fit this model's adapter (lora.targetModules / lora.scope "
                               f"changed?): only in the checkpoint {gone[:3]}, only in the model {new[:3]}")
     if shards is not None:  # this TP rank's shards of this rank's own parameters (tp_checkpoint.py)
-        adapter, optimizer = shards.local(adapter, names, optimizer, list(live))
+        adapter, optimizer = shards.local(adapter, names, optimizer, list(live), whole)
         rng = shards.own_rng(rng)
     elif list(live) != list(names):
         optimizer = select_state(optimizer, names, list(live))

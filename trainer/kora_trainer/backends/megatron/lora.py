@@ -260,6 +260,9 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
         wrapper = _wrap(module, spec, gen)
         if wrapper is None:
             continue
+        if leaf == "linear_fc1" and wrapper.tp_size > 1 and getattr(getattr(module, "config", None),
+                                                                     "gated_linear_unit", False):
+            wrapper.lora_B.weight.partition_stride = 2  # type: ignore[attr-defined]  # rows [gate_t; up_t]
         wrapper.train(module.training)
         parent_name, _, _ = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, wrapper)

@@ -2,9 +2,12 @@
 
 Each TP rank holds a shard of every sharded LoRA factor (a column-parallel linear's B on rows, a row-parallel
 one's A on columns; megatron's `partition_dim` says which) and AdamW moments of the same shapes. A checkpoint
-holds the TP ranks' shards concatenated along that dim, written once by global rank 0 (the data-parallel
-replicas hold the same state), with the TP size in its meta: resuming splits them again, so it needs the same
-`parallelism.tensor` (refused otherwise, with the fix). Every rank's RNG state goes in too (`ranks`, in global
+holds each factor whole in the one-rank layout, written once by global rank 0 (the data-parallel replicas hold the
+same state): the shards concatenated along that dim, except a gated MLP's linear_fc1 B, whose shard is
+[gate_t; up_t] (`partition_stride` 2: lora.apply_lora marks it), so its shards' gate halves go first, then their up
+halves, as [gate; up] is at one rank. Resuming splits each factor for this job's TP size, so a checkpoint resumes
+at any `parallelism.tensor` (meta `tp_layout` "whole"; an older checkpoint, written as the shards concatenated,
+resumes at its own TP size only, refused otherwise with the fix). Every rank's RNG state goes in too (`ranks`, in global
 rank order): with lora.dropout > 0 each rank draws its own masks, and a resumed rank continues its own stream.
 
 Pipeline stages each hold their own layers' factors, and expert-parallel ranks their own experts' (named by global
@@ -31,18 +34,34 @@ Named = tuple[str, torch.Tensor]
 RNG_RANKS = "ranks"
 
 
-def shard_dim(p: torch.Tensor) -> int | None:
-    """The dim megatron split this parameter along over the TP group (None: every TP rank holds it whole)."""
-    return int(getattr(p, "partition_dim", 0)) if getattr(p, "tensor_model_parallel", False) else None
+Split = tuple[int, int] | None  # (dim, stride) of a TP-sharded tensor; None: every TP rank holds it whole
 
 
-def split_shard(full: torch.Tensor, dim: int | None, rank: int, size: int) -> torch.Tensor:
-    """TP rank `rank`'s shard of a checkpointed tensor (the whole tensor when it is not sharded)."""
-    if dim is None or size == 1:
+def shard_split(p: torch.Tensor) -> Split:
+    """How megatron split this parameter over the TP group: its dim, and its stride (2: [gate_t; up_t] shards)."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    return int(getattr(p, "partition_dim", 0)), int(getattr(p, "partition_stride", 1))
+
+
+def split_shard(full: torch.Tensor, split: Split, rank: int, size: int) -> torch.Tensor:
+    """TP rank `rank`'s shard of a checkpointed tensor in the one-rank layout (the whole tensor when not sharded):
+    with stride k, the rank's chunk of each of the k parts, concatenated."""
+    if split is None or size == 1:
         return full
-    if full.shape[dim] % size:
+    dim, stride = split
+    if full.shape[dim] % (size * stride):
         raise ValueError(f"a tensor of shape {tuple(full.shape)} does not split into {size} shards on dim {dim}")
-    return full.chunk(size, dim=dim)[rank].contiguous()
+    return torch.cat([part.chunk(size, dim=dim)[rank] for part in full.chunk(stride, dim=dim)], dim=dim).contiguous()
+
+
+def join_shards(shards: list[torch.Tensor], split: Split) -> torch.Tensor:
+    """The TP ranks' shards as the one-rank tensor (`split_shard`'s inverse)."""
+    if split is None:
+        return shards[0]
+    dim, stride = split
+    parts = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([p[k] for k in range(stride) for p in parts], dim=dim)
 
 
 @dataclass(frozen=True)
@@ -52,7 +71,7 @@ class TensorShards:
 
     rank: int  # TP rank
     size: int  # TP size
-    dims: tuple[int | None, ...]  # per parameter: the split dim, or None
+    dims: tuple[Split, ...]  # per parameter: how it is split (dim, stride), or None
     group: Any  # megatron's TP process group
     stages: int = 1  # pipeline size
     stage_group: Any = None  # megatron's pipeline group (stages > 1)
@@ -69,7 +88,7 @@ class TensorShards:
         experts = parallel_state.get_expert_model_parallel_world_size()
         if size == 1 and stages == 1 and experts == 1:
             return None
-        return cls(parallel_state.get_tensor_model_parallel_rank(), size, tuple(shard_dim(p) for p in params),
+        return cls(parallel_state.get_tensor_model_parallel_rank(), size, tuple(shard_split(p) for p in params),
                    parallel_state.get_tensor_model_parallel_group(), stages,
                    parallel_state.get_pipeline_model_parallel_group() if stages > 1 else None, experts,
                    parallel_state.get_expert_model_parallel_group() if experts > 1 else None)
@@ -112,12 +131,12 @@ class TensorShards:
         group_0 = {**optimizer["param_groups"][0], "params": list(range(len(joined)))}
         return joined, {**optimizer, "state": state, "param_groups": [group_0]}
 
-    def _gather(self, t: torch.Tensor, dim: int | None) -> torch.Tensor:
-        if dim is None:
+    def _gather(self, t: torch.Tensor, split: Split) -> torch.Tensor:
+        if split is None:
             return t
         parts = [torch.empty_like(t) for _ in range(self.size)]
         dist.all_gather(parts, t.contiguous(), group=self.group)
-        return torch.cat(parts, dim=dim)
+        return join_shards(parts, split)
 
     def gather(self, adapter: list[Named], optimizer: Mapping[str, Any], rng: Mapping[str, Any]
                ) -> tuple[list[Named], dict[str, Any], dict[str, Any]]:
@@ -135,13 +154,15 @@ class TensorShards:
         return whole, joined, {**rng, RNG_RANKS: ranks}
 
     def local(self, adapter: Mapping[str, torch.Tensor], names: list[str], optimizer: Mapping[str, Any],
-              mine: list[str] | None = None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+              mine: list[str] | None = None, whole: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """This rank's shards of a checkpoint `gather` wrote (`names`: the checkpoint's parameters in the
-        optimizer's order; `mine`: this stage's, in its optimizer's order — all of `names` with one stage)."""
+        optimizer's order; `mine`: this stage's, in its optimizer's order — all of `names` with one stage).
+        `whole` False: an older checkpoint, its shards only concatenated (split the same way: same TP size)."""
         mine = names if mine is None else mine
         own = select_state(optimizer, names, mine)
-        shards = {n: split_shard(adapter[n], d, self.rank, self.size) for n, d in zip(mine, self.dims, strict=True)}
-        state = {i: {k: split_shard(v, self.dims[i], self.rank, self.size) if _moment(v, adapter[mine[i]]) else v
+        dims = self.dims if whole else tuple(None if d is None else (d[0], 1) for d in self.dims)
+        shards = {n: split_shard(adapter[n], d, self.rank, self.size) for n, d in zip(mine, dims, strict=True)}
+        state = {i: {k: split_shard(v, dims[i], self.rank, self.size) if _moment(v, adapter[mine[i]]) else v
                      for k, v in s.items()} for i, s in own["state"].items()}
         return shards, {**own, "state": state}
 
