@@ -41,6 +41,7 @@ from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.config import MEGATRON_TO_HF, TrainerConfig
 
 EXPORT_FORMAT = "kora-lora-export/1"
+WHOLE_FACTORS = "whole"  # meta tp_layout: TP shards joined into one-rank layout (backends/megatron/tp_checkpoint.py)
 
 
 @dataclass
@@ -74,7 +75,7 @@ def save_training_state(root: Path, backend: Any, *, data_position: int, keep: i
     return lora_only.save(
         Path(root), backend.version, adapter=dict(adapter), optimizer=optimizer, scheduler=None, rng=rng, keep=keep,
         meta={"data_position": data_position, "param_names": [n for n, _ in adapter],
-              "tensor_parallel": shards.size if shards is not None else 1, "tp_layout": "whole",
+              "tensor_parallel": shards.size if shards is not None else 1, "tp_layout": WHOLE_FACTORS,
               "pipeline_parallel": shards.stages if shards is not None else 1,
               "expert_parallel": shards.experts if shards is not None else 1, **(meta or {})})
 
@@ -92,7 +93,7 @@ def restore_training_state(root: Path, backend: Any) -> Resumed | None:
     adapter, optimizer, rng = ckpt.adapter, ckpt.optimizer, ckpt.rng
     shards = backend.checkpoint_shards
     tp, ours = int(ckpt.meta.get("tensor_parallel", 1)), shards.size if shards is not None else 1
-    whole = tp == 1 or ckpt.meta.get("tp_layout") == "whole"  # else written as TP shards side by side (older)
+    whole = tp == 1 or ckpt.meta.get("tp_layout") == WHOLE_FACTORS  # else written as TP shards side by side (older)
     if not whole and tp != ours:
         raise CheckpointError(f"{ckpt.path} holds a policy trained at parallelism.tensor {tp} in the older "
                               f"side-by-side layout and this job runs {ours}: set parallelism.tensor to {tp} to "

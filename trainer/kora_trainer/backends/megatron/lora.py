@@ -124,7 +124,8 @@ class _ParallelLoRA(MegatronLoRA):
 
     column: bool
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_full: torch.Tensor):
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float, a_full: torch.Tensor,
+                 gated: bool = False):
         if getattr(base, "explicit_expert_comm", False) and _tp(base)[1] > 1:
             # an expert linear whose own TP group splits it (expertTensor > 1); one per expert-parallel rank is fine
             raise NotImplementedError("LoRA on MoE experts split by tensor parallelism (expertTensor > 1) is not "
@@ -135,8 +136,10 @@ class _ParallelLoRA(MegatronLoRA):
         from megatron.core import tensor_parallel
 
         sharded, dim = (self.lora_B.weight, 0) if self.column else (self.lora_A.weight, 1)
-        if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard
-            tensor_parallel.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim, stride=1)
+        if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard; a gated linear_fc1's
+            # B shard is [gate_t; up_t] (stride 2: backends/megatron/tp_checkpoint.py joins it so)
+            tensor_parallel.set_tensor_model_parallel_attributes(sharded, is_parallel=True, dim=dim,
+                                                                 stride=2 if gated and self.column else 1)
         # sequence parallelism (module docstring): the replicated factor sees this rank's tokens only
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and self.tp_size > 1
         if self.sequence_parallel:
@@ -257,12 +260,10 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
         if leaf not in leaves:
             continue
         gen = torch.Generator().manual_seed(module_seed(seed, global_name(name, numbers)))
-        wrapper = _wrap(module, spec, gen)
+        gated = leaf == "linear_fc1" and bool(getattr(getattr(module, "config", None), "gated_linear_unit", False))
+        wrapper = _wrap(module, spec, gen, gated)
         if wrapper is None:
             continue
-        if leaf == "linear_fc1" and wrapper.tp_size > 1 and getattr(getattr(module, "config", None),
-                                                                     "gated_linear_unit", False):
-            wrapper.lora_B.weight.partition_stride = 2  # type: ignore[attr-defined]  # rows [gate_t; up_t]
         wrapper.train(module.training)
         parent_name, _, _ = name.rpartition(".")
         setattr(model.get_submodule(parent_name), leaf, wrapper)
@@ -283,8 +284,9 @@ def module_seed(seed: int, name: str) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator) -> MegatronLoRA | None:
-    """The LoRA wrapper for one megatron module (None: not a kind LoRA wraps), A drawn at full size."""
+def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator, gated: bool = False) -> MegatronLoRA | None:
+    """The LoRA wrapper for one megatron module (None: not a kind LoRA wraps), A drawn at full size; `gated`: a
+    gated MLP's linear_fc1 ([gate; up] rows)."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     from megatron.core.transformer.moe.router import TopKRouter
 
@@ -299,6 +301,8 @@ def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator) -> MegatronLo
         return None
     bound = 1.0 / math.sqrt(in_full)  # kaiming_uniform_(a=√5) on [r, in]
     a_full = torch.empty(spec.rank, in_full).uniform_(-bound, bound, generator=gen)
+    if cls is LoRAColumnParallelLinear:
+        return LoRAColumnParallelLinear(module, spec.rank, spec.alpha, spec.dropout, a_full, gated)
     return cls(module, spec.rank, spec.alpha, spec.dropout, a_full)
 
 

@@ -4,7 +4,7 @@ Each TP rank holds a shard of every sharded LoRA factor (a column-parallel linea
 one's A on columns; megatron's `partition_dim` says which) and AdamW moments of the same shapes. A checkpoint
 holds each factor whole in the one-rank layout, written once by global rank 0 (the data-parallel replicas hold the
 same state): the shards concatenated along that dim, except a gated MLP's linear_fc1 B, whose shard is
-[gate_t; up_t] (`partition_stride` 2: lora.apply_lora marks it), so its shards' gate halves go first, then their up
+[gate_t; up_t] (`partition_stride` 2: the LoRA wrapper marks it), so its shards' gate halves go first, then their up
 halves, as [gate; up] is at one rank. Resuming splits each factor for this job's TP size, so a checkpoint resumes
 at any `parallelism.tensor` (meta `tp_layout` "whole"; an older checkpoint, written as the shards concatenated,
 resumes at its own TP size only, refused otherwise with the fix). Every rank's RNG state goes in too (`ranks`, in global
