@@ -290,12 +290,14 @@ def recorded_calls(record: Path) -> list[dict[str, Any]]:
 
 def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path, versions: Sequence[int],
                         lora_path: str | None, atol: float) -> list[float]:
-    """Push each of `versions` (the adapter moved before each) through a colocated fast `sender` whose plan and
-    first fast push are done: each push makes no HTTP call to the `recording_engine`, which then serves the
+    """Push each of `versions` (the adapter moved before each, odd ones armed) through a colocated fast `sender`
+    whose plan and first fast push are done: each push makes no HTTP call to the `recording_engine`, which then serves the
     policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
     times = []
     for version in versions:
         step(b, 0.05 if version % 2 else -0.04)
+        if version % 2:  # as the trainer's step does (orchestration/workers.py); even versions come unannounced
+            sender.arm()
         before = len(recorded_calls(record))
         report = sender.sync(version=version)
         made = recorded_calls(record)[before:]
@@ -337,7 +339,7 @@ def greedy(client: EngineClient) -> list[tuple[str | None, list[int], list[float
 def skip_under_threshold_keeps_what_is_served(sender: Any, b: Any, client: EngineClient, version: int) -> Any:
     """Move the adapter a little, under a raised delta threshold, and sync as `version`: a delta-skip, and the
     engine serves exactly what it served before (weights, to the bit, and version), though an EngineMerge engine
-    folded the moved pairs before the decision came (colocated_sender._fold_overlapped) and had to put them back."""
+    gathered and folded the moved pairs before its decision (colocated_sender._fold_on_engine) and put them back."""
     served = greedy(client)
     threshold, sender.http.threshold = sender.http.threshold, 1.0
     try:

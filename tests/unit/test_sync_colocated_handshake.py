@@ -77,7 +77,7 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
         # where the push's time went: the parts add up to its time; the verification is reported beside it
         engine_own = {"engine_spent", "engine_wake", "engine_lock", "engine_launch", "engine_launch_cpu",
                       "engine_wait", "engine_after", "ack_notice"}  # inside "engine"
-        parts = {"Merge": {"decide", "lock", "write", "ack"}, "EngineMerge": {"decide", "engine"} | engine_own,
+        parts = {"Merge": {"decide", "lock", "write", "ack"}, "EngineMerge": {"sync", "engine"} | engine_own,
                  "Adapter": {"decide", "ring"}}[mode]
         assert set(first.phases) == parts | {"verify_ms"}, first.phases
         assert sum(v for k, v in first.phases.items() if k not in engine_own | {"verify_ms"}) \
@@ -86,16 +86,15 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
             p = first.phases
             moments = ["engine_wake", "engine_lock", "engine_launch", "engine_wait", "engine_after", "ack_notice"]
             assert min(p[m] for m in moments) >= 0  # one clock for both processes: the moments are in order
-            # from the request's store to its ACK seen: all of "engine", and (the request is made before the
-            # decision is read, `_fold_overlapped`) part of "decide"
+            # from the request's store to its ACK seen: all of "engine" (the engine gathers, folds and decides)
             assert p["engine"] - 0.05 <= sum(p[m] for m in moments) <= first.ms + 0.05
             assert 0 < p["engine_launch_cpu"] <= p["engine_launch"] + p["engine_lock"] + 0.01  # CPU within wall
         steady_state_pushes(sender, b, client, record, (3, 4, 5), lora_path(mode), ATOL)
         skipped = sender.sync(version=6)  # delta-skip: Merge asked for the lock and gave it back unused
         assert not skipped.pushed and skipped.adapter_version == 5
         assert client.generate([PROMPT], {"max_new_tokens": 1}, lora_path=lora_path(mode))[0].weight_version == "5"
-        if mode == "EngineMerge":  # the request went out before the decision: the engine folded, then put v5 back
-            assert sender.overlapped
+        if mode == "EngineMerge":  # the engine gathered and decided the skip: it folded, then put v5 back
+            assert sender.engine_gathers and skipped.phases["engine"] > 0
             skip_under_threshold_keeps_what_is_served(sender, b, client, version=7)
 
 

@@ -49,7 +49,6 @@ watcher's pushes take the same weight lock.
 
 from __future__ import annotations
 
-import base64
 import logging
 import threading
 import time
@@ -60,8 +59,10 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from kora_trainer.reference_engine.colocated_gather import SlotGather
 from kora_trainer.reference_engine.colocated_watcher import (
     TORN_VERSION,
+    Folded,
     MergeHandshake,
     Watcher,
     engine_merge_handshake,
@@ -113,11 +114,9 @@ class _Plan:
     merge: tuple[float, int, bool] | None = None  # EngineMerge: lora_alpha, lora_rank, merge_fp32
     folds: dict[int, Any] = field(default_factory=dict)  # EngineMerge: each slot's planned fold (model.PlannedMerge)
     marks: dict[int, list[torch.cuda.Event]] = field(default_factory=dict)  # ... and the CUDA events timing it
-    # EngineMerge with `verdict`: the fold starts before the trainer's delta decision is read (see fold_slot); on a
-    # GPU the engine's stream first waits for the trainer's IPC event, recorded after it wrote the slot
-    verdict: bool = False
-    gathered: torch.cuda.Event | None = None
-    lease_s: float = 0.0
+    # EngineMerge with the plan's `gather`: the engine gathers the trainer's adapter into the slot and decides the
+    # delta-skip itself (colocated_gather.py)
+    gather: SlotGather | None = None
     packed: PackedChecksum | None = None
     lora_name: str = ""
     config: dict[str, Any] = field(default_factory=dict)
@@ -180,14 +179,13 @@ class ColocatedRoutes:
                 exported.append(("doorbell", plan.doorbell))
             else:  # the fold's parameters, checked once
                 plan.merge = (float(b["lora_alpha"]), int(b["lora_rank"]), bool(b.get("merge_fp32", True)))
-                plan.verdict, plan.lease_s = bool(b.get("verdict")), lease_s
-                if b.get("gathered_event") and engine.device.type == "cuda":
-                    handle = base64.b64decode(str(b["gathered_event"]))
-                    plan.gathered = torch.cuda.Event.from_ipc_handle(engine.device, handle)
+                if b.get("gather"):
+                    plan.gather = SlotGather(dict(b["gather"]), ring, engine.device)
+                    self._plan_folds(plan)
         else:
             raise ValueError(f"mode {b.get('mode')!r}: the colocated fast path takes Merge, Adapter or EngineMerge")
         answer: dict[str, Any] = {"bytes": sum(t.numel() * t.element_size() for _, t in exported),
-                                  "verdict": plan.verdict}
+                                  "gathers": plan.gather is not None}
         if plan.mode != "Adapter":  # the per-push handshake in shared memory (wire/colocated_words.py)
             words, wake = make_words(), Wake()
             exported.append(("handshake", words))
@@ -205,7 +203,7 @@ class ColocatedRoutes:
             handle = MergeHandshake(self.server.engine, words, wake, plan.names, lease_s,
                                     lambda: watcher is not None and watcher.stopping)
         else:
-            handle = engine_merge_handshake(words, self.fold_slot, plan.lease_s if plan.verdict else None)
+            handle = engine_merge_handshake(words, self.fold_slot)
         watcher = Watcher(words, wake, handle, self.server.engine.device)
         return watcher
 
@@ -318,19 +316,18 @@ class ColocatedRoutes:
         return self._checksum({**b, "slot": slot})
 
     def fold_slot(self, slot: int, version: str | None, lap: Callable[[str], None] | None = None,
-                  verdict: Callable[[], bool | None] | None = None) -> float | None:
-        """The pairs the trainer wrote into ring slot `slot`, folded into the pristine base (the HTTP lora_merge's
-        fold, as one weight write) and the version set, both under the weight lock: a generation admitted after
-        it sees the new weights and reports the new version. Returns the fold's device time (ms, CUDA events) on
-        a GPU, else None: the push's report tells the fold from the waking, locking and synchronising around it.
-        `lap("locked")`, `lap("launched")` and `lap("synced")` mark the lock held, the fold enqueued and done (the
-        handshake's words).
+                  threshold: float | None = None) -> Folded:
+        """The pairs in ring slot `slot` folded into the pristine base (the HTTP lora_merge's fold, as one weight
+        write) and the version set, both under the weight lock: a generation admitted after it sees the new weights
+        and reports the new version. `lap("locked")`, `lap("launched")` and `lap("synced")` mark the lock held,
+        the fold enqueued and done (the handshake's words). Returns the fold's device time (ms, CUDA events; None
+        off a GPU), so the push's report tells the fold from the waking, locking and synchronising around it.
 
-        `verdict` (the plan's `verdict`): the trainer asked before it read its own delta decision, so the fold is
-        enqueued at once (on a GPU behind the trainer's `gathered` IPC event: the slot is whole when it runs) and
-        `verdict()` then says whether the push stands. A push that does not (the delta-skip: False; no verdict
-        within the lease: None) folds the previous slot again, which holds the pairs last pushed, so the weights
-        come back bit for bit before the lock is given back, and the version stays."""
+        With the plan's `gather` the engine first gathers the trainer's adapter into the slot, with its delta
+        number against the slot before (colocated_gather.py), in the same stream ahead of the fold; when that
+        number is not above `threshold` (the delta-skip; None: the push stands) the previous slot, which holds
+        the pairs last pushed, is folded again, so the weights come back bit for bit before the lock is given
+        back, and the version stays."""
         plan = self._planned("EngineMerge")
         ring = plan.ring
         assert ring is not None
@@ -342,32 +339,46 @@ class ColocatedRoutes:
         if cuda and slot not in plan.marks:  # made once: a push's host time is on its critical path
             plan.marks[slot] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         marks = plan.marks.get(slot, [])
-        keep: bool | None = True
+        delta: float | None = None
         with engine.writing():
             if lap is not None:
                 lap("locked")
-            if cuda and plan.gathered is not None:
-                torch.cuda.current_stream(engine.device).wait_event(plan.gathered)
             if cuda:
                 marks[0].record()
+            if plan.gather is not None:
+                plan.gather.enqueue(slot)
             fold.run()
-            if lap is not None:
-                lap("launched")
-            if verdict is not None:
-                keep = verdict()
-                if not keep:
-                    self._slot_fold(plan, (slot - 1) % len(ring.buffers)).run()  # the last pushed pairs again
             if cuda:
                 marks[1].record()
-                torch.cuda.synchronize(engine.device)  # whole before the version names it (and the slot is free)
+            if lap is not None:
+                lap("launched")
+            if cuda:
+                torch.cuda.synchronize(engine.device)  # whole before the version names it (and the number read)
+            if plan.gather is not None:
+                delta = plan.gather.delta()
+            keep = threshold is None or delta is None or delta > threshold
+            if not keep:
+                self._slot_fold(plan, (slot - 1) % len(ring.buffers)).run()  # the last pushed pairs again
+                if cuda:
+                    torch.cuda.synchronize(engine.device)
             if lap is not None:
                 lap("synced")
             if keep and version is not None:
                 engine.weight_version = version
-        if keep is None:
-            raise TimeoutError(f"no verdict on slot {slot} within the lease of {plan.lease_s:g} s: the weights were "
-                               "folded back to the last push")
-        return marks[0].elapsed_time(marks[1]) if cuda else None
+        return Folded(marks[0].elapsed_time(marks[1]) if cuda else None, keep, delta)
+
+    def _plan_folds(self, plan: _Plan) -> None:
+        """With `gather`, at plan time: every slot filled with the trainer's adapter (what the engine serves: the
+        HTTP push came just before) and every slot's fold planned and run once, under the weight lock (a fold's
+        first run compiles and captures it, writing the weights: the same values they hold), so no push plans."""
+        engine, ring, gather = self.server.engine, plan.ring, plan.gather
+        assert ring is not None and gather is not None
+        with engine.writing():
+            gather.fill()
+            for k in range(len(ring.buffers)):
+                self._slot_fold(plan, k).run()
+            if engine.device.type == "cuda":
+                torch.cuda.synchronize(engine.device)
 
     def _slot_fold(self, plan: _Plan, slot: int) -> Any:
         """Slot `slot`'s planned fold (model.PlannedMerge), planned once: its pairs stay at their addresses."""

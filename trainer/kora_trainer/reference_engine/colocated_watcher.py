@@ -11,9 +11,9 @@ the wake FIFO, reads the shared words, and serves each request the trainer makes
   ACK -n (ERR_TORN), so a late DONE is an error on the trainer's side, not a silent success.
 - EngineMerge (`fold_slot` of colocated_routes): request n (ARG: version, slot) folds ring slot `slot` into the
   pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
-  With the plan's `verdict` the trainer stores request n before it has read its delta decision (the fold runs
-  behind its gather on the device) and VERDICT n or -n after: -n (a skip) folds the previous slot back in, so
-  the weights and the version stay the last push's.
+  With the plan's `gather` (one trainer rank) the engine first gathers the trainer's adapter into the slot and
+  decides the delta-skip against THRESH (colocated_gather.py): a skip folds the previous slot back in, so the
+  weights and the version stay the last push's; DELTA and PUSHED say what it found.
 
 A handler returns its answer (n, or -n with ERR set) and stores its device time in WORK if it has any; the watcher
 stores the time the handler took in SPENT, then the answer in ACK. A handler that raises answers ACK -n
@@ -26,14 +26,17 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kora_trainer.wire.colocated_words import (
     ACK,
     ARG,
+    ARM,
+    ARM_S,
     DARG,
+    DELTA,
     DONE,
     ERR,
     ERR_FAILED,
@@ -41,6 +44,7 @@ from kora_trainer.wire.colocated_words import (
     GRANT,
     LAUNCH_CPU,
     POLL_S,
+    PUSHED,
     REQ,
     SPENT,
     T_ACK,
@@ -48,12 +52,13 @@ from kora_trainer.wire.colocated_words import (
     T_LOCKED,
     T_SEEN,
     T_SYNCED,
-    VERDICT,
+    THRESH,
     WORK,
     Wake,
     Words,
+    float_word,
     now_us,
-    wait_word,
+    word_float,
 )
 from kora_trainer.wire.fast_receive import doorbell_parts
 
@@ -74,28 +79,42 @@ class Watcher:
     def _run(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:  # "cuda": the current device already
             torch.cuda.set_device(self.device)  # the fold's stream and the synchronise are the engine's device's
-        seen = self.words[REQ]
+        seen, armed = self.words[REQ], self.words[ARM]
         while not self.stopping:
             n = self.words[REQ]
             if n == seen or n <= 0:
-                self.wake.wait(POLL_S)
+                arm = self.words[ARM]
+                if arm != armed and arm > seen:  # request `arm` is coming: wait for it awake (ARM in the words)
+                    armed = arm
+                    self._spin(arm)
+                else:
+                    self.wake.wait(POLL_S)
                 continue
             if not seen:
                 self.wake.unlink()  # the trainer opened it at plan time, before its first request
             seen = n
-            t0 = time.perf_counter()
-            for word in (WORK, T_LOCKED, T_LAUNCHED, T_SYNCED, LAUNCH_CPU):
-                self.words[word] = 0
-            self.words[T_SEEN] = now_us()
-            try:
-                ack = self.handle(n)
-            except Exception:
-                log.exception("the colocated push %d failed on the engine", n)
-                self.words[ERR] = ERR_FAILED
-                ack = -n
-            self.words[SPENT] = round((time.perf_counter() - t0) * 1e6)
-            self.words[T_ACK] = now_us()
-            self.words[ACK] = ack
+            self._serve(n)
+
+    def _spin(self, n: int) -> None:
+        """Read REQ until it is n, for at most ARM_S, giving the GIL away between reads."""
+        deadline = time.monotonic() + ARM_S
+        while self.words[REQ] != n and not self.stopping and time.monotonic() < deadline:
+            time.sleep(0)
+
+    def _serve(self, n: int) -> None:
+        t0 = time.perf_counter()
+        for word in (WORK, T_LOCKED, T_LAUNCHED, T_SYNCED, LAUNCH_CPU):
+            self.words[word] = 0
+        self.words[T_SEEN] = now_us()
+        try:
+            ack = self.handle(n)
+        except Exception:
+            log.exception("the colocated push %d failed on the engine", n)
+            self.words[ERR] = ERR_FAILED
+            ack = -n
+        self.words[SPENT] = round((time.perf_counter() - t0) * 1e6)
+        self.words[T_ACK] = now_us()
+        self.words[ACK] = ack
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self.stopping = True
@@ -147,12 +166,20 @@ Lap = Callable[[str], None]  # fold_slot's marks inside the fold: "locked", "lau
 LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
 
 
-def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None], verdict_s: float | None = None
-                           ) -> Callable[[int], int]:
+class Folded(NamedTuple):
+    """An EngineMerge fold's outcome: its device time (ms; None off a GPU), whether it stands (False: the delta
+    said skip and the last push was folded back) and the delta number (None: the trainer decided before asking)."""
+
+    ms: float | None
+    pushed: bool
+    delta: float | None
+
+
+def engine_merge_handshake(words: Words, fold_slot: Callable[..., Folded]) -> Callable[[int], int]:
     """An EngineMerge push: fold the slot the request names (WORK: the fold's device time; T_LOCKED, T_LAUNCHED,
-    T_SYNCED and LAUNCH_CPU: where the time around it went), then ACK (see the module docstring). `verdict_s`
-    (the plan's `verdict`): the fold starts before the trainer's delta decision, which comes as VERDICT n (the
-    push stands) or -n (a skip: fold_slot puts the last push back), waited for at most `verdict_s` seconds."""
+    T_SYNCED and LAUNCH_CPU: where the time around it went), then ACK (see the module docstring). With the plan's
+    `gather` the engine gathers the slot first and decides the delta-skip against THRESH: DELTA and PUSHED say
+    what it found."""
 
     def handle(n: int) -> int:
         c0 = time.thread_time()
@@ -162,16 +189,13 @@ def engine_merge_handshake(words: Words, fold_slot: Callable[..., float | None],
             if name == "launched":
                 words[LAUNCH_CPU] = round((time.thread_time() - c0) * 1e6)
 
-        def verdict() -> bool | None:
-            try:
-                return wait_word(words, VERDICT, lambda v: v in (n, -n), verdict_s or 0.0, f"verdict on {n}") == n
-            except TimeoutError:
-                return None
-
         version, slot = doorbell_parts(words[ARG])
-        fold_ms = fold_slot(slot, str(version), lap, verdict if verdict_s is not None else None)
-        if fold_ms is not None:
-            words[WORK] = round(fold_ms * 1000)
+        done = fold_slot(slot, str(version), lap, word_float(words[THRESH]))
+        if done.ms is not None:
+            words[WORK] = round(done.ms * 1000)
+        if done.delta is not None:
+            words[DELTA] = float_word(done.delta)
+        words[PUSHED] = n if done.pushed else -n
         return n
 
     return handle

@@ -14,13 +14,14 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
   k (cycling in order), a synchronise, and one 8-byte store of (version, k) into the doorbell, which the engine
   reads before every adapter lookup. Nothing the engine reads is written: a request keeps the slot it was
   admitted with, rewritten only `adapter_slots` pushes later.
-- EngineMerge: the same ring (two slots), and the handshake words of wire/colocated_words.py; a push is the
-  gather into slot k, ARG = (version, k) and REQ = n in shared memory (and a wake byte) at once, then the delta
-  decision read and VERDICT n (push) or -n (skip), then a bounded wait for each engine's ACK n: its watcher takes
-  the weight lock and folds the pairs into its pristine base (the HTTP path's lora_merge, one weight write; on a
-  GPU the planned CUDA-graph fold, `EngineModel.planned_merge`, its stream first waiting on the trainer's
-  `gathered` IPC event, recorded after the gather) while the trainer reads its decision; on -n it folds the
-  previous slot (the last push) back in; synchronised, the version set under the lock (`_fold_overlapped`).
+- EngineMerge: the same ring, and the handshake words of wire/colocated_words.py. With one trainer rank the
+  engine maps the trainer's flat adapter too (the plan's `gather`) and a push is one device context's work
+  (`_fold_on_engine`): the trainer synchronises its step and stores THRESH, ARG = (version, k) and REQ = n (and a
+  wake byte), then waits (bounded) for each engine's ACK n: its watcher takes the weight lock, gathers the adapter
+  into slot k with the delta number against slot k-1 in one pass, folds slot k into its pristine base (the HTTP
+  path's lora_merge, one weight write; on a GPU two CUDA-graph replays), synchronises, and on a delta-skip folds
+  slot k-1 (the last push) back in; the version set under the lock (reference_engine/colocated_gather.py). With
+  a trainer group the trainer decides (MAX over its ranks), gathers the slot and then makes the request.
 - Merge: the engine hands over its parameters and the handshake words. A push stores REQ = n first (the engine
   takes its weight lock: generation in flight gives way at its next step and recomputes its KV cache after),
   reads the delta decision meanwhile, waits for GRANT n, folds W + s·B·A straight into the mapped weights
@@ -54,7 +55,6 @@ this proves the engine serves the memory the trainer wrote (a stale mapping show
 
 from __future__ import annotations
 
-import base64
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -73,12 +73,15 @@ from kora_trainer.sync.transport import ColocatedTransport, SyncError, wait_all
 from kora_trainer.wire.colocated_words import (
     ACK,
     ARG,
+    ARM,
     DARG,
+    DELTA,
     DONE,
     ERR,
     ERRORS,
     GRANT,
     LAUNCH_CPU,
+    PUSHED,
     REQ,
     SPENT,
     T_ACK,
@@ -86,17 +89,19 @@ from kora_trainer.wire.colocated_words import (
     T_LOCKED,
     T_SEEN,
     T_SYNCED,
-    VERDICT,
+    THRESH,
     WORK,
     Waker,
     Words,
+    float_word,
     now_us,
     wait_word,
+    word_float,
 )
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.fast_receive import doorbell_value
 from kora_trainer.wire.protocol import PackedChecksum, checksum
-from kora_trainer.wire.serialize import deserialize_payload
+from kora_trainer.wire.serialize import deserialize_payload, serialize_payload
 
 
 def written_names(merge_entries: list[Any], full: bool) -> list[str]:
@@ -133,9 +138,8 @@ class ColocatedFastSender(FastWeightSender):
         # ... compared with the previous ring slot in the gather's own pass: (row starts, run, engine 0's slots)
         self.fused_decide: tuple[torch.Tensor, int, list[torch.Tensor]] | None = None
         self.number = torch.zeros(1)  # ... the number the fused decision leaves (on the adapter's device)
-        self.verdicts = False  # EngineMerge: the engines wait for a VERDICT after each request (the plan's answer)
-        self.overlapped = False  # ... and the request is made before the decision is read (fused decision)
-        self.gathered: torch.cuda.Event | None = None  # ... on a GPU: recorded once the slot is written
+        self.runs: tuple[torch.Tensor, int] | None = None  # one rank: the slot's gather index as runs (runs_of)
+        self.engine_gathers = False  # EngineMerge: the engines gather the slot and decide (`_fold_on_engine`)
         self.lap_t = 0.0
 
     # ---- the plan, once -----------------------------------------------------------------------------------
@@ -165,15 +169,16 @@ class ColocatedFastSender(FastWeightSender):
                                         "names": {"full": self.names[True], "adapted": self.names[False]}}
             else:
                 pack = plan
+                self.runs = self._one_rank_runs(pack, flat)
                 body = {"mode": str(self.mode), "metadata": pack.metadata, "slots": self.adapter_slots,
                         "lora_name": POLICY_ADAPTER, "config_dict": self.http.adapter_config}
                 if self.mode is SyncMode.ENGINE_MERGE:  # the HTTP path's lora_merge parameters
                     lora = self.http.cfg.lora
-                    body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True, verdict=True,
-                                lease_s=min(self.transport.timeout_s, 3600.0))
-                    if device.type == "cuda":  # the engine's fold waits for it on its stream (`_fold_overlapped`)
-                        self.gathered = torch.cuda.Event(interprocess=True)
-                        body["gathered_event"] = base64.b64encode(self.gathered.ipc_handle()).decode()
+                    body.update(lora_alpha=lora.alpha, lora_rank=lora.rank, merge_fp32=True)
+                    if self.runs is not None:  # one context for the push: the engine maps the flat adapter
+                        starts, run = self.runs
+                        body["gather"] = {"payload": serialize_payload([("flat", flat), ("starts", starts)]),
+                                          "run": run, "numel": pack.out.numel(), "dtype": str(pack.dtype)}
         except (NotImplementedError, ValueError, KeyError) as e:
             return self._off(f"the policy: {e}")
         answers, refused = self._ask_plan(body)
@@ -208,9 +213,8 @@ class ColocatedFastSender(FastWeightSender):
         self.delta.mark_pushed(flat)  # what the HTTP push just sent
         self.delta.local_max(flat)  # the decision's kernels load now (compiled on first use), not in a push
         self._sync_device()
+        self.engine_gathers = self.mode is SyncMode.ENGINE_MERGE and all(a.get("gathers") for a in answers)
         self._plan_decide()
-        self.verdicts = self.mode is SyncMode.ENGINE_MERGE and all(a.get("verdict") for a in answers)
-        self.overlapped = self.verdicts and self.fused_decide is not None
         self.active = True
         scratch = sum(m.scratch_entries for m in self.merges)  # weights the engine holds apart: fold, then copy
         slow = sorted({w.problem for w in self.wakers if w.problem})  # the engine then reads the words on its poll
@@ -270,8 +274,8 @@ class ColocatedFastSender(FastWeightSender):
         mode = str(self.mode)
         self._settled()
         n = self.seq = self.seq + 1
-        if self.overlapped:  # EngineMerge: the request before the decision is read (`_fold_overlapped`)
-            push, delta, slot = self._fold_overlapped(version, n)
+        if self.engine_gathers:  # EngineMerge: the engine gathers, folds and decides (`_fold_on_engine`)
+            push, delta, slot = self._fold_on_engine(version, n)
         else:
             push, delta, slot = self._decide(n)
             self._lap("decide")
@@ -280,18 +284,16 @@ class ColocatedFastSender(FastWeightSender):
                 self._store(DARG, 0, DONE, -n)  # the locks back, unused
                 self._acks(n, f"giving the weight lock back unused (delta-skip of version {version})")
             skip = SyncReport.skip(mode, self.transport.kind, self.engine_version, delta, path="fast")
-            if self.overlapped:  # the engine folded and put the last push back: what that took
+            if self.engine_gathers:  # the engine folded and put the last push back: what that took
                 skip = replace(skip, ms=round((time.perf_counter() - t0) * 1000, 2), phases=dict(self.laps))
             return skip
         verify = self.http.verify and self.pushes % self.verify_every == 0
         full = self.pushes == 0  # Merge: the checksum covers every tensor (the write is the adapted weights')
         if self.merges:
             self._merge(version, n)
-        elif self.mode is SyncMode.ENGINE_MERGE and not self.overlapped:
+        elif self.mode is SyncMode.ENGINE_MERGE and not self.engine_gathers:
             asked = now_us()
             self._store(ARG, doorbell_value(version, slot), REQ, n)
-            if self.verdicts:  # the engine waits for the word even when the decision came first
-                self._say(VERDICT, n)
             self._engine_answered(n, f"folding ring slot {slot} as version {version}", asked)
         elif self.mode is SyncMode.ADAPTER:
             self._ring(version, slot)
@@ -301,7 +303,7 @@ class ColocatedFastSender(FastWeightSender):
         if verify:  # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest
             self._lap("verify_ms")
             self.laps["verify_ms"] -= max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
-        if self.fused_decide is None:  # fused: the slot just pushed is the record (`_plan_decide`)
+        if self.fused_decide is None and not self.engine_gathers:  # else the slot just pushed is the record
             self.delta.mark_pushed(self.flat)
         self.pushes += 1
         self.engine_version = version
@@ -316,34 +318,33 @@ class ColocatedFastSender(FastWeightSender):
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what=self._what(), path="fast", phases=dict(self.laps))
 
-    def _fold_overlapped(self, version: int, n: int) -> tuple[bool, float, int]:
-        """EngineMerge with a fused decision: slot k gathered and the number enqueued (on a GPU the captured graph,
-        then the `gathered` IPC event), request n stored at once — the engine locks, waits for the event on its
-        stream and launches its fold while this side synchronises and reads the number — then VERDICT n (push) or
-        -n (the delta-skip: the engine folds the previous slot, the last push, back in) and the ACK."""
+    def arm(self) -> None:
+        """EngineMerge with `gather`: ARM the next request, so each engine's watcher is awake and spinning when it
+        comes (wire/colocated_words.py)."""
+        if not (self.active and self.engine_gathers):
+            return
+        for words in self.words:
+            words[ARM] = self.seq + 1
+        for wake in self.wakers:
+            wake()
+
+    def _fold_on_engine(self, version: int, n: int) -> tuple[bool, float, int]:
+        """EngineMerge with the plan's `gather`: the step's update whole on the device (synchronised), then request
+        n — the engine gathers slot k from the flat adapter, folds it, decides against THRESH and on a skip folds
+        the last push back in — and the ACK; the decision and the number are the engine's (PUSHED, DELTA)."""
         slot = self.pushes % self.adapter_slots
-        captured = self.decide_graphs.get(slot)
-        if captured is not None:
-            graph, pending = captured
-            graph.replay()
-            assert self.gathered is not None
-            self.gathered.record()
-        else:
-            pending = self._fused_decide(slot)
+        self._sync_device()
+        self._lap("sync")
         asked = now_us()
+        threshold = float_word(self.http.threshold)
+        for words in self.words:
+            words[THRESH] = threshold
         self._store(ARG, doorbell_value(version, slot), REQ, n)
-        try:
-            self._sync_device()
-            assert self.delta is not None
-            push, delta = self.delta.decide(pending, self.http.threshold)
-        except BaseException:
-            self._say(VERDICT, -n)  # the engine puts the last push back before giving its lock back
-            raise
-        self._lap("decide")
-        self._say(VERDICT, n if push else -n)
-        self._engine_answered(n, f"folding ring slot {slot} as version {version}" if push else
-                              f"folding the last push back in (delta-skip of version {version})", asked)
-        return push, delta, slot
+        self._engine_answered(n, f"gathering and folding ring slot {slot} as version {version}", asked)
+        pushed = {words[PUSHED] == n for words in self.words}
+        if len(pushed) > 1:  # one adapter, one threshold, one record of the last push: never apart
+            raise SyncError(f"colocated EngineMerge push {n}: the engines decided the delta-skip apart")
+        return pushed.pop(), max(word_float(words[DELTA]) for words in self.words), slot
 
     def _engine_answered(self, n: int, what: str, asked: int) -> None:
         """Every engine's ACK n, then engine 0's account of the push (`engine`, `engine_spent`, the moments)."""
@@ -353,13 +354,6 @@ class ColocatedFastSender(FastWeightSender):
         self.laps["engine_spent"] = self.words[0][SPENT] / 1000
         if self.words[0][WORK]:
             self.laps["engine_fold"] = self.words[0][WORK] / 1000
-
-    def _say(self, word: int, value: int) -> None:
-        """`value` into every engine's `word`, then its wake."""
-        for words in self.words:
-            words[word] = value
-        for wake in self.wakers:
-            wake()
 
     def _engine_laps(self, asked: int, answered: int) -> None:
         """Engine 0's EngineMerge push, moment by moment (the T_ words, one clock for both processes): from the
@@ -479,20 +473,30 @@ class ColocatedFastSender(FastWeightSender):
             self.pack.pack_into(ring[k])
         self._sync_device()
 
-    def _plan_decide(self) -> None:
-        """With one trainer rank (no group to all-reduce the number over), Adapter and EngineMerge decide in the
-        slot's gather's own pass (kernels/gather_delta.py): slot k is compared element by element with the slot
-        pushed before it, which holds exactly what the engines were last given (the HTTP push's adapter is
-        gathered into it here), so no copy of the last push is kept or updated. Then, on a GPU, `_capture_decide`."""
+    def _one_rank_runs(self, pack: AdapterPack, flat: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """With one trainer rank (no group to all-reduce the number over) and a ring of two slots or more, the
+        slot's gather index as runs (kernels/gather_delta.runs_of): the delta decision is then taken in the
+        gather's own pass, here (Adapter) or on the engine (EngineMerge, the plan's `gather`). Else None."""
         group = self.http.trainer_group
+        if (group is not None and group.world_size > 1) or pack.tp is not None or pack.flat is None \
+                or self.adapter_slots < 2 or pack.flat.data_ptr() != flat.data_ptr() \
+                or pack.flat.numel() != flat.numel():
+            return None
+        return runs_of(pack.index)
+
+    def _plan_decide(self) -> None:
+        """With `runs` (one trainer rank), Adapter decides in the slot's gather's own pass (kernels/gather_delta.py):
+        slot k is compared element by element with the slot pushed before it, which holds exactly what the
+        engines were last given (the HTTP push's adapter is gathered into it here), so no copy of the last push is
+        kept or updated. Then, on a GPU, `_capture_decide`. An engine that gathers (EngineMerge) holds all that
+        itself: nothing to plan here."""
         assert self.flat is not None
-        if group is not None and group.world_size > 1:
+        if self.engine_gathers:
             return
         pack, flat = self.pack, self.flat
         self.number = torch.zeros(1, dtype=torch.float32, device=flat.device)
-        if pack is not None and pack.tp is None and pack.flat is not None and self.adapter_slots > 1 and self.slots \
-                and pack.flat.data_ptr() == flat.data_ptr() and pack.flat.numel() == flat.numel():
-            starts, run = runs_of(pack.index)
+        if pack is not None and self.runs is not None and self.slots:
+            starts, run = self.runs
             views = [pack.view_of(s) for s in self.slots[0]]
             gather(flat, starts, views[(self.pushes - 1) % len(views)], run)  # the slot pushed last: what is served
             gather_max_delta(flat, starts, views[0], self.number, pack.out, run)  # compiled now, not in a push

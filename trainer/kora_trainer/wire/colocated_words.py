@@ -21,8 +21,15 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
     T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK  engine  request ACK's moments on CLOCK_MONOTONIC (µs; one clock
                     for every process of the host): REQ read, weight lock held, fold enqueued, fold done on the
                     device, ACK about to be stored (the last four EngineMerge's; 0 where not reached)
-    VERDICT trainer EngineMerge with the plan's `verdict`: n once request n's delta decision says push, -n skip
-                    (request n was made before the decision was read: the engine's fold runs meanwhile)
+    THRESH trainer  EngineMerge with the plan's `gather`: request n's delta-skip threshold (`float_word`),
+                    written before REQ: the engine gathers the trainer's adapter and decides (colocated_gather.py)
+    DELTA  engine   ... then request ACK's max |now - last pushed| (`float_word`), written before ACK
+    PUSHED engine   ... and n when request n's fold stands, -n when the delta said skip (the engine folded the
+                    last push back in: weights and version unchanged), written before ACK
+    ARM    trainer  n once its step's update is enqueued, before request n (EngineMerge with `gather`): the
+                    watcher wakes and spins for REQ n, at most ARM_S, so the request finds it running rather than
+                    asleep in `select` (a thread woken from sleep runs its first ~0.1 ms slowly: a push's critical
+                    path); an arm with no request after it costs the engine ARM_S of one core, nothing else
     LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
                     T_LAUNCHED - T_SEEN, the thread was waiting (for the GIL, a core) rather than working
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
@@ -40,6 +47,7 @@ import contextlib
 import os
 import select
 import signal
+import struct
 import tempfile
 import time
 import uuid
@@ -49,17 +57,27 @@ import torch
 
 REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT, WORK = range(9)
 T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK, LAUNCH_CPU = range(9, 15)
-VERDICT = 15
-NWORDS = 16
+THRESH, DELTA, PUSHED, ARM = 15, 16, 17, 18
+NWORDS = 19
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
 POLL_S = 0.005  # the watcher's read of the words without a wake
+ARM_S = 0.05  # how long an armed watcher spins for the request: the trainer's step end to its sync call
 
 
 def now_us() -> int:
     """CLOCK_MONOTONIC in µs: the T_ words' clock, comparable between the trainer and the engine."""
     return time.monotonic_ns() // 1000
+
+
+def float_word(x: float) -> int:
+    """A float64 as the int64 word with its bits (THRESH, DELTA)."""
+    return int(struct.unpack("<q", struct.pack("<d", x))[0])
+
+
+def word_float(w: int) -> float:
+    return float(struct.unpack("<d", struct.pack("<q", w))[0])
 
 
 def make_words() -> torch.Tensor:
@@ -84,7 +102,7 @@ class Words:
         self.a[i] = value
 
 
-SPIN_S = 0.002  # how long `wait_word` spins (yielding the GIL) before it sleeps between reads: a GPU fold's time
+SPIN_S = 0.005  # how long `wait_word` spins (yielding the GIL) before it sleeps between reads: past a GPU fold's time
 
 
 def wait_word(words: Words, i: int, accept: Callable[[int], bool], timeout_s: float, what: str) -> int:
