@@ -291,8 +291,8 @@ def recorded_calls(record: Path) -> list[dict[str, Any]]:
 def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path, versions: Sequence[int],
                         lora_path: str | None, atol: float) -> list[float]:
     """Push each of `versions` (the adapter moved before each, odd ones armed) through a colocated fast `sender`
-    whose plan and first fast push are done: each push makes no HTTP call to the `recording_engine`, which then serves the
-    policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
+    whose plan and first fast push are done: each push makes no HTTP call to the `recording_engine`, which then
+    serves the policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
     times = []
     for version in versions:
         step(b, 0.05 if version % 2 else -0.04)
