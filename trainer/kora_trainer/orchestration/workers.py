@@ -99,10 +99,7 @@ class TrainWorker:
         return report
 
     def train_step(self, batch: RolloutBatch) -> StepMetrics:
-        metrics = self.backend.train_step(batch)
-        if self.sender is not None:
-            self.sender.arm()  # the push comes next (sync/sender.py)
-        return metrics
+        return self.backend.train_step(batch)
 
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
         return self.backend.logprobs(prompts, responses)

@@ -33,8 +33,6 @@ import torch
 from kora_trainer.wire.colocated_words import (
     ACK,
     ARG,
-    ARM,
-    ARM_S,
     DARG,
     DELTA,
     DONE,
@@ -79,27 +77,16 @@ class Watcher:
     def _run(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:  # "cuda": the current device already
             torch.cuda.set_device(self.device)  # the fold's stream and the synchronise are the engine's device's
-        seen, armed = self.words[REQ], self.words[ARM]
+        seen = self.words[REQ]
         while not self.stopping:
             n = self.words[REQ]
             if n == seen or n <= 0:
-                arm = self.words[ARM]
-                if arm != armed and arm > seen:  # request `arm` is coming: wait for it awake (ARM in the words)
-                    armed = arm
-                    self._spin(arm)
-                else:
-                    self.wake.wait(POLL_S)
+                self.wake.wait(POLL_S)
                 continue
             if not seen:
                 self.wake.unlink()  # the trainer opened it at plan time, before its first request
             seen = n
             self._serve(n)
-
-    def _spin(self, n: int) -> None:
-        """Read REQ until it is n, for at most ARM_S, giving the GIL away between reads."""
-        deadline = time.monotonic() + ARM_S
-        while self.words[REQ] != n and not self.stopping and time.monotonic() < deadline:
-            time.sleep(0)
 
     def _serve(self, n: int) -> None:
         t0 = time.perf_counter()
