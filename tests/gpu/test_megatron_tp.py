@@ -60,6 +60,14 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out: str, backend
     ids = batch_ids(cfg.vocab_size, device)
     lp = token_logprobs(model, ids)  # [B, L-1]
     lp.sum().backward()
+    # sequence parallelism (on at tensor > 1): the replicated factors saw only this rank's tokens; summed over TP
+    # as the backend's DataParallel.sequence_group sums them
+    from megatron.core import parallel_state
+
+    assert model.config.sequence_parallel
+    for p in adapter_parameters(model):
+        if getattr(p, "sequence_parallel", False):
+            torch.distributed.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
     grads = megatron_grads_as_hf(model, layout)
     norm = clip_grad_norm(adapter_parameters(model), 1e9)
     with torch.no_grad(), adapter_disabled(model):

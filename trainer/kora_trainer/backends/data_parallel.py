@@ -56,7 +56,7 @@ class DataParallel:
     # all-to-all brings them); None: no such group, or a group of one
     expert_group: WeightUpdateGroup | None = None
     expert_params: frozenset[int] = frozenset()
-    # sequence parallelism (megatron, MoE models at tensor > 1): the replicated LoRA factors that saw only this
+    # sequence parallelism (megatron at tensor > 1): the replicated LoRA factors that saw only this
     # rank's tokens (by id), their gradients summed over the tensor-parallel group as well
     sequence_group: WeightUpdateGroup | None = None
     sequence_params: frozenset[int] = frozenset()

@@ -4,7 +4,7 @@ it before a cluster is asked for (backends/select.check_actor_layout raises the 
 Data parallelism runs on both backends (one Ray actor per rank); tensor parallelism on megatron's layers (every TP
 rank a Ray actor of one node), pipeline parallelism through megatron's schedule (backends/megatron/pipeline.py) and
 expert parallelism on an MoE model's experts (carved out of the data and TP ranks; the experts are never split by TP,
-and an MoE model at tensor > 1 trains under sequence parallelism); context parallelism and expertTensor > 1 are not
+and every model at tensor > 1 trains under sequence parallelism); context parallelism and expertTensor > 1 are not
 launched yet.
 """
 

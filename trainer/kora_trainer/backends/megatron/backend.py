@@ -164,6 +164,8 @@ class MegatronBackend(ShuffleState):
             return dp
         experts = [w.weight for name, m in lora_modules(self.model).items() if is_expert_module(name)
                    for w in (m.lora_A, m.lora_B)]
+        if not experts:  # a dense model (or no expert LoRA) under sequence parallelism: nothing for that group
+            return dp
         for p in experts:
             p.expert_parallel = True  # type: ignore[attr-defined]
         edp = parallel_state.get_expert_data_parallel_group()

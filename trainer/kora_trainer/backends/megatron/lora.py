@@ -20,7 +20,7 @@ Which factor is sharded under tensor parallelism (TP, no sequence parallelism):
 
 So only the factor on W's sharded side is sharded, and LoRA adds at most one r-wide collective per layer.
 
-Under sequence parallelism (MoE models at TP > 1: moe.py) a column wrapper's input is this rank's share of the
+Under sequence parallelism (every model at TP > 1: model.py) a column wrapper's input is this rank's share of the
 tokens [s/tp, b, in]: A x is all-gathered over the sequence (`gather_from_sequence_parallel_region`; backward:
 the Σ_t B_tᵀ g_t sum reduce-scattered, each rank its own tokens), and a row wrapper's A_t x_t is reduce-scattered
 to the rank's tokens (`reduce_scatter_to_sequence_parallel_region`) as the base's output is. The replicated

@@ -16,6 +16,13 @@ every stage, and keeps the global number in `layer_number`), the embedding on th
 the output layer on the last. Everything kora names a parameter by (the HF maps, the adapter's names, checkpoints,
 sync) takes the GLOBAL layer index (`base_parameters`, `global_name`), so a stage's tensors are named as the
 one-stage model names them.
+
+Tensor parallelism > 1 runs with sequence parallelism, dense models and MoE alike (megatron's layout; MoE layers
+train at tensor > 1 only so): between the layers each TP rank holds 1/tp of the tokens (the embedding's output is
+reduce-scattered, each linear_qkv / linear_fc1 all-gathers its input, each linear_proj / linear_fc2
+reduce-scatters its output), so the activations kept for the backward shrink by the TP size. Sequences are padded
+to a multiple of tp (pipeline.sequence_multiple); the frozen norms work on the shard (`FrozenTokenNorm`); LoRA
+takes the same gathers and reduce-scatters (lora.py).
 """
 
 from __future__ import annotations
@@ -72,7 +79,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    from kora_trainer.backends.megatron.moe import is_moe_config, moe_config_kwargs
+    from kora_trainer.backends.megatron.moe import moe_config_kwargs
 
     check_supported(cfg)
     layout = layout_from_hf_config(cfg)
@@ -87,8 +94,10 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False,
         bias_dropout_fusion=False, apply_rope_fusion=False, gradient_accumulation_fusion=False,
         attention_softmax_in_fp32=True,
-        # megatron trains MoE layers at tensor > 1 only under sequence parallelism (moe.py says how kora's are built)
-        tensor_model_parallel_size=tensor, sequence_parallel=tensor > 1 and is_moe_config(cfg),
+        # sequence parallelism whenever tensor parallelism is on, as megatron runs it: between the layers each TP rank
+        # holds 1/tp of the tokens (activation memory / tp), and megatron trains MoE layers at tensor > 1 only so
+        # (`block_spec` says how kora's layers take it)
+        tensor_model_parallel_size=tensor, sequence_parallel=tensor > 1,
         pipeline_model_parallel_size=pipeline, variable_seq_lengths=pipeline > 1, calculate_per_token_loss=True,
         params_dtype=dtype, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, pipeline_dtype=dtype,
         perform_initialization=init,  # False: every base weight is loaded from the HF checkpoint
@@ -107,9 +116,6 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
     Needs `init_parallel` first (megatron's parallel_state gives the tensor-parallel group).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-    from kora_trainer.backends.megatron.moe import moe_block_spec
 
     _, tp = tp_rank_size()
     stage, stages = pp_rank_size()
@@ -117,12 +123,8 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
         raise ValueError(f"parallelism.pipeline {stages} does not divide the model's {cfg.num_hidden_layers} layers: "
                          "set parallelism.pipeline to a divisor of num_hidden_layers")
     config = transformer_config(cfg, dtype, tp, init, moe_dispatcher, pipeline=stages, expert=ep_rank_size()[1])
-    if config.num_moe_experts:  # Qwen3-MoE: per-layer specs, SequentialMLP experts where HF has experts
-        spec = moe_block_spec(config)
-    else:
-        spec = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     model = GPTModel(
-        config=config, transformer_layer_spec=spec, vocab_size=cfg.vocab_size,
+        config=config, transformer_layer_spec=block_spec(config), vocab_size=cfg.vocab_size,
         max_sequence_length=cfg.max_position_embeddings, pre_process=stage == 0, post_process=stage == stages - 1,
         parallel_output=True,  # logits stay vocab-sharded; token_logprobs reduces over the TP group
         share_embeddings_and_output_weights=bool(getattr(cfg, "tie_word_embeddings", False)),
@@ -130,6 +132,66 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
     )
     # the torch norms of the local spec are created on the CPU in fp32: one device and dtype for all
     return model.cuda(torch.cuda.current_device()).to(dtype)
+
+
+def block_spec(config: Any) -> Any:
+    """TransformerBlockSubmodules of this pipeline stage's layers (megatron slices its decoder block specs so): the
+    local spec's dense layer, the MoE layer (moe.moe_layer_spec) where a Qwen3-MoE's `moe_layer_freq` is 1, and the
+    final norm megatron gives the local spec; under sequence parallelism their torch norms are FrozenTokenNorms."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        LayerNormImpl,
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from kora_trainer.backends.megatron.moe import moe_layer_spec
+
+    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
+    offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
+    if config.num_moe_experts:
+        sparse = moe_layer_spec(config)
+        layers = [sparse if f else dense for f in config.moe_layer_freq[offset:offset + count]]
+    else:
+        layers = [dense] * count
+    spec = TransformerBlockSubmodules(layer_specs=layers, layer_norm=LayerNormImpl)
+    return swap_torch_norms(spec) if config.sequence_parallel else spec
+
+
+class FrozenTokenNorm:
+    """megatron's WrappedTorchNorm (the norm of its local spec without Apex or TransformerEngine) without its refusal
+    of sequence parallelism. A norm works token by token, so a rank's share of the sequence is normalised as the
+    whole would be; megatron refuses it because the norm's own weight gradient would then be partial on each rank,
+    and kora's norms are frozen (only the LoRA factors train)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
+        norm = (torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+        return norm
+
+
+def swap_torch_norms(spec: Any) -> Any:
+    """`spec` (a ModuleSpec tree, its submodules dataclasses, lists of them, or a module class) with every
+    WrappedTorchNorm replaced by FrozenTokenNorm; other norms (Apex's, TransformerEngine's) take sequence
+    parallelism themselves."""
+    import dataclasses
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if spec is WrappedTorchNorm:
+        return FrozenTokenNorm
+    if isinstance(spec, list):
+        return [swap_torch_norms(s) for s in spec]
+    if isinstance(spec, ModuleSpec):
+        return dataclasses.replace(spec, module=swap_torch_norms(spec.module),
+                                   submodules=swap_torch_norms(spec.submodules))
+    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
+        return dataclasses.replace(spec, **{f.name: swap_torch_norms(getattr(spec, f.name))
+                                            for f in dataclasses.fields(spec) if f.init})
+    return spec
 
 
 def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:

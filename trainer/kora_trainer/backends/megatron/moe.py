@@ -31,10 +31,10 @@ router's LoRA (lora.LoRARouter) is a plain [r, H] / [E, r] pair named by convert
 
 Parallelism: expert parallelism splits each MoE layer's experts over the EP ranks (each rank's own LoRA
 factors; `expert_factors` gathers them). The experts are never split by tensor parallelism (expertTensor 1);
-at tensor > 1 megatron trains MoE layers only under sequence parallelism, which kora then turns on for the
-whole model: between the layers each TP rank holds 1/tp of the tokens (sequences padded to a multiple of tp),
-the dispatcher sends a rank's own tokens to the experts, the frozen norms work on the shard (`FrozenTokenNorm`),
-and the LoRA factors that see only a rank's tokens are summed over the TP group (lora.py).
+at tensor > 1 megatron trains MoE layers only under sequence parallelism, which kora turns on for every model at
+tensor > 1 (model.transformer_config): between the layers each TP rank holds 1/tp of the tokens (sequences padded
+to a multiple of tp), the dispatcher sends a rank's own tokens to the experts, the frozen norms work on the shard
+(model.FrozenTokenNorm), and the LoRA factors that see only a rank's tokens are summed over the TP group (lora.py).
 
 Not yet: expertTensor > 1 (refused at start), shared experts (Qwen2-MoE), GroupedMLP.
 """
@@ -99,60 +99,13 @@ def moe_config_kwargs(cfg: Any, dispatcher: str = "alltoall", expert: int = 1) -
     )
 
 
-def moe_block_spec(config: Any) -> Any:
-    """TransformerBlockSubmodules of this pipeline stage's layers: the dense local layer spec where `moe_layer_freq`
-    is 0, the same spec with `num_experts` (SequentialMLP experts, TopKRouter) where it is 1; the final norm the
-    dense path gets. The block builds its specs as the stage's own (megatron's decoder block specs are sliced so)."""
+def moe_layer_spec(config: Any) -> Any:
+    """The local spec's layer with `num_experts` (SequentialMLP experts, TopKRouter): what model.block_spec builds
+    where `moe_layer_freq` is 1 (the dense local layer where it is 0)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import (
-        LayerNormImpl,
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    sparse = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                      qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
-    norm: Any = LayerNormImpl
-    if config.sequence_parallel:
-        dense, sparse, norm = (swap_torch_norms(s) for s in (dense, sparse, norm))
-    offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
-    return TransformerBlockSubmodules(
-        layer_specs=[sparse if f else dense for f in config.moe_layer_freq[offset:offset + count]],
-        layer_norm=norm)
-
-
-class FrozenTokenNorm:
-    """megatron's WrappedTorchNorm (the norm of its local spec without Apex or TransformerEngine) without its refusal
-    of sequence parallelism. A norm works token by token, so a rank's share of the sequence is normalised as the
-    whole would be; megatron refuses it because the norm's own weight gradient would then be partial on each rank,
-    and kora's norms are frozen (only the LoRA factors train)."""
-
-    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_: Any) -> Any:
-        norm = (torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
-        for p in norm.parameters():
-            p.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
-        return norm
-
-
-def swap_torch_norms(spec: Any) -> Any:
-    """`spec` (a ModuleSpec tree, its submodules dataclasses, or a module class) with every WrappedTorchNorm
-    replaced by FrozenTokenNorm; other norms (Apex's, TransformerEngine's) take sequence parallelism themselves."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    if spec is WrappedTorchNorm:
-        return FrozenTokenNorm
-    if isinstance(spec, ModuleSpec):
-        return dataclasses.replace(spec, module=swap_torch_norms(spec.module),
-                                   submodules=swap_torch_norms(spec.submodules))
-    if dataclasses.is_dataclass(spec) and not isinstance(spec, type):
-        return dataclasses.replace(spec, **{f.name: swap_torch_norms(getattr(spec, f.name))
-                                            for f in dataclasses.fields(spec) if f.init})
-    return spec
+    return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
 
 
 # ---- expert LoRA in PEFT's grouped layout ----------------------------------------------------------------
