@@ -76,7 +76,8 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
             "/kora/colocated/push" if mode == "Adapter" else "/kora/colocated/checksum"]
         # where the push's time went: the parts add up to its time; the verification is reported beside it
         engine_own = {"engine_spent", "engine_wake", "engine_lock", "engine_launch", "engine_launch_cpu",
-                      "engine_wait", "engine_after", "ack_notice"}  # inside "engine"
+                      "engine_wait", "engine_after", "ack_notice", "engine_prelude",
+                      "engine_gather_launch"}  # inside "engine"
         parts = {"Merge": {"decide", "lock", "write", "ack"}, "EngineMerge": {"sync", "engine"} | engine_own,
                  "Adapter": {"decide", "ring"}}[mode]
         assert set(first.phases) == parts | {"verify_ms"}, first.phases
@@ -89,6 +90,8 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
             # from the request's store to its ACK seen: all of "engine" (the engine gathers, folds and decides)
             assert p["engine"] - 0.05 <= sum(p[m] for m in moments) <= first.ms + 0.05
             assert 0 < p["engine_launch_cpu"] <= p["engine_launch"] + p["engine_lock"] + 0.01  # CPU within wall
+            # the moments inside the lock and the launch: the handler's own work, then the gather enqueued
+            assert 0 <= p["engine_prelude"] <= p["engine_lock"] and 0 <= p["engine_gather_launch"] <= p["engine_launch"]
         steady_state_pushes(sender, b, client, record, (3, 4, 5), lora_path(mode), ATOL)
         skipped = sender.sync(version=6)  # delta-skip: Merge asked for the lock and gave it back unused
         assert not skipped.pushed and skipped.adapter_version == 5

@@ -82,6 +82,10 @@ PLAN_ROUTE, BEGIN_ROUTE, PUSH_ROUTE, ABORT_ROUTE, CHECKSUM_ROUTE = (
 DEFAULT_LEASE_S = 60.0
 
 
+def _no_lap(name: str) -> None:
+    """`fold_slot`'s marks when nobody takes them (the HTTP form of a push)."""
+
+
 def _answer(version: str | None, body: dict[str, Any], digest: Callable[[], str]) -> dict[str, Any]:
     """A push's answer: the version served, and with `verify` the checksum of what is served and its time."""
     t0 = time.perf_counter()
@@ -319,8 +323,9 @@ class ColocatedRoutes:
                   threshold: float | None = None) -> Folded:
         """The pairs in ring slot `slot` folded into the pristine base (the HTTP lora_merge's fold, as one weight
         write) and the version set, both under the weight lock: a generation admitted after it sees the new weights
-        and reports the new version. `lap("locked")`, `lap("launched")` and `lap("synced")` mark the lock held,
-        the fold enqueued and done (the handshake's words). Returns the fold's device time (ms, CUDA events; None
+        and reports the new version. `lap("locking")`, `lap("locked")`, `lap("gathered")`, `lap("launched")` and
+        `lap("synced")` mark the lock asked for and held, the gather and the fold enqueued, and the fold done (the
+        handshake's words). Returns the fold's device time (ms, CUDA events; None
         off a GPU), so the push's report tells the fold from the waking, locking and synchronising around it.
 
         With the plan's `gather` the engine first gathers the trainer's adapter into the slot, with its delta
@@ -340,18 +345,19 @@ class ColocatedRoutes:
             plan.marks[slot] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
         marks = plan.marks.get(slot, [])
         delta: float | None = None
+        mark = lap or _no_lap
+        mark("locking")
         with engine.writing():
-            if lap is not None:
-                lap("locked")
+            mark("locked")
             if cuda:
                 marks[0].record()
             if plan.gather is not None:
                 plan.gather.enqueue(slot)
+                mark("gathered")
             fold.run()
             if cuda:
                 marks[1].record()
-            if lap is not None:
-                lap("launched")
+            mark("launched")
             if cuda:
                 torch.cuda.synchronize(engine.device)  # whole before the version names it (and the number read)
             if plan.gather is not None:
@@ -361,8 +367,7 @@ class ColocatedRoutes:
                 self._slot_fold(plan, (slot - 1) % len(ring.buffers)).run()  # the last pushed pairs again
                 if cuda:
                     torch.cuda.synchronize(engine.device)
-            if lap is not None:
-                lap("synced")
+            mark("synced")
             if keep and version is not None:
                 engine.weight_version = version
         return Folded(marks[0].elapsed_time(marks[1]) if cuda else None, keep, delta)

@@ -46,8 +46,10 @@ from kora_trainer.wire.colocated_words import (
     REQ,
     SPENT,
     T_ACK,
+    T_GATHERED,
     T_LAUNCHED,
     T_LOCKED,
+    T_LOCKING,
     T_SEEN,
     T_SYNCED,
     THRESH,
@@ -90,7 +92,7 @@ class Watcher:
 
     def _serve(self, n: int) -> None:
         t0 = time.perf_counter()
-        for word in (WORK, T_LOCKED, T_LAUNCHED, T_SYNCED, LAUNCH_CPU):
+        for word in (WORK, T_LOCKING, T_LOCKED, T_GATHERED, T_LAUNCHED, T_SYNCED, LAUNCH_CPU):
             self.words[word] = 0
         self.words[T_SEEN] = now_us()
         try:
@@ -149,8 +151,8 @@ class MergeHandshake:
         return True
 
 
-Lap = Callable[[str], None]  # fold_slot's marks inside the fold: "locked", "launched", "synced"
-LAPS = {"locked": T_LOCKED, "launched": T_LAUNCHED, "synced": T_SYNCED}
+Lap = Callable[[str], None]  # fold_slot's marks: "locking", "locked", "gathered", "launched", "synced"
+LAPS = {"locking": T_LOCKING, "locked": T_LOCKED, "gathered": T_GATHERED, "launched": T_LAUNCHED, "synced": T_SYNCED}
 
 
 class Folded(NamedTuple):

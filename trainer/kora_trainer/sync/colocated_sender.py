@@ -84,8 +84,10 @@ from kora_trainer.wire.colocated_words import (
     REQ,
     SPENT,
     T_ACK,
+    T_GATHERED,
     T_LAUNCHED,
     T_LOCKED,
+    T_LOCKING,
     T_SEEN,
     T_SYNCED,
     THRESH,
@@ -348,7 +350,9 @@ class ColocatedFastSender(FastWeightSender):
         """Engine 0's EngineMerge push, moment by moment (the T_ words, one clock for both processes): from the
         request's store to its watcher reading it (`engine_wake`), its weight lock held (`engine_lock`), the fold
         enqueued (`engine_launch`, of which `engine_launch_cpu` the thread's CPU), done on the device
-        (`engine_wait`), the ACK stored (`engine_after`), and the ACK seen here (`ack_notice`)."""
+        (`engine_wait`), the ACK stored (`engine_after`), and the ACK seen here (`ack_notice`). Inside those:
+        `engine_prelude`, the handler's own work before it asks for the lock (of `engine_lock`), and
+        `engine_gather_launch`, the lock held to the gather enqueued (of `engine_launch`, with `gather`)."""
         w = self.words[0]
         marks = [asked, w[T_SEEN], w[T_LOCKED], w[T_LAUNCHED], w[T_SYNCED], w[T_ACK], answered]
         if not all(marks):
@@ -357,6 +361,10 @@ class ColocatedFastSender(FastWeightSender):
         for name, a, b in zip(names, marks, marks[1:], strict=False):
             self.laps[name] = (b - a) / 1000
         self.laps["engine_launch_cpu"] = w[LAUNCH_CPU] / 1000
+        if w[T_LOCKING]:
+            self.laps["engine_prelude"] = (w[T_LOCKING] - w[T_SEEN]) / 1000
+        if w[T_GATHERED]:
+            self.laps["engine_gather_launch"] = (w[T_GATHERED] - w[T_LOCKED]) / 1000
 
     def _decide(self, n: int) -> tuple[bool, float, int]:
         """The delta decision (push?, max delta) and the ring slot packed (-1: Merge), with no host read of its own:

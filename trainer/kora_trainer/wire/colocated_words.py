@@ -24,6 +24,8 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
     THRESH trainer  EngineMerge with the plan's `gather`: request n's delta-skip threshold (`float_word`),
                     written before REQ: the engine gathers the trainer's adapter and decides (colocated_gather.py)
     DELTA  engine   ... then request ACK's max |now - last pushed| (`float_word`), written before ACK
+    T_LOCKING, T_GATHERED  engine  moments inside EngineMerge's lock and launch (0 where not reached): about to take
+                    the weight lock (after the handler's own preparation), and the gather enqueued (with `gather`)
     PUSHED engine   ... and n when request n's fold stands, -n when the delta said skip (the engine folded the
                     last push back in: weights and version unchanged), written before ACK
     LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
@@ -54,7 +56,8 @@ import torch
 REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT, WORK = range(9)
 T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK, LAUNCH_CPU = range(9, 15)
 THRESH, DELTA, PUSHED = 15, 16, 17
-NWORDS = 18
+T_LOCKING, T_GATHERED = 18, 19
+NWORDS = 20
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
