@@ -325,8 +325,8 @@ class ColocatedRoutes:
         write) and the version set, both under the weight lock: a generation admitted after it sees the new weights
         and reports the new version. `lap("locking")`, `lap("locked")`, `lap("gathered")`, `lap("launched")` and
         `lap("synced")` mark the lock asked for and held, the gather and the fold enqueued, and the fold done (the
-        handshake's words). Returns the fold's device time (ms, CUDA events; None
-        off a GPU), so the push's report tells the fold from the waking, locking and synchronising around it.
+        handshake's words). Returns the fold's device time (ms, CUDA events; None off a GPU), so the push's report
+        tells the fold from the waking, locking and synchronising around it.
 
         With the plan's `gather` the engine first gathers the trainer's adapter into the slot, with its delta
         number against the slot before (colocated_gather.py), in the same stream ahead of the fold; when that

@@ -211,8 +211,9 @@ class ColocatedFastSender(FastWeightSender):
             self._close_wakers()
             return self._off(f"the engine's memory: {e}")
         self.flat, self.delta = flat, FlatDelta(flat)
-        self.delta.mark_pushed(flat)  # what the HTTP push just sent
-        self.delta.local_max(flat)  # the decision's kernels load now (compiled on first use), not in a push
+        if self.runs is None:  # else the ring slot pushed last is the record (`_plan_decide`, or the engine's)
+            self.delta.mark_pushed(flat)  # what the HTTP push just sent
+            self.delta.local_max(flat)  # the decision's kernels load now (compiled on first use), not in a push
         self._sync_device()
         self.engine_gathers = self.mode is SyncMode.ENGINE_MERGE and all(a.get("gathers") for a in answers)
         self._plan_decide()
@@ -304,7 +305,7 @@ class ColocatedFastSender(FastWeightSender):
         if verify:  # hashing left out, as on the HTTP path: the engines' checksums ran in parallel, the slowest
             self._lap("verify_ms")
             self.laps["verify_ms"] -= max((r.get("checksum_ms") or 0.0 for r in results), default=0.0)
-        if self.fused_decide is None and not self.engine_gathers:  # else the slot just pushed is the record
+        if self.runs is None:  # else the slot just pushed is the record
             self.delta.mark_pushed(self.flat)
         self.pushes += 1
         self.engine_version = version
