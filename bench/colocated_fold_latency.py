@@ -1,16 +1,41 @@
-"""Why a colocated EngineMerge push costs more than its fold (issue 17): the same fold, replayed by a watcher
-thread in a second process that a FIFO wakes, as the reference engine's colocated watcher does — with the waking
-process holding no CUDA context, holding one idle, and having just run and synchronised GPU work of its own (the
-trainer's case: its delta decision and gather come right before the wake; here into its own memory, not into
-the engine's through CUDA IPC as the trainer's gather is). Against the same replay in one process alone. Only
-torch and kora's fold kernel, no engine, no trainer, no Ray: what is left is the two processes.
+"""Why a colocated EngineMerge push costs more than its fold (issue 17): the engine's work, replayed by a watcher
+thread in a second process that a FIFO wakes, as the reference engine's colocated watcher does, under the
+conditions a push meets in a training run — pushes back to back, pushes a second apart, and pushes after a step
+(the engine generating from another of its threads, then the waker's own GPU work) — with and without a warm-up
+of the watcher ahead of the push. Only torch and kora's fold kernel: no engine, no trainer, no Ray.
 
-The fold: every q, k, v, o weight of Qwen3-4B's 36 layers (bf16, W0 + s·B·A from a pristine copy, rank 32) as
-kernels/fold.GroupedFold, the graph an EngineMerge engine replays per push. Per push, in the watcher: the host time
-of the replay call, from before the replay to the synchronise's return, and the CUDA-event time of the fold; in the
-waker: the round trip from the wake to the acknowledgement word.
+Why: in a hot loop (2026-12-04) a second process's watcher replays the fold in 0.02-0.04 ms of host time and
+answers 1.28-1.38 ms after the wake for 1.13-1.18 ms of device work, within the issue's 1.2x; the real engine,
+pushed once per GRPO step, spends 0.3-0.4 ms of its thread's CPU before the fold starts (docs/megatron_backend.md,
+"Session 20"). This tells whether that is the push's conditions (caches and clocks gone cold over a step, another
+thread's CUDA launches) rather than the engine's code, and whether warming the watcher when the step's training
+starts takes it back.
 
-    python bench/colocated_fold_latency.py [--reps 30] [--out RESULT.json]      # GPU only
+The engine's work per push, as colocated_gather.py does it: one captured graph gathering the trainer's adapter
+(23.6 M bf16 elements: Qwen3-4B's rank-32 q, k, v, o adapter) into a ring slot, then the fold's captured graph
+(kernels/fold.GroupedFold of every q, k, v, o weight of the 36 layers, W0 + s·B·A, bf16), then a synchronise.
+
+Conditions (`--conditions`, each `--reps` pushes, medians past the first 3):
+    hot          a push every 5 ms
+    idle         a push every second, nothing between (idle_spin, idle_replay: with the WARM word below, stored
+                 when the second starts)
+    stepped      before each push the engine's other thread "generates" for --generate-ms (small matmuls,
+                 synchronised every few), then the waker "trains" for --train-ms (large matmuls, synchronised)
+    stepped_spin    ... and when the waker starts training, a WARM word: the watcher spins on the words
+                    until the push instead of sleeping in select
+    stepped_replay  ... the WARM word makes the watcher replay its gather graph once (the slot is rewritten
+                    by the push) and synchronise, then sleep as usual
+    stepped_fold    ... the gather and the fold replayed once (a diagnosis, not a remedy: in an engine that is
+                    1.2 ms of device time taken from the trainer's step)
+
+Per push, the engine reports on one clock with the waker (CLOCK_MONOTONIC): wake (the request stored to the
+watcher reading it), the host time of each replay call, the watcher thread's CPU time from the wake to both
+graphs enqueued, the span to the synchronise's return and the CUDA-event time of the two graphs; the waker the
+round trip from the request to the acknowledgement. `alone` is the replays and synchronise in the engine's
+process in a hot loop (the anchor).
+
+    python bench/colocated_fold_latency.py [--reps 20] [--conditions hot,idle,stepped,...] [--out RESULT.json]
+    python bench/colocated_fold_latency.py --cpu-smoke      # tiny, CPU, no graphs: the plumbing only
 """
 
 from __future__ import annotations
@@ -26,139 +51,309 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 
 LAYERS, HIDDEN, Q, KV, RANK = 36, 2560, 4096, 1024, 32
-SHAPES = [(Q, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, Q)] * LAYERS
-FIELDS = ("replay_ms", "total_ms", "device_ms")
+ADAPTER = 23_592_960  # rank-32 q, k, v, o of the 36 layers: the trainer's flat adapter, in elements
+# the words (int64): REQ (the waker: push n > 0, -n a condition's end, STOP), ACK (the engine), GEN / GEN_ACK (the
+# engine's generating thread), GEN_MS, WARM (the waker, when its step starts), WARM_KIND, T_REQ (µs)
+REQ, ACK, GEN, GEN_ACK, GEN_MS, WARM, WARM_KIND, T_REQ = range(8)
+WARM_KINDS = {"": 0, "spin": 1, "replay": 2, "fold": 3}
+STOP = -(1 << 40)
+FIELDS = ("wake_ms", "gather_replay_ms", "fold_replay_ms", "launch_cpu_ms", "total_ms", "device_ms")
 
 
-def make_fold():  # type: ignore[no-untyped-def]
-    from kora_trainer.kernels.fold import FoldItem, GroupedFold
-
-    bf16 = {"dtype": torch.bfloat16, "device": "cuda"}
-    items = [FoldItem(torch.randn(m, n, **bf16), torch.empty(m, n, **bf16), torch.randn(RANK, n, **bf16),
-                      torch.randn(m, RANK, **bf16), 2.0) for m, n in SHAPES]
-    fold = GroupedFold(items)
-    fold.prepare()
-    return items, fold
+@dataclass(frozen=True)
+class Condition:
+    gap_s: float = 0.005
+    stepped: bool = False
+    warm: str = ""
 
 
-def timed(fold) -> tuple[float, float, float]:  # type: ignore[no-untyped-def]
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    a.record()
-    fold()
-    t1 = time.perf_counter()
-    b.record()
-    torch.cuda.synchronize()
-    t2 = time.perf_counter()
-    return (t1 - t0) * 1000, (t2 - t0) * 1000, a.elapsed_time(b)
+CONDITIONS = {"hot": Condition(), "idle": Condition(gap_s=1.0), "idle_spin": Condition(gap_s=1.0, warm="spin"),
+              "idle_replay": Condition(gap_s=1.0, warm="replay"), "stepped": Condition(gap_s=0.0, stepped=True),
+              "stepped_spin": Condition(gap_s=0.0, stepped=True, warm="spin"),
+              "stepped_replay": Condition(gap_s=0.0, stepped=True, warm="replay"),
+              "stepped_fold": Condition(gap_s=0.0, stepped=True, warm="fold")}
 
 
-def engine(words, results, fifo: str, reps: int, ready) -> None:  # type: ignore[no-untyped-def]
-    """The engine's side: an in-process baseline, then a watcher thread serving every wake."""
-    torch.cuda.set_device(0)
+def now_us() -> int:
+    return time.monotonic_ns() // 1000
 
-    def watch() -> None:
-        _items, fold = make_fold()  # captured on this thread, as the engine plans on its watcher's first push
-        base = [timed(fold) for _ in range(reps + 3)][3:]
-        for i, f in enumerate(FIELDS):
-            results[f"alone_{f}"] = statistics.median(x[i] for x in base)
-        fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
-        ready.set()
-        seen, laps = 0, []
-        while True:
-            select.select([fd], [], [], 0.005)
-            with contextlib.suppress(BlockingIOError):
-                os.read(fd, 4096)
-            n = words[0]
-            if n == seen or n == 0:  # 0: the waker resetting the words between phases
-                seen = n
-                continue
-            if n == -999:  # the waker is done
-                words[1] = n
-                return
-            if n < 0:  # a phase's end: its medians
-                phase = results["phase"]
-                for i, f in enumerate(FIELDS):
-                    results[f"{phase}_{f}"] = statistics.median(x[i] for x in laps[3:])
-                laps = []
-                seen = n
-                words[1] = n
+
+class Work:
+    """The engine's per-push work: the gather graph and the fold graph (plain calls on CPU)."""
+
+    def __init__(self, device: torch.device, smoke: bool):
+        from kora_trainer.kernels.fold import FoldItem, GroupedFold
+
+        self.device, self.cuda = device, device.type == "cuda"
+        layers, hidden, q, kv, rank, adapter = (2, 64, 64, 32, 4, 4096) if smoke else (LAYERS, HIDDEN, Q, KV, RANK,
+                                                                                      ADAPTER)
+        def randn(*size: int) -> torch.Tensor:
+            return torch.randn(*size, dtype=torch.bfloat16, device=device)
+
+        self.flat = randn(adapter)
+        self.slot = torch.empty_like(self.flat)
+        shapes = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q)] * layers
+        self.items = [FoldItem(randn(m, n), randn(m, n), randn(rank, n) * 0.01, randn(m, rank) * 0.01, 2.0)
+                      for m, n in shapes]
+        self.fold = GroupedFold(self.items)
+        self.gather_graph: Any = None
+        if self.cuda:
+            self.fold.prepare()
+            self.slot.copy_(self.flat)
+            torch.cuda.synchronize(device)
+            self.gather_graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.gather_graph):
+                self.slot.copy_(self.flat)
+            self.gather_graph.replay()
+            torch.cuda.synchronize(device)
+
+    def gather(self) -> None:
+        if self.gather_graph is not None:
+            self.gather_graph.replay()
+        else:
+            self.slot.copy_(self.flat)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def timed(self) -> dict[str, float]:
+        """One push's work, timed (wake_ms is the caller's)."""
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if self.cuda else []
+        c0, t0 = time.thread_time(), time.perf_counter()
+        if marks:
+            marks[0].record()
+        self.gather()
+        t1 = time.perf_counter()
+        self.fold()
+        if marks:
+            marks[1].record()
+        t2, c1 = time.perf_counter(), time.thread_time()
+        self.sync()
+        t3 = time.perf_counter()
+        return {"gather_replay_ms": (t1 - t0) * 1e3, "fold_replay_ms": (t2 - t1) * 1e3,
+                "launch_cpu_ms": (c1 - c0) * 1e3, "total_ms": (t3 - t0) * 1e3,
+                "device_ms": marks[0].elapsed_time(marks[1]) if marks else 0.0}
+
+
+def busy(device: torch.device, ms: float, size: int, sync_every: int) -> None:
+    """GPU work driven from this thread for about `ms`: matmuls of [size, size], synchronised every `sync_every`."""
+    x = torch.randn(size, size, device=device)
+    w = torch.randn(size, size, device=device) / size**0.5
+    end = time.perf_counter() + ms / 1e3
+    i = 0
+    while time.perf_counter() < end:
+        x = torch.tanh(x @ w)
+        i += 1
+        if i % sync_every == 0 and device.type == "cuda":
+            torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """The engine's process: a generating thread and the watcher thread (which makes the work, as the engine plans
+    on its watcher)."""
+
+    def __init__(self, words: Any, results: Any, fifo: str, reps: int, device: torch.device, smoke: bool):
+        self.words, self.results, self.fifo, self.reps = words, results, fifo, reps
+        self.device, self.smoke = device, smoke
+        self.stopping = threading.Event()
+        self.laps: list[dict[str, float]] = []
+
+    def _on_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+    def generate(self) -> None:
+        self._on_device()
+        seen, w = 0, self.words
+        while not self.stopping.is_set():
+            n = w[GEN]
+            if n == seen:
+                time.sleep(0.001)
                 continue
             seen = n
-            laps.append(timed(fold))
-            words[1] = n
+            busy(self.device, w[GEN_MS], 64 if self.smoke else 1024, 4)  # a decode step's small launches
+            w[GEN_ACK] = n
 
-    t = threading.Thread(target=watch)
-    t.start()
-    t.join()
+    def _warm(self, work: Work, seen: int) -> None:
+        kind, w = self.words[WARM_KIND], self.words
+        if kind == WARM_KINDS["spin"]:
+            while w[REQ] == seen:
+                time.sleep(0)
+        elif kind in (WARM_KINDS["replay"], WARM_KINDS["fold"]):
+            work.gather()
+            if kind == WARM_KINDS["fold"]:
+                work.fold()
+            work.sync()
+
+    def _serve(self, work: Work, n: int, t_seen: int) -> None:
+        """Request n: a push (n > 0) or a condition's end (its medians)."""
+        if n < 0:
+            phase = self.results["phase"]
+            for f in FIELDS:
+                self.results[f"{phase}_{f}"] = statistics.median(x[f] for x in self.laps[3:])
+            self.laps = []
+        else:
+            lap = work.timed()
+            lap["wake_ms"] = (t_seen - self.words[T_REQ]) / 1e3
+            self.laps.append(lap)
+        self.words[ACK] = n
+
+    def watch(self, ready: Any) -> None:
+        self._on_device()
+        work, w = Work(self.device, self.smoke), self.words
+        alone = [work.timed() for _ in range(self.reps + 3)][3:]
+        for f in FIELDS[1:]:
+            self.results[f"alone_{f}"] = statistics.median(x[f] for x in alone)
+        fd = os.open(self.fifo, os.O_RDWR | os.O_NONBLOCK)
+        ready.set()
+        seen, warmed = 0, 0
+        while True:
+            if w[WARM] != warmed:
+                warmed = w[WARM]
+                self._warm(work, seen)
+            if w[REQ] == seen:
+                select.select([fd], [], [], 0.005)
+                with contextlib.suppress(BlockingIOError):
+                    os.read(fd, 4096)
+            n = w[REQ]
+            if n == seen:
+                continue
+            t_seen, seen = now_us(), n
+            if n == STOP:
+                self.stopping.set()
+                w[ACK] = n
+                return
+            self._serve(work, n, t_seen)
 
 
-def wake_phase(name: str, words, results, fd: int, reps: int, before=None) -> float:  # type: ignore[no-untyped-def]
-    results["phase"] = name
-    rts = []
-    for i in range(1, reps + 4):
-        if before is not None:
-            before()
+def engine(words: Any, results: Any, fifo: str, reps: int, ready: Any, device_name: str, smoke: bool) -> None:
+    side = Engine(words, results, fifo, reps, torch.device(device_name), smoke)
+    side._on_device()
+    threads = [threading.Thread(target=side.generate), threading.Thread(target=side.watch, args=(ready,))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+class Waker:
+    """The trainer's side: its step's GPU work, its last gather (synchronised) and the request."""
+
+    def __init__(self, words: Any, fd: int, device: torch.device, smoke: bool, train_ms: float, generate_ms: float):
+        self.words, self.fd, self.device, self.smoke = words, fd, device, smoke
+        self.train_ms, self.generate_ms = train_ms, generate_ms
+        self.n = 0
+        n = 4096 if smoke else ADAPTER
+        self.flat = torch.randn(n, dtype=torch.bfloat16, device=device)
+        self.index = torch.randperm(n, device=device)
+        self.slot = torch.empty_like(self.flat)
+
+    def ask(self, value: int) -> float:
+        """Store REQ (and T_REQ), poke, wait for ACK: the round trip in ms."""
+        w = self.words
         t0 = time.perf_counter()
-        words[0] = i
-        os.write(fd, b"\0")
-        while words[1] != i:
+        w[T_REQ] = now_us()
+        w[REQ] = value
+        with contextlib.suppress(BlockingIOError):
+            os.write(self.fd, b"\0")
+        deadline = t0 + 60
+        while w[ACK] != value:
+            if time.perf_counter() > deadline:
+                raise SystemExit(f"the engine did not answer request {value} within 60 s")
             time.sleep(0)
-        rts.append((time.perf_counter() - t0) * 1000)
-        time.sleep(0.005)  # the engine's GPU work is done; the waker's context idles as a trainer's would not
-    words[0] = -len(results) - 1  # phase end
-    os.write(fd, b"\0")
-    end = words[0]
-    while words[1] != end:
-        time.sleep(0)
-    words[0], words[1] = 0, 0
-    return statistics.median(rts[3:])
+        return (time.perf_counter() - t0) * 1e3
+
+    def step(self, cond: Condition) -> None:
+        """What comes before a push: the engine generating, then this process training or idling (WARM as that
+    starts)."""
+        w = self.words
+        if cond.stepped:
+            w[GEN_MS] = int(self.generate_ms)
+            w[GEN] += 1
+            while w[GEN_ACK] != w[GEN]:
+                time.sleep(0.0005)
+        if cond.warm:
+            w[WARM_KIND] = WARM_KINDS[cond.warm]
+            w[WARM] += 1
+        if cond.stepped:
+            busy(self.device, self.train_ms, 256 if self.smoke else 4096, 16)
+        torch.index_select(self.flat, 0, self.index, out=self.slot)  # the trainer's last work: synchronised
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        time.sleep(cond.gap_s)
+
+    def condition(self, name: str, cond: Condition, reps: int, results: Any) -> float:
+        results["phase"] = name
+        rts = []
+        for _ in range(reps + 3):
+            self.step(cond)
+            self.n += 1
+            rts.append(self.ask(self.n))
+        self.n += 1
+        self.ask(-self.n)
+        return statistics.median(rts[3:])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--train-ms", type=float, default=250.0, help="the waker's step (a GRPO train phase's order)")
+    ap.add_argument("--generate-ms", type=float, default=1000.0, help="the engine's rollouts before it")
+    ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU, no graphs: the plumbing only")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
+    names = [c for c in args.conditions.split(",") if c]
+    unknown = [c for c in names if c not in CONDITIONS]
+    if unknown:
+        raise SystemExit(f"--conditions: unknown {unknown}; known: {', '.join(CONDITIONS)}")
+    device_name = "cpu" if args.cpu_smoke else "cuda:0"
+    if args.cpu_smoke:
+        pass
     ctx = mp.get_context("spawn")
-    words = ctx.Array("q", 2, lock=False)
+    words = ctx.Array("q", 8, lock=False)
     results = ctx.Manager().dict()
     fifo = os.path.join(tempfile.mkdtemp(), "wake")
     os.mkfifo(fifo)
     ready = ctx.Event()
-    proc = ctx.Process(target=engine, args=(words, results, fifo, args.reps, ready))
+    proc = ctx.Process(target=engine, args=(words, results, fifo, args.reps, ready, device_name, args.cpu_smoke))
     proc.start()
     if not ready.wait(300):
-        raise SystemExit("the engine process did not get ready")
+        proc.kill()
+        raise SystemExit("the engine process did not get ready within 300 s")
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    out = {"bench": "colocated_fold_latency", "command": "python bench/colocated_fold_latency.py "
-           + " ".join(sys.argv[1:]), "device": None, "round_trip_ms": {}}
-    out["round_trip_ms"]["waker_without_cuda"] = wake_phase("no_context", words, results, fd, args.reps)
-    torch.cuda.set_device(0)
-    out["device"] = torch.cuda.get_device_name(0)
-    flat = torch.randn(23_592_960, dtype=torch.bfloat16, device="cuda")  # the adapter's size (rank 32, q k v o)
-    index = torch.randperm(flat.numel(), device="cuda", dtype=torch.int64).to(torch.int32)
-    slot = torch.empty_like(flat)
-    torch.cuda.synchronize()
-    out["round_trip_ms"]["waker_context_idle"] = wake_phase("idle_context", words, results, fd, args.reps)
-
-    def gather() -> None:  # the trainer's last GPU work before the wake: a gather, synchronised
-        torch.index_select(flat, 0, index, out=slot)
-        torch.cuda.synchronize()
-
-    out["round_trip_ms"]["waker_just_synchronised"] = wake_phase("busy_context", words, results, fd, args.reps,
-                                                                 gather)
-    words[0] = -999
-    os.write(fd, b"\0")
-    proc.join(60)
-    out["engine"] = {k: round(v, 4) for k, v in dict(results).items() if k != "phase"}
+    waker = Waker(words, fd, device, args.cpu_smoke, args.train_ms, args.generate_ms)
+    out: dict[str, Any] = {"bench": "colocated_fold_latency", "command": "python bench/colocated_fold_latency.py "
+                           + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name(0) if device.type == "cuda"
+                           else "cpu", "train_ms": args.train_ms, "generate_ms": args.generate_ms,
+                           "round_trip_ms": {}}
+    try:
+        for name in names:
+            out["round_trip_ms"][name] = round(waker.condition(name, CONDITIONS[name], args.reps, results), 4)
+            print(name, out["round_trip_ms"][name], "ms round trip", flush=True)
+        waker.ask(STOP)
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+    res = dict(results)
+    out["engine"] = {k: round(v, 4) for k, v in res.items() if k != "phase"}
+    out["by_condition"] = {n: {f: out["engine"].get(f"{n}_{f}") for f in FIELDS} for n in ["alone", *names]}
     print(json.dumps(out, indent=1))
     if args.out:
         args.out.write_text(json.dumps(out, indent=1) + "\n")
