@@ -90,6 +90,32 @@ def test_unlaunched_layouts_are_refused_at_start_and_data_tensor_pipeline_and_ex
     check_actor_layout(cfg("parallelism.data=4"), Backend.MEGATRON)
 
 
+def test_expert_parallelism_reads_the_expert_count_as_each_checkpoint_writes_it(tmp_path):
+    """transformers 5 saves Qwen3-MoE's expert count as `num_local_experts` (the published checkpoints say
+    `num_experts`): a job at parallelism.expert 2 on a checkpoint saved either way starts, and a count that
+    expert 2 does not divide is refused naming it, wherever config.json keeps it."""
+    import json
+
+    from kora_trainer.config import read_hf_config
+    from kora_trainer.config.start_layout import config_experts
+    from tinymodel import make_tiny_moe_model
+
+    saved = read_hf_config(str(make_tiny_moe_model(tmp_path / "moe", layers=2)))
+    assert saved is not None and "num_experts" not in saved  # what transformers 5 writes
+    published = {k: v for k, v in saved.items() if k != "num_local_experts"} | {"num_experts": 8}
+    nested = {"model_type": "qwen3_5_moe", "text_config": {"num_experts": 6}}  # a VL model's text tower
+    job = cfg("parallelism.data=2", "parallelism.expert=2")
+    for hf in (saved, published):
+        assert config_experts(hf) == 8
+        check_actor_layout(job, Backend.MEGATRON, hf["num_hidden_layers"], config_experts(hf))
+    for hf, experts in ((nested, 6), ({"n_routed_experts": 64}, 64), ({"hidden_size": 64}, 0), ({}, None)):
+        assert config_experts(hf) == experts
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(saved | {"num_local_experts": 5}))
+    with pytest.raises(ConfigError, match=r"expert 2: the model has 5 experts per MoE layer"):
+        check_actor_layout(job, Backend.MEGATRON, 2, config_experts(read_hf_config(str(tmp_path / "odd"))))
+
+
 def test_cpu_cluster_asks_for_no_gpu_and_refuses_gpu_engines():
     assert gpu_shares(cfg("rollout.gpusPerEngine=0"), cluster_gpus=0).total == 0
     with pytest.raises(ConfigError, match=r"gpusPerEngine is 1 but the Ray cluster has no GPU.*gpusPerEngine: 0"):

@@ -26,6 +26,7 @@ from kora_trainer.config.sections import (
     SyncMode,
     TargetModule,
 )
+from kora_trainer.config.start_layout import EXPERT_KEYS
 from kora_trainer.config.trainer import TrainerConfig
 
 Severity = Literal["error", "warning"]
@@ -408,11 +409,8 @@ def _declared_encoders(hf_config: Mapping[str, Any]) -> list[str]:
     return sorted(set(found))
 
 
-_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-
-
 def is_moe(hf_config: Mapping[str, Any]) -> bool:
-    if any(isinstance(hf_config.get(k), int) and hf_config[k] > 1 for k in _EXPERT_KEYS):
+    if any(isinstance(hf_config.get(k), int) and hf_config[k] > 1 for k in EXPERT_KEYS):
         return True
     return any(isinstance(v, Mapping) and is_moe(v) for v in hf_config.values())
 

@@ -56,12 +56,20 @@ def actor_layout_problems(cfg: TrainerConfig, backend: Backend, num_layers: int 
     return problems
 
 
+# where config.json says how many experts a MoE layer has: Qwen3-MoE as published (`num_experts`), as transformers 5
+# saves it and Mixtral (`num_local_experts`), DeepSeek (`n_routed_experts`), ERNIE (`moe_num_experts`)
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
 def config_experts(hf_config: Mapping[str, Any] | None) -> int | None:
     """Experts per MoE layer in an HF config.json (a VL model's in its text_config; 0: dense), None: not read."""
     if not hf_config:
         return None
-    text = hf_config.get("text_config") or {}
-    return int(hf_config.get("num_experts") or text.get("num_experts") or 0)
+    for section in (hf_config, hf_config.get("text_config") or {}):
+        for key in EXPERT_KEYS:
+            if isinstance(section.get(key), int) and section[key] > 0:
+                return int(section[key])
+    return 0
 
 
 def planned_backend(cfg: TrainerConfig, hf_config: Mapping[str, Any] | None, gpus: bool) -> Backend:
