@@ -19,6 +19,10 @@ None, as 0.19.2 does.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -118,6 +122,54 @@ def install() -> None:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     _CudaOnCpu().__enter__()
     _installed = True
+
+
+def _accept_megatron_here(select: Any) -> None:
+    """install(), and the trainer's backend choice told that megatron can run: its check for a GPU is the one
+    thing of CUDA this double replaces that the trainer asks itself (an explicit `backend: megatron` only; auto
+    keeps choosing as it would here)."""
+    install()
+    from kora_trainer.config.trainer import Backend
+
+    choose = select.resolve_backend
+
+    def resolve_backend(cfg: Any, *, cuda: bool, megatron: bool, **kw: Any) -> Any:
+        if cfg.backend is Backend.MEGATRON:
+            cuda = megatron = True
+        return choose(cfg, cuda=cuda, megatron=megatron, **kw)
+
+    select.resolve_backend = resolve_backend
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` right after `name` is first imported (and leaves every other import alone)."""
+
+    def __init__(self, name: str, then: Callable[[Any], None]):
+        self.name, self.then = name, then
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)  # once; and the lookup below must not find this finder again
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            self.then(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def install_in_trainer() -> None:
+    """For a `python -m kora_trainer.train` a test starts (tests/megatron_cpu_site/sitecustomize.py): where this
+    process imports the trainer's backend choice — a rank actor, when it builds its backend — run megatron-core on
+    the CPU (`install`) and accept `backend: megatron` without a GPU. Ray's own processes and the engines never
+    import it and stay as they are."""
+    sys.meta_path.insert(0, _AfterImport("kora_trainer.backends.select", _accept_megatron_here))
 
 
 def run_ranks(module: str, func: str, world: int, *args: Any, timeout_s: float = 150.0) -> None:
