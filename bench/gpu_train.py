@@ -23,6 +23,10 @@ call is there as `verify_ms`, outside `sync_ms`.
         [--out bench/results/gpu_train_DATE.json]
     python bench/gpu_train.py --model toy --backend torch --device cpu --steps 2   # CPU: plumbing only
 
+Split over several GPUs (issue 22): `--set parallelism.tensor=2 --engines 2` (Colocate: an engine beside each
+rank), `--deployment Disaggregated`; each mode's `loss_curve` and `world` are in the results, to set against the
+same command at one GPU.
+
 Shapes: `qwen3-4b` is Qwen3-4B's layers (hidden 2560, 36 layers, 32 heads / 8 KV heads of 128, MLP 9728) with
 the toy's 16-token vocabulary, so the rollouts decode with the toy's tokenizer and its rewards score them (the
 embedding and head are tiny; the step's cost is the layers'). LoRA rank 32 on q, k, v, o (linear_qkv,
@@ -214,14 +218,15 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
     gpu = args.device == "cuda"
     cmd = [sys.executable, "-m", "kora_trainer.train", "--config", str(ROOT / "trainer" / "examples" / "toy.yaml"),
            "--run-dir", str(run_dir), "--control-port", "0", f"model.path={model_dir}",
-           f"data.path={model_dir}/train.jsonl", f"backend={args.backend}", "deployment.mode=Colocate",
+           f"data.path={model_dir}/train.jsonl", f"backend={args.backend}", f"deployment.mode={args.deployment}",
            "deployment.async=false", f"lora.syncMode={mode}", "lora.rank=32", "lora.alpha=64",
            "lora.targetModules=[linear_qkv,linear_proj]", f"algorithm.numSteps={args.steps}",
            f"algorithm.rolloutBatchSize={args.prompts}", f"algorithm.nSamplesPerPrompt={args.samples}",
            f"algorithm.globalBatchSize={args.prompts * args.samples}", f"algorithm.maxNewTokens={args.max_new_tokens}",
            "sync.deltaSkipThreshold=0", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit",
            f"checkpoint.path={run_dir / 'ckpt'}", "checkpoint.interval=1",
-           f"rollout.gpusPerEngine={1 if gpu else 0}", f"sync.fastPath={'false' if http else 'true'}"]
+           f"rollout.gpusPerEngine={1 if gpu else 0}", f"rollout.numEngines={args.engines}",
+           f"sync.fastPath={'false' if http else 'true'}", *args.set]
     # the e2e tests' reward (tests/e2e/toy_rewards.py): it varies from the first step on an untrained model, so
     # every step has advantages, the adapter moves and every sync pushes
     path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])
@@ -258,7 +263,8 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
                                                           for r in later), 1),
         "tokens_per_s_trained": round(statistics.median((r["tokens"] or 0) / max(r["train_ms"] + r["logprob_ms"], 1e-9)
                                                         * 1000 for r in later), 1),
-        "sync_paths": summary.get("sync_paths"),
+        "sync_paths": summary.get("sync_paths"), "loss_curve": summary.get("loss_curve"),
+        "world": start.get("world"), "transport": start.get("transport"),
         "notes": [e["sync"]["note"] for e in [start, *steps] if e["sync"].get("note")],
         "rollout_logp_gap_max": summary.get("rollout_logp_gap_max"),
         "peak_gpu_mib": mem.by_role() if mem.available else "nvidia-smi not found",
@@ -276,6 +282,10 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--backend", default="megatron")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--deployment", choices=["Colocate", "Disaggregated"], default="Colocate")
+    ap.add_argument("--engines", type=int, default=1, help="rollout.numEngines")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a further override of every run (e.g. parallelism.tensor=2; repeat it)")
     ap.add_argument("--workdir", default="/tmp/kora-gpu-train")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=None)

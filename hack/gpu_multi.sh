@@ -12,11 +12,17 @@
 #   tp               tests/gpu/test_megatron_tp.py, test_megatron_tp_sync.py, test_megatron_tp_checkpoint.py (NCCL)
 #   data-parallel    tests/gpu/test_train_data_parallel_gpu.py
 #   bench            bench/dp_scaling.py --gpu, bench/gpu_sync.py (2 GPUs), and --tp 2 --engines 1 on 3 GPUs
+#   4b [LAYOUT...]   bench/gpu_train.py on the Qwen3-4B-shaped model, Colocate (an engine beside each rank), 3 steps
+#                    of MODES (default Merge) per layout: one (1 GPU), tensor, pipeline, data (2 GPUs); default all
+#                    four (~2 min each: give two layouts a call); set each layout's loss_curve and gap against one's
+#
+# Order for a first x2 session (30 device minutes): -k "Colocate and Merge and not EngineMerge", tp, 4b one tensor,
+# data-parallel, then the rest of model-parallel by mode; bench last.
 # Each part writes OUT/<part>.log; pytest keeps its temp dirs under /tmp/kora-multi-tmp (the engines' logs: grep
 # Traceback there on a failure), the benches their JSON under OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?"part: model-parallel | tp | data-parallel | bench | -k EXPR"}
+part=${1:?"part: model-parallel | tp | data-parallel | bench | 4b [LAYOUT...] | -k EXPR"}
 out=${OUT:-/tmp/kora-multi}
 mkdir -p "$out"
 bash hack/gpu_env.sh /tmp/mc >/dev/null || exit 1
@@ -37,6 +43,19 @@ case "$part" in
       timeout 200 python bench/gpu_sync.py --out "$out/gpu_sync_x2.json"
       if [ "$gpus" -ge 3 ]; then timeout 180 python bench/gpu_sync.py --tp 2 --engines 1 --out "$out/gpu_sync_tp2_engines1.json"; fi
     } 2>&1 | tee "$out/bench.log" ;;
+  4b)
+    shift
+    layouts=("$@")
+    [ ${#layouts[@]} -gt 0 ] || layouts=(one tensor pipeline data)
+    for layout in "${layouts[@]}"; do
+      case "$layout" in
+        one) split=() ; engines=1 ;;
+        tensor|pipeline|data) split=(--set "parallelism.$layout=2") ; engines=2 ;;
+        *) echo "unknown layout $layout (one | tensor | pipeline | data)" >&2; exit 2 ;;
+      esac
+      timeout 290 python bench/gpu_train.py --model qwen3-4b --modes "${MODES:-Merge}" --steps 3 \
+        --engines "$engines" "${split[@]}" --out "$out/gpu_train_4b_$layout.json" 2>&1 | tee "$out/4b-$layout.log"
+    done ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 rc=$?
