@@ -43,6 +43,7 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     "adapter-colocate-distributed": {"lora.syncMode": "Adapter", "deployment.mode": "Colocate",
                                      "rollout.distributedEngines": 2},
     "lora-only-async-save": {"checkpoint.loraOnly": True, "checkpoint.asyncSave": True},
+    "async-save-not-built": {"checkpoint.loraOnly": False, "checkpoint.asyncSave": True},
     "lora-only-dtype": {"checkpoint.dtype": "fp16"},
     "export-needs-path": {"checkpoint.exportHF": True},
     "steps-or-epochs": {"algorithm.numSteps": 10, "algorithm.numEpochs": 1},

@@ -58,7 +58,14 @@ def job(ckpt: Path) -> list[str]:
 
 
 def adapter(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt / f"step_{step:08d}" / "adapter.safetensors"))
+    """Step `step`'s adapter as the run held it. The file is in checkpoint.dtype (bf16 by default), which rounds
+    the toy's fp32 factors; their exact values are in the trainer state (checkpoint/precision.py)."""
+    d = ckpt / f"step_{step:08d}"
+    written = load_file(str(d / "adapter.safetensors"))
+    assert {t.dtype for t in written.values()} == {torch.bfloat16}
+    exact = torch.load(d / "trainer_state.pt", weights_only=False)["exact_adapter"]
+    assert exact.keys() == written.keys() and {t.dtype for t in exact.values()} == {torch.float32}
+    return exact
 
 
 def final_status(run: TrainRun) -> dict:

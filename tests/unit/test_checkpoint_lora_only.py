@@ -55,14 +55,24 @@ def save(root, n, model, opt, sched, **kw):
                    meta={"data_position": n * 16}, **kw)
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path):
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path, dtype):
+    """Whatever checkpoint.dtype the adapter file is written in (the fp32 adapter rounded to bf16, fp16 or fp8),
+    the resumed run goes on exactly."""
+    from safetensors import safe_open
+
     model, opt, sched = make()
     straight = [step(model, opt, sched) for _ in range(6)]
     final = adapter(model)
 
     model, opt, sched = make()
     first = [step(model, opt, sched) for _ in range(3)]
-    save(tmp_path, 3, model, opt, sched)
+    held = adapter(model)
+    path = save(tmp_path, 3, model, opt, sched, dtype=dtype)
+    with safe_open(str(path / ck.ADAPTER), "pt") as f:  # the file a user reads is in checkpoint.dtype
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {dtype or torch.float32}  # noqa: SIM118
+        if dtype not in (None, torch.float32):  # it rounded what the run held
+            assert not torch.equal(f.get_tensor("lora_A").float(), held["lora_A"])
     for _ in range(2):  # the run goes on past the checkpoint, then dies: this work is lost
         step(model, opt, sched)
 
@@ -78,6 +88,20 @@ def test_resume_reproduces_the_uninterrupted_run(tmp_path: Path):
     resumed = first + [step(model, opt, sched) for _ in range(3)]
     assert resumed == straight  # exact, same seed on CPU
     assert all(torch.equal(adapter(model)[k], final[k]) for k in final)
+
+
+def test_an_adapter_the_file_dtype_holds_exactly_keeps_no_second_copy(tmp_path: Path):
+    """A bf16 adapter written as bf16 or fp32 loses nothing: the checkpoint holds it once, and loads as it was."""
+    a = {"lora_A": (torch.randn(4, 8) * 0.1).to(torch.bfloat16), "lora_B": torch.randn(8, 4).to(torch.bfloat16)}
+    for n, dtype in enumerate((torch.bfloat16, torch.float32), start=1):
+        path = ck.save(tmp_path, n, adapter=a, optimizer={}, scheduler=None, dtype=dtype)
+        state = torch.load(path / ck.TRAINER_STATE, weights_only=False)
+        assert state[ck.EXACT] == {}
+        loaded = ck.load_latest(tmp_path)
+        assert loaded is not None and all(torch.equal(loaded.adapter[k].to(torch.bfloat16), a[k]) for k in a)
+    rounded = ck.save(tmp_path, 3, adapter={k: v.float() + 1e-4 for k, v in a.items()}, optimizer={},
+                      scheduler=None, dtype=torch.bfloat16)
+    assert set(torch.load(rounded / ck.TRAINER_STATE, weights_only=False)[ck.EXACT]) == {"lora_A", "lora_B"}
 
 
 def test_corrupted_checkpoint_is_refused_and_the_previous_good_one_used(tmp_path: Path):

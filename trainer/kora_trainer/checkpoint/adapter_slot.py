@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from kora_trainer.checkpoint.precision import as_trained, split_for_file
 from kora_trainer.checkpoint.swap_dir import swapped_in
 
 CHECKPOINT_DIR = "checkpoint"
@@ -26,13 +27,15 @@ def adapter_root(root: str | Path, name: str) -> Path:
 
 
 def save_slot(root: str | Path, name: str, state: dict[str, Any], data_position: int,
-              meta: dict[str, Any]) -> Path:
-    """Write `state` (MultiLoRATrainer.state: tensors, optimizer, step, rng) atomically; returns the directory."""
+              meta: dict[str, Any], dtype: torch.dtype | None = None) -> Path:
+    """Write `state` (MultiLoRATrainer.state: tensors, optimizer, step, rng) atomically; returns the directory.
+    `dtype`: the adapter file's (checkpoint.dtype), exact values kept where it rounds (precision.py)."""
     home = adapter_root(root, name)
+    written, exact = split_for_file(state["tensors"], dtype)
     with swapped_in(home, CHECKPOINT_DIR) as tmp:  # the previous checkpoint stays whole until the new one is in
-        save_file({k: v.contiguous() for k, v in state["tensors"].items()}, str(tmp / "adapter.safetensors"))
+        save_file(written, str(tmp / "adapter.safetensors"))
         torch.save({"optimizer": state["optimizer"], "step": state["step"], "rng": state["rng"],
-                    "data_position": data_position}, tmp / "state.pt")
+                    "data_position": data_position, "exact_adapter": exact}, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({**meta, "name": name, "step": state["step"],
                                                    "data_position": data_position}, indent=1) + "\n")
         for f in tmp.iterdir():
@@ -51,6 +54,7 @@ def load_slot(root: str | Path, name: str) -> tuple[dict[str, Any], int] | None:
             return None
         d = old
     extra = torch.load(d / "state.pt", weights_only=False)
-    state = {"tensors": load_file(str(d / "adapter.safetensors")), "optimizer": extra["optimizer"],
+    state = {"tensors": as_trained(load_file(str(d / "adapter.safetensors")), extra.get("exact_adapter")),
+             "optimizer": extra["optimizer"],
              "step": extra["step"], "rng": extra["rng"]}
     return state, int(extra["data_position"])

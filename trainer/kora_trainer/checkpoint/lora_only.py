@@ -31,12 +31,14 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from kora_trainer.checkpoint.faults import KILL_AT
+from kora_trainer.checkpoint.precision import as_trained, split_for_file
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 ADAPTER = "adapter.safetensors"
 TRAINER_STATE = "trainer_state.pt"
 META = "meta.json"
+EXACT = "exact_adapter"  # in TRAINER_STATE: the adapter's values the file's dtype rounded (precision.py)
 FORMAT = "kora-lora-only/1"
 _LORA_NAME = re.compile(r"(^|\.)lora_[AB](\.|$)")
 
@@ -49,7 +51,7 @@ class CheckpointError(RuntimeError):
 class Checkpoint:
     step: int
     path: Path
-    adapter: dict[str, torch.Tensor]
+    adapter: dict[str, torch.Tensor]  # as the run held it (exact, whatever the file's dtype)
     optimizer: dict[str, Any]
     scheduler: dict[str, Any] | None
     rng: dict[str, Any]
@@ -114,8 +116,9 @@ def _fsync(path: Path) -> None:
 
 def save(root: Path, step: int, *, adapter: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
          scheduler: Mapping[str, Any] | None, rng: Mapping[str, Any] | None = None,
-         meta: Mapping[str, Any] | None = None, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically under `root`, move `latest`, prune to `keep`.
+         meta: Mapping[str, Any] | None = None, keep: int = 2, dtype: torch.dtype | None = None) -> Path:
+    """Write checkpoint `step` atomically under `root`, move `latest`, prune to `keep`. `dtype`: the adapter
+    file's (checkpoint.dtype; None: the adapter's own), exact values kept where it rounds (precision.py).
 
     The files are serialized in memory first (a checkpoint is the adapter and its optimizer state, not the
     model), so the bytes needed are known before anything is written: a volume without room for them is
@@ -126,7 +129,7 @@ def save(root: Path, step: int, *, adapter: Mapping[str, torch.Tensor], optimize
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
-    blobs = _serialize(step, adapter, optimizer, scheduler, rng, meta)
+    blobs = _serialize(step, adapter, optimizer, scheduler, rng, meta, dtype)
     needed = sum(len(b) for b in blobs.values())
     _check_room(root, step, needed)
     KILL_AT.write_started()
@@ -171,15 +174,17 @@ _NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 def _serialize(step: int, adapter: Mapping[str, torch.Tensor], optimizer: Mapping[str, Any],
                scheduler: Mapping[str, Any] | None, rng: Mapping[str, Any] | None,
-               meta: Mapping[str, Any] | None) -> dict[str, bytes]:
+               meta: Mapping[str, Any] | None, dtype: torch.dtype | None) -> dict[str, bytes]:
     """The checkpoint's files as bytes, the manifest last (its sums are of exactly these bytes)."""
+    written, exact = split_for_file(adapter, dtype)
     state = io.BytesIO()
     torch.save({"optimizer": dict(optimizer), "scheduler": dict(scheduler) if scheduler else None,
-                "rng": dict(rng) if rng is not None else capture_rng()}, state)
+                "rng": dict(rng) if rng is not None else capture_rng(), EXACT: exact}, state)
+    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in written.values()})
     blobs = {
-        ADAPTER: save_tensors({k: v.detach().contiguous().cpu() for k, v in adapter.items()}),
+        ADAPTER: save_tensors(written),
         TRAINER_STATE: state.getvalue(),
-        META: json.dumps({"format": FORMAT, "step": step, **(meta or {})}, indent=2).encode(),
+        META: json.dumps({"format": FORMAT, "step": step, "adapter_dtype": dtypes, **(meta or {})}, indent=2).encode(),
     }
     files = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
              for name, data in sorted(blobs.items())}
@@ -281,8 +286,9 @@ def load_latest(root: Path, map_location: str = "cpu") -> Checkpoint | None:
             continue
         state = torch.load(path / TRAINER_STATE, map_location=map_location, weights_only=False)
         meta = json.loads((path / META).read_text())
-        return Checkpoint(int(meta["step"]), path, load_file(str(path / ADAPTER)), state["optimizer"],
-                          state["scheduler"], state["rng"], meta, skipped)
+        adapter = as_trained(load_file(str(path / ADAPTER)), state.get(EXACT))
+        return Checkpoint(int(meta["step"]), path, adapter, state["optimizer"], state["scheduler"], state["rng"], meta,
+                          skipped)
     if skipped:
         raise CheckpointError("no checkpoint under {} verifies:\n  {}".format(root, "\n  ".join(skipped)))
     return None

@@ -4,8 +4,8 @@ verified, pruned) and `peft_export.py`'s; this module decides what goes in and p
 
 A checkpoint of step K is written after step K's update and its sync, and holds
 - the adapter as the backend holds it (`backend.adapter_named()`: HF-PEFT names for the torch backend,
-  megatron names and fused layout for the megatron one), in its training dtype: a cast would make a resumed
-  run differ from the uninterrupted one;
+  megatron names and fused layout for the megatron one), its file in checkpoint.dtype; where that rounds the
+  trained values, the exact ones too (precision.py), so a resumed run goes on from what the uninterrupted one held;
 - the AdamW state, and the scheduler's (None: the trainer runs a constant learning rate);
 - RNG: the trainer process's torch / python / numpy (/ cuda) states and the backend's own generators
   (the torch backend's minibatch shuffle);
@@ -56,7 +56,7 @@ class Resumed:
 
 
 def save_training_state(root: Path, backend: Any, *, data_position: int, keep: int,
-                        meta: Mapping[str, Any] | None = None) -> Path | None:
+                        meta: Mapping[str, Any] | None = None, dtype: torch.dtype | None = None) -> Path | None:
     """Checkpoint `backend.version` under `root` (atomic; `latest` moves; pruned to `keep`).
 
     Every trainer rank calls it: under tensor parallelism the shards are gathered first (a collective,
@@ -74,7 +74,7 @@ def save_training_state(root: Path, backend: Any, *, data_position: int, keep: i
         return None
     return lora_only.save(
         Path(root), backend.version, adapter=dict(adapter), optimizer=optimizer, scheduler=None, rng=rng, keep=keep,
-        meta={"data_position": data_position, "param_names": [n for n, _ in adapter],
+        dtype=dtype, meta={"data_position": data_position, "param_names": [n for n, _ in adapter],
               "tensor_parallel": shards.size if shards is not None else 1, "tp_layout": WHOLE_FACTORS,
               "pipeline_parallel": shards.stages if shards is not None else 1,
               "expert_parallel": shards.experts if shards is not None else 1, **(meta or {})})

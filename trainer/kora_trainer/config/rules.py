@@ -218,6 +218,13 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         lambda c: c.checkpoint.lora_only and c.checkpoint.async_save,
         "!self.checkpoint.loraOnly || !self.checkpoint.asyncSave",
     ),
+    SpecRule(  # the one other save (loraOnly false) is written the same way: no background writer is built
+        "async-save-not-built", "checkpoint.asyncSave",
+        "checkpoint.asyncSave: background checkpoint writes are not built (each checkpoint, the adapter and its "
+        "optimizer state, is written before the next step starts): set asyncSave to false",
+        lambda c: c.checkpoint.async_save and not c.checkpoint.lora_only,
+        "!self.checkpoint.asyncSave || self.checkpoint.loraOnly",
+    ),
     SpecRule(
         "lora-only-dtype", "checkpoint.dtype",
         "checkpoint.loraOnly needs a bf16 or fp32 checkpoint, not fp16/fp8: set checkpoint.dtype "

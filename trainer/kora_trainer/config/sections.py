@@ -317,9 +317,10 @@ class CheckpointSpec(CamelModel):
     """Save only the adapter, optimizer, scheduler, RNG and step; the base is reloaded from
     model.path on resume. Fails if any trainable parameter is not a LoRA parameter."""
     async_save: bool = False
-    """Write checkpoints in the background (not with loraOnly)."""
+    """Write checkpoints in the background: not built, so true is refused (with loraOnly by SPEC rule 8)."""
     dtype: CheckpointDType = CheckpointDType.BF16
-    """Precision of saved tensors (loraOnly needs bf16 or fp32)."""
+    """Precision of the checkpoint's adapter file (loraOnly needs bf16 or fp32). Where it rounds the trained
+    values, the exact ones are kept beside the optimizer state, so a resume goes on exactly."""
     export_hf: bool = Field(default=False, alias="exportHF")
     """Also write lora_adapter/ (HF-PEFT) at the end. It is its own save beside the resumable
     checkpoint, never mixed into it."""

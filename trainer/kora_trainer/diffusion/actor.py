@@ -153,6 +153,7 @@ class DiffusionPolicy:
         """A collective (the adapter and the optimizer state are gathered whole); rank 0 writes and returns the
         step's directory, the others None."""
         from kora_trainer.checkpoint import lora_only
+        from kora_trainer.checkpoint.precision import torch_dtype
         from kora_trainer.diffusion.fsdp import full_optimizer_state
 
         lora_only.check_lora_only(n for n, p in self.toy.transformer.named_parameters() if p.requires_grad)
@@ -162,7 +163,8 @@ class DiffusionPolicy:
         meta = {"kind": "diffusion", "data_position": step, "sync_mode": str(self.cfg.lora.effective_sync_mode),
                 "base_model": str(Path(self.cfg.model.path).resolve()), "seed": self.settings.seed}
         return lora_only.save(Path(root), step, adapter=adapter, optimizer=optimizer, scheduler=None,
-                              rng=lora_only.capture_rng(), meta=meta, keep=self.cfg.checkpoint.keep)
+                              rng=lora_only.capture_rng(), meta=meta, keep=self.cfg.checkpoint.keep,
+                              dtype=torch_dtype(self.cfg.checkpoint.dtype))
 
     def resume(self, root: str) -> dict[str, Any] | None:
         """The newest good checkpoint under root restored (adapter, optimizer, RNG) on this rank, whatever rank

@@ -83,8 +83,10 @@ class MultiLoRAWorker(TrainWorker):
 
     def save_adapter(self, name: str, root: str, data_position: int, meta: dict[str, Any]) -> str:
         from kora_trainer.checkpoint.adapter_slot import save_slot
+        from kora_trainer.checkpoint.precision import torch_dtype
 
-        return str(save_slot(root, name, self.multi.state(name), data_position, meta))
+        return str(save_slot(root, name, self.multi.state(name), data_position, meta,
+                             dtype=torch_dtype(self.cfg.checkpoint.dtype)))
 
     def export_adapter(self, name: str, root: str, meta: dict[str, Any]) -> str:
         from kora_trainer.checkpoint.adapter_slot import adapter_root

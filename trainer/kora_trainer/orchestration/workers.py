@@ -118,9 +118,11 @@ class TrainWorker:
 
     def save_checkpoint(self, root: str, data_position: int, keep: int, meta: dict[str, Any]) -> str | None:
         """On every rank (TP shards are gathered); the path on the rank that wrote it, None on the others."""
+        from kora_trainer.checkpoint.precision import torch_dtype
         from kora_trainer.checkpoint.training import save_training_state
 
-        path = save_training_state(Path(root), self.backend, data_position=data_position, keep=keep, meta=meta)
+        path = save_training_state(Path(root), self.backend, data_position=data_position, keep=keep, meta=meta,
+                                   dtype=torch_dtype(self.cfg.checkpoint.dtype))
         return str(path) if path is not None else None
 
     def export_hf(self, root: str, meta: dict[str, Any]) -> str | None:
