@@ -35,11 +35,12 @@ def run(model: str, data: int, steps: int, gpu: bool, work: Path) -> dict[str, f
     from kora_trainer.recorder import read_events
 
     run_dir = work / f"data{data}"
-    overrides = [f"model.path={model}", f"data.path={model}/train.parquet", f"parallelism.data={data}",
+    dataset = next((f for f in ("train.jsonl", "train.parquet") if (Path(model) / f).exists()), "train.jsonl")
+    overrides = [f"model.path={model}", f"data.path={model}/{dataset}", f"parallelism.data={data}",
                  f"algorithm.numSteps={steps}", f"rollout.numEngines={data}", "deployment.mode=Colocate",
                  "deployment.async=false", f"rollout.gpusPerEngine={1 if gpu else 0}"]
     cmd = [sys.executable, "-m", "kora_trainer.train", "--config", str(TOY_YAML), "--run-dir", str(run_dir),
-           "--control-port", "0", "--make-toy", *overrides]
+           "--control-port", "0", *overrides]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "trainer"), os.environ.get("PYTHONPATH", "")])}
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -60,12 +61,18 @@ def run(model: str, data: int, steps: int, gpu: bool, work: Path) -> dict[str, f
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=str(REPO / ".kora" / "toy"), help="toy dir (made there if missing)")
+    p.add_argument("--model", default=str(REPO / ".kora" / "toy"),
+                   help="toy dir (made there if missing, its dataset as JSON lines)")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--data", type=int, default=2, help="the data-parallel size compared with 1")
     p.add_argument("--gpu", action="store_true", help="one GPU per rank (and its engine beside it)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     args = p.parse_args(argv)
+    if not (Path(args.model) / "config.json").exists():  # JSON lines: the GPU image has no pyarrow for parquet
+        sys.path.insert(0, str(REPO / "trainer"))
+        from kora_trainer.toy import make_toy
+
+        make_toy(args.model, dataset="train.jsonl")
     with tempfile.TemporaryDirectory(prefix="kora-dp-") as tmp:
         one, many = (run(args.model, d, args.steps, args.gpu, Path(tmp)) for d in (1, args.data))
     result = {"bench": "dp_scaling", "device": "gpu" if args.gpu else "cpu", "cores": os.cpu_count(),
