@@ -217,8 +217,8 @@ class SyncEngine:
 
     def allreduce(self, arg: dict[str, Any]) -> None:
         group = self.groups[self._k(arg)]
-        for _ in range(arg["reps"]):
-            t = torch.zeros(1, device=self.device)
+        for _ in range(arg["reps"]):  # float64, as the trainer's delta decision (fast_adapter.FlatDelta.pending)
+            t = torch.zeros(1, dtype=torch.float64, device=self.device)
             group.allreduce_max(t)
         sync_dev(self.device)
 
