@@ -204,6 +204,30 @@ def test_a_restarted_job_resumes_every_adapter_where_its_checkpoint_left_it(toy_
 
 
 @pytest.mark.slow
+def test_two_adapters_at_data_2_take_the_steps_of_data_1(toy_dir, tmp_path):
+    """parallelism.data 2: each adapter's batches split over two rank actors, its gradients summed over them. The
+    same job at data 1 is the reference: the same rewards (seeded rollouts of the same policy), losses and factors
+    up to the order of fp32 sums (tests/e2e/test_train_data_parallel.py's tolerances), each adapter served as its
+    ranks hold it."""
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 3},
+                {"name": "even", "rank": 8, "numSteps": 2, "seed": 7, "data": {**EVEN, "path": data}}]
+    runs = {d: TrainRun(toy_dir, tmp_path / f"data{d}", f"parallelism.data={d}",
+                        config=job_file(toy_dir, tmp_path / f"data{d}", adapters)) for d in (1, 2)}
+    wait_all(list(runs.values()))
+    one, two = (runs[d].summary()["adapters"] for d in (1, 2))
+    assert runs[2].events("start")[0]["world"] == 2
+    for name in ("odd", "even"):
+        assert two[name]["phase"] == "Succeeded" and two[name]["reward_curve"] == one[name]["reward_curve"]
+        losses = [[e["loss"] for e in runs[d].events("adapter_step") if e["adapter"] == name] for d in (1, 2)]
+        assert max(abs(a - b) for a, b in zip(*losses, strict=True)) < 1e-6, losses
+        ref, mine = factors(tmp_path / "data1" / "ckpt", name), factors(tmp_path / "data2" / "ckpt", name)
+        assert max(float((ref[k] - mine[k]).abs().max()) for k in ref) < 2e-5, name
+        gaps = [e["rollout_logp_gap_max"] for e in runs[2].events("adapter_step") if e["adapter"] == name]
+        assert None not in gaps and max(gaps) <= GAP_MAX, gaps
+
+
+@pytest.mark.slow
 def test_an_adapter_the_engine_drops_stops_the_job_naming_it(toy_dir, tmp_path):
     """The serving check per adapter: the engine drops adapter `even` at every load (the reference engine's fault
     switch; it acknowledges each push and serves the base under even's version) while it serves `odd` as trained.

@@ -218,7 +218,7 @@ def run(job: Job, cfg: TrainerConfig, registry: AdapterRegistry, rec: StepRecord
     with watched(job, cfg, "the push of the base"):
         base = job.trainer.all("push_base")[0]
     rec.event("start", multi_lora=True, service=service, max_adapters=cfg.multi_lora.max_adapters,
-              engines=len(job.engines), transport=job.transport, sync=base.as_dict())
+              engines=len(job.engines), transport=job.transport, sync=base.as_dict(), world=len(job.trainer.actors))
     rec.progress.update(phase="Running", activeAdapters=registry.active())
     loop = MultiLoRARun(job, cfg, registry, rec, root)
     while time_left():
