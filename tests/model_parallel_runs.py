@@ -43,7 +43,7 @@ def make_toys(root: Path) -> tuple[Path, Path]:
 
 def split_takes_the_steps_of_one(toy: Path, moe: Path, work: Path, split: str, mode: str, deployment: str,
                                  engines: int, *extra: str, steps: int, env: dict[str, str] | None = None,
-                                 timeout_s: float = 1200) -> list[dict]:
+                                 timeout_s: float = 600) -> list[dict]:
     """The job split by SPLITS[split] and the same job on one rank, at once; then the split job resumed for two
     more steps. `extra`: the machine's overrides (e.g. a GPU an engine). Returns the split run's start ranks."""
     model = (f"model.path={moe}",) if "expert" in split else ()
