@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
 from kora_trainer.checkpoint import lora_only
 from kora_trainer.checkpoint.faults import KILL_AT_ENV, PHASES
@@ -141,7 +140,7 @@ class ChaosResult:
 
 
 def _adapter(step_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(step_dir / lora_only.ADAPTER))
+    return lora_only.load_dir(step_dir).adapter  # as the run held it (the file is in checkpoint.dtype)
 
 
 def disk_state(root: Path) -> tuple[Path | None, list[str]]:

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from kora_trainer.checkpoint import lora_only
 from trainkit import TINY, TOY_YAML, TrainRun, wait_all
 
 STEPS = 3
@@ -62,7 +63,7 @@ def test_exported_adapter_and_merged_model_give_the_trained_policy(toy_dir, tmp_
     exported = load_file(str(export / "adapter_model.safetensors"))
     assert exported and all(n.startswith("base_model.model.model.layers.") and
                             n.endswith((".lora_A.weight", ".lora_B.weight")) for n in exported)
-    saved = load_file(str(ckpt / f"step_{STEPS:08d}" / "adapter.safetensors"))  # the same step's checkpoint
+    saved = lora_only.load_dir(ckpt / f"step_{STEPS:08d}").adapter  # the same step's checkpoint, as trained
     assert exported.keys() == saved.keys() and all(torch.equal(exported[n], saved[n]) for n in saved)
 
     # the trainer's policy: the same config, the run's last checkpoint restored

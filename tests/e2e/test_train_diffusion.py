@@ -43,7 +43,10 @@ def curve(r: TrainRun) -> list[tuple[int, float, float]]:
 
 
 def adapter(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
-    return load_file(str(ckpt / f"step_{step:08d}" / "adapter.safetensors"))
+    """Step `step`'s adapter as the run held it (the file is in checkpoint.dtype)."""
+    from kora_trainer.checkpoint import lora_only
+
+    return lora_only.load_dir(ckpt / f"step_{step:08d}").adapter
 
 
 @pytest.fixture(scope="module")

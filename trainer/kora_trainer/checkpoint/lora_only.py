@@ -265,6 +265,17 @@ def verify(path: Path) -> None:
             raise CheckpointError(f"{path}: {name} fails its checksum (corrupted or torn write)")
 
 
+def load_dir(path: Path, map_location: str = "cpu", skipped: list[str] | None = None) -> Checkpoint:
+    """The checkpoint in `path` (a `step_NNNNNNNN` directory; verify it first), its adapter as the run held it
+    (the exact values where the file's dtype rounded them)."""
+    path = Path(path)
+    state = torch.load(path / TRAINER_STATE, map_location=map_location, weights_only=False)
+    meta = json.loads((path / META).read_text())
+    adapter = as_trained(load_file(str(path / ADAPTER)), state.get(EXACT))
+    return Checkpoint(int(meta["step"]), path, adapter, state["optimizer"], state["scheduler"], state["rng"], meta,
+                      list(skipped or []))
+
+
 def load_latest(root: Path, map_location: str = "cpu") -> Checkpoint | None:
     """The newest checkpoint that verifies (the `latest` one first); None when there is none.
 
@@ -284,11 +295,7 @@ def load_latest(root: Path, map_location: str = "cpu") -> Checkpoint | None:
         except CheckpointError as e:
             skipped.append(str(e))
             continue
-        state = torch.load(path / TRAINER_STATE, map_location=map_location, weights_only=False)
-        meta = json.loads((path / META).read_text())
-        adapter = as_trained(load_file(str(path / ADAPTER)), state.get(EXACT))
-        return Checkpoint(int(meta["step"]), path, adapter, state["optimizer"], state["scheduler"], state["rng"], meta,
-                          skipped)
+        return load_dir(path, map_location, skipped)
     if skipped:
         raise CheckpointError("no checkpoint under {} verifies:\n  {}".format(root, "\n  ".join(skipped)))
     return None
