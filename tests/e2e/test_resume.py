@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from kora_trainer.algorithm.lr_schedule import lr_at
 from kora_trainer.algorithm.rewards import Sample
+from kora_trainer.checkpoint import lora_only
 from kora_trainer.config.sections import AlgorithmSpec
 from trainkit import TIMEOUT_S, TOY_YAML, TrainRun, wait_all
 
@@ -61,9 +62,9 @@ def adapter(ckpt: Path, step: int) -> dict[str, torch.Tensor]:
     """Step `step`'s adapter as the run held it. The file is in checkpoint.dtype (bf16 by default), which rounds
     the toy's fp32 factors; their exact values are in the trainer state (checkpoint/precision.py)."""
     d = ckpt / f"step_{step:08d}"
-    written = load_file(str(d / "adapter.safetensors"))
+    written = load_file(str(d / lora_only.ADAPTER))
     assert {t.dtype for t in written.values()} == {torch.bfloat16}
-    exact = torch.load(d / "trainer_state.pt", weights_only=False)["exact_adapter"]
+    exact = lora_only.load_dir(d).adapter
     assert exact.keys() == written.keys() and {t.dtype for t in exact.values()} == {torch.float32}
     return exact
 

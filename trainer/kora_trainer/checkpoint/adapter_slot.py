@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from kora_trainer.checkpoint.precision import as_trained, split_for_file
+from kora_trainer.checkpoint.precision import EXACT, as_trained, split_for_file
 from kora_trainer.checkpoint.swap_dir import swapped_in
 
 CHECKPOINT_DIR = "checkpoint"
@@ -35,7 +35,7 @@ def save_slot(root: str | Path, name: str, state: dict[str, Any], data_position:
     with swapped_in(home, CHECKPOINT_DIR) as tmp:  # the previous checkpoint stays whole until the new one is in
         save_file(written, str(tmp / "adapter.safetensors"))
         torch.save({"optimizer": state["optimizer"], "step": state["step"], "rng": state["rng"],
-                    "data_position": data_position, "exact_adapter": exact}, tmp / "state.pt")
+                    "data_position": data_position, EXACT: exact}, tmp / "state.pt")
         (tmp / "meta.json").write_text(json.dumps({**meta, "name": name, "step": state["step"],
                                                    "data_position": data_position}, indent=1) + "\n")
         for f in tmp.iterdir():
@@ -54,7 +54,7 @@ def load_slot(root: str | Path, name: str) -> tuple[dict[str, Any], int] | None:
             return None
         d = old
     extra = torch.load(d / "state.pt", weights_only=False)
-    state = {"tensors": as_trained(load_file(str(d / "adapter.safetensors")), extra.get("exact_adapter")),
+    state = {"tensors": as_trained(load_file(str(d / "adapter.safetensors")), extra.get(EXACT)),
              "optimizer": extra["optimizer"],
              "step": extra["step"], "rng": extra["rng"]}
     return state, int(extra["data_position"])

@@ -31,14 +31,13 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from kora_trainer.checkpoint.faults import KILL_AT
-from kora_trainer.checkpoint.precision import as_trained, split_for_file
+from kora_trainer.checkpoint.precision import EXACT, as_trained, split_for_file
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 ADAPTER = "adapter.safetensors"
 TRAINER_STATE = "trainer_state.pt"
 META = "meta.json"
-EXACT = "exact_adapter"  # in TRAINER_STATE: the adapter's values the file's dtype rounded (precision.py)
 FORMAT = "kora-lora-only/1"
 _LORA_NAME = re.compile(r"(^|\.)lora_[AB](\.|$)")
 
@@ -180,11 +179,10 @@ def _serialize(step: int, adapter: Mapping[str, torch.Tensor], optimizer: Mappin
     state = io.BytesIO()
     torch.save({"optimizer": dict(optimizer), "scheduler": dict(scheduler) if scheduler else None,
                 "rng": dict(rng) if rng is not None else capture_rng(), EXACT: exact}, state)
-    dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in written.values()})
     blobs = {
         ADAPTER: save_tensors(written),
         TRAINER_STATE: state.getvalue(),
-        META: json.dumps({"format": FORMAT, "step": step, "adapter_dtype": dtypes, **(meta or {})}, indent=2).encode(),
+        META: json.dumps({"format": FORMAT, "step": step, **(meta or {})}, indent=2).encode(),
     }
     files = {name: {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
              for name, data in sorted(blobs.items())}

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 
 import torch
 
+EXACT = "exact_adapter"  # the key, in a checkpoint's trainer state, of the values its adapter file rounded
+
 # checkpoint.dtype's values (config.sections.CheckpointDType): fp8 is E4M3, the format training and serving use
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16, "fp8": torch.float8_e4m3fn}
 
