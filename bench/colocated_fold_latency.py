@@ -27,6 +27,10 @@ Conditions (`--conditions`, each `--reps` pushes, medians past the first 3):
                     by the push) and synchronise, then sleep as usual
     stepped_fold    ... the gather and the fold replayed once (a diagnosis, not a remedy: in an engine that is
                     1.2 ms of device time taken from the trainer's step)
+    hot_xthread, stepped_xthread  hot and stepped, the graphs captured on another thread than the watcher that
+                    replays them (the reference engine plans on an HTTP handler's thread, replays on its watcher)
+    hot_ipc, stepped_ipc  ... and the gather's source the waker's flat adapter, mapped (CUDA IPC), as the engine
+                    maps the trainer's
 
 Per push, the engine reports on one clock with the waker (CLOCK_MONOTONIC): wake (the request stored to the
 watcher reading it), the host time of each replay call, the watcher thread's CPU time from the wake to both
@@ -43,7 +47,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import select
 import statistics
@@ -56,14 +59,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.multiprocessing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 
 LAYERS, HIDDEN, Q, KV, RANK = 36, 2560, 4096, 1024, 32
 ADAPTER = 23_592_960  # rank-32 q, k, v, o of the 36 layers: the trainer's flat adapter, in elements
 # the words (int64): REQ (the waker: push n > 0, -n a condition's end, STOP), ACK (the engine), GEN / GEN_ACK (the
-# engine's generating thread), GEN_MS, WARM (the waker, when its step starts), WARM_KIND, T_REQ (µs)
-REQ, ACK, GEN, GEN_ACK, GEN_MS, WARM, WARM_KIND, T_REQ = range(8)
+# engine's generating thread), GEN_MS, WARM (the waker, when its step starts), WARM_KIND, T_REQ (µs), WORK (which of
+# the engine's Work objects a push uses: 0 its own, 1 captured on another thread, 2 that and the waker's flat mapped)
+REQ, ACK, GEN, GEN_ACK, GEN_MS, WARM, WARM_KIND, T_REQ, WORK = range(9)
 WARM_KINDS = {"": 0, "spin": 1, "replay": 2, "fold": 3}
 STOP = -(1 << 40)
 FIELDS = ("wake_ms", "gather_replay_ms", "fold_replay_ms", "launch_cpu_ms", "total_ms", "device_ms")
@@ -74,13 +79,16 @@ class Condition:
     gap_s: float = 0.005
     stepped: bool = False
     warm: str = ""
+    work: int = 0  # the WORK word
 
 
 CONDITIONS = {"hot": Condition(), "idle": Condition(gap_s=1.0), "idle_spin": Condition(gap_s=1.0, warm="spin"),
               "idle_replay": Condition(gap_s=1.0, warm="replay"), "stepped": Condition(gap_s=0.0, stepped=True),
               "stepped_spin": Condition(gap_s=0.0, stepped=True, warm="spin"),
               "stepped_replay": Condition(gap_s=0.0, stepped=True, warm="replay"),
-              "stepped_fold": Condition(gap_s=0.0, stepped=True, warm="fold")}
+              "stepped_fold": Condition(gap_s=0.0, stepped=True, warm="fold"),
+              "hot_xthread": Condition(work=1), "stepped_xthread": Condition(gap_s=0.0, stepped=True, work=1),
+              "hot_ipc": Condition(work=2), "stepped_ipc": Condition(gap_s=0.0, stepped=True, work=2)}
 
 
 def now_us() -> int:
@@ -90,7 +98,7 @@ def now_us() -> int:
 class Work:
     """The engine's per-push work: the gather graph and the fold graph (plain calls on CPU)."""
 
-    def __init__(self, device: torch.device, smoke: bool):
+    def __init__(self, device: torch.device, smoke: bool, flat: torch.Tensor | None = None):
         from kora_trainer.kernels.fold import FoldItem, GroupedFold
 
         self.device, self.cuda = device, device.type == "cuda"
@@ -99,7 +107,7 @@ class Work:
         def randn(*size: int) -> torch.Tensor:
             return torch.randn(*size, dtype=torch.bfloat16, device=device)
 
-        self.flat = randn(adapter)
+        self.flat = randn(adapter) if flat is None else flat
         self.slot = torch.empty_like(self.flat)
         shapes = [(q, hidden), (kv, hidden), (kv, hidden), (hidden, q)] * layers
         self.items = [FoldItem(randn(m, n), randn(m, n), randn(rank, n) * 0.01, randn(m, rank) * 0.01, 2.0)
@@ -164,8 +172,9 @@ class Engine:
     """The engine's process: a generating thread and the watcher thread (which makes the work, as the engine plans
     on its watcher)."""
 
-    def __init__(self, words: Any, results: Any, fifo: str, reps: int, device: torch.device, smoke: bool):
-        self.words, self.results, self.fifo, self.reps = words, results, fifo, reps
+    def __init__(self, words: Any, results: Any, fifo: str, reps: int, device: torch.device, smoke: bool,
+                 mapped: torch.Tensor):
+        self.words, self.results, self.fifo, self.reps, self.mapped = words, results, fifo, reps, mapped
         self.device, self.smoke = device, smoke
         self.stopping = threading.Event()
         self.laps: list[dict[str, float]] = []
@@ -213,6 +222,16 @@ class Engine:
     def watch(self, ready: Any) -> None:
         self._on_device()
         work, w = Work(self.device, self.smoke), self.words
+        made: list[Work] = []
+
+        def make() -> None:
+            self._on_device()
+            made.extend([Work(self.device, self.smoke), Work(self.device, self.smoke, self.mapped)])
+
+        maker = threading.Thread(target=make)
+        maker.start()
+        maker.join()
+        works = {0: work, 1: made[0], 2: made[1]}
         alone = [work.timed() for _ in range(self.reps + 3)][3:]
         for f in FIELDS[1:]:
             self.results[f"alone_{f}"] = statistics.median(x[f] for x in alone)
@@ -222,7 +241,7 @@ class Engine:
         while True:
             if w[WARM] != warmed:
                 warmed = w[WARM]
-                self._warm(work, seen)
+                self._warm(works[w[WORK]], seen)
             if w[REQ] == seen:
                 select.select([fd], [], [], 0.005)
                 with contextlib.suppress(BlockingIOError):
@@ -235,11 +254,12 @@ class Engine:
                 self.stopping.set()
                 w[ACK] = n
                 return
-            self._serve(work, n, t_seen)
+            self._serve(works[w[WORK]], n, t_seen)
 
 
-def engine(words: Any, results: Any, fifo: str, reps: int, ready: Any, device_name: str, smoke: bool) -> None:
-    side = Engine(words, results, fifo, reps, torch.device(device_name), smoke)
+def engine(words: Any, results: Any, fifo: str, reps: int, ready: Any, device_name: str, smoke: bool,
+           mapped: torch.Tensor) -> None:
+    side = Engine(words, results, fifo, reps, torch.device(device_name), smoke, mapped)
     side._on_device()
     threads = [threading.Thread(target=side.generate), threading.Thread(target=side.watch, args=(ready,))]
     for t in threads:
@@ -251,12 +271,13 @@ def engine(words: Any, results: Any, fifo: str, reps: int, ready: Any, device_na
 class Waker:
     """The trainer's side: its step's GPU work, its last gather (synchronised) and the request."""
 
-    def __init__(self, words: Any, fd: int, device: torch.device, smoke: bool, train_ms: float, generate_ms: float):
+    def __init__(self, words: Any, fd: int, device: torch.device, smoke: bool, train_ms: float, generate_ms: float,
+                 flat: torch.Tensor):
         self.words, self.fd, self.device, self.smoke = words, fd, device, smoke
         self.train_ms, self.generate_ms = train_ms, generate_ms
         self.n = 0
-        n = 4096 if smoke else ADAPTER
-        self.flat = torch.randn(n, dtype=torch.bfloat16, device=device)
+        n = flat.numel()
+        self.flat = flat  # the engine maps it (hot_ipc, stepped_ipc)
         self.index = torch.randperm(n, device=device)
         self.slot = torch.empty_like(self.flat)
 
@@ -279,6 +300,7 @@ class Waker:
         """What comes before a push: the engine generating, then this process training or idling (WARM as that
     starts)."""
         w = self.words
+        w[WORK] = cond.work
         if cond.stepped:
             w[GEN_MS] = int(self.generate_ms)
             w[GEN] += 1
@@ -320,24 +342,24 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--conditions: unknown {unknown}; known: {', '.join(CONDITIONS)}")
     device_name = "cpu" if args.cpu_smoke else "cuda:0"
-    if args.cpu_smoke:
-        pass
-    ctx = mp.get_context("spawn")
-    words = ctx.Array("q", 8, lock=False)
+    device = torch.device(device_name)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    flat = torch.randn(4096 if args.cpu_smoke else ADAPTER, dtype=torch.bfloat16, device=device)
+    ctx = torch.multiprocessing.get_context("spawn")  # its pickler sends `flat` as a CUDA IPC handle
+    words = ctx.Array("q", 9, lock=False)
     results = ctx.Manager().dict()
     fifo = os.path.join(tempfile.mkdtemp(), "wake")
     os.mkfifo(fifo)
     ready = ctx.Event()
-    proc = ctx.Process(target=engine, args=(words, results, fifo, args.reps, ready, device_name, args.cpu_smoke))
+    proc = ctx.Process(target=engine, args=(words, results, fifo, args.reps, ready, device_name, args.cpu_smoke,
+                                                 flat))
     proc.start()
     if not ready.wait(300):
         proc.kill()
         raise SystemExit("the engine process did not get ready within 300 s")
-    device = torch.device(device_name)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
     fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-    waker = Waker(words, fd, device, args.cpu_smoke, args.train_ms, args.generate_ms)
+    waker = Waker(words, fd, device, args.cpu_smoke, args.train_ms, args.generate_ms, flat)
     out: dict[str, Any] = {"bench": "colocated_fold_latency", "command": "python bench/colocated_fold_latency.py "
                            + " ".join(sys.argv[1:]), "device": torch.cuda.get_device_name(0) if device.type == "cuda"
                            else "cpu", "train_ms": args.train_ms, "generate_ms": args.generate_ms,
