@@ -290,12 +290,14 @@ def recorded_calls(record: Path) -> list[dict[str, Any]]:
 
 def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path, versions: Sequence[int],
                         lora_path: str | None, atol: float) -> list[float]:
-    """Push each of `versions` (the adapter moved before each) through a colocated fast `sender`
+    """Push each of `versions` (the adapter moved before each, odd ones armed) through a colocated fast `sender`
     whose plan and first fast push are done: each push makes no HTTP call to the `recording_engine`, which then
     serves the policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
     times = []
     for version in versions:
         step(b, 0.05 if version % 2 else -0.04)
+        if version % 2:  # as the trainer's step does (orchestration/workers.py); even versions come unannounced
+            sender.arm()
         before = len(recorded_calls(record))
         report = sender.sync(version=version)
         made = recorded_calls(record)[before:]
@@ -342,6 +344,7 @@ def skip_under_threshold_keeps_what_is_served(sender: Any, b: Any, client: Engin
     threshold, sender.http.threshold = sender.http.threshold, 1.0
     try:
         step(b, 1e-3)
+        sender.arm()  # as the trainer's step does: the engine warms on the slot it then decides to skip
         report = sender.sync(version=version)
     finally:
         sender.http.threshold = threshold

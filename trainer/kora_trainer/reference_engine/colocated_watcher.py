@@ -33,6 +33,9 @@ import torch
 from kora_trainer.wire.colocated_words import (
     ACK,
     ARG,
+    ARM,
+    ARM_S,
+    ARM_SLOT,
     DARG,
     DELTA,
     DONE,
@@ -70,8 +73,9 @@ TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer neve
 class Watcher:
     """Serves the requests the trainer stores in `words`, one at a time, on a daemon thread of its own."""
 
-    def __init__(self, words: Words, wake: Wake, handle: Callable[[int], int], device: torch.device):
-        self.words, self.wake, self.handle, self.device = words, wake, handle, device
+    def __init__(self, words: Words, wake: Wake, handle: Callable[[int], int], device: torch.device,
+                 warm: Callable[[int], None] | None = None):
+        self.words, self.wake, self.handle, self.device, self.warm = words, wake, handle, device, warm
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="kora-colocated-watcher", daemon=True)
         self.thread.start()
@@ -79,16 +83,33 @@ class Watcher:
     def _run(self) -> None:
         if self.device.type == "cuda" and self.device.index is not None:  # "cuda": the current device already
             torch.cuda.set_device(self.device)  # the fold's stream and the synchronise are the engine's device's
-        seen = self.words[REQ]
+        seen, armed = self.words[REQ], self.words[ARM]
         while not self.stopping:
             n = self.words[REQ]
             if n == seen or n <= 0:
-                self.wake.wait(POLL_S)
+                arm = self.words[ARM]
+                if arm != armed and arm > seen:  # request `arm` is coming: wait for it awake (ARM in the words)
+                    armed = arm
+                    self._spin(arm)
+                else:
+                    self.wake.wait(POLL_S)
                 continue
             if not seen:
                 self.wake.unlink()  # the trainer opened it at plan time, before its first request
             seen = n
             self._serve(n)
+
+    def _spin(self, n: int) -> None:
+        """Warm the launch path on ARM_SLOT (`warm`), then read REQ until it is n, for at most ARM_S, giving the
+        GIL away between reads."""
+        deadline = time.monotonic() + ARM_S
+        if self.warm is not None:
+            try:
+                self.warm(self.words[ARM_SLOT])
+            except Exception:  # a warm-up is never worth a push: the request still comes and is served
+                log.exception("the colocated watcher's warm-up for push %d failed", n)
+        while self.words[REQ] != n and not self.stopping and time.monotonic() < deadline:
+            time.sleep(0)
 
     def _serve(self, n: int) -> None:
         t0 = time.perf_counter()

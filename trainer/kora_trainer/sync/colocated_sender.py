@@ -73,6 +73,8 @@ from kora_trainer.sync.transport import ColocatedTransport, SyncError, wait_all
 from kora_trainer.wire.colocated_words import (
     ACK,
     ARG,
+    ARM,
+    ARM_SLOT,
     DARG,
     DELTA,
     DONE,
@@ -319,6 +321,17 @@ class ColocatedFastSender(FastWeightSender):
         return SyncReport(mode=mode, transport=self.transport.kind, pushed=True, bytes=nbytes, ms=round(ms, 2),
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what=self._what(), path="fast", phases=dict(self.laps))
+
+    def arm(self) -> None:
+        """EngineMerge with `gather`: ARM the next request with the slot it will name, so each engine's watcher has
+        warmed its launch on that slot and is spinning when the request comes (wire/colocated_words.py)."""
+        if not (self.active and self.engine_gathers):
+            return
+        for words in self.words:
+            words[ARM_SLOT] = self.pushes % self.adapter_slots  # `_fold_on_engine`'s slot: no push in between
+            words[ARM] = self.seq + 1
+        for wake in self.wakers:
+            wake()
 
     def _fold_on_engine(self, version: int, n: int) -> tuple[bool, float, int]:
         """EngineMerge with the plan's `gather`: the step's update whole on the device (synchronised), then request
