@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kora_trainer.wire.colocated_words import WARMED, wait_word
 from kora_trainer.wire.engine_client import EngineClient
 from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
 from kora_trainer.wire.ports import free_port
@@ -296,12 +297,20 @@ def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path,
     times = []
     for version in versions:
         step(b, 0.05 if version % 2 else -0.04)
+        armed = version % 2 == 1 and sender.engine_gathers  # EngineMerge's engines warm up for an armed push
         if version % 2:  # as the trainer's step does (orchestration/workers.py); even versions come unannounced
             sender.arm()
+        if armed:  # the warm-up done before the request, as at the end of a training step
+            for words in sender.words:
+                wait_word(words, WARMED, lambda v: v == sender.seq + 1, 30, "the engine's warm-up")
         before = len(recorded_calls(record))
         report = sender.sync(version=version)
         made = recorded_calls(record)[before:]
         assert report.pushed and report.path == "fast" and report.adapter_version == version, report
+        if armed:  # the request found the watcher awake and spinning (wire/colocated_words.py ARM)
+            assert report.phases["engine_spun"] == 1.0 and report.phases["engine_warmed_ahead"] >= 0, report.phases
+        elif sender.engine_gathers:
+            assert "engine_spun" not in report.phases, report.phases
         assert made == [], f"a steady-state {sender.mode} push made HTTP calls: {made}"
         times.append(report.ms)
         assert logprob_gap(client, b, lora_path) < atol  # the engine serves the pushed policy

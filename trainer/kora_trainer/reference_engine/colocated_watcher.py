@@ -48,6 +48,7 @@ from kora_trainer.wire.colocated_words import (
     PUSHED,
     REQ,
     SPENT,
+    SPUN,
     T_ACK,
     T_GATHERED,
     T_LAUNCHED,
@@ -55,7 +56,9 @@ from kora_trainer.wire.colocated_words import (
     T_LOCKING,
     T_SEEN,
     T_SYNCED,
+    T_WARMED,
     THRESH,
+    WARMED,
     WORK,
     Wake,
     Words,
@@ -108,8 +111,12 @@ class Watcher:
                 self.warm(self.words[ARM_SLOT])
             except Exception:  # a warm-up is never worth a push: the request still comes and is served
                 log.exception("the colocated watcher's warm-up for push %d failed", n)
+        self.words[T_WARMED] = now_us()
+        self.words[WARMED] = n
         while self.words[REQ] != n and not self.stopping and time.monotonic() < deadline:
             time.sleep(0)
+        if self.words[REQ] == n:
+            self.words[SPUN] = n
 
     def _serve(self, n: int) -> None:
         t0 = time.perf_counter()

@@ -85,6 +85,7 @@ from kora_trainer.wire.colocated_words import (
     PUSHED,
     REQ,
     SPENT,
+    SPUN,
     T_ACK,
     T_GATHERED,
     T_LAUNCHED,
@@ -92,7 +93,9 @@ from kora_trainer.wire.colocated_words import (
     T_LOCKING,
     T_SEEN,
     T_SYNCED,
+    T_WARMED,
     THRESH,
+    WARMED,
     WORK,
     Waker,
     Words,
@@ -355,18 +358,20 @@ class ColocatedFastSender(FastWeightSender):
         """Every engine's ACK n, then engine 0's account of the push (`engine`, `engine_spent`, the moments)."""
         self._acks(n, what)
         self._lap("engine")
-        self._engine_laps(asked, now_us())
+        self._engine_laps(asked, now_us(), n)
         self.laps["engine_spent"] = self.words[0][SPENT] / 1000
         if self.words[0][WORK]:
             self.laps["engine_fold"] = self.words[0][WORK] / 1000
 
-    def _engine_laps(self, asked: int, answered: int) -> None:
+    def _engine_laps(self, asked: int, answered: int, n: int) -> None:
         """Engine 0's EngineMerge push, moment by moment (the T_ words, one clock for both processes): from the
         request's store to its watcher reading it (`engine_wake`), its weight lock held (`engine_lock`), the fold
         enqueued (`engine_launch`, of which `engine_launch_cpu` the thread's CPU), done on the device
         (`engine_wait`), the ACK stored (`engine_after`), and the ACK seen here (`ack_notice`). Inside those:
         `engine_prelude`, the handler's own work before it asks for the lock (of `engine_lock`), and
-        `engine_gather_launch`, the lock held to the gather enqueued (of `engine_launch`, with `gather`)."""
+        `engine_gather_launch`, the lock held to the gather enqueued (of `engine_launch`, with `gather`). An armed
+        push (`arm`) adds `engine_warmed_ahead`, how long before the request the engine's warm-up was done, and
+        `engine_spun`, 1 when the request found the watcher spinning rather than asleep."""
         w = self.words[0]
         marks = [asked, w[T_SEEN], w[T_LOCKED], w[T_LAUNCHED], w[T_SYNCED], w[T_ACK], answered]
         if not all(marks):
@@ -379,6 +384,9 @@ class ColocatedFastSender(FastWeightSender):
             self.laps["engine_prelude"] = (w[T_LOCKING] - w[T_SEEN]) / 1000
         if w[T_GATHERED]:
             self.laps["engine_gather_launch"] = (w[T_GATHERED] - w[T_LOCKED]) / 1000
+        if w[WARMED] == n:
+            self.laps["engine_warmed_ahead"] = (asked - w[T_WARMED]) / 1000
+            self.laps["engine_spun"] = float(w[SPUN] == n)
 
     def _decide(self, n: int) -> tuple[bool, float, int]:
         """The delta decision (push?, max delta) and the ring slot packed (-1: Merge), with no host read of its own:

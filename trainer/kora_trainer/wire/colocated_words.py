@@ -34,6 +34,8 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
                     the request finds its thread running and its launch path warm rather than asleep in `select`
                     (a push's critical path); an arm with no request after it costs the engine ARM_S of one
                     core and one gather (~0.03 ms of device time), nothing else
+    WARMED, T_WARMED  engine  n and the moment (µs) the warm-up for armed request n was done
+    SPUN   engine   n when the watcher saw request n while spinning for it (not woken from `select`)
     LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
                     T_LAUNCHED - T_SEEN, the thread was waiting (for the GIL, a core) rather than working
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
@@ -63,8 +65,8 @@ REQ, ARG, GRANT, DONE, DARG, ACK, ERR, SPENT, WORK = range(9)
 T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK, LAUNCH_CPU = range(9, 15)
 THRESH, DELTA, PUSHED = 15, 16, 17
 T_LOCKING, T_GATHERED = 18, 19
-ARM, ARM_SLOT = 20, 21
-NWORDS = 22
+ARM, ARM_SLOT, WARMED, T_WARMED, SPUN = 20, 21, 22, 23, 24
+NWORDS = 25
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
