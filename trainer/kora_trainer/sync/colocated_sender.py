@@ -327,9 +327,12 @@ class ColocatedFastSender(FastWeightSender):
 
     def arm(self) -> None:
         """EngineMerge with `gather`: ARM the next request with the slot it will name, so each engine's watcher has
-        warmed its launch on that slot and is spinning when the request comes (wire/colocated_words.py)."""
+        warmed its launch on that slot and is spinning when the request comes (wire/colocated_words.py). The step's
+        update is made whole here, so the warm-up reads the adapter the push will, and the push's own synchronise
+        finds the device idle."""
         if not (self.active and self.engine_gathers):
             return
+        self._sync_device()
         for words in self.words:
             words[ARM_SLOT] = self.pushes % self.adapter_slots  # `_fold_on_engine`'s slot: no push in between
             words[ARM] = self.seq + 1
