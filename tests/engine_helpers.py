@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kora_trainer.wire.colocated_words import WARMED, wait_word
 from kora_trainer.wire.engine_client import EngineClient
 from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
 from kora_trainer.wire.ports import free_port
@@ -290,16 +291,26 @@ def recorded_calls(record: Path) -> list[dict[str, Any]]:
 
 def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path, versions: Sequence[int],
                         lora_path: str | None, atol: float) -> list[float]:
-    """Push each of `versions` (the adapter moved before each) through a colocated fast `sender`
+    """Push each of `versions` (the adapter moved before each, odd ones armed) through a colocated fast `sender`
     whose plan and first fast push are done: each push makes no HTTP call to the `recording_engine`, which then
     serves the policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
     times = []
     for version in versions:
         step(b, 0.05 if version % 2 else -0.04)
+        armed = version % 2 == 1 and sender.engine_gathers  # EngineMerge's engines warm up for an armed push
+        if version % 2:  # as the trainer's step does (orchestration/workers.py); even versions come unannounced
+            sender.arm()
+        if armed:  # the warm-up done before the request, as at the end of a training step
+            for words in sender.words:
+                wait_word(words, WARMED, lambda v: v == sender.seq + 1, 30, "the engine's warm-up")
         before = len(recorded_calls(record))
         report = sender.sync(version=version)
         made = recorded_calls(record)[before:]
         assert report.pushed and report.path == "fast" and report.adapter_version == version, report
+        if armed:  # the request found the watcher awake and spinning (wire/colocated_words.py ARM)
+            assert report.phases["engine_spun"] == 1.0 and report.phases["engine_warmed_ahead"] >= 0, report.phases
+        elif sender.engine_gathers:
+            assert "engine_spun" not in report.phases, report.phases
         assert made == [], f"a steady-state {sender.mode} push made HTTP calls: {made}"
         times.append(report.ms)
         assert logprob_gap(client, b, lora_path) < atol  # the engine serves the pushed policy
@@ -342,6 +353,7 @@ def skip_under_threshold_keeps_what_is_served(sender: Any, b: Any, client: Engin
     threshold, sender.http.threshold = sender.http.threshold, 1.0
     try:
         step(b, 1e-3)
+        sender.arm()  # as the trainer's step does: the engine warms on the slot it then decides to skip
         report = sender.sync(version=version)
     finally:
         sender.http.threshold = threshold

@@ -99,6 +99,7 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
         if mode == "EngineMerge":  # the engine gathered and decided the skip: it folded, then put v5 back
             assert sender.engine_gathers and skipped.phases["engine"] > 0
             skip_under_threshold_keeps_what_is_served(sender, b, client, version=7)
+            steady_state_pushes(sender, b, client, record, (8, 9), lora_path(mode), ATOL)  # the slot after a skip
 
 
 def snapshot(b) -> list[torch.Tensor]:

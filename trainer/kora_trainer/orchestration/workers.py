@@ -99,7 +99,10 @@ class TrainWorker:
         return report
 
     def train_step(self, batch: RolloutBatch) -> StepMetrics:
-        return self.backend.train_step(batch)
+        metrics = self.backend.train_step(batch)
+        if self.sender is not None:
+            self.sender.arm()  # the push comes next (sync/sender.py)
+        return metrics
 
     def logprobs(self, prompts: list[list[int]], responses: list[list[int]]) -> list[list[float]]:
         return self.backend.logprobs(prompts, responses)

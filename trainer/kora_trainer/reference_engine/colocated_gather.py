@@ -87,5 +87,14 @@ class SlotGather:
         else:
             self._launch(k)
 
+    def warm(self, k: int) -> None:
+        """Slot k gathered once and synchronised, ahead of the request that names it (ARM in the words): the
+        watcher's first launch after a step of sleep runs its host path cold, and a push's launch is on its critical
+        path. The slot is scratch until that request gathers it again (the number is read only after a push's own
+        gather), so this changes nothing the engine serves."""
+        self.enqueue(k)
+        if self.graphs:
+            torch.cuda.synchronize(self.number.device)
+
     def delta(self) -> float:
         return float(self.host[0])

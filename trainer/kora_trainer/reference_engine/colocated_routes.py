@@ -208,7 +208,9 @@ class ColocatedRoutes:
                                     lambda: watcher is not None and watcher.stopping)
         else:
             handle = engine_merge_handshake(words, self.fold_slot)
-        watcher = Watcher(words, wake, handle, self.server.engine.device)
+        gather = plan.gather  # EngineMerge: an armed watcher warms the launch path on the coming slot's gather
+        watcher = Watcher(words, wake, handle, self.server.engine.device,
+                          warm=gather.warm if gather is not None else None)
         return watcher
 
     def _planned(self, mode: str) -> _Plan:

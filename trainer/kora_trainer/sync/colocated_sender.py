@@ -73,6 +73,8 @@ from kora_trainer.sync.transport import ColocatedTransport, SyncError, wait_all
 from kora_trainer.wire.colocated_words import (
     ACK,
     ARG,
+    ARM,
+    ARM_SLOT,
     DARG,
     DELTA,
     DONE,
@@ -83,6 +85,7 @@ from kora_trainer.wire.colocated_words import (
     PUSHED,
     REQ,
     SPENT,
+    SPUN,
     T_ACK,
     T_GATHERED,
     T_LAUNCHED,
@@ -90,7 +93,9 @@ from kora_trainer.wire.colocated_words import (
     T_LOCKING,
     T_SEEN,
     T_SYNCED,
+    T_WARMED,
     THRESH,
+    WARMED,
     WORK,
     Waker,
     Words,
@@ -320,6 +325,20 @@ class ColocatedFastSender(FastWeightSender):
                           adapter_version=version, checksum=digest, buckets=self.nbuckets, max_delta=delta,
                           what=self._what(), path="fast", phases=dict(self.laps))
 
+    def arm(self) -> None:
+        """EngineMerge with `gather`: ARM the next request with the slot it will name, so each engine's watcher has
+        warmed its launch on that slot and is spinning when the request comes (wire/colocated_words.py). The step's
+        update is made whole here, so the warm-up reads the adapter the push will, and the push's own synchronise
+        finds the device idle."""
+        if not (self.active and self.engine_gathers):
+            return
+        self._sync_device()
+        for words in self.words:
+            words[ARM_SLOT] = self.pushes % self.adapter_slots  # `_fold_on_engine`'s slot: no push in between
+            words[ARM] = self.seq + 1
+        for wake in self.wakers:
+            wake()
+
     def _fold_on_engine(self, version: int, n: int) -> tuple[bool, float, int]:
         """EngineMerge with the plan's `gather`: the step's update whole on the device (synchronised), then request
         n — the engine gathers slot k from the flat adapter, folds it, decides against THRESH and on a skip folds
@@ -342,18 +361,20 @@ class ColocatedFastSender(FastWeightSender):
         """Every engine's ACK n, then engine 0's account of the push (`engine`, `engine_spent`, the moments)."""
         self._acks(n, what)
         self._lap("engine")
-        self._engine_laps(asked, now_us())
+        self._engine_laps(asked, now_us(), n)
         self.laps["engine_spent"] = self.words[0][SPENT] / 1000
         if self.words[0][WORK]:
             self.laps["engine_fold"] = self.words[0][WORK] / 1000
 
-    def _engine_laps(self, asked: int, answered: int) -> None:
+    def _engine_laps(self, asked: int, answered: int, n: int) -> None:
         """Engine 0's EngineMerge push, moment by moment (the T_ words, one clock for both processes): from the
         request's store to its watcher reading it (`engine_wake`), its weight lock held (`engine_lock`), the fold
         enqueued (`engine_launch`, of which `engine_launch_cpu` the thread's CPU), done on the device
         (`engine_wait`), the ACK stored (`engine_after`), and the ACK seen here (`ack_notice`). Inside those:
         `engine_prelude`, the handler's own work before it asks for the lock (of `engine_lock`), and
-        `engine_gather_launch`, the lock held to the gather enqueued (of `engine_launch`, with `gather`)."""
+        `engine_gather_launch`, the lock held to the gather enqueued (of `engine_launch`, with `gather`). An armed
+        push (`arm`) adds `engine_warmed_ahead`, how long before the request the engine's warm-up was done, and
+        `engine_spun`, 1 when the request found the watcher spinning rather than asleep."""
         w = self.words[0]
         marks = [asked, w[T_SEEN], w[T_LOCKED], w[T_LAUNCHED], w[T_SYNCED], w[T_ACK], answered]
         if not all(marks):
@@ -366,6 +387,9 @@ class ColocatedFastSender(FastWeightSender):
             self.laps["engine_prelude"] = (w[T_LOCKING] - w[T_SEEN]) / 1000
         if w[T_GATHERED]:
             self.laps["engine_gather_launch"] = (w[T_GATHERED] - w[T_LOCKED]) / 1000
+        if w[WARMED] == n:
+            self.laps["engine_warmed_ahead"] = (asked - w[T_WARMED]) / 1000
+            self.laps["engine_spun"] = float(w[SPUN] == n)
 
     def _decide(self, n: int) -> tuple[bool, float, int]:
         """The delta decision (push?, max delta) and the ring slot packed (-1: Merge), with no host read of its own:

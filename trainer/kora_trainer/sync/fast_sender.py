@@ -116,6 +116,9 @@ class FastWeightSender:
         self.packed: PackedChecksum | None = None
         self.nbytes = self.nbuckets = 0
 
+    def arm(self) -> None:
+        """`WeightSender.arm` (the colocated sender tells its engines)."""
+
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
         if not self.active:

@@ -228,6 +228,10 @@ class WeightSender:
 
     # ---- the one entry point ------------------------------------------------------------------
 
+    def arm(self) -> None:
+        """The step's update is enqueued and a push follows: a sender whose engines can get ready for it tells
+        them now (the colocated fast path); this one has nothing to do."""
+
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
         t0 = time.perf_counter()
