@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from kora_trainer.wire.colocated_words import WARMED, wait_word
+from kora_trainer.wire.colocated_words import ARM, ARM_SLOT, SPUN, WARMED, wait_word
 from kora_trainer.wire.engine_client import EngineClient
 from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
 from kora_trainer.wire.ports import free_port
@@ -290,10 +290,12 @@ def recorded_calls(record: Path) -> list[dict[str, Any]]:
 
 
 def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path, versions: Sequence[int],
-                        lora_path: str | None, atol: float) -> list[float]:
+                        lora_path: str | None, atol: float, prelaunch: bool = False) -> list[float]:
     """Push each of `versions` (the adapter moved before each, odd ones armed) through a colocated fast `sender`
     whose plan and first fast push are done: each push makes no HTTP call to the `recording_engine`, which then
-    serves the policy (log-prob gap < atol) at that version. Returns the pushes' ms."""
+    serves the policy (log-prob gap < atol) at that version. With `prelaunch` (an EngineMerge engine on a GPU
+    that waits on the handshake's GATE word) an armed push's gather and fold were enqueued at its arm. Returns the
+    pushes' ms."""
     times = []
     for version in versions:
         step(b, 0.05 if version % 2 else -0.04)
@@ -309,8 +311,9 @@ def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path,
         assert report.pushed and report.path == "fast" and report.adapter_version == version, report
         if armed:  # the request found the watcher awake and spinning (wire/colocated_words.py ARM)
             assert report.phases["engine_spun"] == 1.0 and report.phases["engine_warmed_ahead"] >= 0, report.phases
-        elif sender.engine_gathers:
-            assert "engine_spun" not in report.phases, report.phases
+            assert report.phases["engine_prelaunched"] == float(prelaunch), report.phases
+        elif sender.engine_gathers:  # asleep: unannounced (or armed once before, and that arm ran out)
+            assert report.phases.get("engine_spun", 0.0) == 0.0, report.phases
         assert made == [], f"a steady-state {sender.mode} push made HTTP calls: {made}"
         times.append(report.ms)
         assert logprob_gap(client, b, lora_path) < atol  # the engine serves the pushed policy
@@ -359,6 +362,42 @@ def skip_under_threshold_keeps_what_is_served(sender: Any, b: Any, client: Engin
         sender.http.threshold = threshold
     assert not report.pushed and 0 < report.max_delta < 1.0, report
     assert greedy(client) == served
+    return report
+
+
+def armed_push_that_never_comes(sender: Any, b: Any, client: EngineClient) -> None:
+    """Arm a push and never make it (a trainer that died between its step and its push): the engine's prelaunch
+    (or warm-up) of the moved adapter is undone once ARM_S passes — a generation asked meanwhile waits for that,
+    then gets what was served before, to the bit, at the same version."""
+    served = greedy(client)
+    step(b, 0.05)
+    sender.arm()
+    n = sender.seq + 1
+    for words in sender.words:
+        wait_word(words, WARMED, lambda v: v == n, 30, "the engine's warm-up")
+    assert greedy(client) == served
+    for words in sender.words:  # the engine gave up on the request (ARM_S); a request number is armed once
+        wait_word(words, SPUN, lambda v: v == -n, 30, "the engine's spin for an armed push that never came")
+    assert greedy(client) == served
+
+
+def misarmed_push(sender: Any, b: Any, client: EngineClient, version: int, atol: float) -> Any:
+    """Arm the next push on another ring slot than the one it names (what kora's trainer never does; with
+    EngineMerge's two slots, the one that holds what is served): the engine neither warms nor prelaunches it (it
+    would overwrite the delta's reference), and the push still decides right and serves the pushed policy."""
+    step(b, 0.03)
+    for words in sender.words:
+        words[ARM_SLOT] = (sender.pushes + 1) % sender.adapter_slots
+        words[ARM] = sender.seq + 1
+    for wake in sender.wakers:
+        wake()
+    for words in sender.words:
+        wait_word(words, WARMED, lambda v: v == sender.seq + 1, 30, "the engine's warm-up")
+    report = sender.sync(version=version)
+    assert report.pushed and report.phases["engine_spun"] == 1.0, report
+    assert report.phases["engine_prelaunched"] == 0.0, report.phases
+    assert logprob_gap(client, b, None) < atol
+    assert client.generate([PROMPTS[0]], {"max_new_tokens": 1})[0].weight_version == str(version)
     return report
 
 

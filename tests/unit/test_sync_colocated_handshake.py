@@ -21,8 +21,10 @@ import torch
 
 from engine_helpers import (
     ATOL,
+    armed_push_that_never_comes,
     colocated_sender,
     logprob_gap,
+    misarmed_push,
     recorded_calls,
     recording_engine,
     reset_to_checkpoint,
@@ -100,6 +102,9 @@ def test_a_steady_state_push_makes_no_http_call(recorded, mode, seed):
             assert sender.engine_gathers and skipped.phases["engine"] > 0
             skip_under_threshold_keeps_what_is_served(sender, b, client, version=7)
             steady_state_pushes(sender, b, client, record, (8, 9), lora_path(mode), ATOL)  # the slot after a skip
+            misarmed_push(sender, b, client, version=10, atol=ATOL)
+            armed_push_that_never_comes(sender, b, client)
+            steady_state_pushes(sender, b, client, record, (12, 13), lora_path(mode), ATOL)
 
 
 def snapshot(b) -> list[torch.Tensor]:

@@ -32,7 +32,11 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   `lease_s` loses the lock: the weights are taken as torn (`weight_version` says so) and the push is refused
   (ACK -n). EngineMerge: request n (ARG: version, slot) folds the slot into the pristine base (the HTTP
   lora_merge's fold, one weight write, `EngineModel.planned_merge`), synchronised, the version set under the lock;
-  then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`.
+  then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`. With `gather`, an ARM ahead of request
+  n (the trainer's step is done) lets the watcher prepare it (`arm_slot`): on a GPU (word_gate.py), when no
+  generation holds the weights, it takes the weight lock and enqueues the slot's gather and fold behind a kernel
+  that waits for GATE >= n, which the trainer's push stores — the request then only waits for them; otherwise it
+  warms the slot's launch path.
 - `POST /kora/colocated/checksum` {full} (Merge) or {slot}: the checksum of what the engine serves, for the
   trainer's verified pushes.
 - The same pushes over HTTP, for a caller without the shared words: Merge `POST /kora/colocated/begin` {lease_s}
@@ -62,6 +66,7 @@ from aiohttp import web
 from kora_trainer.reference_engine.colocated_gather import SlotGather
 from kora_trainer.reference_engine.colocated_watcher import (
     TORN_VERSION,
+    Armer,
     Folded,
     MergeHandshake,
     Watcher,
@@ -69,7 +74,8 @@ from kora_trainer.reference_engine.colocated_watcher import (
 )
 from kora_trainer.reference_engine.fast_routes import json_call, layout, ring_scaling
 from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-from kora_trainer.wire.colocated_words import Wake, Words, make_words
+from kora_trainer.reference_engine.word_gate import WordGate
+from kora_trainer.wire.colocated_words import GATE, Wake, Words, make_words
 from kora_trainer.wire.fast_receive import AdapterRing, doorbell_parts, fuse_rows
 from kora_trainer.wire.protocol import PackedChecksum, checksum
 from kora_trainer.wire.serialize import serialize_payload
@@ -108,6 +114,14 @@ class _Lease:
     expired: bool = False
 
 
+@dataclass(frozen=True)
+class _Armed:
+    """A request whose gather and fold `arm_slot` enqueued behind GATE >= n, the weight lock held for it."""
+
+    n: int
+    slot: int
+
+
 @dataclass
 class _Plan:
     mode: str
@@ -126,6 +140,13 @@ class _Plan:
     config: dict[str, Any] = field(default_factory=dict)
     names: dict[bool, list[str]] = field(default_factory=dict)  # Merge: full -> what a push writes
     watcher: Watcher | None = None  # Merge, EngineMerge: the shared-memory handshake (colocated_watcher.py)
+    words: Words | None = None  # ... its words
+    # EngineMerge with `gather` on a GPU (word_gate.py): an armed request's work is enqueued ahead of it
+    gate: WordGate | None = None
+    armed: _Armed | None = None  # the request whose gather and fold wait behind GATE, the weight lock held for it
+    launched: int = -1  # the slot whose fold was launched last (its timing events)
+    served: int = -1  # the slot holding the pairs last pushed: the delta's reference, never armed
+
 
 
 class ColocatedRoutes:
@@ -159,6 +180,8 @@ class ColocatedRoutes:
         old, self.plan = self.plan, None  # a plan call ends the previous plan, whatever its outcome
         if old is not None and old.watcher is not None:  # and its handshake first
             old.watcher.stop()
+        if old is not None and old.gate is not None:
+            old.gate.close()
         if b.get("mode") == "Merge":
             params = dict(engine.model.named_parameters(remove_duplicate=False))
             groups = [[str(n) for n in g] for g in b.get("fuse") or []]
@@ -208,9 +231,12 @@ class ColocatedRoutes:
                                     lambda: watcher is not None and watcher.stopping)
         else:
             handle = engine_merge_handshake(words, self.fold_slot)
-        gather = plan.gather  # EngineMerge: an armed watcher warms the launch path on the coming slot's gather
-        watcher = Watcher(words, wake, handle, self.server.engine.device,
-                          warm=gather.warm if gather is not None else None)
+        plan.words = words
+        armer = None
+        if plan.gather is not None:  # EngineMerge: an armed watcher prelaunches or warms the coming slot's push
+            plan.gate = WordGate.open(words.tensor, self.server.engine.device)
+            armer = Armer(self.arm_slot, self.disarm)
+        watcher = Watcher(words, wake, handle, self.server.engine.device, armer=armer)
         return watcher
 
     def _planned(self, mode: str) -> _Plan:
@@ -322,7 +348,7 @@ class ColocatedRoutes:
         return self._checksum({**b, "slot": slot})
 
     def fold_slot(self, slot: int, version: str | None, lap: Callable[[str], None] | None = None,
-                  threshold: float | None = None) -> Folded:
+                  threshold: float | None = None, request: int = 0) -> Folded:
         """The pairs in ring slot `slot` folded into the pristine base (the HTTP lora_merge's fold, as one weight
         write) and the version set, both under the weight lock: a generation admitted after it sees the new weights
         and reports the new version. `lap("locking")`, `lap("locked")`, `lap("gathered")`, `lap("launched")` and
@@ -334,45 +360,125 @@ class ColocatedRoutes:
         number against the slot before (colocated_gather.py), in the same stream ahead of the fold; when that
         number is not above `threshold` (the delta-skip; None: the push stands) the previous slot, which holds
         the pairs last pushed, is folded again, so the weights come back bit for bit before the lock is given
-        back, and the version stays."""
+        back, and the version stays.
+
+        `request` n that `arm_slot` prelaunched finds the lock held and its gather and fold enqueued behind the
+        GATE its trainer stored: only their end is on its path (a slot other than the armed one is folded over
+        them, the same as an unarmed push)."""
         plan = self._planned("EngineMerge")
         ring = plan.ring
         assert ring is not None
         if not 0 <= slot < len(ring.buffers):
             raise ValueError(f"slot {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
         engine = self.server.engine
-        fold = self._slot_fold(plan, slot)
-        cuda = engine.device.type == "cuda"
-        if cuda and slot not in plan.marks:  # made once: a push's host time is on its critical path
-            plan.marks[slot] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        marks = plan.marks.get(slot, [])
-        delta: float | None = None
         mark = lap or _no_lap
+        armed = plan.armed
+        if armed is not None and request and armed.n == request:
+            plan.armed = None
+            for name in ("locking", "locked", "gathered", "launched"):  # done at the arm, off this push's path
+                mark(name)
+            try:
+                self._open(plan, request)  # the trainer stored GATE before REQ: a no-op unless it did not
+                if armed.slot != slot:
+                    self._launch(plan, slot)
+                return self._settle(plan, slot, version, threshold, mark)._replace(prelaunched=armed.slot == slot)
+            finally:
+                engine.end_write()
         mark("locking")
         with engine.writing():
             mark("locked")
-            if cuda:
-                marks[0].record()
-            if plan.gather is not None:
-                plan.gather.enqueue(slot)
-                mark("gathered")
-            fold.run()
-            if cuda:
-                marks[1].record()
+            self._launch(plan, slot, mark)
             mark("launched")
+            return self._settle(plan, slot, version, threshold, mark)
+
+    def _launch(self, plan: _Plan, slot: int, mark: Callable[[str], None] = _no_lap) -> None:
+        """Slot `slot`'s gather (with `gather`) and fold enqueued, between the slot's timing events (made once: a
+        push's host time is on its critical path). Under the weight lock."""
+        fold = self._slot_fold(plan, slot)
+        cuda = self.server.engine.device.type == "cuda"
+        if cuda and slot not in plan.marks:
+            plan.marks[slot] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        plan.launched = slot
+        marks = plan.marks.get(slot, [])
+        if cuda:
+            marks[0].record()
+        if plan.gather is not None:
+            plan.gather.enqueue(slot)
+            mark("gathered")
+        fold.run()
+        if cuda:
+            marks[1].record()
+
+    def _settle(self, plan: _Plan, slot: int, version: str | None, threshold: float | None,
+                mark: Callable[[str], None]) -> Folded:
+        """The launched fold of `slot` done on the device, the delta-skip decided (the slot before folded back in
+        when the number is not above `threshold`) and the version set. Under the weight lock."""
+        engine, ring = self.server.engine, plan.ring
+        assert ring is not None
+        cuda = engine.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(engine.device)  # whole before the version names it (and the number read)
+        delta = plan.gather.delta() if plan.gather is not None else None
+        keep = threshold is None or delta is None or delta > threshold
+        if not keep:
+            self._slot_fold(plan, (slot - 1) % len(ring.buffers)).run()  # the last pushed pairs again
             if cuda:
-                torch.cuda.synchronize(engine.device)  # whole before the version names it (and the number read)
-            if plan.gather is not None:
-                delta = plan.gather.delta()
-            keep = threshold is None or delta is None or delta > threshold
-            if not keep:
-                self._slot_fold(plan, (slot - 1) % len(ring.buffers)).run()  # the last pushed pairs again
-                if cuda:
-                    torch.cuda.synchronize(engine.device)
-            mark("synced")
-            if keep and version is not None:
-                engine.weight_version = version
+                torch.cuda.synchronize(engine.device)
+        elif version is not None:
+            plan.served = slot
+        mark("synced")
+        if keep and version is not None:
+            engine.weight_version = version
+        marks = plan.marks.get(plan.launched, [])
         return Folded(marks[0].elapsed_time(marks[1]) if cuda else None, keep, delta)
+
+    # ---- EngineMerge's arm: the watcher's, ahead of a request (wire/colocated_words.py ARM) -------------------
+
+    def arm_slot(self, n: int, slot: int) -> bool:
+        """Request n will fold `slot`: with a GPU gate on the words and the weights free, take the weight lock and
+        enqueue the slot's gather and fold behind GATE >= n (word_gate.py), so the trainer's store of GATE starts
+        them (True: prelaunched; `fold_slot(..., request=n)` or `disarm(n)` gives the lock back). Otherwise warm
+        the launch path on the slot (`SlotGather.warm`: the slot is scratch until the request gathers it again)."""
+        plan = self._planned("EngineMerge")
+        gather, ring, engine = plan.gather, plan.ring, self.server.engine
+        assert gather is not None and ring is not None
+        if not 0 <= slot < len(ring.buffers):
+            raise ValueError(f"ARM_SLOT {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
+        if slot == plan.served:  # its pairs are what the next push's delta is taken against: not scratch
+            log.warning("colocated EngineMerge: ARM_SLOT %d holds the pairs last pushed; push %d is not armed", slot, n)
+            return False
+        if plan.gate is None or plan.armed is not None or not engine.try_begin_write():
+            gather.warm(slot)
+            return False
+        try:
+            plan.gate.hold(GATE, n)
+            self._launch(plan, slot)
+        except BaseException:
+            self._open(plan, n)
+            engine.end_write()
+            raise
+        plan.armed = _Armed(n, slot)
+        return True
+
+    def disarm(self, n: int) -> None:
+        """Armed request n is not coming (ARM_S passed, or the watcher stops), or was served: if its work is still
+        enqueued, open the gate, let it run, fold the slot before back in (the delta-skip's path: the weights are
+        the last push's again, the version unchanged) and give the lock back."""
+        plan = self.plan
+        armed = plan.armed if plan is not None else None
+        if plan is None or armed is None or armed.n != n:
+            return
+        plan.armed = None
+        try:
+            self._open(plan, n)
+            self._settle(plan, armed.slot, None, float("inf"), _no_lap)
+        finally:
+            self.server.engine.end_write()
+
+    @staticmethod
+    def _open(plan: _Plan, n: int) -> None:
+        if plan.words is not None:
+            plan.words[GATE] = max(n, plan.words[GATE])
 
     def _plan_folds(self, plan: _Plan) -> None:
         """With `gather`, at plan time: every slot filled with the trainer's adapter (what the engine serves: the
@@ -382,6 +488,7 @@ class ColocatedRoutes:
         assert ring is not None and gather is not None
         with engine.writing():
             gather.fill()
+            plan.served = len(ring.buffers) - 1  # every slot holds it; the trainer's first request names slot 0
             for k in range(len(ring.buffers)):
                 self._slot_fold(plan, k).run()
             if engine.device.type == "cuda":

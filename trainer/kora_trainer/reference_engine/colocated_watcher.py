@@ -13,7 +13,9 @@ the wake FIFO, reads the shared words, and serves each request the trainer makes
   pristine base under the weight lock, synchronised, the version set before the lock is given back; then ACK n.
   With the plan's `gather` (one trainer rank) the engine first gathers the trainer's adapter into the slot and
   decides the delta-skip against THRESH (colocated_gather.py): a skip folds the previous slot back in, so the
-  weights and the version stay the last push's; DELTA and PUSHED say what it found.
+  weights and the version stay the last push's; DELTA and PUSHED say what it found. An ARM for request n has the
+  watcher arm it (`Armer`: prelaunch its gather and fold behind the GATE word, or warm them) and spin for it;
+  an arm whose request does not come within ARM_S is undone (`disarm`) and SPUN = -n says so.
 
 A handler returns its answer (n, or -n with ERR set) and stores its device time in WORK if it has any; the watcher
 stores the time the handler took in SPENT, then the answer in ACK. A handler that raises answers ACK -n
@@ -46,6 +48,7 @@ from kora_trainer.wire.colocated_words import (
     GRANT,
     LAUNCH_CPU,
     POLL_S,
+    PRELAUNCHED,
     PUSHED,
     REQ,
     SPENT,
@@ -74,12 +77,21 @@ log = logging.getLogger("kora.hf_engine")
 TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer never came back
 
 
+class Armer(NamedTuple):
+    """What an armed watcher does ahead of request n (EngineMerge with `gather`): `arm(n, slot)` prelaunches the
+    request's work or warms its launch path (colocated_routes.arm_slot), `disarm(n)` undoes a prelaunch that is
+    still waiting: after the request was served (a no-op then) or when it did not come within ARM_S."""
+
+    arm: Callable[[int, int], bool]
+    disarm: Callable[[int], None]
+
+
 class Watcher:
     """Serves the requests the trainer stores in `words`, one at a time, on a daemon thread of its own."""
 
     def __init__(self, words: Words, wake: Wake, handle: Callable[[int], int], device: torch.device,
-                 warm: Callable[[int], None] | None = None):
-        self.words, self.wake, self.handle, self.device, self.warm = words, wake, handle, device, warm
+                 armer: Armer | None = None):
+        self.words, self.wake, self.handle, self.device, self.armer = words, wake, handle, device, armer
         self.stopping = False
         self.thread = threading.Thread(target=self._run, name="kora-colocated-watcher", daemon=True)
         self.thread.start()
@@ -104,20 +116,31 @@ class Watcher:
             self._serve(n)
 
     def _spin(self, n: int) -> None:
-        """Warm the launch path on ARM_SLOT (`warm`), then read REQ until it is n, for at most ARM_S, giving the
-        GIL away between reads."""
-        deadline = time.monotonic() + ARM_S
-        if self.warm is not None:
+        """Arm for request n on ARM_SLOT (`armer.arm`: prelaunch or warm-up), then read REQ until it is n, for at
+        most ARM_S from the arm done (an arm that plans a fold again takes longer than the wait), giving the GIL
+        away between reads; a request that did not come is disarmed."""
+        if self.armer is not None:
             try:
-                self.warm(self.words[ARM_SLOT])
-            except Exception:  # a warm-up is never worth a push: the request still comes and is served
-                log.exception("the colocated watcher's warm-up for push %d failed", n)
+                self.armer.arm(n, self.words[ARM_SLOT])
+            except Exception:  # an arm is never worth a push: the request still comes and is served
+                log.exception("the colocated watcher's arm for push %d failed", n)
         self.words[T_WARMED] = now_us()
         self.words[WARMED] = n
+        deadline = time.monotonic() + ARM_S
         while self.words[REQ] != n and not self.stopping and time.monotonic() < deadline:
             os.sched_yield()  # the GIL to the engine's other threads; time.sleep(0) would cost ~50-70 µs of timer slack
         if self.words[REQ] == n:
             self.words[SPUN] = n
+        else:
+            self._disarm(n)
+            self.words[SPUN] = -n  # ran out: the arm is undone
+
+    def _disarm(self, n: int) -> None:
+        if self.armer is not None:
+            try:
+                self.armer.disarm(n)
+            except Exception:
+                log.exception("the colocated watcher could not disarm push %d", n)
 
     def _serve(self, n: int) -> None:
         t0 = time.perf_counter()
@@ -130,6 +153,7 @@ class Watcher:
             log.exception("the colocated push %d failed on the engine", n)
             self.words[ERR] = ERR_FAILED
             ack = -n
+        self._disarm(n)  # a prelaunch the handler did not take (it failed first) gives the lock back
         self.words[SPENT] = round((time.perf_counter() - t0) * 1e6)
         self.words[T_ACK] = now_us()
         self.words[ACK] = ack
@@ -186,11 +210,13 @@ LAPS = {"locking": T_LOCKING, "locked": T_LOCKED, "gathered": T_GATHERED, "launc
 
 class Folded(NamedTuple):
     """An EngineMerge fold's outcome: its device time (ms; None off a GPU), whether it stands (False: the delta
-    said skip and the last push was folded back) and the delta number (None: the trainer decided before asking)."""
+    said skip and the last push was folded back), the delta number (None: the trainer decided before asking) and
+    whether its gather and fold were enqueued at the request's ARM (colocated_routes.arm_slot)."""
 
     ms: float | None
     pushed: bool
     delta: float | None
+    prelaunched: bool = False
 
 
 def engine_merge_handshake(words: Words, fold_slot: Callable[..., Folded]) -> Callable[[int], int]:
@@ -208,7 +234,9 @@ def engine_merge_handshake(words: Words, fold_slot: Callable[..., Folded]) -> Ca
                 words[LAUNCH_CPU] = round((time.thread_time() - c0) * 1e6)
 
         version, slot = doorbell_parts(words[ARG])
-        done = fold_slot(slot, str(version), lap, word_float(words[THRESH]))
+        done = fold_slot(slot, str(version), lap, word_float(words[THRESH]), request=n)
+        if done.prelaunched:
+            words[PRELAUNCHED] = n
         if done.ms is not None:
             words[WORK] = round(done.ms * 1000)
         if done.delta is not None:

@@ -206,6 +206,16 @@ class EngineModel:
             self._writer_done()
             raise
 
+    def try_begin_write(self) -> bool:
+        """Take `lock` for a weight write only when nothing holds it (no generation in flight, no other write):
+        False, and nothing taken, otherwise."""
+        with self._write_cond:
+            self._writers += 1
+        if self.lock.acquire(blocking=False):
+            return True
+        self._writer_done()
+        return False
+
     def end_write(self) -> None:
         self.lock.release()
         self._writer_done()

@@ -80,8 +80,10 @@ from kora_trainer.wire.colocated_words import (
     DONE,
     ERR,
     ERRORS,
+    GATE,
     GRANT,
     LAUNCH_CPU,
+    PRELAUNCHED,
     PUSHED,
     REQ,
     SPENT,
@@ -349,6 +351,7 @@ class ColocatedFastSender(FastWeightSender):
         asked = now_us()
         threshold = float_word(self.http.threshold)
         for words in self.words:
+            words[GATE] = n  # first: an engine that prelaunched request n has its GPU waiting on this word
             words[THRESH] = threshold
         self._store(ARG, doorbell_value(version, slot), REQ, n)
         self._engine_answered(n, f"gathering and folding ring slot {slot} as version {version}", asked)
@@ -373,8 +376,10 @@ class ColocatedFastSender(FastWeightSender):
         (`engine_wait`), the ACK stored (`engine_after`), and the ACK seen here (`ack_notice`). Inside those:
         `engine_prelude`, the handler's own work before it asks for the lock (of `engine_lock`), and
         `engine_gather_launch`, the lock held to the gather enqueued (of `engine_launch`, with `gather`). An armed
-        push (`arm`) adds `engine_warmed_ahead`, how long before the request the engine's warm-up was done, and
-        `engine_spun`, 1 when the request found the watcher spinning rather than asleep."""
+        push (`arm`) adds `engine_warmed_ahead`, how long before the request the engine's warm-up (or prelaunch)
+        was done, `engine_spun`, 1 when the request found the watcher spinning rather than asleep, and
+        `engine_prelaunched`, 1 when its gather and fold were enqueued at the arm behind GATE (then the lock and
+        the launch marks are the request's reading: they happened before it)."""
         w = self.words[0]
         marks = [asked, w[T_SEEN], w[T_LOCKED], w[T_LAUNCHED], w[T_SYNCED], w[T_ACK], answered]
         if not all(marks):
@@ -390,6 +395,7 @@ class ColocatedFastSender(FastWeightSender):
         if w[WARMED] == n:
             self.laps["engine_warmed_ahead"] = (asked - w[T_WARMED]) / 1000
             self.laps["engine_spun"] = float(w[SPUN] == n)
+            self.laps["engine_prelaunched"] = float(w[PRELAUNCHED] == n)
 
     def _decide(self, n: int) -> tuple[bool, float, int]:
         """The delta decision (push?, max delta) and the ring slot packed (-1: Merge), with no host read of its own:

@@ -33,9 +33,19 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
                     once (the slot is scratch until request n rewrites it) and spins for REQ n, at most ARM_S, so
                     the request finds its thread running and its launch path warm rather than asleep in `select`
                     (a push's critical path); an arm with no request after it costs the engine ARM_S of one
-                    core and one gather (~0.03 ms of device time), nothing else
-    WARMED, T_WARMED  engine  n and the moment (µs) the warm-up for armed request n was done
-    SPUN   engine   n when the watcher saw request n while spinning for it (not woken from `select`)
+                    core and one gather (~0.03 ms of device time), nothing else. On a GPU the arm enqueues the
+                    request's work instead of warming it (see GATE); an arm with no request after it then also
+                    holds the weights and one SM's slot for ARM_S and costs two folds
+    WARMED, T_WARMED  engine  n and the moment (µs) the warm-up (or the prelaunch) for armed request n was done
+    SPUN   engine   n when the watcher saw request n while spinning for it (not woken from `select`); -n when
+                    it spun ARM_S for armed request n in vain and undid the arm
+    GATE   trainer  n with request n (EngineMerge with `gather`), after its synchronise and before THRESH, ARG and
+                    REQ: an armed engine on a GPU (reference_engine/word_gate.py) has enqueued request n's gather
+                    and fold under its weight lock behind a kernel that spins until GATE >= n, and this store
+                    starts them; the engine stores it itself to cancel an arm whose request did not come within
+                    ARM_S (the one word with two writers: both store n)
+    PRELAUNCHED engine n when request n's gather and fold were enqueued at its ARM (only their end was on the
+                    push's path), written before ACK
     LAUNCH_CPU engine the watcher thread's CPU time (µs) from reading REQ to the fold enqueued: far below
                     T_LAUNCHED - T_SEEN, the thread was waiting (for the GIL, a core) rather than working
 A word is one aligned 8-byte store and one 8-byte load; a reader takes a word only after the word that
@@ -66,7 +76,8 @@ T_SEEN, T_LOCKED, T_LAUNCHED, T_SYNCED, T_ACK, LAUNCH_CPU = range(9, 15)
 THRESH, DELTA, PUSHED = 15, 16, 17
 T_LOCKING, T_GATHERED = 18, 19
 ARM, ARM_SLOT, WARMED, T_WARMED, SPUN = 20, 21, 22, 23, 24
-NWORDS = 25
+GATE, PRELAUNCHED = 25, 26
+NWORDS = 27
 ERR_TORN, ERR_FAILED = 1, 2
 ERRORS = {ERR_TORN: "the write did not finish within its lease: the engine took its weights as torn",
           ERR_FAILED: "the engine failed to apply it (its log says why)"}
