@@ -53,6 +53,7 @@ watcher's pushes take the same weight lock.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -235,7 +236,8 @@ class ColocatedRoutes:
         armer = None
         if plan.gather is not None:  # EngineMerge: an armed watcher prelaunches or warms the coming slot's push
             plan.gate = WordGate.open(words.tensor, self.server.engine.device)
-            armer = Armer(self.arm_slot, self.disarm)
+            # bound to this plan: a new plan call stops this watcher (which disarms) after `self.plan` has moved on
+            armer = Armer(functools.partial(self.arm_slot, plan), functools.partial(self.disarm, plan))
         watcher = Watcher(words, wake, handle, self.server.engine.device, armer=armer)
         return watcher
 
@@ -434,12 +436,11 @@ class ColocatedRoutes:
 
     # ---- EngineMerge's arm: the watcher's, ahead of a request (wire/colocated_words.py ARM) -------------------
 
-    def arm_slot(self, n: int, slot: int) -> bool:
+    def arm_slot(self, plan: _Plan, n: int, slot: int) -> bool:
         """Request n will fold `slot`: with a GPU gate on the words and the weights free, take the weight lock and
         enqueue the slot's gather and fold behind GATE >= n (word_gate.py), so the trainer's store of GATE starts
         them (True: prelaunched; `fold_slot(..., request=n)` or `disarm(n)` gives the lock back). Otherwise warm
         the launch path on the slot (`SlotGather.warm`: the slot is scratch until the request gathers it again)."""
-        plan = self._planned("EngineMerge")
         gather, ring, engine = plan.gather, plan.ring, self.server.engine
         assert gather is not None and ring is not None
         if not 0 <= slot < len(ring.buffers):
@@ -460,13 +461,12 @@ class ColocatedRoutes:
         plan.armed = _Armed(n, slot)
         return True
 
-    def disarm(self, n: int) -> None:
+    def disarm(self, plan: _Plan, n: int) -> None:
         """Armed request n is not coming (ARM_S passed, or the watcher stops), or was served: if its work is still
         enqueued, open the gate, let it run, fold the slot before back in (the delta-skip's path: the weights are
         the last push's again, the version unchanged) and give the lock back."""
-        plan = self.plan
-        armed = plan.armed if plan is not None else None
-        if plan is None or armed is None or armed.n != n:
+        armed = plan.armed
+        if armed is None or armed.n != n:
             return
         plan.armed = None
         try:
