@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -366,19 +367,21 @@ def skip_under_threshold_keeps_what_is_served(sender: Any, b: Any, client: Engin
 
 
 def armed_push_that_never_comes(sender: Any, b: Any, client: EngineClient) -> None:
-    """Arm a push and never make it (a trainer that died between its step and its push): the engine's prelaunch
-    (or warm-up) of the moved adapter is undone once ARM_S passes — a generation asked meanwhile waits for that,
-    then gets what was served before, to the bit, at the same version."""
+    """Arm a push and never make it (a trainer that died between its step and its push): the arm holds the
+    engine's weights (on a GPU with the moved adapter's gather and fold enqueued) until ARM_S passes, then is
+    undone — a generation asked meanwhile waits for that, then gets what was served before, to the bit, at the
+    same version."""
     served = greedy(client)
     step(b, 0.05)
     sender.arm()
     n = sender.seq + 1
     for words in sender.words:
         wait_word(words, WARMED, lambda v: v == n, 30, "the engine's warm-up")
-    assert greedy(client) == served
-    for words in sender.words:  # the engine gave up on the request (ARM_S); a request number is armed once
-        wait_word(words, SPUN, lambda v: v == -n, 30, "the engine's spin for an armed push that never came")
-    assert greedy(client) == served
+    with ThreadPoolExecutor(1) as pool:  # asked while armed: it runs only once the engine gave up (SPUN -n)
+        held = pool.submit(greedy, client).result(timeout=60)
+        assert [words[SPUN] for words in sender.words] == [-n] * len(sender.words), "served while armed"
+    assert held == served
+    assert greedy(client) == served  # (a request number is armed once: the next push should come unannounced)
 
 
 def misarmed_push(sender: Any, b: Any, client: EngineClient, version: int, atol: float) -> Any:

@@ -33,10 +33,10 @@ SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP pat
   (ACK -n). EngineMerge: request n (ARG: version, slot) folds the slot into the pristine base (the HTTP
   lora_merge's fold, one weight write, `EngineModel.planned_merge`), synchronised, the version set under the lock;
   then ACK n. The plan body carries `lora_alpha`, `lora_rank`, `merge_fp32`. With `gather`, an ARM ahead of request
-  n (the trainer's step is done) lets the watcher prepare it (`arm_slot`): on a GPU (word_gate.py), when no
-  generation holds the weights, it takes the weight lock and enqueues the slot's gather and fold behind a kernel
-  that waits for GATE >= n, which the trainer's push stores — the request then only waits for them; otherwise it
-  warms the slot's launch path.
+  n (the trainer's step is done) lets the watcher prepare it (`arm_slot`): when no generation holds the weights
+  it takes the weight lock for the request and, on a GPU (word_gate.py), enqueues the slot's gather and fold
+  behind a kernel that waits for GATE >= n, which the trainer's push stores — the request then only waits for
+  them; without the gate it warms the slot's launch path.
 - `POST /kora/colocated/checksum` {full} (Merge) or {slot}: the checksum of what the engine serves, for the
   trainer's verified pushes.
 - The same pushes over HTTP, for a caller without the shared words: Merge `POST /kora/colocated/begin` {lease_s}
@@ -117,10 +117,12 @@ class _Lease:
 
 @dataclass(frozen=True)
 class _Armed:
-    """A request whose gather and fold `arm_slot` enqueued behind GATE >= n, the weight lock held for it."""
+    """A request `arm_slot` took the weight lock for, and whether it enqueued its gather and fold behind GATE >= n
+    (`launched`: a GPU gate) or left them to the request (no gate: a CPU engine)."""
 
     n: int
     slot: int
+    launched: bool
 
 
 @dataclass
@@ -377,13 +379,17 @@ class ColocatedRoutes:
         armed = plan.armed
         if armed is not None and request and armed.n == request:
             plan.armed = None
-            for name in ("locking", "locked", "gathered", "launched"):  # done at the arm, off this push's path
-                mark(name)
+            mark("locking")
+            mark("locked")  # held since the arm
             try:
                 self._open(plan, request)  # the trainer stored GATE before REQ: a no-op unless it did not
-                if armed.slot != slot:
-                    self._launch(plan, slot)
-                return self._settle(plan, slot, version, threshold, mark)._replace(prelaunched=armed.slot == slot)
+                prelaunched = armed.launched and armed.slot == slot
+                if prelaunched:  # enqueued at the arm, off this push's path
+                    mark("gathered")
+                else:
+                    self._launch(plan, slot, mark)
+                mark("launched")
+                return self._settle(plan, slot, version, threshold, mark)._replace(prelaunched=prelaunched)
             finally:
                 engine.end_write()
         mark("locking")
@@ -437,10 +443,11 @@ class ColocatedRoutes:
     # ---- EngineMerge's arm: the watcher's, ahead of a request (wire/colocated_words.py ARM) -------------------
 
     def arm_slot(self, plan: _Plan, n: int, slot: int) -> bool:
-        """Request n will fold `slot`: with a GPU gate on the words and the weights free, take the weight lock and
-        enqueue the slot's gather and fold behind GATE >= n (word_gate.py), so the trainer's store of GATE starts
-        them (True: prelaunched; `fold_slot(..., request=n)` or `disarm(n)` gives the lock back). Otherwise warm
-        the launch path on the slot (`SlotGather.warm`: the slot is scratch until the request gathers it again)."""
+        """Request n will fold `slot`: when no generation or write holds the weights, take the weight lock for it
+        (`fold_slot(..., request=n)` or `disarm(n)` gives it back) and, with a GPU gate on the words, enqueue the
+        slot's gather and fold behind GATE >= n (word_gate.py), so the trainer's store of GATE starts them (True:
+        prelaunched). Otherwise warm the launch path on the slot (`SlotGather.warm`: the slot is scratch until the
+        request gathers it again). A generation admitted while armed waits for the push (at most ARM_S)."""
         gather, ring, engine = plan.gather, plan.ring, self.server.engine
         assert gather is not None and ring is not None
         if not 0 <= slot < len(ring.buffers):
@@ -448,30 +455,34 @@ class ColocatedRoutes:
         if slot == plan.served:  # its pairs are what the next push's delta is taken against: not scratch
             log.warning("colocated EngineMerge: ARM_SLOT %d holds the pairs last pushed; push %d is not armed", slot, n)
             return False
-        if plan.gate is None or plan.armed is not None or not engine.try_begin_write():
+        if plan.armed is not None or not engine.try_begin_write():
             gather.warm(slot)
             return False
         try:
-            plan.gate.hold(GATE, n)
-            self._launch(plan, slot)
+            if plan.gate is not None:
+                plan.gate.hold(GATE, n)
+                self._launch(plan, slot)
+            else:
+                gather.warm(slot)
         except BaseException:
-            self._open(plan, n)
+            self._open(plan, n)  # a kernel held behind the gate goes
             engine.end_write()
             raise
-        plan.armed = _Armed(n, slot)
-        return True
+        plan.armed = _Armed(n, slot, launched=plan.gate is not None)
+        return plan.armed.launched
 
     def disarm(self, plan: _Plan, n: int) -> None:
-        """Armed request n is not coming (ARM_S passed, or the watcher stops), or was served: if its work is still
-        enqueued, open the gate, let it run, fold the slot before back in (the delta-skip's path: the weights are
-        the last push's again, the version unchanged) and give the lock back."""
+        """Armed request n is not coming (ARM_S passed, or the watcher stops), or was served: if it is still armed,
+        open the gate, let its enqueued work run and fold the slot before back in (the delta-skip's path: the
+        weights are the last push's again, the version unchanged), and give the lock back."""
         armed = plan.armed
         if armed is None or armed.n != n:
             return
         plan.armed = None
         try:
-            self._open(plan, n)
-            self._settle(plan, armed.slot, None, float("inf"), _no_lap)
+            if armed.launched:
+                self._open(plan, n)
+                self._settle(plan, armed.slot, None, float("inf"), _no_lap)
         finally:
             self.server.engine.end_write()
 

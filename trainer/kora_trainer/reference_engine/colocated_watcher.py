@@ -132,8 +132,8 @@ class Watcher:
         if self.words[REQ] == n:
             self.words[SPUN] = n
         else:
+            self.words[SPUN] = -n  # ran out: the arm is undone now (its weight lock given back after this store)
             self._disarm(n)
-            self.words[SPUN] = -n  # ran out: the arm is undone
 
     def _disarm(self, n: int) -> None:
         if self.armer is not None:

@@ -328,10 +328,10 @@ class ColocatedFastSender(FastWeightSender):
                           what=self._what(), path="fast", phases=dict(self.laps))
 
     def arm(self) -> None:
-        """EngineMerge with `gather`: ARM the next request with the slot it will name, so each engine's watcher has
-        warmed its launch on that slot and is spinning when the request comes (wire/colocated_words.py). The step's
-        update is made whole here, so the warm-up reads the adapter the push will, and the push's own synchronise
-        finds the device idle."""
+        """EngineMerge with `gather`: ARM the next request with the slot it will name, so each engine's watcher holds
+        its weight lock for it, has enqueued its gather and fold behind GATE (on a GPU; else warmed their launch)
+        and is spinning when the request comes (wire/colocated_words.py). The step's update is made whole here, so
+        the push's own synchronise finds the device idle."""
         if not (self.active and self.engine_gathers):
             return
         self._sync_device()

@@ -33,12 +33,13 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
                     once (the slot is scratch until request n rewrites it) and spins for REQ n, at most ARM_S, so
                     the request finds its thread running and its launch path warm rather than asleep in `select`
                     (a push's critical path); an arm with no request after it costs the engine ARM_S of one
-                    core and one gather (~0.03 ms of device time), nothing else. On a GPU the arm enqueues the
-                    request's work instead of warming it (see GATE); an arm with no request after it then also
-                    holds the weights and one SM's slot for ARM_S and costs two folds
+                    core and one gather (~0.03 ms of device time). The arm also takes the engine's weight lock
+                    when it is free (a generation admitted meanwhile waits, at most ARM_S), and on a GPU enqueues
+                    the request's work instead of warming it (see GATE): an arm with no request after it then
+                    also holds one SM's slot for ARM_S and costs two folds
     WARMED, T_WARMED  engine  n and the moment (µs) the warm-up (or the prelaunch) for armed request n was done
     SPUN   engine   n when the watcher saw request n while spinning for it (not woken from `select`); -n when
-                    it spun ARM_S for armed request n in vain and undid the arm
+                    it spun ARM_S for armed request n in vain, stored before it undoes the arm
     GATE   trainer  n with request n (EngineMerge with `gather`), after its synchronise and before THRESH, ARG and
                     REQ: an armed engine on a GPU (reference_engine/word_gate.py) has enqueued request n's gather
                     and fold under its weight lock behind a kernel that spins until GATE >= n, and this store
