@@ -147,9 +147,7 @@ class _Plan:
     # EngineMerge with `gather` on a GPU (word_gate.py): an armed request's work is enqueued ahead of it
     gate: WordGate | None = None
     armed: _Armed | None = None  # the request whose gather and fold wait behind GATE, the weight lock held for it
-    launched: int = -1  # the slot whose fold was launched last (its timing events)
     served: int = -1  # the slot holding the pairs last pushed: the delta's reference, never armed
-
 
 
 class ColocatedRoutes:
@@ -406,7 +404,6 @@ class ColocatedRoutes:
         cuda = self.server.engine.device.type == "cuda"
         if cuda and slot not in plan.marks:
             plan.marks[slot] = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        plan.launched = slot
         marks = plan.marks.get(slot, [])
         if cuda:
             marks[0].record()
@@ -437,16 +434,16 @@ class ColocatedRoutes:
         mark("synced")
         if keep and version is not None:
             engine.weight_version = version
-        marks = plan.marks.get(plan.launched, [])
+        marks = plan.marks.get(slot, [])
         return Folded(marks[0].elapsed_time(marks[1]) if cuda else None, keep, delta)
 
     # ---- EngineMerge's arm: the watcher's, ahead of a request (wire/colocated_words.py ARM) -------------------
 
-    def arm_slot(self, plan: _Plan, n: int, slot: int) -> bool:
+    def arm_slot(self, plan: _Plan, n: int, slot: int) -> None:
         """Request n will fold `slot`: when no generation or write holds the weights, take the weight lock for it
         (`fold_slot(..., request=n)` or `disarm(n)` gives it back) and, with a GPU gate on the words, enqueue the
-        slot's gather and fold behind GATE >= n (word_gate.py), so the trainer's store of GATE starts them (True:
-        prelaunched). Otherwise warm the launch path on the slot (`SlotGather.warm`: the slot is scratch until the
+        slot's gather and fold behind GATE >= n (word_gate.py), so the trainer's store of GATE starts them.
+        Otherwise warm the launch path on the slot (`SlotGather.warm`: the slot is scratch until the
         request gathers it again). A generation admitted while armed waits for the push (at most ARM_S)."""
         gather, ring, engine = plan.gather, plan.ring, self.server.engine
         assert gather is not None and ring is not None
@@ -454,10 +451,10 @@ class ColocatedRoutes:
             raise ValueError(f"ARM_SLOT {slot}: the ring has slots 0..{len(ring.buffers) - 1}")
         if slot == plan.served:  # its pairs are what the next push's delta is taken against: not scratch
             log.warning("colocated EngineMerge: ARM_SLOT %d holds the pairs last pushed; push %d is not armed", slot, n)
-            return False
+            return
         if plan.armed is not None or not engine.try_begin_write():
             gather.warm(slot)
-            return False
+            return
         try:
             if plan.gate is not None:
                 plan.gate.hold(GATE, n)
@@ -469,7 +466,6 @@ class ColocatedRoutes:
             engine.end_write()
             raise
         plan.armed = _Armed(n, slot, launched=plan.gate is not None)
-        return plan.armed.launched
 
     def disarm(self, plan: _Plan, n: int) -> None:
         """Armed request n is not coming (ARM_S passed, or the watcher stops), or was served: if it is still armed,

@@ -79,10 +79,10 @@ TORN_VERSION = "torn"  # the weight version of an engine whose Merge writer neve
 
 class Armer(NamedTuple):
     """What an armed watcher does ahead of request n (EngineMerge with `gather`): `arm(n, slot)` prelaunches the
-    request's work or warms its launch path (colocated_routes.arm_slot), `disarm(n)` undoes a prelaunch that is
-    still waiting: after the request was served (a no-op then) or when it did not come within ARM_S."""
+    request's work or warms its launch path (colocated_routes.arm_slot), `disarm(n)` undoes an arm that is still
+    held: when the request did not come within ARM_S, or its handler failed before taking it."""
 
-    arm: Callable[[int, int], bool]
+    arm: Callable[[int, int], None]
     disarm: Callable[[int], None]
 
 
@@ -153,7 +153,7 @@ class Watcher:
             log.exception("the colocated push %d failed on the engine", n)
             self.words[ERR] = ERR_FAILED
             ack = -n
-        self._disarm(n)  # a prelaunch the handler did not take (it failed first) gives the lock back
+            self._disarm(n)  # an arm the handler did not take (it failed first) gives the lock back
         self.words[SPENT] = round((time.perf_counter() - t0) * 1e6)
         self.words[T_ACK] = now_us()
         self.words[ACK] = ack
