@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -193,6 +194,13 @@ def events(cluster: LocalCluster, name: str, ns: str, kind: str = "LoRATrainingJ
         return got if want <= {e["reason"] for e in got} else None
 
     return wait_for(complete, timeout=EVENT_WAIT, interval=0.2, what=f"events {sorted(want)} of {kind} {ns}/{name}")
+
+
+def forbidden_in(log: str) -> list[str]:
+    """The operator log's lines that tell of an API call refused (an HTTP 403 or kopf's Forbidden). A 403 inside
+    a longer number or name (a namespace `tok-599403`) is not one: the random suffix once failed CI that way."""
+    return [line for line in log.splitlines()
+            if "Forbidden" in line or re.search(r"(?<![\w-])403(?!\w)", line)]
 
 
 class Watch:
