@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kora_trainer import heap
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.backends.grpo_step import StepMetrics
 from kora_trainer.backends.select import PolicyBackend
@@ -92,6 +93,7 @@ class TrainWorker:
         elif clients:
             transport = ColocatedTransport(clients)
         self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast_sender.py
+        heap.freeze(f"trainer rank {self.rank}")  # the backend and the sender: out of every later full collection
         return transport.kind if transport is not None else "none"
 
     def sync(self) -> SyncReport:
@@ -178,6 +180,7 @@ class EngineWorker:
 class RolloutWorker:
     def __init__(self, cfg: TrainerConfig, engine_urls: list[str]):
         self.rollout = Rollout(cfg, engine_urls)
+        heap.freeze("the rollout worker")  # its imports: out of every later full collection (heap.py)
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict[str, Any]]:
         return self.rollout.generate(step)

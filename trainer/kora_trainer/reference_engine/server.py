@@ -98,6 +98,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from kora_trainer import heap
 from kora_trainer.config.sglang_builds import Build
 from kora_trainer.reference_engine import request_bodies as rq
 from kora_trainer.reference_engine import strict
@@ -595,6 +596,7 @@ async def _serve(args: argparse.Namespace) -> None:
     server = HFEngineServer(engine, args.api_key, args.admin_api_key, fast_sync=not args.disable_fast_sync,
                             max_body_bytes=args.max_body_bytes, max_sequences=args.max_sequences_per_call,
                             body_timeout_s=args.body_timeout_s, build=strict.build_named(args.sglang_build))
+    heap.freeze("the reference engine")  # the model and the imports: out of every later full collection
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, args.host, args.port)
