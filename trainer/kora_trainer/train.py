@@ -250,8 +250,8 @@ def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, tim
         if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
             save_checkpoint(job, cfg, root, step, rec)
         last_step_s = time.monotonic() - t_step
-        if step == rec.run.start + 1:  # what the first step imported and made: out of the later full collections too
-            heap.freeze("the trainer's driver after its first step")
+        if step == rec.run.start + 1:  # start-up and what the first step imported: out of later full collections
+            heap.freeze("the trainer's driver")
     if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
         save_checkpoint(job, cfg, root, rec.run.done, rec)
     if root and cfg.checkpoint.export_hf:
@@ -312,7 +312,6 @@ def main(argv: list[str] | None = None) -> int:
     if (installed := installed_build_problem(cfg)) is not None:  # before anything starts: the image's SGLang
         print(f"invalid kora config:\n  rollout.sglangBuild: {installed}", file=sys.stderr)
         return 2
-    from kora_trainer import heap
     from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
     from kora_trainer.orchestration.cluster import launch, shutdown, start_ray
     from kora_trainer.recorder import StepRecorder
@@ -356,7 +355,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             started_ray, temp_dir = start_ray()  # imports Ray, after setting the environment Ray reads at import
             job = launch(cfg, run_dir, threads=args.threads)
-            heap.freeze("the trainer's driver")  # Ray and the workers' handles: out of every later full collection
             if registry is not None:
                 from kora_trainer.train_multi_lora import run
 
