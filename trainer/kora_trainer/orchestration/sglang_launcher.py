@@ -53,7 +53,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kora_trainer.config import MEGATRON_TO_SGLANG, DeploymentMode, SyncMode, TrainerConfig
-from kora_trainer.config.sections import Engine, SGLangBuild
+from kora_trainer.config.sections import Engine
 from kora_trainer.config.sglang_builds import BUILDS, DEFAULT_BUILD, MILES_COMMIT, Build, effective_build
 from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 
@@ -120,8 +120,8 @@ def sglang_build_problem(build: Build, installed: str | None = None) -> str | No
             installed = metadata.version("sglang")
         except metadata.PackageNotFoundError:
             return f"sglang is not installed: install {build.pip_requirement} ({image})"
-    if build.name is SGLangBuild.STOCK_0_5_23:
-        if installed == SGLANG_VERSION:
+    if build.stock_version is not None:
+        if installed == build.stock_version:
             return None
     else:
         local = installed.partition("+")[2].split(".")
@@ -180,6 +180,7 @@ def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *,
         argv += ["--random-seed", str(random_seed)]
     if reproducible_rollouts(config) if deterministic is None else deterministic:
         argv += ["--enable-deterministic-inference"]
+    argv += config.rollout.sglang_args  # the user's own flags last: a later flag wins (rules refuse kora's)
     keys = {flag: key for flag, key in (("api-key", api_key), ("admin-api-key", admin_api_key)) if key}
     secret_files = {}
     if keys:  # a private YAML for SGLang's --config, not argv (see "Keys" above)
