@@ -45,7 +45,7 @@ STEPS = int(os.environ.get("KORA_SGLANG_TEST_STEPS", "40"))
 # the kernels the carried SGLang has (hack/sglang_carry.sh drops FA3 and flashinfer's JIT sources); no CUDA graphs:
 # the test pays SGLang's start, not its peak speed (bench/gpu_train.py --engine sglang measures that)
 SGLANG_ARGS = ("[--attention-backend,triton,--sampling-backend,pytorch,--lora-backend,triton,--disable-cuda-graph,"
-               "--mem-fraction-static,0.3]")
+               "--mem-fraction-static,'0.3']")
 ACCESS = re.compile(r'"(GET|POST) (/[^ ?"]*)[^"]*" (\d{3})')
 
 
