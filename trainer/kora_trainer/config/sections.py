@@ -230,8 +230,9 @@ class RolloutSpec(CamelModel):
     0.5.23 (stock, the default for engine sglang), 0.5.17 (stock) or sglang-miles-94949da7. With engine hf it
     starts the reference engine in that build's strict mode (only that build's routes and fields); unset, the
     reference engine serves kora's extensions too. A sync mode the build cannot do is refused with the fix."""
-    sglang_args: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=64)] = Field(
-        default_factory=list)
+    sglang_args: Annotated[list[Annotated[str, Field(min_length=1, max_length=256,
+                                                     description="One flag or value, as on the command line.")]],
+                           Field(max_length=64)] = Field(default_factory=list)
     """Further `sglang.launch_server` flags for every engine, appended after kora's own (e.g. ["--attention-backend",
     "triton", "--sampling-backend", "pytorch"]; a later flag wins, so `--mem-fraction-static` here overrides kora's
     Colocate default). Flags kora sets from the spec (model path, host, port, sizes, LoRA, keys, seeds) are refused;
