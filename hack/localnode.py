@@ -1,0 +1,865 @@
+#!/usr/bin/env python3
+"""A real Kubernetes node for hack/localcluster.py's control plane: containerd, kubelet, kube-proxy,
+kube-scheduler and CoreDNS, all under the cluster's own directory.
+
+    python hack/localcluster.py up --node [--dir .kora]      # control plane + this node
+    python hack/localcluster.py down [--dir .kora]           # stops and removes all of it
+    python hack/localnode.py import-image ARCHIVE [--dir .kora]   # an OCI archive into the node
+    python hack/localnode.py leftovers [--dir .kora]         # what of ours is still on the machine
+
+Needs root and Debian's containerd, runc, containernetworking-plugins and iptables
+(hack/install_tools.sh installs them); the pinned kubelet, kube-scheduler, kube-proxy and CoreDNS
+come from `hack/testbin.sh --node`.
+
+What it makes (everything under <dir>/node/ except what the kernel keeps globally):
+
+* a bridge `kora0` holding 10.213.0.1/24 (pods get 10.213.0.0/24 from host-local); the apiserver
+  binds to 10.213.0.1 instead of 127.0.0.1 so pods reach it through the `kubernetes` Service, and
+  the node's InternalIP is that address too. A chain KORA-NODE in filter FORWARD drops whatever
+  would cross between the bridge and any other interface: pod traffic stays on the bridge.
+* containerd with its own config, root, state, socket, runc root and CNI config (bridge +
+  host-local + portmap; loopback is containerd's own). The machine's limits cost three settings:
+  `restrict_oom_score_adj` (no CAP_SYS_RESOURCE), cgroupfs, and netns mounts under our state dir.
+* kubelet (cgroup v1, cgroupfs, root in cgroups /kora-node/..., root dir, pod logs, cert dir and
+  volume plugin dir ours), kube-scheduler, kube-proxy in iptables mode (node ports only on the
+  bridge; no sysctls changed), each authenticating with its own token.
+* images no registry can give here, written as OCI archives (hack/ociimage.py) and imported with
+  `ctr -n k8s.io image import`: kora.local/pause (a static C program, containerd's sandbox_image),
+  kora.local/coredns (the pinned binary) and kora.local/nodeprobe (the tests' HTTP server/client).
+* CoreDNS as a Deployment in kube-system behind the Service kube-dns (10.0.0.10), answering
+  cluster.local only: it forwards nothing, so no name ever leaves the machine.
+
+`down` (LocalCluster.stop -> teardown) stops kubelet, kube-proxy and the scheduler by pid, kills the
+processes in our cgroups, lets containerd delete its tasks, stops containerd and any shim of ours,
+unmounts what is mounted under <dir>/node, removes our cgroups, iptables chains (KUBE-*, KORA-*,
+CNI-* ones of our subnet, IPv4 and IPv6), the bridge and the pod log links, and restores
+net.ipv4.ip_forward (the bridge plugin sets it). `leftovers()` lists anything still there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ociimage import ImageFile, write_oci_archive
+
+if TYPE_CHECKING:
+    from localcluster import LocalCluster
+
+HACK_DIR = Path(__file__).resolve().parent
+NODE_NAME = "kora-node"
+BRIDGE = "kora0"
+POD_SUBNET = "10.213.0.0/24"
+GATEWAY = "10.213.0.1"
+CLUSTER_DNS = "10.0.0.10"  # inside localcluster.SERVICE_CIDR
+CLUSTER_DOMAIN = "cluster.local"
+CGROUP_ROOT = "kora-node"
+CNI_NETWORK = "kora-node"
+CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
+GUARD_CHAIN = "KORA-NODE"
+PAUSE_IMAGE = "kora.local/pause:1"
+PROBE_IMAGE = "kora.local/nodeprobe:1"
+NODE_COMPONENTS = ("containerd", "kube-scheduler", "kubelet", "kube-proxy")
+NODE_USERS = {  # token user -> groups; each is bound by Kubernetes' bootstrap RBAC policy
+    "kubelet": (f"system:node:{NODE_NAME}", "system:nodes"),
+    "kube-scheduler": ("system:kube-scheduler", ""),
+    "kube-proxy": ("system:kube-proxy", ""),
+}
+READY_TIMEOUT = 180.0
+NEEDED_COMMANDS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "ip6tables", "ip", "openssl")
+NEEDED_CNI = ("bridge", "host-local", "portmap", "loopback")
+
+
+class NodeError(RuntimeError):
+    """The node could not be provided, started or cleaned up."""
+
+
+# --- preconditions --------------------------------------------------------------------------
+
+
+def cni_bin_dir() -> str | None:
+    for d in CNI_BIN_DIRS:
+        if all(os.access(Path(d) / p, os.X_OK) for p in NEEDED_CNI):
+            return d
+    return None
+
+
+def missing_prerequisites() -> list[str]:
+    """Why a node cannot run here (empty when it can): root, commands, CNI plugins, cgroup v1."""
+    why: list[str] = []
+    if os.geteuid() != 0:
+        why.append("not root (a node makes a bridge, iptables chains, mounts and cgroups)")
+    why += [f"no `{c}` (hack/install_tools.sh installs it)" for c in NEEDED_COMMANDS if not shutil.which(c)]
+    if cni_bin_dir() is None:
+        plugins, dirs = ", ".join(NEEDED_CNI), " or ".join(CNI_BIN_DIRS)
+        why.append(f"no CNI plugins {plugins} in {dirs} (containernetworking-plugins)")
+    if not Path("/sys/fs/cgroup/memory").is_dir() and not Path("/sys/fs/cgroup/cgroup.controllers").exists():
+        why.append("no cgroup hierarchy under /sys/fs/cgroup")
+    return why
+
+
+def provide_node_binaries(stream: bool = False) -> Path:
+    """`hack/testbin.sh --node` (honours $KORA_NODEBIN): the dir of kubelet, kube-scheduler, kube-proxy, coredns."""
+    proc = subprocess.run(
+        ["bash", str(HACK_DIR / "testbin.sh"), "--node"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=None if stream else subprocess.PIPE,
+        text=True,
+        check=False,
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
+    if proc.returncode != 0 or not lines:
+        raise NodeError(f"hack/testbin.sh --node failed (exit {proc.returncode}): {(proc.stderr or '')[-3000:]}")
+    return Path(lines[-1].strip())
+
+
+# --- small helpers --------------------------------------------------------------------------
+
+
+def run(cmd: Sequence[str], check: bool = True, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(list(cmd), capture_output=True, text=True, timeout=timeout, check=False)
+    if check and res.returncode != 0:
+        raise NodeError(f"{' '.join(cmd)} exited {res.returncode}: {(res.stderr or res.stdout).strip()}")
+    return res
+
+
+def node_dir(state_dir: Path) -> Path:
+    return state_dir / "node"
+
+
+def containerd_socket(state_dir: Path) -> Path:
+    return node_dir(state_dir) / "containerd" / "containerd.sock"
+
+
+def ctr(state_dir: Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
+    """`ctr` against our containerd, namespace k8s.io (the one the kubelet's CRI uses)."""
+    return run(["ctr", "-a", str(containerd_socket(state_dir)), "-n", "k8s.io", *args], timeout=timeout)
+
+
+def import_image(state_dir: Path | str, archive: Path | str) -> list[str]:
+    """Import an OCI (or docker-save) archive into the running node's containerd; return the image names.
+
+    The images are then usable by pods with `imagePullPolicy: Never` or `IfNotPresent`. The same as
+    `ctr -a <dir>/node/containerd/containerd.sock -n k8s.io image import ARCHIVE`.
+    """
+    state_dir = Path(state_dir).resolve()
+    if not containerd_socket(state_dir).exists():
+        raise NodeError(f"no node is up in {state_dir} (no {containerd_socket(state_dir)})")
+    out = ctr(state_dir, "image", "import", str(Path(archive).resolve())).stdout
+    # ctr prints "unpacking <name> (sha256:...)...done" for each image
+    return re.findall(r"unpacking (\S+) \(", out)
+
+
+def _mounts_under(root: Path) -> list[str]:
+    """Mount points at or below `root`, deepest first (from /proc/self/mountinfo)."""
+    prefix = str(root.resolve())
+    points = []
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        point = line.split()[4].replace("\\040", " ")
+        if point == prefix or point.startswith(prefix + "/"):
+            points.append(point)
+    return sorted(set(points), key=lambda p: (-p.count("/"), p))
+
+
+def _cgroup_dirs() -> list[Path]:
+    """Our cgroup root in each mounted hierarchy that has it."""
+    base = Path("/sys/fs/cgroup")
+    cands = [base / CGROUP_ROOT] + [d / CGROUP_ROOT for d in base.iterdir() if d.is_dir()] if base.is_dir() else []
+    return [c for c in cands if c.is_dir()]
+
+
+def _cgroup_pids() -> set[int]:
+    pids: set[int] = set()
+    for root in _cgroup_dirs():
+        for procs in root.rglob("cgroup.procs"):
+            with contextlib.suppress(OSError, ValueError):
+                pids |= {int(x) for x in procs.read_text().split()}
+    return pids
+
+
+def _our_shims(state_dir: Path) -> list[int]:
+    """Pids of containerd shims started for our containerd (their command line names our socket)."""
+    sock = str(containerd_socket(state_dir))
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if (
+            argv
+            and argv[0].decode(errors="replace").endswith(("containerd-shim-runc-v2", "containerd-shim"))
+            and (sock.encode() in argv)
+        ):
+            pids.append(int(d.name))
+    return pids
+
+
+def _iptables_chains(binary: str) -> dict[str, list[str]]:
+    """table -> the chains of ours in it: KUBE-*, KORA-*, and CNI-* ones whose rules name our subnet."""
+    ours: dict[str, list[str]] = {}
+    res = run([f"{binary}-save"], check=False)
+    table = ""
+    chains: dict[str, list[str]] = {}
+    rules: dict[str, list[str]] = {}
+    for line in res.stdout.splitlines():
+        if line.startswith("*"):
+            table = line[1:]
+            chains[table], rules[table] = [], []
+        elif line.startswith(":"):
+            chains[table].append(line[1:].split()[0])
+        elif line.startswith("-A "):
+            rules[table].append(line)
+    for t, names in chains.items():
+        mine = [c for c in names if c.startswith(("KUBE-", "KORA-"))]
+        for c in names:
+            if c.startswith("CNI-") and any(
+                r.startswith(f"-A {c} ") and (POD_SUBNET in r or CNI_NETWORK in r) for r in rules[t]
+            ):
+                mine.append(c)
+        if mine:
+            ours[t] = mine
+    return ours
+
+
+def _remove_iptables_chains(binary: str) -> None:
+    for _ in range(3):  # jumps between chains of ours: a second pass gets what the first could not
+        ours = _iptables_chains(binary)
+        if not ours:
+            return
+        rules = run([f"{binary}-save"], check=False).stdout.splitlines()
+        table = ""
+        for line in rules:
+            if line.startswith("*"):
+                table = line[1:]
+            elif line.startswith("-A ") and table in ours:
+                chain = line.split()[1]
+                target = re.search(r" -[jg] (\S+)", line)
+                if chain not in ours[table] and target and target.group(1) in ours[table]:
+                    args = line[3:].split(" ", 1)  # "-A CHAIN rest" -> delete that exact rule
+                    subprocess.run(
+                        ["sh", "-c", f"{binary} -w -t {table} -D {args[0]} {args[1]}"],
+                        capture_output=True,
+                        check=False,
+                    )
+        for t, names in ours.items():
+            for c in names:
+                run([binary, "-w", "-t", t, "-F", c], check=False)
+            for c in names:
+                run([binary, "-w", "-t", t, "-X", c], check=False)
+
+
+def _link_exists(name: str) -> bool:
+    return Path(f"/sys/class/net/{name}").exists()
+
+
+# --- the node -------------------------------------------------------------------------------
+
+
+def prepare(state_dir: Path) -> dict[str, Any]:
+    """Before the control plane starts: our bridge (the apiserver binds to its address), the guard chain,
+    the tokens and certificates. Returns the node's record (kept in cluster.json under "node")."""
+    if why := missing_prerequisites():
+        raise NodeError("cannot run a node here: " + "; ".join(why))
+    if _link_exists(BRIDGE):
+        raise NodeError(
+            f"a link named {BRIDGE} exists already: another node of ours is up (or was not taken down); "
+            "`python hack/localcluster.py down --dir <its dir>` removes it"
+        )
+    nd = node_dir(state_dir)
+    if nd.exists():  # a previous node's files, its mounts gone (leftovers() would name them)
+        if _mounts_under(nd):
+            raise NodeError(f"{nd} still has mounts ({_mounts_under(nd)[:3]}...): run `down` for it first")
+        shutil.rmtree(nd)
+    nd.mkdir(parents=True)
+    record: dict[str, Any] = {
+        "name": NODE_NAME,
+        "dir": str(nd),
+        "bridge": BRIDGE,
+        "pod_subnet": POD_SUBNET,
+        "node_ip": GATEWAY,
+        "ip_forward_was": Path("/proc/sys/net/ipv4/ip_forward").read_text().strip(),
+        "var_log_containers_existed": Path("/var/log/containers").exists(),
+        "tokens": {name: os.urandom(24).hex() for name in NODE_USERS},
+    }
+    prefix = POD_SUBNET.split("/")[1]
+    try:
+        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
+        run(["ip", "addr", "add", f"{GATEWAY}/{prefix}", "dev", BRIDGE])
+        run(["ip", "link", "set", BRIDGE, "up"])
+        run(["iptables", "-w", "-N", GUARD_CHAIN])
+        run(["iptables", "-w", "-A", GUARD_CHAIN, "-i", BRIDGE, "!", "-o", BRIDGE, "-j", "DROP"])
+        run(["iptables", "-w", "-A", GUARD_CHAIN, "!", "-i", BRIDGE, "-o", BRIDGE, "-j", "DROP"])
+        run(["iptables", "-w", "-I", "FORWARD", "1", "-j", GUARD_CHAIN])
+        _make_pki(nd / "pki")
+    except BaseException:
+        _remove_iptables_chains("iptables")
+        if _link_exists(BRIDGE):
+            run(["ip", "link", "del", BRIDGE], check=False)
+        shutil.rmtree(nd, ignore_errors=True)
+        raise
+    return record
+
+
+def token_lines(record: dict[str, Any]) -> str:
+    """Lines for the apiserver's token file: one user per node component."""
+    out = ""
+    for name, (user, groups) in NODE_USERS.items():
+        out += f"{record['tokens'][name]},{user},uid-{name}" + (f',"{groups}"' if groups else "") + "\n"
+    return out
+
+
+def apiserver_flags(record: dict[str, Any]) -> list[str]:
+    pki = Path(record["dir"]) / "pki"
+    return [
+        f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+        f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+        "--kubelet-preferred-address-types=InternalIP",
+    ]
+
+
+def _make_pki(pki: Path) -> None:
+    """A CA the kubelet trusts for client certificates, and the apiserver's client certificate under it."""
+    pki.mkdir(parents=True)
+    days = "3650"
+    run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "ca.key"),
+         "-out", str(pki / "ca.crt"), "-subj", "/CN=kora-node-ca", "-days", days])  # fmt: skip
+    run(["openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(pki / "apiserver-kubelet-client.key"),
+         "-out", str(pki / "client.csr"), "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client"])  # fmt: skip
+    run(["openssl", "x509", "-req", "-in", str(pki / "client.csr"), "-CA", str(pki / "ca.crt"),
+         "-CAkey", str(pki / "ca.key"), "-CAcreateserial", "-out", str(pki / "apiserver-kubelet-client.crt"),
+         "-days", days])  # fmt: skip
+    for key in pki.glob("*.key"):
+        key.chmod(0o600)
+
+
+def build_images(nd: Path, node_bins: Path) -> dict[str, Path]:
+    """The pause, CoreDNS and probe images as OCI archives under <node>/images; name -> archive."""
+    from localcluster import read_versions
+
+    images = nd / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    pause = images / "pause"
+    run(["gcc", "-static", "-Os", "-s", "-o", str(pause), str(HACK_DIR / "node" / "pause.c")])
+    probe = images / "nodeprobe"
+    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-buildvcs=false"}
+    res = subprocess.run(
+        ["go", "build", "-ldflags", "-s -w", "-o", str(probe), "."],
+        cwd=HACK_DIR / "node" / "probe", env=env, capture_output=True, text=True, check=False, timeout=600,
+    )  # fmt: skip
+    if res.returncode != 0:
+        raise NodeError(f"go build nodeprobe failed: {res.stderr}")
+    coredns_image = f"kora.local/coredns:{read_versions()['COREDNS_VERSION']}"
+    out = {
+        PAUSE_IMAGE: images / "pause.tar",
+        coredns_image: images / "coredns.tar",
+        PROBE_IMAGE: images / "nodeprobe.tar",
+    }
+    write_oci_archive(out[PAUSE_IMAGE], PAUSE_IMAGE, {"pause": ImageFile(pause)}, ["/pause"])
+    write_oci_archive(out[coredns_image], coredns_image, {"coredns": ImageFile(node_bins / "coredns")}, ["/coredns"])
+    write_oci_archive(out[PROBE_IMAGE], PROBE_IMAGE, {"nodeprobe": ImageFile(probe)}, ["/nodeprobe"])
+    return out
+
+
+def _write_configs(cluster: LocalCluster, record: dict[str, Any], ports: dict[str, int]) -> dict[str, Path]:
+    from localcluster import _write_kubeconfig
+
+    nd = Path(record["dir"])
+    ca_file = Path(cluster.run_dir) / "apiserver-certs" / "apiserver.crt"
+    paths: dict[str, Path] = {}
+    for name, (user, _groups) in NODE_USERS.items():
+        paths[f"{name}.kubeconfig"] = nd / f"{name}.kubeconfig"
+        _write_kubeconfig(paths[f"{name}.kubeconfig"], cluster.server, ca_file, user, record["tokens"][name])
+
+    # containerd
+    cd = nd / "containerd"
+    cni_conf = nd / "cni" / "net.d"
+    cni_conf.mkdir(parents=True, exist_ok=True)
+    (nd / "cni" / "ipam").mkdir(parents=True, exist_ok=True)
+    paths["containerd.toml"] = cd / "config.toml"
+    cd.mkdir(parents=True, exist_ok=True)
+    paths["containerd.toml"].write_text(
+        f"""version = 2
+root = "{cd / "root"}"
+state = "{cd / "state"}"
+disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshotter.v1.btrfs",
+                    "io.containerd.snapshotter.v1.zfs", "io.containerd.snapshotter.v1.devmapper",
+                    "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
+
+[grpc]
+  address = "{containerd_socket(cluster.state_dir)}"
+
+[ttrpc]
+  address = ""
+
+[debug]
+  address = ""
+
+[metrics]
+  address = ""
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{cd / "opt"}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "{PAUSE_IMAGE}"
+  # no CAP_SYS_RESOURCE here: without this the pause container dies with
+  # "can't get final child's PID from pipe: EOF"
+  restrict_oom_score_adj = true
+  netns_mounts_under_state_dir = true
+  disable_apparmor = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_unprivileged_ports = false
+
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+        Root = "{cd / "runc"}"
+
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "{cni_bin_dir()}"
+    conf_dir = "{cni_conf}"
+    max_conf_num = 1
+"""
+    )
+    (cni_conf / "10-kora-node.conflist").write_text(
+        json.dumps(
+            {
+                "cniVersion": "1.0.0",
+                "name": CNI_NETWORK,
+                "plugins": [
+                    {
+                        "type": "bridge",
+                        "bridge": BRIDGE,
+                        "isGateway": True,
+                        "ipMasq": False,  # nothing leaves the bridge (the KORA-NODE chain drops it anyway)
+                        "hairpinMode": True,
+                        "ipam": {
+                            "type": "host-local",
+                            "ranges": [[{"subnet": POD_SUBNET, "gateway": GATEWAY}]],
+                            "routes": [{"dst": "0.0.0.0/0"}],
+                            "dataDir": str(nd / "cni" / "ipam"),
+                        },
+                    },
+                    {"type": "portmap", "capabilities": {"portMappings": True}},
+                ],
+            },
+            indent=2,
+        )
+    )
+
+    # kubelet
+    kd = nd / "kubelet"
+    kd.mkdir(parents=True, exist_ok=True)
+    (nd / "resolv.conf").write_text("# pods get only the cluster DNS (kubelet clusterDNS); no host search domains\n")
+    paths["kubelet.yaml"] = nd / "kubelet.yaml"
+    paths["kubelet.yaml"].write_text(
+        f"""apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: {GATEWAY}
+port: {ports["kubelet"]}
+readOnlyPort: 0
+healthzBindAddress: 127.0.0.1
+healthzPort: {ports["kubelet_healthz"]}
+authentication:
+  anonymous: {{enabled: false}}
+  webhook: {{enabled: true}}
+  x509: {{clientCAFile: {nd / "pki" / "ca.crt"}}}
+authorization:
+  mode: Webhook
+containerRuntimeEndpoint: unix://{containerd_socket(cluster.state_dir)}
+# the machine: cgroup v1 only, no systemd, swap allowed
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: /{CGROUP_ROOT}
+failSwapOn: false
+clusterDNS: [{CLUSTER_DNS}]
+clusterDomain: {CLUSTER_DOMAIN}
+resolvConf: {nd / "resolv.conf"}
+podLogsDir: {nd / "pod-logs"}
+volumePluginDir: {kd / "volume-plugins"}
+registerNode: true
+rotateCertificates: false
+serverTLSBootstrap: false
+# nothing can be pulled: never collect images; a small disk is not pressure here
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard: {{memory.available: "50Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}}
+maxPods: 60
+"""
+    )
+
+    # kube-proxy
+    paths["kube-proxy.yaml"] = nd / "kube-proxy.yaml"
+    paths["kube-proxy.yaml"].write_text(
+        f"""apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection:
+  kubeconfig: {paths["kube-proxy.kubeconfig"]}
+mode: iptables
+hostnameOverride: {NODE_NAME}
+bindAddress: {GATEWAY}
+clusterCIDR: {POD_SUBNET}
+healthzBindAddress: 127.0.0.1:{ports["proxy_healthz"]}
+metricsBindAddress: 127.0.0.1:{ports["proxy_metrics"]}
+nodePortAddresses: [{POD_SUBNET}]
+iptables:
+  localhostNodePorts: false   # else it sets net.ipv4.conf.all.route_localnet
+# leave the machine's conntrack sysctls as they are
+conntrack:
+  maxPerCore: 0
+  min: 0
+  tcpEstablishedTimeout: 0s
+  tcpCloseWaitTimeout: 0s
+"""
+    )
+    return paths
+
+
+def _make_cgroup_root() -> None:
+    base = Path("/sys/fs/cgroup")
+    if (base / "cgroup.controllers").exists():  # unified only
+        (base / CGROUP_ROOT).mkdir(exist_ok=True)
+        return
+    for h in base.iterdir():
+        if not h.is_dir() or h.is_symlink() or h.name == "unified":
+            continue
+        d = h / CGROUP_ROOT
+        d.mkdir(exist_ok=True)
+        if h.name == "cpuset" or (h / "cpuset.cpus").exists():
+            for f in ("cpuset.cpus", "cpuset.mems"):
+                (d / f).write_text((h / f).read_text())
+
+
+def start(cluster: LocalCluster, record: dict[str, Any], node_bins: Path) -> None:
+    """After the control plane is up: containerd, images, scheduler, kubelet, kube-proxy, CoreDNS; wait Ready."""
+    from localcluster import free_ports, http_get
+
+    state_dir = cluster.state_dir
+    nd = Path(record["dir"])
+    names = ("kubelet", "kubelet_healthz", "proxy_healthz", "proxy_metrics", "scheduler")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
+    record["ports"] = ports
+    paths = _write_configs(cluster, record, ports)
+    cluster.state["node"] = record
+    _make_cgroup_root()
+    timings: dict[str, float] = record.setdefault("seconds", {})
+    t = time.monotonic()
+
+    cluster._spawn("containerd", ["containerd", "--config", str(paths["containerd.toml"])])
+    cluster._await(
+        "containerd",
+        lambda: run(["ctr", "-a", str(containerd_socket(state_dir)), "version"], check=False).returncode == 0,
+        what="containerd to answer on its socket",
+    )
+    timings["containerd"] = round(time.monotonic() - t, 2)
+    t = time.monotonic()
+    for archive in build_images(nd, node_bins).values():
+        import_image(state_dir, archive)
+    timings["images"] = round(time.monotonic() - t, 2)
+    t = time.monotonic()
+
+    cluster._spawn("kube-scheduler", [
+        str(node_bins / "kube-scheduler"),
+        f"--kubeconfig={paths['kube-scheduler.kubeconfig']}",
+        "--leader-elect=false",
+        "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
+        f"--cert-dir={nd / 'scheduler-certs'}",
+        "--profiling=false",
+    ])  # fmt: skip
+    cluster._spawn("kubelet", [
+        str(node_bins / "kubelet"),
+        f"--config={paths['kubelet.yaml']}",
+        f"--kubeconfig={paths['kubelet.kubeconfig']}",
+        f"--root-dir={nd / 'kubelet'}",
+        f"--cert-dir={nd / 'kubelet' / 'pki'}",
+        f"--node-ip={GATEWAY}",
+        f"--hostname-override={NODE_NAME}",
+    ])  # fmt: skip
+    cluster._spawn("kube-proxy", [str(node_bins / "kube-proxy"), f"--config={paths['kube-proxy.yaml']}"])
+    cluster._await("kube-scheduler", lambda: http_get(f"https://127.0.0.1:{ports['scheduler']}/healthz")[0] == 200)
+    cluster._await("kubelet", lambda: node_ready(cluster), what=f"node {NODE_NAME} to be Ready", timeout=READY_TIMEOUT)
+    timings["node_ready"] = round(time.monotonic() - t, 2)
+    t = time.monotonic()
+    cluster._await("kube-proxy", lambda: http_get(f"http://127.0.0.1:{ports['proxy_healthz']}/healthz")[0] == 200)
+    deploy_coredns(cluster)
+    cluster._await(
+        "kubelet",
+        lambda: (
+            cluster.kubectl(
+                "-n",
+                "kube-system",
+                "get",
+                "deploy",
+                "coredns",
+                "-o",
+                "jsonpath={.status.availableReplicas}",
+                check=False,
+            ).stdout.strip()
+            == "1"
+        ),
+        what="CoreDNS to be available",
+        timeout=READY_TIMEOUT,
+    )
+    timings["coredns"] = round(time.monotonic() - t, 2)
+    cluster._save()
+
+
+def node_ready(cluster: LocalCluster, name: str = NODE_NAME) -> bool:
+    res = cluster.kubectl(
+        "get", "node", name, "-o", 'jsonpath={.status.conditions[?(@.type=="Ready")].status}', check=False
+    )
+    return bool(res.stdout.strip() == "True")
+
+
+def coredns_manifest(image: str) -> str:
+    corefile = f""".:53 {{
+    errors
+    health :8080
+    ready :8181
+    kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
+        pods insecure
+        fallthrough in-addr.arpa ip6.arpa
+        ttl 30
+    }}
+    cache 30
+    loop
+    loadbalance
+}}
+"""
+    indented = "".join(f"    {ln}\n" for ln in corefile.splitlines())
+    return f"""apiVersion: v1
+kind: ServiceAccount
+metadata: {{name: coredns, namespace: kube-system}}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRole
+metadata: {{name: "system:coredns"}}
+rules:
+- apiGroups: [""]
+  resources: [endpoints, services, pods, namespaces]
+  verbs: [list, watch]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [list, watch]
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: ClusterRoleBinding
+metadata: {{name: "system:coredns"}}
+roleRef: {{apiGroup: rbac.authorization.k8s.io, kind: ClusterRole, name: "system:coredns"}}
+subjects: [{{kind: ServiceAccount, name: coredns, namespace: kube-system}}]
+---
+apiVersion: v1
+kind: ConfigMap
+metadata: {{name: coredns, namespace: kube-system}}
+data:
+  # cluster.local only, no `forward`: a name outside the cluster is refused, never sent off the machine
+  Corefile: |
+{indented}---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {{name: coredns, namespace: kube-system, labels: {{k8s-app: kube-dns}}}}
+spec:
+  replicas: 1
+  selector: {{matchLabels: {{k8s-app: kube-dns}}}}
+  template:
+    metadata: {{labels: {{k8s-app: kube-dns}}}}
+    spec:
+      serviceAccountName: coredns
+      dnsPolicy: Default
+      containers:
+      - name: coredns
+        image: {image}
+        imagePullPolicy: Never
+        args: ["-conf", "/etc/coredns/Corefile"]
+        ports:
+        - {{name: dns, containerPort: 53, protocol: UDP}}
+        - {{name: dns-tcp, containerPort: 53, protocol: TCP}}
+        resources: {{requests: {{cpu: 50m, memory: 40Mi}}, limits: {{memory: 170Mi}}}}
+        securityContext:
+          allowPrivilegeEscalation: false
+          capabilities: {{drop: [ALL], add: [NET_BIND_SERVICE]}}
+          readOnlyRootFilesystem: true
+        livenessProbe: {{httpGet: {{path: /health, port: 8080}}, periodSeconds: 10}}
+        readinessProbe: {{httpGet: {{path: /ready, port: 8181}}, periodSeconds: 2}}
+        volumeMounts: [{{name: config, mountPath: /etc/coredns, readOnly: true}}]
+      volumes: [{{name: config, configMap: {{name: coredns}}}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {{name: kube-dns, namespace: kube-system, labels: {{k8s-app: kube-dns}}}}
+spec:
+  clusterIP: {CLUSTER_DNS}
+  selector: {{k8s-app: kube-dns}}
+  ports:
+  - {{name: dns, port: 53, protocol: UDP}}
+  - {{name: dns-tcp, port: 53, protocol: TCP}}
+"""
+
+
+def deploy_coredns(cluster: LocalCluster) -> None:
+    from localcluster import read_versions
+
+    image = f"kora.local/coredns:{read_versions()['COREDNS_VERSION']}"
+    cluster.kubectl("apply", "-f", "-", input=coredns_manifest(image))
+
+
+# --- teardown -------------------------------------------------------------------------------
+
+
+def teardown(cluster: LocalCluster) -> None:
+    """Stop the node's processes and remove all it made. Idempotent; safe on a half-started node."""
+    record = cluster.state.get("node") or {}
+    nd = Path(record.get("dir") or node_dir(cluster.state_dir))
+    _stop_processes(cluster)
+    # mounts (rootfs overlays, shm, netns bind mounts, the kubelet's volume tmpfs), deepest first
+    for point in _mounts_under(nd) if nd.exists() else []:
+        if run(["umount", point], check=False).returncode != 0:
+            run(["umount", "-l", point], check=False)
+    _remove_cgroups()
+    _remove_network(record)
+    _remove_log_links(nd, record)
+    if nd.exists() and not _mounts_under(nd):
+        shutil.rmtree(nd, ignore_errors=True)
+
+
+def _stop_processes(cluster: LocalCluster) -> None:
+    from localcluster import stop_procs, wait_for
+
+    procs, state_dir = cluster.procs, cluster.state_dir
+    # the agents first, so nothing restarts what we stop
+    stop_procs([procs[n] for n in ("kube-proxy", "kubelet", "kube-scheduler") if n in procs])
+    # the pods' processes (all in our cgroups); containerd, still up, then deletes their tasks
+    for _ in range(3):
+        pids = _cgroup_pids()
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: not _cgroup_pids(), timeout=10, what="the pods' processes to exit")
+    if "containerd" in procs and procs["containerd"].alive():
+        with contextlib.suppress(TimeoutError):
+            wait_for(lambda: not _our_shims(state_dir), timeout=15, what="containerd to delete its tasks")
+    # containerd, then any shim of ours it left behind
+    stop_procs([procs[n] for n in ("containerd",) if n in procs])
+    for pid in _our_shims(state_dir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(TimeoutError):
+        wait_for(lambda: not _our_shims(state_dir), timeout=10, what="our shims to exit")
+    for n in NODE_COMPONENTS:
+        procs.pop(n, None)
+
+
+def _remove_cgroups() -> None:
+    for root in _cgroup_dirs():
+        for d in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        with contextlib.suppress(OSError):
+            root.rmdir()
+
+
+def _remove_network(record: dict[str, Any]) -> None:
+    """iptables chains (kube-proxy's and the kubelet's KUBE-*, our KORA-NODE, CNI ones of our subnet), the
+    bridge (and any veth left on it), and the sysctl the bridge plugin set."""
+    for binary in ("iptables", "ip6tables"):
+        if shutil.which(binary):
+            _remove_iptables_chains(binary)
+    if _link_exists(BRIDGE):
+        run(["ip", "link", "del", BRIDGE], check=False)
+    was = record.get("ip_forward_was")
+    if was in ("0", "1"):
+        Path("/proc/sys/net/ipv4/ip_forward").write_text(was)
+
+
+def _remove_log_links(nd: Path, record: dict[str, Any]) -> None:
+    """The kubelet's links in /var/log/containers to our pod logs (and the dir, if it made it)."""
+    logs = Path("/var/log/containers")
+    if not logs.is_dir():
+        return
+    for link in logs.iterdir():
+        with contextlib.suppress(OSError):
+            if link.is_symlink() and os.readlink(link).startswith(str(nd)):
+                link.unlink()
+    if record and not record.get("var_log_containers_existed", True):
+        with contextlib.suppress(OSError):
+            logs.rmdir()
+
+
+def leftovers(state_dir: Path | str) -> list[str]:
+    """Everything of a node of ours still on the machine; empty after a clean `down`."""
+    state_dir = Path(state_dir).resolve()
+    nd = node_dir(state_dir)
+    found: list[str] = []
+    if nd.exists():
+        found += [f"mount {m}" for m in _mounts_under(nd)]
+        found.append(f"dir {nd}")
+    found += [f"shim pid {p}" for p in _our_shims(state_dir)]
+    found += [f"process in our cgroups: {p}" for p in sorted(_cgroup_pids())]
+    found += [f"cgroup {d}" for d in _cgroup_dirs()]
+    if _link_exists(BRIDGE):
+        found.append(f"link {BRIDGE}")
+    for binary in ("iptables", "ip6tables"):
+        if shutil.which(binary):
+            for table, chains in _iptables_chains(binary).items():
+                found += [f"{binary} -t {table} chain {c}" for c in chains]
+    veths = [p.name for p in Path("/sys/class/net").iterdir() if (p / "master").exists() and
+             Path(os.path.realpath(p / "master")).name == BRIDGE]  # fmt: skip
+    found += [f"link {v} on {BRIDGE}" for v in veths]
+    logs = Path("/var/log/containers")
+    if logs.is_dir():
+        found += [f"link {p}" for p in logs.iterdir() if p.is_symlink() and os.readlink(p).startswith(str(nd))]
+    return found
+
+
+# --- CLI ------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="localnode.py", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import-image", help="import an OCI archive into the node's containerd (namespace k8s.io)")
+    imp.add_argument("archive")
+    sub.add_parser("leftovers", help="list what of a node of ours is still on the machine (exit 1 if anything)")
+    parser.add_argument("--dir", default=".kora", help="the cluster's state dir (default: .kora)")
+    args = parser.parse_args(argv)
+    state_dir = Path(args.dir).resolve()
+    if args.command == "import-image":
+        try:
+            names = import_image(state_dir, args.archive)
+        except NodeError as exc:
+            print(f"localnode: {exc}", file=sys.stderr)
+            return 1
+        print("\n".join(names) or "(imported; ctr named no image)")
+        return 0
+    left = leftovers(state_dir)
+    print("\n".join(left) or "nothing left")
+    return 1 if left else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
