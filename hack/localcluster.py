@@ -702,6 +702,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "processes": {n: {"pid": p.pid, "alive": alive[n]} for n, p in cluster.procs.items()},
                 "bin_dir": str(cluster.bin_dir),
                 "startup_seconds": cluster.startup_seconds,
+                "node": {k: v for k, v in cluster.state.get("node", {}).items() if k != "tokens"} or None,
             },
             indent=2,
         )

@@ -68,6 +68,7 @@ CGROUP_ROOT = "kora-node"
 CNI_NETWORK = "kora-node"
 CNI_BIN_DIRS = ("/usr/lib/cni", "/opt/cni/bin")
 GUARD_CHAIN = "KORA-NODE"
+SHIM_SOCKET_DIR = Path("/run/containerd/s")
 PAUSE_IMAGE = "kora.local/pause:1"
 PROBE_IMAGE = "kora.local/nodeprobe:1"
 NODE_COMPONENTS = ("containerd", "kube-scheduler", "kubelet", "kube-proxy")
@@ -740,6 +741,11 @@ def teardown(cluster: LocalCluster) -> None:
     _remove_cgroups()
     _remove_network(record)
     _remove_log_links(nd, record)
+    # containerd 1.6 puts its shims' sockets in /run/containerd/s whatever its state dir; each shim
+    # removes its own: the dirs go if empty (a containerd of the machine's own would keep them full)
+    for d in (SHIM_SOCKET_DIR, SHIM_SOCKET_DIR.parent):
+        with contextlib.suppress(OSError):
+            d.rmdir()
     if nd.exists() and not _mounts_under(nd):
         shutil.rmtree(nd, ignore_errors=True)
 
@@ -830,6 +836,8 @@ def leftovers(state_dir: Path | str) -> list[str]:
     veths = [p.name for p in Path("/sys/class/net").iterdir() if (p / "master").exists() and
              Path(os.path.realpath(p / "master")).name == BRIDGE]  # fmt: skip
     found += [f"link {v} on {BRIDGE}" for v in veths]
+    if SHIM_SOCKET_DIR.is_dir() and not any(SHIM_SOCKET_DIR.iterdir()):
+        found.append(f"empty dir {SHIM_SOCKET_DIR}")
     logs = Path("/var/log/containers")
     if logs.is_dir():
         found += [f"link {p}" for p in logs.iterdir() if p.is_symlink() and os.readlink(p).startswith(str(nd))]
@@ -841,11 +849,16 @@ def leftovers(state_dir: Path | str) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="localnode.py", description=__doc__.split("\n\n")[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dir", default=".kora", help="the cluster's state dir (default: .kora)")
     sub = parser.add_subparsers(dest="command", required=True)
-    imp = sub.add_parser("import-image", help="import an OCI archive into the node's containerd (namespace k8s.io)")
+    imp = sub.add_parser(
+        "import-image", parents=[common], help="import an OCI archive into the node's containerd (namespace k8s.io)"
+    )
     imp.add_argument("archive")
-    sub.add_parser("leftovers", help="list what of a node of ours is still on the machine (exit 1 if anything)")
-    parser.add_argument("--dir", default=".kora", help="the cluster's state dir (default: .kora)")
+    sub.add_parser(
+        "leftovers", parents=[common], help="list what of a node of ours is still on the machine (exit 1 if any)"
+    )
     args = parser.parse_args(argv)
     state_dir = Path(args.dir).resolve()
     if args.command == "import-image":
