@@ -526,7 +526,9 @@ class LocalCluster:
         return cluster
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        self.procs[name] = spawn(name, cmd, Path(self.state["logs"][name]))
+        logs = self.state["logs"]
+        logs.setdefault(name, str(Path(logs[COMPONENTS[0]]).with_name(f"{name}.log")))
+        self.procs[name] = spawn(name, cmd, Path(logs[name]))
         self._save()  # recorded at once, so `down` finds it even if this `up` is killed midway
 
     def _await(
@@ -666,8 +668,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"localcluster: {exc}", file=sys.stderr)
             return 1
         took = time.monotonic() - t0
+        node = f", node {cluster.state['node']['seconds']}" if cluster.has_node else ""
         print(
-            f"up in {took:.1f} s (testbin {cluster.state['testbin_seconds']:.1f} s): {cluster.server}, "
+            f"up in {took:.1f} s (testbin {cluster.state['testbin_seconds']:.1f} s{node}): {cluster.server}, "
             f"pids {cluster.pids}, logs in {state_dir / 'logs'}",
             file=sys.stderr,
         )
@@ -679,12 +682,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cluster is None:
             print("not up (nothing recorded)", file=sys.stderr)
             return 0
+        pids = cluster.pids
+        t0 = time.monotonic()
         try:
             cluster.stop()
         except ClusterError as exc:
             print(f"localcluster: {exc}", file=sys.stderr)
             return 1
-        print(f"down: stopped pids {cluster.pids}", file=sys.stderr)
+        node = f" (node: {cluster.state['teardown_seconds']})" if "teardown_seconds" in cluster.state else ""
+        print(f"down in {time.monotonic() - t0:.1f} s{node}: stopped pids {pids}", file=sys.stderr)
         return 0
 
     # status

@@ -645,7 +645,6 @@ def coredns_manifest(image: str) -> str:
         ttl 30
     }}
     cache 30
-    loop
     loadbalance
 }}
 """
@@ -733,13 +732,19 @@ def teardown(cluster: LocalCluster) -> None:
     """Stop the node's processes and remove all it made. Idempotent; safe on a half-started node."""
     record = cluster.state.get("node") or {}
     nd = Path(record.get("dir") or node_dir(cluster.state_dir))
-    _stop_processes(cluster)
+    took: dict[str, float] = cluster.state.setdefault("teardown_seconds", {})
+    t = time.monotonic()
+    _stop_processes(cluster, took)
+    t = time.monotonic()
     # mounts (rootfs overlays, shm, netns bind mounts, the kubelet's volume tmpfs), deepest first
     for point in _mounts_under(nd) if nd.exists() else []:
         if run(["umount", point], check=False).returncode != 0:
             run(["umount", "-l", point], check=False)
     _remove_cgroups()
+    took["mounts and cgroups"] = round(time.monotonic() - t, 2)
+    t = time.monotonic()
     _remove_network(record)
+    took["iptables and bridge"] = round(time.monotonic() - t, 2)
     _remove_log_links(nd, record)
     # containerd 1.6 puts its shims' sockets in /run/containerd/s whatever its state dir; each shim
     # removes its own: the dirs go if empty (a containerd of the machine's own would keep them full)
@@ -750,12 +755,15 @@ def teardown(cluster: LocalCluster) -> None:
         shutil.rmtree(nd, ignore_errors=True)
 
 
-def _stop_processes(cluster: LocalCluster) -> None:
+def _stop_processes(cluster: LocalCluster, took: dict[str, float]) -> None:
     from localcluster import stop_procs, wait_for
 
     procs, state_dir = cluster.procs, cluster.state_dir
+    t = time.monotonic()
     # the agents first, so nothing restarts what we stop
     stop_procs([procs[n] for n in ("kube-proxy", "kubelet", "kube-scheduler") if n in procs])
+    took["agents"] = round(time.monotonic() - t, 2)
+    t = time.monotonic()
     # the pods' processes (all in our cgroups); containerd, still up, then deletes their tasks
     for _ in range(3):
         pids = _cgroup_pids()
@@ -769,6 +777,8 @@ def _stop_processes(cluster: LocalCluster) -> None:
     if "containerd" in procs and procs["containerd"].alive():
         with contextlib.suppress(TimeoutError):
             wait_for(lambda: not _our_shims(state_dir), timeout=15, what="containerd to delete its tasks")
+    took["pods"] = round(time.monotonic() - t, 2)
+    t = time.monotonic()
     # containerd, then any shim of ours it left behind
     stop_procs([procs[n] for n in ("containerd",) if n in procs])
     for pid in _our_shims(state_dir):
@@ -776,6 +786,7 @@ def _stop_processes(cluster: LocalCluster) -> None:
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(TimeoutError):
         wait_for(lambda: not _our_shims(state_dir), timeout=10, what="our shims to exit")
+    took["containerd"] = round(time.monotonic() - t, 2)
     for n in NODE_COMPONENTS:
         procs.pop(n, None)
 
