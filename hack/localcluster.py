@@ -370,16 +370,22 @@ class LocalCluster:
 
     @classmethod
     def start(
-        cls, state_dir: Path | str, bin_dir: Path | str | None = None, stream: bool = False, node: bool = False
+        cls,
+        state_dir: Path | str,
+        bin_dir: Path | str | None = None,
+        stream: bool = False,
+        node: bool = False,
+        nodes: int = 1,
     ) -> LocalCluster:
         """Start a cluster recorded in `state_dir`; a no-op returning it if one is up already.
 
-        With `node`, a real node joins it (hack/localnode.py); an existing cluster without one is restarted.
+        With `node`, `nodes` real nodes join it (hack/localnode.py; the second and later ones each in a
+        network namespace of ours); an existing cluster without them is restarted.
         """
         state_dir = Path(state_dir).resolve()
         existing = cls.load(state_dir)
         if existing is not None:
-            if existing.healthy() and (not node or existing.has_node):
+            if existing.healthy() and (not node or existing.state.get("node", {}).get("nodes") == nodes):
                 return existing
             existing.stop()  # half-dead leftovers: clear them before starting afresh
         t0 = time.monotonic()
@@ -393,7 +399,7 @@ class LocalCluster:
         last: ClusterError | None = None
         for _attempt in range(3):  # a free port can be taken between probe and bind: retry
             try:
-                cluster = cls._boot(state_dir, bins, node_bins)
+                cluster = cls._boot(state_dir, bins, node_bins, nodes)
             except _PortRace as exc:
                 last = ClusterError(str(exc))
                 continue
@@ -405,7 +411,7 @@ class LocalCluster:
         raise last
 
     @classmethod
-    def _boot(cls, state_dir: Path, bins: Path, node_bins: Path | None = None) -> LocalCluster:
+    def _boot(cls, state_dir: Path, bins: Path, node_bins: Path | None = None, nodes: int = 1) -> LocalCluster:
         cluster_root = state_dir / "cluster"
         logs = state_dir / "logs"
         cluster_root.mkdir(parents=True, exist_ok=True)
@@ -414,7 +420,7 @@ class LocalCluster:
         node_record: dict[str, Any] | None = None
         if node_bins is not None:
             try:
-                node_record = localnode.prepare(state_dir)  # the bridge whose address the apiserver binds
+                node_record = localnode.prepare(state_dir, nodes)  # the bridge whose address the apiserver binds
             except localnode.NodeError as exc:
                 raise ClusterError(str(exc)) from exc
         run = Path(tempfile.mkdtemp(prefix="run-", dir=cluster_root))
@@ -652,18 +658,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--node", action="store_true", help="up: add a real node (hack/localnode.py; root, containerd, runc, ...)"
     )
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="up --node: how many nodes (the 2nd.. each in a network namespace)"
+    )
     args = parser.parse_args(argv)
     state_dir = Path(args.dir).resolve()
 
     if args.command == "up":
         was = LocalCluster.load(state_dir)
-        if was is not None and was.healthy() and (was.has_node or not args.node):
+        wanted = not args.node or (was is not None and was.state.get("node", {}).get("nodes") == args.nodes)
+        if was is not None and was.healthy() and wanted:
             print(f"already up: {was.server} (pids {was.pids})", file=sys.stderr)
             print(f"export KUBECONFIG={was.kubeconfig}")
             return 0
         t0 = time.monotonic()
         try:
-            cluster = LocalCluster.start(state_dir, stream=True, node=args.node)
+            cluster = LocalCluster.start(state_dir, stream=True, node=args.node, nodes=args.nodes)
         except ClusterError as exc:
             print(f"localcluster: {exc}", file=sys.stderr)
             return 1

@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +61,8 @@ if TYPE_CHECKING:
 HACK_DIR = Path(__file__).resolve().parent
 NODE_NAME = "kora-node"
 BRIDGE = "kora0"
-POD_SUBNET = "10.213.0.0/24"
+POD_SUBNET = "10.213.0.0/24"  # node 0's pods (node i's: 10.213.i.0/24)
+PODS_SUPERNET = "10.213.0.0/16"
 GATEWAY = "10.213.0.1"
 CLUSTER_DNS = "10.0.0.10"  # inside localcluster.SERVICE_CIDR
 CLUSTER_DOMAIN = "cluster.local"
@@ -71,9 +73,10 @@ GUARD_CHAIN = "KORA-NODE"
 SHIM_SOCKET_DIR = Path("/run/containerd/s")
 PAUSE_IMAGE = "kora.local/pause:1"
 PROBE_IMAGE = "kora.local/nodeprobe:1"
-NODE_COMPONENTS = ("containerd", "kube-scheduler", "kubelet", "kube-proxy")
-NODE_USERS = {  # token user -> groups; each is bound by Kubernetes' bootstrap RBAC policy
-    "kubelet": (f"system:node:{NODE_NAME}", "system:nodes"),
+NETNS_DIR = Path("/run/netns")
+MAX_NODES = 4
+NODE_AGENTS = ("containerd", "kubelet", "kube-proxy")  # one of each per node; node i > 0 suffixes "-<i+1>"
+SHARED_USERS = {  # token user -> groups; each is bound by Kubernetes' bootstrap RBAC policy
     "kube-scheduler": ("system:kube-scheduler", ""),
     "kube-proxy": ("system:kube-proxy", ""),
 }
@@ -84,6 +87,61 @@ NEEDED_CNI = ("bridge", "host-local", "portmap", "loopback")
 
 class NodeError(RuntimeError):
     """The node could not be provided, started or cleaned up."""
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Node `index` of the cluster. Node 0 runs in the machine's network namespace on the bridge's own
+    address; node i > 0 runs in a network namespace of ours (`ip netns` name = the node's name), joined
+    to the bridge by a veth pair, its pods on a bridge of the same name inside it."""
+
+    index: int
+
+    @property
+    def suffix(self) -> str:
+        return "" if self.index == 0 else f"-{self.index + 1}"
+
+    @property
+    def name(self) -> str:
+        return NODE_NAME + self.suffix
+
+    @property
+    def netns(self) -> str | None:
+        return None if self.index == 0 else self.name
+
+    @property
+    def node_ip(self) -> str:
+        return GATEWAY if self.index == 0 else f"10.213.0.{249 + self.index}"
+
+    @property
+    def pod_subnet(self) -> str:
+        return f"10.213.{self.index}.0/24"
+
+    @property
+    def pod_gateway(self) -> str:
+        return f"10.213.{self.index}.1"
+
+    @property
+    def cgroup_root(self) -> str:
+        return CGROUP_ROOT + self.suffix
+
+    @property
+    def host_veth(self) -> str:
+        return f"{BRIDGE}n{self.index + 1}"
+
+    def dir(self, state_dir: Path) -> Path:
+        return node_dir(state_dir) if self.index == 0 else node_dir(state_dir) / self.name
+
+    def proc(self, agent: str) -> str:
+        return agent + self.suffix
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """`cmd` run in the node's network namespace (nsenter: the mounts and /sys stay the machine's)."""
+        return cmd if self.netns is None else ["nsenter", f"--net={NETNS_DIR / self.netns}", "--", *cmd]
+
+
+def node_specs(record: dict[str, Any]) -> list[NodeSpec]:
+    return [NodeSpec(i) for i in range(int(record.get("nodes", 1)))]
 
 
 # --- preconditions --------------------------------------------------------------------------
@@ -140,27 +198,34 @@ def node_dir(state_dir: Path) -> Path:
     return state_dir / "node"
 
 
-def containerd_socket(state_dir: Path) -> Path:
-    return node_dir(state_dir) / "containerd" / "containerd.sock"
+def containerd_socket(state_dir: Path, spec: NodeSpec | None = None) -> Path:
+    return (spec or NodeSpec(0)).dir(state_dir) / "containerd" / "containerd.sock"
 
 
-def ctr(state_dir: Path, *args: str, timeout: float = 300.0) -> subprocess.CompletedProcess[str]:
-    """`ctr` against our containerd, namespace k8s.io (the one the kubelet's CRI uses)."""
-    return run(["ctr", "-a", str(containerd_socket(state_dir)), "-n", "k8s.io", *args], timeout=timeout)
+def ctr(
+    state_dir: Path, *args: str, spec: NodeSpec | None = None, timeout: float = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """`ctr` against node `spec`'s containerd, namespace k8s.io (the one the kubelet's CRI uses)."""
+    return run(["ctr", "-a", str(containerd_socket(state_dir, spec)), "-n", "k8s.io", *args], timeout=timeout)
 
 
 def import_image(state_dir: Path | str, archive: Path | str) -> list[str]:
-    """Import an OCI (or docker-save) archive into the running node's containerd; return the image names.
+    """Import an OCI (or docker-save) archive into every node's containerd; return the image names.
 
-    The images are then usable by pods with `imagePullPolicy: Never` or `IfNotPresent`. The same as
-    `ctr -a <dir>/node/containerd/containerd.sock -n k8s.io image import ARCHIVE`.
+    The images are then usable by pods with `imagePullPolicy: Never` or `IfNotPresent`. For one node the
+    same as `ctr -a <dir>/node/containerd/containerd.sock -n k8s.io image import ARCHIVE` (node i > 0:
+    <dir>/node/kora-node-<i+1>/containerd/containerd.sock).
     """
     state_dir = Path(state_dir).resolve()
-    if not containerd_socket(state_dir).exists():
+    specs = [NodeSpec(i) for i in range(MAX_NODES) if containerd_socket(state_dir, NodeSpec(i)).exists()]
+    if not specs:
         raise NodeError(f"no node is up in {state_dir} (no {containerd_socket(state_dir)})")
-    out = ctr(state_dir, "image", "import", str(Path(archive).resolve())).stdout
-    # ctr prints "unpacking <name> (sha256:...)...done" for each image
-    return re.findall(r"unpacking (\S+) \(", out)
+    names: list[str] = []
+    for spec in specs:
+        out = ctr(state_dir, "image", "import", str(Path(archive).resolve()), spec=spec).stdout
+        # ctr prints "unpacking <name> (sha256:...)...done" for each image
+        names = re.findall(r"unpacking (\S+) \(", out)
+    return names
 
 
 def _mounts_under(root: Path) -> list[str]:
@@ -177,8 +242,11 @@ def _mounts_under(root: Path) -> list[str]:
 def _cgroup_dirs() -> list[Path]:
     """Our cgroup root in each mounted hierarchy that has it."""
     base = Path("/sys/fs/cgroup")
-    cands = [base / CGROUP_ROOT] + [d / CGROUP_ROOT for d in base.iterdir() if d.is_dir()] if base.is_dir() else []
-    return [c for c in cands if c.is_dir()]
+    if not base.is_dir():
+        return []
+    hierarchies = [base] + [d for d in base.iterdir() if d.is_dir() and not d.is_symlink()]
+    roots = [NodeSpec(i).cgroup_root for i in range(MAX_NODES)]
+    return [h / r for h in hierarchies for r in roots if (h / r).is_dir()]
 
 
 def _cgroup_pids() -> set[int]:
@@ -191,8 +259,8 @@ def _cgroup_pids() -> set[int]:
 
 
 def _our_shims(state_dir: Path) -> list[int]:
-    """Pids of containerd shims started for our containerd (their command line names our socket)."""
-    sock = str(containerd_socket(state_dir))
+    """Pids of containerd shims started for our containerds (their command line names a socket of ours)."""
+    socks = {str(containerd_socket(state_dir, NodeSpec(i))).encode() for i in range(MAX_NODES)}
     pids = []
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -204,7 +272,7 @@ def _our_shims(state_dir: Path) -> list[int]:
         if (
             argv
             and argv[0].decode(errors="replace").endswith(("containerd-shim-runc-v2", "containerd-shim"))
-            and (sock.encode() in argv)
+            and socks & set(argv)
         ):
             pids.append(int(d.name))
     return pids
@@ -229,7 +297,7 @@ def _iptables_chains(binary: str) -> dict[str, list[str]]:
         mine = [c for c in names if c.startswith(("KUBE-", "KORA-"))]
         for c in names:
             if c.startswith("CNI-") and any(
-                r.startswith(f"-A {c} ") and (POD_SUBNET in r or CNI_NETWORK in r) for r in rules[t]
+                r.startswith(f"-A {c} ") and ("10.213." in r or CNI_NETWORK in r) for r in rules[t]
             ):
                 mine.append(c)
         if mine:
@@ -264,6 +332,11 @@ def _remove_iptables_chains(binary: str) -> None:
                 run([binary, "-w", "-t", t, "-X", c], check=False)
 
 
+def _our_netns() -> list[str]:
+    names = {NodeSpec(i).netns for i in range(1, MAX_NODES)}
+    return sorted(p.name for p in NETNS_DIR.iterdir() if p.name in names) if NETNS_DIR.is_dir() else []
+
+
 def _link_exists(name: str) -> bool:
     return Path(f"/sys/class/net/{name}").exists()
 
@@ -271,9 +344,12 @@ def _link_exists(name: str) -> bool:
 # --- the node -------------------------------------------------------------------------------
 
 
-def prepare(state_dir: Path) -> dict[str, Any]:
+def prepare(state_dir: Path, nodes: int = 1) -> dict[str, Any]:
     """Before the control plane starts: our bridge (the apiserver binds to its address), the guard chain,
-    the tokens and certificates. Returns the node's record (kept in cluster.json under "node")."""
+    the namespaces of nodes 2.., the tokens and certificates. Returns the node's record (kept in
+    cluster.json under "node")."""
+    if not 1 <= nodes <= MAX_NODES:
+        raise NodeError(f"nodes must be 1..{MAX_NODES}, not {nodes}")
     if why := missing_prerequisites():
         raise NodeError("cannot run a node here: " + "; ".join(why))
     if _link_exists(BRIDGE):
@@ -295,31 +371,49 @@ def prepare(state_dir: Path) -> dict[str, Any]:
         "node_ip": GATEWAY,
         "ip_forward_was": Path("/proc/sys/net/ipv4/ip_forward").read_text().strip(),
         "var_log_containers_existed": Path("/var/log/containers").exists(),
-        "tokens": {name: os.urandom(24).hex() for name in NODE_USERS},
+        "run_netns_existed": NETNS_DIR.exists(),
+        "nodes": nodes,
     }
-    prefix = POD_SUBNET.split("/")[1]
+    users = {f"kubelet{NodeSpec(i).suffix}": (f"system:node:{NodeSpec(i).name}", "system:nodes") for i in range(nodes)}
+    record["users"] = {**users, **SHARED_USERS}
+    record["tokens"] = {name: os.urandom(24).hex() for name in record["users"]}
     try:
         run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        run(["ip", "addr", "add", f"{GATEWAY}/{prefix}", "dev", BRIDGE])
+        run(["ip", "addr", "add", f"{GATEWAY}/24", "dev", BRIDGE])
         run(["ip", "link", "set", BRIDGE, "up"])
         run(["iptables", "-w", "-N", GUARD_CHAIN])
         run(["iptables", "-w", "-A", GUARD_CHAIN, "-i", BRIDGE, "!", "-o", BRIDGE, "-j", "DROP"])
         run(["iptables", "-w", "-A", GUARD_CHAIN, "!", "-i", BRIDGE, "-o", BRIDGE, "-j", "DROP"])
         run(["iptables", "-w", "-I", "FORWARD", "1", "-j", GUARD_CHAIN])
+        for spec in node_specs(record)[1:]:
+            _make_netns(spec)
         _make_pki(nd / "pki")
     except BaseException:
-        _remove_iptables_chains("iptables")
-        if _link_exists(BRIDGE):
-            run(["ip", "link", "del", BRIDGE], check=False)
+        _remove_network(record)
         shutil.rmtree(nd, ignore_errors=True)
         raise
     return record
 
 
+def _make_netns(spec: NodeSpec) -> None:
+    """Node `spec`'s namespace: eth0 = node_ip on our bridge (veth), default route via the bridge address;
+    the machine routes the node's pod subnet to it (all of it over our bridge)."""
+    assert spec.netns is not None
+    ns = spec.netns
+    run(["ip", "netns", "add", ns])
+    run(["ip", "link", "add", spec.host_veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
+    run(["ip", "link", "set", spec.host_veth, "master", BRIDGE, "up"])
+    run(["ip", "-n", ns, "addr", "add", f"{spec.node_ip}/24", "dev", "eth0"])
+    run(["ip", "-n", ns, "link", "set", "eth0", "up"])
+    run(["ip", "-n", ns, "link", "set", "lo", "up"])
+    run(["ip", "-n", ns, "route", "add", "default", "via", GATEWAY])
+    run(["ip", "route", "add", spec.pod_subnet, "via", spec.node_ip, "dev", BRIDGE])
+
+
 def token_lines(record: dict[str, Any]) -> str:
     """Lines for the apiserver's token file: one user per node component."""
     out = ""
-    for name, (user, groups) in NODE_USERS.items():
+    for name, (user, groups) in record["users"].items():
         out += f"{record['tokens'][name]},{user},uid-{name}" + (f',"{groups}"' if groups else "") + "\n"
     return out
 
@@ -376,15 +470,21 @@ def build_images(nd: Path, node_bins: Path) -> dict[str, Path]:
     return out
 
 
-def _write_configs(cluster: LocalCluster, record: dict[str, Any], ports: dict[str, int]) -> dict[str, Path]:
+def _write_configs(
+    cluster: LocalCluster, record: dict[str, Any], spec: NodeSpec, ports: dict[str, int]
+) -> dict[str, Path]:
+    """Node `spec`'s config files (containerd, CNI, kubelet, kube-proxy, kubeconfigs) under its dir."""
     from localcluster import _write_kubeconfig
 
-    nd = Path(record["dir"])
+    top = Path(record["dir"])
+    nd = spec.dir(cluster.state_dir)
     ca_file = Path(cluster.run_dir) / "apiserver-certs" / "apiserver.crt"
     paths: dict[str, Path] = {}
-    for name, (user, _groups) in NODE_USERS.items():
-        paths[f"{name}.kubeconfig"] = nd / f"{name}.kubeconfig"
-        _write_kubeconfig(paths[f"{name}.kubeconfig"], cluster.server, ca_file, user, record["tokens"][name])
+    kubelet_user = f"kubelet{spec.suffix}"
+    for name in (kubelet_user, *SHARED_USERS):
+        user = record["users"][name][0]
+        paths[f"{name.removesuffix(spec.suffix)}.kubeconfig"] = nd / f"{name}.kubeconfig"
+        _write_kubeconfig(nd / f"{name}.kubeconfig", cluster.server, ca_file, user, record["tokens"][name])
 
     # containerd
     cd = nd / "containerd"
@@ -402,7 +502,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                     "io.containerd.tracing.processor.v1.otlp", "io.containerd.internal.v1.tracing"]
 
 [grpc]
-  address = "{containerd_socket(cluster.state_dir)}"
+  address = "{containerd_socket(cluster.state_dir, spec)}"
 
 [ttrpc]
   address = ""
@@ -458,7 +558,15 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                         "hairpinMode": True,
                         "ipam": {
                             "type": "host-local",
-                            "ranges": [[{"subnet": POD_SUBNET, "gateway": GATEWAY}]],
+                            "ranges": [
+                                [
+                                    {
+                                        "subnet": spec.pod_subnet,
+                                        "gateway": spec.pod_gateway,
+                                        "rangeEnd": _last_pod_ip(spec),
+                                    }
+                                ]
+                            ],
                             "routes": [{"dst": "0.0.0.0/0"}],
                             "dataDir": str(nd / "cni" / "ipam"),
                         },
@@ -478,7 +586,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
     paths["kubelet.yaml"].write_text(
         f"""apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: {GATEWAY}
+address: {spec.node_ip}
 port: {ports["kubelet"]}
 readOnlyPort: 0
 healthzBindAddress: 127.0.0.1
@@ -486,14 +594,14 @@ healthzPort: {ports["kubelet_healthz"]}
 authentication:
   anonymous: {{enabled: false}}
   webhook: {{enabled: true}}
-  x509: {{clientCAFile: {nd / "pki" / "ca.crt"}}}
+  x509: {{clientCAFile: {top / "pki" / "ca.crt"}}}
 authorization:
   mode: Webhook
-containerRuntimeEndpoint: unix://{containerd_socket(cluster.state_dir)}
+containerRuntimeEndpoint: unix://{containerd_socket(cluster.state_dir, spec)}
 # the machine: cgroup v1 only, no systemd, swap allowed
 failCgroupV1: false
 cgroupDriver: cgroupfs
-cgroupRoot: /{CGROUP_ROOT}
+cgroupRoot: /{spec.cgroup_root}
 failSwapOn: false
 clusterDNS: [{CLUSTER_DNS}]
 clusterDomain: {CLUSTER_DOMAIN}
@@ -519,12 +627,12 @@ kind: KubeProxyConfiguration
 clientConnection:
   kubeconfig: {paths["kube-proxy.kubeconfig"]}
 mode: iptables
-hostnameOverride: {NODE_NAME}
-bindAddress: {GATEWAY}
-clusterCIDR: {POD_SUBNET}
-healthzBindAddress: 127.0.0.1:{ports["proxy_healthz"]}
+hostnameOverride: {spec.name}
+bindAddress: {spec.node_ip}
+clusterCIDR: {PODS_SUPERNET}
+healthzBindAddress: {spec.node_ip}:{ports["proxy_healthz"]}
 metricsBindAddress: 127.0.0.1:{ports["proxy_metrics"]}
-nodePortAddresses: [{POD_SUBNET}]
+nodePortAddresses: [{spec.pod_subnet}]
 iptables:
   localhostNodePorts: false   # else it sets net.ipv4.conf.all.route_localnet
 # leave the machine's conntrack sysctls as they are
@@ -538,15 +646,20 @@ conntrack:
     return paths
 
 
-def _make_cgroup_root() -> None:
+def _last_pod_ip(spec: NodeSpec) -> str:
+    """Node 0's pods share the bridge's /24 with the other nodes' addresses (.250 up): they stop below."""
+    return f"10.213.{spec.index}.{239 if spec.index == 0 else 254}"
+
+
+def _make_cgroup_root(spec: NodeSpec) -> None:
     base = Path("/sys/fs/cgroup")
     if (base / "cgroup.controllers").exists():  # unified only
-        (base / CGROUP_ROOT).mkdir(exist_ok=True)
+        (base / spec.cgroup_root).mkdir(exist_ok=True)
         return
     for h in base.iterdir():
         if not h.is_dir() or h.is_symlink() or h.name == "unified":
             continue
-        d = h / CGROUP_ROOT
+        d = h / spec.cgroup_root
         d.mkdir(exist_ok=True)
         if h.name == "cpuset" or (h / "cpuset.cpus").exists():
             for f in ("cpuset.cpus", "cpuset.mems"):
@@ -554,77 +667,89 @@ def _make_cgroup_root() -> None:
 
 
 def start(cluster: LocalCluster, record: dict[str, Any], node_bins: Path) -> None:
-    """After the control plane is up: containerd, images, scheduler, kubelet, kube-proxy, CoreDNS; wait Ready."""
+    """After the control plane is up: per node containerd (images imported), kubelet and kube-proxy; one
+    kube-scheduler; every node Ready; then CoreDNS."""
     from localcluster import free_ports, http_get
 
     state_dir = cluster.state_dir
     nd = Path(record["dir"])
-    names = ("kubelet", "kubelet_healthz", "proxy_healthz", "proxy_metrics", "scheduler")
-    ports = dict(zip(names, free_ports(len(names)), strict=True))
-    record["ports"] = ports
-    paths = _write_configs(cluster, record, ports)
+    specs = node_specs(record)
     cluster.state["node"] = record
-    _make_cgroup_root()
     timings: dict[str, float] = record.setdefault("seconds", {})
     t = time.monotonic()
-
-    cluster._spawn("containerd", ["containerd", "--config", str(paths["containerd.toml"])])
-    cluster._await(
-        "containerd",
-        lambda: run(["ctr", "-a", str(containerd_socket(state_dir)), "version"], check=False).returncode == 0,
-        what="containerd to answer on its socket",
-    )
-    timings["containerd"] = round(time.monotonic() - t, 2)
+    images = build_images(nd, node_bins)
+    timings["images built"] = round(time.monotonic() - t, 2)
     t = time.monotonic()
-    for archive in build_images(nd, node_bins).values():
+    (scheduler_port,) = free_ports(1)
+    configs: dict[int, dict[str, Path]] = {}
+    for spec in specs:
+        names = ("kubelet", "kubelet_healthz", "proxy_healthz", "proxy_metrics")
+        ports = dict(zip(names, free_ports(len(names)), strict=True))
+        record.setdefault("ports", {})[spec.name] = ports
+        paths = configs[spec.index] = _write_configs(cluster, record, spec, ports)
+        _make_cgroup_root(spec)
+        sock = str(containerd_socket(state_dir, spec))
+        cluster._spawn(spec.proc("containerd"), spec.wrap(["containerd", "--config", str(paths["containerd.toml"])]))
+        cluster._await(
+            spec.proc("containerd"),
+            lambda sock=sock: run(["ctr", "-a", sock, "version"], check=False).returncode == 0,
+            what=f"{spec.proc('containerd')} to answer on its socket",
+        )
+    for archive in images.values():
         import_image(state_dir, archive)
-    timings["images"] = round(time.monotonic() - t, 2)
+    timings["containerd and images"] = round(time.monotonic() - t, 2)
     t = time.monotonic()
-
     cluster._spawn("kube-scheduler", [
         str(node_bins / "kube-scheduler"),
-        f"--kubeconfig={paths['kube-scheduler.kubeconfig']}",
+        f"--kubeconfig={configs[0]['kube-scheduler.kubeconfig']}",
         "--leader-elect=false",
-        "--bind-address=127.0.0.1", f"--secure-port={ports['scheduler']}",
+        "--bind-address=127.0.0.1", f"--secure-port={scheduler_port}",
         f"--cert-dir={nd / 'scheduler-certs'}",
         "--profiling=false",
     ])  # fmt: skip
-    cluster._spawn("kubelet", [
-        str(node_bins / "kubelet"),
-        f"--config={paths['kubelet.yaml']}",
-        f"--kubeconfig={paths['kubelet.kubeconfig']}",
-        f"--root-dir={nd / 'kubelet'}",
-        f"--cert-dir={nd / 'kubelet' / 'pki'}",
-        f"--node-ip={GATEWAY}",
-        f"--hostname-override={NODE_NAME}",
-    ])  # fmt: skip
-    cluster._spawn("kube-proxy", [str(node_bins / "kube-proxy"), f"--config={paths['kube-proxy.yaml']}"])
-    cluster._await("kube-scheduler", lambda: http_get(f"https://127.0.0.1:{ports['scheduler']}/healthz")[0] == 200)
-    cluster._await("kubelet", lambda: node_ready(cluster), what=f"node {NODE_NAME} to be Ready", timeout=READY_TIMEOUT)
-    timings["node_ready"] = round(time.monotonic() - t, 2)
+    for spec in specs:
+        paths, sd = configs[spec.index], spec.dir(state_dir)
+        cluster._spawn(spec.proc("kubelet"), spec.wrap([
+            str(node_bins / "kubelet"),
+            f"--config={paths['kubelet.yaml']}",
+            f"--kubeconfig={paths['kubelet.kubeconfig']}",
+            f"--root-dir={sd / 'kubelet'}",
+            f"--cert-dir={sd / 'kubelet' / 'pki'}",
+            f"--node-ip={spec.node_ip}",
+            f"--hostname-override={spec.name}",
+        ]))  # fmt: skip
+        cluster._spawn(
+            spec.proc("kube-proxy"), spec.wrap([str(node_bins / "kube-proxy"), f"--config={paths['kube-proxy.yaml']}"])
+        )
+    cluster._await("kube-scheduler", lambda: http_get(f"https://127.0.0.1:{scheduler_port}/healthz")[0] == 200)
+    for spec in specs:
+        cluster._await(
+            spec.proc("kubelet"),
+            lambda spec=spec: node_ready(cluster, spec.name),
+            what=f"node {spec.name} to be Ready",
+            timeout=READY_TIMEOUT,
+        )
+        port = record["ports"][spec.name]["proxy_healthz"]
+        cluster._await(
+            spec.proc("kube-proxy"),
+            lambda spec=spec, port=port: http_get(f"http://{spec.node_ip}:{port}/healthz")[0] == 200,
+        )
+    timings["nodes ready"] = round(time.monotonic() - t, 2)
     t = time.monotonic()
-    cluster._await("kube-proxy", lambda: http_get(f"http://127.0.0.1:{ports['proxy_healthz']}/healthz")[0] == 200)
     deploy_coredns(cluster)
     cluster._await(
         "kubelet",
-        lambda: (
-            cluster.kubectl(
-                "-n",
-                "kube-system",
-                "get",
-                "deploy",
-                "coredns",
-                "-o",
-                "jsonpath={.status.availableReplicas}",
-                check=False,
-            ).stdout.strip()
-            == "1"
-        ),
+        lambda: _available(cluster, "kube-system", "coredns"),
         what="CoreDNS to be available",
         timeout=READY_TIMEOUT,
     )
     timings["coredns"] = round(time.monotonic() - t, 2)
     cluster._save()
+
+
+def _available(cluster: LocalCluster, ns: str, deploy: str) -> bool:
+    res = cluster.kubectl("-n", ns, "get", "deploy", deploy, "-o", "jsonpath={.status.availableReplicas}", check=False)
+    return res.stdout.strip() == "1"
 
 
 def node_ready(cluster: LocalCluster, name: str = NODE_NAME) -> bool:
@@ -761,7 +886,8 @@ def _stop_processes(cluster: LocalCluster, took: dict[str, float]) -> None:
     procs, state_dir = cluster.procs, cluster.state_dir
     t = time.monotonic()
     # the agents first, so nothing restarts what we stop
-    stop_procs([procs[n] for n in ("kube-proxy", "kubelet", "kube-scheduler") if n in procs])
+    agents = [n for n in procs if n.startswith(("kube-proxy", "kubelet"))] + ["kube-scheduler"]
+    stop_procs([procs[n] for n in agents if n in procs])
     took["agents"] = round(time.monotonic() - t, 2)
     t = time.monotonic()
     # the pods' processes (all in our cgroups); containerd, still up, then deletes their tasks
@@ -774,20 +900,21 @@ def _stop_processes(cluster: LocalCluster, took: dict[str, float]) -> None:
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(TimeoutError):
             wait_for(lambda: not _cgroup_pids(), timeout=10, what="the pods' processes to exit")
-    if "containerd" in procs and procs["containerd"].alive():
+    containerds = [n for n in procs if n.startswith("containerd")]
+    if any(procs[n].alive() for n in containerds):
         with contextlib.suppress(TimeoutError):
             wait_for(lambda: not _our_shims(state_dir), timeout=15, what="containerd to delete its tasks")
     took["pods"] = round(time.monotonic() - t, 2)
     t = time.monotonic()
     # containerd, then any shim of ours it left behind
-    stop_procs([procs[n] for n in ("containerd",) if n in procs])
+    stop_procs([procs[n] for n in containerds])
     for pid in _our_shims(state_dir):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     with contextlib.suppress(TimeoutError):
         wait_for(lambda: not _our_shims(state_dir), timeout=10, what="our shims to exit")
     took["containerd"] = round(time.monotonic() - t, 2)
-    for n in NODE_COMPONENTS:
+    for n in [*agents, *containerds]:
         procs.pop(n, None)
 
 
@@ -806,6 +933,13 @@ def _remove_network(record: dict[str, Any]) -> None:
     for binary in ("iptables", "ip6tables"):
         if shutil.which(binary):
             _remove_iptables_chains(binary)
+    for ns in _our_netns():  # its veth (and the route through it) go with it
+        run(["ip", "netns", "del", ns], check=False)
+    # `ip netns add` made /run/netns (a bind mount of itself); if it was ours and is empty now, it goes
+    if record.get("run_netns_existed") is False and NETNS_DIR.is_dir() and not any(NETNS_DIR.iterdir()):
+        run(["umount", str(NETNS_DIR)], check=False)
+        with contextlib.suppress(OSError):
+            NETNS_DIR.rmdir()
     if _link_exists(BRIDGE):
         run(["ip", "link", "del", BRIDGE], check=False)
     was = record.get("ip_forward_was")
@@ -840,6 +974,9 @@ def leftovers(state_dir: Path | str) -> list[str]:
     found += [f"cgroup {d}" for d in _cgroup_dirs()]
     if _link_exists(BRIDGE):
         found.append(f"link {BRIDGE}")
+    found += [f"netns {ns}" for ns in _our_netns()]
+    routes = run(["ip", "route", "show"], check=False).stdout.splitlines()
+    found += [f"route {r}" for r in routes if r.startswith("10.213.")]
     for binary in ("iptables", "ip6tables"):
         if shutil.which(binary):
             for table, chains in _iptables_chains(binary).items():
