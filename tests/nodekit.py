@@ -25,8 +25,8 @@ SKIP_ENV = "KORA_SKIP_CLUSTER"
 
 
 @contextlib.contextmanager
-def node_cluster(state_dir: Path) -> Iterator[LocalCluster]:
-    """etcd + kube-apiserver + kube-controller-manager + a real node, stopped (everything removed) after.
+def node_cluster(state_dir: Path, nodes: int = 1) -> Iterator[LocalCluster]:
+    """etcd + kube-apiserver + kube-controller-manager + `nodes` real nodes, stopped (everything removed) after.
 
     Skips where the machine cannot run a node (not root, containerd/runc/CNI plugins/iptables missing),
     or when KORA_SKIP_CLUSTER=1; any other failure to start is an error."""
@@ -34,11 +34,45 @@ def node_cluster(state_dir: Path) -> Iterator[LocalCluster]:
         pytest.skip(f"{SKIP_ENV}=1: not starting the local cluster")
     if why := localnode.missing_prerequisites():
         pytest.skip("a real node cannot run here: " + "; ".join(why))
-    c = LocalCluster.start(state_dir, node=True)
+    c = LocalCluster.start(state_dir, node=True, nodes=nodes)
     try:
         yield c
     finally:
         c.stop()
+
+
+def probe_server(name: str, node: str | None = None) -> str:
+    """A pod serving HTTP on 8080 from the probe image (labels app=<name>), pinned to `node` if given."""
+    pin = f"\n  nodeName: {node}" if node else ""
+    return f"""apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, labels: {{app: {name}}}}}
+spec:{pin}
+  containers:
+  - name: web
+    image: {localnode.PROBE_IMAGE}
+    imagePullPolicy: Never
+    args: [serve, ":8080"]
+    ports: [{{containerPort: 8080}}]
+    readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
+    resources: {{requests: {{cpu: 10m, memory: 16Mi}}}}
+"""
+
+
+def probe_client(name: str, url: str, node: str | None = None, seconds: int = 90) -> str:
+    """A run-once pod that GETs `url` (retrying up to `seconds`) and exits 0 on a 200."""
+    pin = f"\n  nodeName: {node}" if node else ""
+    return f"""apiVersion: v1
+kind: Pod
+metadata: {{name: {name}}}
+spec:{pin}
+  restartPolicy: Never
+  containers:
+  - name: get
+    image: {localnode.PROBE_IMAGE}
+    imagePullPolicy: Never
+    args: [get, "{url}", "{seconds}"]
+"""
 
 
 def pod(cluster: LocalCluster, ns: str, name: str) -> dict:

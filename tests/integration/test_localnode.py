@@ -12,7 +12,7 @@ import pytest
 
 import localnode
 from localcluster import LocalCluster, pid_alive, read_versions
-from nodekit import node_cluster, pod, wait_pod_phase, wait_pod_ready
+from nodekit import node_cluster, pod, probe_client, probe_server, wait_pod_phase, wait_pod_ready
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -33,22 +33,6 @@ def ns(nc: LocalCluster, request: pytest.FixtureRequest) -> Iterator[str]:
         nc.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
 
 
-def server_pod(name: str) -> str:
-    return f"""apiVersion: v1
-kind: Pod
-metadata: {{name: {name}, labels: {{app: {name}}}}}
-spec:
-  containers:
-  - name: web
-    image: {localnode.PROBE_IMAGE}
-    imagePullPolicy: Never
-    args: [serve, ":8080"]
-    ports: [{{containerPort: 8080}}]
-    readinessProbe: {{httpGet: {{path: /, port: 8080}}, periodSeconds: 1}}
-    resources: {{requests: {{cpu: 10m, memory: 16Mi}}}}
-"""
-
-
 def test_node_registers_ready(nc: LocalCluster) -> None:
     node = json.loads(nc.kubectl("get", "node", localnode.NODE_NAME, "-o", "json").stdout)
     conds = {c["type"]: c["status"] for c in node["status"]["conditions"]}
@@ -62,7 +46,7 @@ def test_node_registers_ready(nc: LocalCluster) -> None:
 
 
 def test_pod_from_local_image_runs(nc: LocalCluster, ns: str) -> None:
-    nc.kubectl("-n", ns, "apply", "-f", "-", input=server_pod("web"))
+    nc.kubectl("-n", ns, "apply", "-f", "-", input=probe_server("web"))
     p = wait_pod_ready(nc, ns, "web")
     ip = p["status"]["podIP"]
     assert ip.startswith(localnode.POD_SUBNET.rsplit(".", 1)[0] + ".")
@@ -74,21 +58,10 @@ def test_pod_from_local_image_runs(nc: LocalCluster, ns: str) -> None:
 
 
 def test_service_dns_name_answers_from_another_pod(nc: LocalCluster, ns: str) -> None:
-    nc.kubectl("-n", ns, "apply", "-f", "-", input=server_pod("web"))
+    nc.kubectl("-n", ns, "apply", "-f", "-", input=probe_server("web"))
     nc.kubectl("-n", ns, "expose", "pod", "web", "--port=80", "--target-port=8080", "--name=web")
     url = f"http://web.{ns}.svc.{localnode.CLUSTER_DOMAIN}/"
-    client = f"""apiVersion: v1
-kind: Pod
-metadata: {{name: client}}
-spec:
-  restartPolicy: Never
-  containers:
-  - name: get
-    image: {localnode.PROBE_IMAGE}
-    imagePullPolicy: Never
-    args: [get, "{url}", "90"]
-"""
-    nc.kubectl("-n", ns, "apply", "-f", "-", input=client)
+    nc.kubectl("-n", ns, "apply", "-f", "-", input=probe_client("client", url, seconds=90))
     wait_pod_phase(nc, ns, "client", "Succeeded", timeout=150)
     out = nc.kubectl("-n", ns, "logs", "client").stdout
     assert f"GET {url} -> 200" in out and "hello from web" in out, out
