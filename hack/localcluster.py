@@ -582,14 +582,14 @@ class LocalCluster:
     def stop(self) -> None:
         """Stop exactly the recorded processes, remove the run dir and the state. Idempotent."""
         if self.has_node:
-            try:  # the node first: its kubelet and kube-proxy talk to the apiserver while stopping
-                localnode.teardown(self)
+            # the node's processes first (they talk to the apiserver while stopping), then the control
+            # plane, then the node's network (the apiserver listens on the bridge's address till it exits)
+            try:
+                localnode.teardown(self, between=self._stop_control_plane)
             except localnode.NodeError as exc:
                 raise ClusterError(f"tearing the node down: {exc}") from exc
-        ordered = [self.procs[c] for c in reversed(COMPONENTS) if c in self.procs]
-        # controller manager and apiserver first (they talk to etcd while shutting down)
-        stop_procs([p for p in ordered if p.name != "etcd"])
-        stop_procs([p for p in ordered if p.name == "etcd"])
+        else:
+            self._stop_control_plane()
         run_dir = self.state.get("run_dir")
         if run_dir and Path(run_dir).parent == self.state_dir / "cluster":
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -598,6 +598,12 @@ class LocalCluster:
                 leftover.unlink()
         with contextlib.suppress(OSError):
             (self.state_dir / "cluster").rmdir()  # only if empty
+
+    def _stop_control_plane(self) -> None:
+        ordered = [self.procs[c] for c in reversed(COMPONENTS) if c in self.procs]
+        # controller manager and apiserver first (they talk to etcd while shutting down)
+        stop_procs([p for p in ordered if p.name != "etcd"])
+        stop_procs([p for p in ordered if p.name == "etcd"])
 
 
 class _Exited(Exception):

@@ -48,7 +48,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -853,13 +853,19 @@ def deploy_coredns(cluster: LocalCluster) -> None:
 # --- teardown -------------------------------------------------------------------------------
 
 
-def teardown(cluster: LocalCluster) -> None:
-    """Stop the node's processes and remove all it made. Idempotent; safe on a half-started node."""
+def teardown(cluster: LocalCluster, between: Callable[[], None] | None = None) -> None:
+    """Stop the node's processes and remove all it made. Idempotent; safe on a half-started node.
+
+    `between` runs after the node's processes stop and before the network goes: LocalCluster.stop stops
+    the control plane there, whose apiserver listens on the bridge's address until it has exited."""
     record = cluster.state.get("node") or {}
     nd = Path(record.get("dir") or node_dir(cluster.state_dir))
     took: dict[str, float] = cluster.state.setdefault("teardown_seconds", {})
-    t = time.monotonic()
     _stop_processes(cluster, took)
+    if between is not None:
+        t = time.monotonic()
+        between()
+        took["control plane"] = round(time.monotonic() - t, 2)
     t = time.monotonic()
     # mounts (rootfs overlays, shm, netns bind mounts, the kubelet's volume tmpfs), deepest first
     for point in _mounts_under(nd) if nd.exists() else []:
