@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[operator,trainer,wandb,diffusion]' --group dev
 	touch $(STAMP)
 
-setup: $(STAMP)  ## venv with kora[operator,trainer,wandb,diffusion] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests)
+setup: $(STAMP)  ## venv with kora[operator,trainer,wandb,diffusion] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests; containerd, runc, CNI plugins, iptables, gcc for the real node)
 	@bash hack/install_tools.sh
 
 testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries

@@ -11,7 +11,8 @@ import localnode
 from localcluster import LocalCluster
 from nodekit import node_cluster, probe_client, probe_server, wait_pod_phase, wait_pod_ready
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+# `full`: a further case of the path test_localnode.py runs in `make test` (same build, ~80 s more)
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.full]
 NODES = [localnode.NodeSpec(0).name, localnode.NodeSpec(1).name]
 
 
