@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,14 +76,15 @@ spec:{pin}
 """
 
 
-def pod(cluster: LocalCluster, ns: str, name: str) -> dict:
-    return json.loads(cluster.kubectl("-n", ns, "get", "pod", name, "-o", "json").stdout)
+def pod(cluster: LocalCluster, ns: str, name: str) -> dict[str, Any]:
+    got: dict[str, Any] = json.loads(cluster.kubectl("-n", ns, "get", "pod", name, "-o", "json").stdout)
+    return got
 
 
-def wait_pod_phase(cluster: LocalCluster, ns: str, name: str, phase: str, timeout: float = 120) -> dict:
+def wait_pod_phase(cluster: LocalCluster, ns: str, name: str, phase: str, timeout: float = 120) -> dict[str, Any]:
     """Wait (bounded) until the pod reaches `phase`; fail at once if it reaches a final phase that is not it."""
 
-    def probe() -> dict | None:
+    def probe() -> dict[str, Any] | None:
         p = pod(cluster, ns, name)
         now = p.get("status", {}).get("phase")
         if now != phase and now in ("Succeeded", "Failed"):
@@ -97,8 +99,8 @@ def wait_pod_phase(cluster: LocalCluster, ns: str, name: str, phase: str, timeou
         raise AssertionError(f"{exc}\n{desc}") from exc
 
 
-def wait_pod_ready(cluster: LocalCluster, ns: str, name: str, timeout: float = 120) -> dict:
-    def probe() -> dict | None:
+def wait_pod_ready(cluster: LocalCluster, ns: str, name: str, timeout: float = 120) -> dict[str, Any]:
+    def probe() -> dict[str, Any] | None:
         p = pod(cluster, ns, name)
         conds = {c["type"]: c["status"] for c in p.get("status", {}).get("conditions", [])}
         return p if conds.get("Ready") == "True" else None
