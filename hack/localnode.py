@@ -3,6 +3,7 @@
 kube-scheduler and CoreDNS, all under the cluster's own directory.
 
     python hack/localcluster.py up --node [--dir .kora]      # control plane + this node
+    python hack/localcluster.py up --node --nodes 2          # ... + a second node in a netns of ours
     python hack/localcluster.py down [--dir .kora]           # stops and removes all of it
     python hack/localnode.py import-image ARCHIVE [--dir .kora]   # an OCI archive into the node
     python hack/localnode.py leftovers [--dir .kora]         # what of ours is still on the machine
@@ -28,11 +29,15 @@ What it makes (everything under <dir>/node/ except what the kernel keeps globall
   kora.local/coredns (the pinned binary) and kora.local/nodeprobe (the tests' HTTP server/client).
 * CoreDNS as a Deployment in kube-system behind the Service kube-dns (10.0.0.10), answering
   cluster.local only: it forwards nothing, so no name ever leaves the machine.
+* with --nodes N, node i > 1 (`kora-node-i`): its own containerd, kubelet and kube-proxy under
+  `nsenter --net` in a network namespace of ours, joined to the bridge by a veth (eth0 =
+  10.213.0.(248+i)); its pods on 10.213.(i-1).0/24, which the machine routes to it over the bridge.
 
 `down` (LocalCluster.stop -> teardown) stops kubelet, kube-proxy and the scheduler by pid, kills the
 processes in our cgroups, lets containerd delete its tasks, stops containerd and any shim of ours,
-unmounts what is mounted under <dir>/node, removes our cgroups, iptables chains (KUBE-*, KORA-*,
-CNI-* ones of our subnet, IPv4 and IPv6), the bridge and the pod log links, and restores
+then the control plane (its apiserver listens on the bridge address until it exits), unmounts what
+is mounted under <dir>/node, removes our cgroups, iptables chains (KUBE-*, KORA-*, CNI-* ones of
+our subnets, IPv4 and IPv6), the namespaces, the bridge and the pod log links, and restores
 net.ipv4.ip_forward (the bridge plugin sets it). `leftovers()` lists anything still there.
 """
 
@@ -75,7 +80,6 @@ PAUSE_IMAGE = "kora.local/pause:1"
 PROBE_IMAGE = "kora.local/nodeprobe:1"
 NETNS_DIR = Path("/run/netns")
 MAX_NODES = 4
-NODE_AGENTS = ("containerd", "kubelet", "kube-proxy")  # one of each per node; node i > 0 suffixes "-<i+1>"
 SHARED_USERS = {  # token user -> groups; each is bound by Kubernetes' bootstrap RBAC policy
     "kube-scheduler": ("system:kube-scheduler", ""),
     "kube-proxy": ("system:kube-proxy", ""),
