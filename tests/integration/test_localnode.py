@@ -14,7 +14,10 @@ import localnode
 from localcluster import LocalCluster, pid_alive, read_versions
 from nodekit import node_cluster, pod, probe_client, probe_server, wait_pod_phase, wait_pod_ready
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+# `full` for now: its first run builds kubelet, kube-proxy, kube-scheduler and CoreDNS (~15-28 min cold on 2 cores),
+# which CI's 90 minutes cannot take until the suite is cut (issue 41: the real-node e2e joins CI then); `make
+# test-full` and `make node-up` run it
+pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.full]
 
 
 @pytest.fixture(scope="module")
