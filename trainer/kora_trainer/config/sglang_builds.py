@@ -38,7 +38,7 @@ _STOCK_ROUTES = frozenset({
 })
 ADAPTER_OVER_GROUP = "/load_lora_adapter_from_distributed"
 
-# Request fields kora's reference engine reads beyond a build's structs (reference_engine/request_bodies.py marks
+# Request fields kora's reference engine reads beyond a build's structs (kora_engine/lm/request_bodies.py marks
 # them "kora"): a strict engine drops them, as SGLang ignores unknown keys. Per route; `upsert` / `pinned` / `prefix`
 # are the sglang-miles fields, dropped where the build lacks them.
 KORA_FIELDS: dict[str, frozenset[str]] = {
