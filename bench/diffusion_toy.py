@@ -5,7 +5,7 @@ Each run is the command a user types (`python -m kora_trainer.train --config tra
 lora.syncMode=M`), timed whole from here, the engine's start included. What it reports per run: the command's
 seconds, the sampled training reward of the first and last 10 steps, the median gen / train / sync times, and the
 anchor — the fixed-noise evaluation (every prompt x 4 images, the same draws before and after:
-diffusion/train_loop.evaluate) of the base against the run's final checkpoint, which is the number a rise is
+backends/diffusion/train_loop.evaluate) of the base against the run's final checkpoint, which is the number a rise is
 claimed on (the sampled reward of 8 random prompts a step is noisy).
 
     python bench/diffusion_toy.py --out bench/results/diffusion_toy_$(date +%F).json
