@@ -53,7 +53,7 @@ e2e-kind: setup  ## kind + KubeRay (Helm) + our images + charts/kora; the toy jo
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy operator/kora_operator cli/kora_cli trainer/kora_trainer
+	$(VENV)/bin/mypy operator/kora_operator cli/kora_cli trainer/kora_trainer engine/kora_engine
 	$(VENV)/bin/lint-imports
 	@if [ -f Dockerfile ]; then $(VENV)/bin/hadolint Dockerfile; fi
 

@@ -18,8 +18,8 @@ push), so an EngineMerge push is set against the copy of its A/B bytes plus its 
 into the phases the colocated sender reports (`sync_phases`, sync/colocated_sender.py); a verified push's checksum
 call is there as `verify_ms`, outside `sync_ms`.
 
-    PYTHONPATH=$PWD/trainer:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py [--model qwen3-4b]
-        [--engine reference|sglang]   # sglang: real SGLang 0.5.17, Merge/Adapter (source hack/gpu_sglang_env.sh)
+    PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py \
+        [--model qwen3-4b] [--engine reference|sglang]   # sglang: real SGLang 0.5.17 (hack/gpu_sglang_env.sh)
         [--modes Merge,Adapter,EngineMerge,Merge-http,Adapter-http] [--steps 4]
         [--out bench/results/gpu_train_DATE.json]
     python bench/gpu_train.py --model toy --backend torch --device cpu --steps 2   # CPU: plumbing only
@@ -69,7 +69,7 @@ def make_model(out: Path, shape: str, device: str) -> Path:
     `shape` in bf16 (`toy`: the toy's own model)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kora_trainer.toy import make_toy, model_config
+    from kora_trainer.toys.lm import make_toy, model_config
 
     marker = out / "bench_shape.json"
     if (out / "config.json").exists() and marker.exists() and json.loads(marker.read_text()) == {"shape": shape}:
@@ -130,7 +130,7 @@ class GpuMemory:
         roles: dict[str, int] = {}
         for pid, mib in self.peak.items():
             name = self.names.get(pid, "")
-            role = "engine" if "reference_engine" in name else "trainer" if "TrainWorker" in name or "ray::" in name \
+            role = "engine" if "kora_engine" in name else "trainer" if "TrainWorker" in name or "ray::" in name \
                 else "other"
             roles[role] = roles.get(role, 0) + mib
         return roles
@@ -230,7 +230,8 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
            f"sync.fastPath={'false' if http else 'true'}", *engine_overrides(args), *args.set]
     # the e2e tests' reward (tests/e2e/toy_rewards.py): it varies from the first step on an untrained model, so
     # every step has advantages, the adapter moves and every sync pushes
-    path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), str(ROOT / "engine"),
+                            os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "KORA_CONTROL_TOKEN": "bench", "PYTHONPATH": path}
     t0 = time.monotonic()
     with GpuMemory() as mem:

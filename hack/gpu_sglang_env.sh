@@ -6,7 +6,7 @@
 [ -d /tmp/mc/megatron ] || bash hack/gpu_env.sh /tmp/mc || return 1
 # hack/sglang_site first (its sitecustomize lets SGLang's config registrations through the device's transformers);
 # absolute paths: the trainer starts its ranks and engines as subprocesses of Ray workers
-export PYTHONPATH=$PWD/hack/sglang_site:$PWD/trainer:$PWD/tests:$PWD/tests/e2e:/tmp/mc:/tmp/sgl
+export PYTHONPATH=$PWD/hack/sglang_site:$PWD/trainer:$PWD/engine:$PWD/tests:$PWD/tests/e2e:/tmp/mc:/tmp/sgl
 # flashinfer's kernels are JIT-built from the sources the carry leaves out: SGLang must not reach for them
 export SGLANG_IS_FLASHINFER_AVAILABLE=false
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

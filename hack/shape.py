@@ -12,7 +12,7 @@ import ast
 from collections import defaultdict
 from pathlib import Path
 
-TREES = ("operator", "trainer", "cli", "bench")
+TREES = ("operator", "trainer", "engine", "cli", "bench")
 
 
 def functions(tree: ast.AST) -> list[tuple[str, int]]:

@@ -69,7 +69,7 @@ BODYLESS = {"/health", "/health_generate", "/model_info", "/get_model_info", "/f
 
 
 def read_calls(path: Path) -> list[dict[str, Any]]:
-    """The engine's record (reference_engine/record.py): one dict per answered request."""
+    """The engine's record (kora_engine/lm/record.py): one dict per answered request."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

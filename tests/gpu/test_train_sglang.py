@@ -51,7 +51,7 @@ ACCESS = re.compile(r'"(GET|POST) (/[^ ?"]*)[^"]*" (\d{3})')
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> Path:
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     out = tmp_path_factory.mktemp("toy") / "toy"
     make_toy(out, dataset="train.jsonl")  # pretrained to the toy's target accuracy: the reward can rise from there

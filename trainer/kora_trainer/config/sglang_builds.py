@@ -48,7 +48,7 @@ TENSOR_ADAPTER = "/load_lora_adapter_from_tensors"
 _STOCK_0_5_17_ROUTES = _STOCK_ROUTES | {"/release_memory_occupation", "/resume_memory_occupation",
                                         "/update_weights_from_ipc", "/weight_version", "/get_weight_version"}
 
-# Request fields kora's reference engine reads beyond a build's structs (reference_engine/request_bodies.py marks
+# Request fields kora's reference engine reads beyond a build's structs (kora_engine/lm/request_bodies.py marks
 # them "kora"): a strict engine drops them, as SGLang ignores unknown keys. Per route; `upsert` / `pinned` / `prefix`
 # are the sglang-miles fields, dropped where the build lacks them.
 KORA_FIELDS: dict[str, frozenset[str]] = {

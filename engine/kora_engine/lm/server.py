@@ -1,6 +1,6 @@
 """kora's reference rollout engine: an HTTP server that speaks SGLang's API (sglang 0.5.23).
 
-    python -m kora_trainer.reference_engine --model-path DIR [--host 127.0.0.1] [--port N]
+    python -m kora_engine.lm --model-path DIR [--host 127.0.0.1] [--port N]
         [--device cpu|cuda] [--dtype auto|float32|bfloat16] [--max-loras-per-batch N]
         [--max-lora-rank R] [--api-key K] [--admin-api-key K] [--num-threads T] [--disable-fast-sync]
         [--max-body-bytes N] [--max-sequences-per-call N] [--body-timeout-s S]
@@ -98,22 +98,22 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from kora_engine.faults import ExitAt
+from kora_engine.lm import request_bodies as rq
+from kora_engine.lm import strict
+from kora_engine.lm.adapter_registry import AdapterRegistry
+from kora_engine.lm.colocated_routes import ColocatedRoutes
+from kora_engine.lm.contract import generate_contract_error
+from kora_engine.lm.fast_routes import FastSyncRoutes
+from kora_engine.lm.generate_io import GenerateLimits, format_result, parse_generate
+from kora_engine.lm.inflight import InFlight
+from kora_engine.lm.lora_adapters import pair_lora_tensors
+from kora_engine.lm.model import CallBatcher, EngineModel, GenRequest
+from kora_engine.lm.record import CallRecord
+from kora_engine.lm.sampling import SamplingParams
+from kora_engine.lm.weight_sync import BucketMeta, WeightReceiver
 from kora_trainer import heap
 from kora_trainer.config.sglang_builds import Build
-from kora_trainer.reference_engine import request_bodies as rq
-from kora_trainer.reference_engine import strict
-from kora_trainer.reference_engine.adapter_registry import AdapterRegistry
-from kora_trainer.reference_engine.colocated_routes import ColocatedRoutes
-from kora_trainer.reference_engine.contract import generate_contract_error
-from kora_trainer.reference_engine.fast_routes import FastSyncRoutes
-from kora_trainer.reference_engine.faults import ExitAt
-from kora_trainer.reference_engine.generate_io import GenerateLimits, format_result, parse_generate
-from kora_trainer.reference_engine.inflight import InFlight
-from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
-from kora_trainer.reference_engine.model import CallBatcher, EngineModel, GenRequest
-from kora_trainer.reference_engine.record import CallRecord
-from kora_trainer.reference_engine.sampling import SamplingParams
-from kora_trainer.reference_engine.weight_sync import BucketMeta, WeightReceiver
 from kora_trainer.wire import colocated_words, engine_auth, flat_bucket
 from kora_trainer.wire.protocol import FLAT, checksum
 from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
@@ -554,7 +554,7 @@ class HFEngineServer:
 
 def parse_args(argv: list[str] | None = None, environ: Mapping[str, str] | None = None) -> argparse.Namespace:
     """The command line; `environ` (default: os.environ) gives the keys that no flag gave."""
-    p = argparse.ArgumentParser(prog="python -m kora_trainer.reference_engine",
+    p = argparse.ArgumentParser(prog="python -m kora_engine.lm",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--model-path", required=True, help="HF checkpoint directory (config, safetensors, tokenizer)")
     p.add_argument("--host", default="127.0.0.1")

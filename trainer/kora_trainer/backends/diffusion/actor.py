@@ -1,5 +1,5 @@
 """The diffusion job's policy as one trainer rank holds it: the transformer with its LoRA adapter (FSDP2-sharded
-over the data-parallel ranks when there are several: diffusion/fsdp.py), its AdamW, one step's update on this
+over the data-parallel ranks when there are several: backends/diffusion/fsdp.py), its AdamW, one step's update on this
 rank's rows, and the LoRA-only checkpoint (adapter and optimizer state whole, so a checkpoint resumes at any rank
 count) and the diffusers export. The train command's one process holds one of these; at parallelism.data N each
 of N Ray actors holds one (orchestration/diffusion_ranks.py).
@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from kora_trainer.algorithm.flow_grpo import Trajectory
+    from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings
     from kora_trainer.config import TrainerConfig
-    from kora_trainer.diffusion.engine_client import Pushed
-    from kora_trainer.diffusion.flow_grpo import Trajectory
-    from kora_trainer.diffusion.toy import DiffusionToy
-    from kora_trainer.diffusion.train_loop import FlowGRPOSettings
+    from kora_trainer.toys.diffusion import DiffusionToy
+    from kora_trainer.wire.diffusion_client import Pushed
 
 
 class DiffusionJobError(ValueError):
@@ -30,7 +30,7 @@ class DiffusionJobError(ValueError):
 
 def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
     """The job's fields as the Flow-GRPO loop's knobs (the one place they meet)."""
-    from kora_trainer.diffusion.train_loop import FlowGRPOSettings
+    from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings
 
     d, a = cfg.diffusion, cfg.algorithm
     assert d is not None
@@ -60,7 +60,7 @@ def device_of(cfg: TrainerConfig) -> torch.device:
 def load_model(cfg: TrainerConfig) -> DiffusionToy:
     """model.path as the diffusion path can load it today (a `kora make-toy --diffusion` checkpoint), checked
     against diffusion.scheduler and diffusion.resolution."""
-    from kora_trainer.diffusion.toy import is_diffusion_toy, load_diffusion_toy
+    from kora_trainer.toys.diffusion import is_diffusion_toy, load_diffusion_toy
 
     d = cfg.diffusion
     assert d is not None
@@ -90,7 +90,7 @@ def load_model(cfg: TrainerConfig) -> DiffusionToy:
 def adapted(cfg: TrainerConfig, toy: DiffusionToy) -> DiffusionToy:
     """The toy with the job's adapter on its transformer, initialised from algorithm.seed alone (every rank, and a
     copy made for pushing, gets the same factors)."""
-    from kora_trainer.diffusion.lora import apply_diffusion_lora
+    from kora_trainer.lora.diffusers import apply_diffusion_lora
 
     assert cfg.diffusion is not None
     s = settings_of(cfg)
@@ -110,7 +110,7 @@ class Batch:
     adv: torch.Tensor  # [b] the whole batch's group advantages, at these rows
 
     def rows(self, rows: torch.Tensor) -> Batch:
-        from kora_trainer.diffusion.flow_grpo import Trajectory
+        from kora_trainer.algorithm.flow_grpo import Trajectory
 
         t = self.traj
         return Batch(self.ids[rows], Trajectory(latents=t.latents[rows], log_probs=t.log_probs[rows],
@@ -122,7 +122,7 @@ class DiffusionPolicy:
     """One rank's policy and optimizer. `mesh`: the data-parallel ranks' device mesh (None: one rank, unsharded)."""
 
     def __init__(self, cfg: TrainerConfig, toy: DiffusionToy, mesh: Any = None, rank: int = 0):
-        from kora_trainer.diffusion.fsdp import shard_transformer
+        from kora_trainer.backends.diffusion.fsdp import shard_transformer
         from kora_trainer.lora.model import adapter_parameters
 
         self.cfg, self.toy, self.rank = cfg, adapted(cfg, toy), rank
@@ -135,7 +135,7 @@ class DiffusionPolicy:
         """algorithm.innerEpochs passes of train_loop.update over this rank's rows at step's learning rate; each
         pass's stats (this rank's means over its rows)."""
         from kora_trainer.algorithm.lr_schedule import apply_lr
-        from kora_trainer.diffusion.train_loop import update
+        from kora_trainer.backends.diffusion.train_loop import update
 
         apply_lr(self.opt, self.cfg.algorithm, step - 1)  # `step` counts from 1
         return [update(self.toy, self.settings, batch.traj, batch.ids, batch.adv, self.opt)
@@ -143,7 +143,7 @@ class DiffusionPolicy:
 
     def adapter(self) -> dict[str, torch.Tensor]:
         """The adapter's factors whole (PEFT names): a collective."""
-        from kora_trainer.diffusion.fsdp import full_adapter
+        from kora_trainer.backends.diffusion.fsdp import full_adapter
 
         return full_adapter(self.toy.transformer)
 
@@ -152,9 +152,9 @@ class DiffusionPolicy:
     def save(self, root: str, step: int) -> Path | None:
         """A collective (the adapter and the optimizer state are gathered whole); rank 0 writes and returns the
         step's directory, the others None."""
+        from kora_trainer.backends.diffusion.fsdp import full_optimizer_state
         from kora_trainer.checkpoint import lora_only
         from kora_trainer.checkpoint.precision import torch_dtype
-        from kora_trainer.diffusion.fsdp import full_optimizer_state
 
         lora_only.check_lora_only(n for n, p in self.toy.transformer.named_parameters() if p.requires_grad)
         adapter, optimizer = self.adapter(), full_optimizer_state(self.toy.transformer, self.opt)
@@ -169,8 +169,8 @@ class DiffusionPolicy:
     def resume(self, root: str) -> dict[str, Any] | None:
         """The newest good checkpoint under root restored (adapter, optimizer, RNG) on this rank, whatever rank
         count wrote it; None when there is none. Every rank reads it."""
+        from kora_trainer.backends.diffusion.fsdp import load_full_adapter, load_optimizer_state
         from kora_trainer.checkpoint import lora_only
-        from kora_trainer.diffusion.fsdp import load_full_adapter, load_optimizer_state
         from kora_trainer.lora.model import adapter_tensors
 
         ck = lora_only.load_latest(Path(root))
@@ -195,7 +195,7 @@ class DiffusionPolicy:
 def make_sync(cfg: TrainerConfig, url: str) -> Callable[[torch.nn.Module], Pushed]:
     """lora.syncMode's push to the engine at `url` of an unsharded transformer: EngineMerge the A/B pairs
     (LoraMergeSync), Merge the adapted weights folded (FoldedSync); sync.bufferSize caps a bucket."""
-    from kora_trainer.diffusion.engine_client import FoldedSync, LoraMergeSync
+    from kora_trainer.wire.diffusion_client import FoldedSync, LoraMergeSync
 
     assert cfg.diffusion is not None
     buffer, module = int(cfg.sync.buffer_size), cfg.diffusion.engine_module.value
@@ -205,8 +205,9 @@ def make_sync(cfg: TrainerConfig, url: str) -> Callable[[torch.nn.Module], Pushe
 
 
 def export(cfg: TrainerConfig, root: str, step: int, transformer: torch.nn.Module) -> Path:
-    """`<root>/lora_adapter/`: an unsharded transformer's adapter as diffusers' own LoRA file (diffusion/export.py)."""
-    from kora_trainer.diffusion.export import export_diffusers_lora, lora_config
+    """`<root>/lora_adapter/`: an unsharded transformer's adapter as diffusers' own LoRA file
+    (checkpoint/diffusers_export.py)."""
+    from kora_trainer.checkpoint.diffusers_export import export_diffusers_lora, lora_config
 
     assert cfg.diffusion is not None
     s = settings_of(cfg)

@@ -64,8 +64,8 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kora_trainer.reference_engine.colocated_gather import SlotGather
-from kora_trainer.reference_engine.colocated_watcher import (
+from kora_engine.lm.colocated_gather import SlotGather
+from kora_engine.lm.colocated_watcher import (
     TORN_VERSION,
     Armer,
     Folded,
@@ -73,9 +73,9 @@ from kora_trainer.reference_engine.colocated_watcher import (
     Watcher,
     engine_merge_handshake,
 )
-from kora_trainer.reference_engine.fast_routes import json_call, layout, ring_scaling
-from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-from kora_trainer.reference_engine.word_gate import WordGate
+from kora_engine.lm.fast_routes import json_call, layout, ring_scaling
+from kora_engine.lm.lora_adapters import LoRAAdapter
+from kora_engine.lm.word_gate import WordGate
 from kora_trainer.wire.colocated_words import GATE, Wake, Words, make_words
 from kora_trainer.wire.fast_receive import AdapterRing, doorbell_parts, fuse_rows
 from kora_trainer.wire.protocol import PackedChecksum, checksum

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-KIND = "diffusion-toy"  # toy.json's "kind": what tells a diffusion toy from the LLM toy (kora_trainer/toy.py)
+KIND = "diffusion-toy"  # toy.json's "kind": what tells a diffusion toy from the LLM toy (kora_trainer/toys/lm.py)
 TRANSFORMER = {
     "sample_size": 8, "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 2,
     "attention_head_dim": 16, "num_attention_heads": 4,

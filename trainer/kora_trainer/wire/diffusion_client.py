@@ -11,20 +11,26 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import requests
 import torch
 
-from kora_trainer.diffusion import flow_grpo
-from kora_trainer.diffusion.engine import trajectory_from_responses
-from kora_trainer.diffusion.lora_sync import LORA_MERGE, layer_groups, pack_pair_buckets, sync_log_line
-from kora_trainer.diffusion.toy import DiffusionToy
+from kora_trainer.algorithm import flow_grpo
 from kora_trainer.lora.model import adapter_tensors, fold_targets
 from kora_trainer.wire import flat_bucket
+from kora_trainer.wire.diffusion import trajectory_from_responses
+from kora_trainer.wire.diffusion_lora import LORA_MERGE, layer_groups, pack_pair_buckets, sync_log_line
 from kora_trainer.wire.protocol import FLAT
 from kora_trainer.wire.serialize import serialize_payload
+
+
+class Prompted(Protocol):
+    """What the client reads of the model it rolls out for: its prompts by index (toys/diffusion.py's DiffusionToy)."""
+
+    @property
+    def prompts(self) -> list[str]: ...
 
 
 def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> requests.Response:
@@ -41,7 +47,7 @@ class EngineRollout:
         self.url, self.seed = url.rstrip("/"), seed
         self.steps, self.noise_level, self.guidance = num_inference_steps, noise_level, guidance_scale
 
-    def __call__(self, toy: DiffusionToy, ids: torch.Tensor, step: int) -> flow_grpo.Trajectory:
+    def __call__(self, toy: Prompted, ids: torch.Tensor, step: int) -> flow_grpo.Trajectory:
         prompts, counts = torch.unique_consecutive(ids, return_counts=True)
         trajs, first = [], 0
         for p, n in zip(prompts.tolist(), counts.tolist(), strict=True):

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, build_adapter, read_peft_dir
-from kora_trainer.reference_engine.model import EngineModel
+from kora_engine.lm.lora_adapters import LoRAAdapter, build_adapter, read_peft_dir
+from kora_engine.lm.model import EngineModel
 
 WIRE_SOURCES = ("__tensor__", "__distributed__")
 

@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from kora_trainer.diffusion import flow_grpo
-from kora_trainer.diffusion.lora import SD3_TARGETS, apply_diffusion_lora
-from kora_trainer.diffusion.policy import generators, velocity_fn
-from kora_trainer.diffusion.rewards import colour_reward
-from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
+from kora_trainer.algorithm import flow_grpo
+from kora_trainer.algorithm.diffusion_rewards import colour_reward
+from kora_trainer.lora.diffusers import SD3_TARGETS, apply_diffusion_lora
 from kora_trainer.lora.model import adapter_disabled, adapter_parameters
+from kora_trainer.toys.diffusion import DiffusionToy, load_diffusion_toy
+from kora_trainer.toys.diffusion_policy import generators, velocity_fn
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def train_toy(toy_dir: str | Path, settings: FlowGRPOSettings, steps: int, time_
     before and after (`evaluate`), every `eval_every` steps' evaluation (the curve; 0: none) and each step's
     stats. Deterministic for a given step count (1 CPU thread): time only decides how far a time limit gets.
     `rollout`: where samples come from (default: this process); `sync(transformer)`: called after every optimizer
-    pass, to push the new policy to the engine that `rollout` asks (engine_client.py)."""
+    pass, to push the new policy to the engine that `rollout` asks (wire/diffusion_client.py)."""
     roll = rollout if rollout is not None else local_rollout(settings)
     toy = load_diffusion_toy(toy_dir)
     toy.transformer.eval()  # no dropout in SD3's blocks; eval keeps any future one out of the log-prob match

@@ -1,5 +1,5 @@
 """A one-thread GPU kernel that returns once an int64 word of host memory reaches a value (the colocated
-handshake's GATE, reference_engine/word_gate.py): work enqueued after it on the same stream starts the moment the
+handshake's GATE, kora_engine/lm/word_gate.py): work enqueued after it on the same stream starts the moment the
 trainer's store lands, with no engine thread between the store and the GPU.
 
 The word is read with volatile loads (system scope: each one a read of the mapped host memory), so the kernel

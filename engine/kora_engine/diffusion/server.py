@@ -1,6 +1,6 @@
 """A reference diffusion rollout engine for the toy: sglang-diffusion's rollout route, on CPU or a GPU, on 127.0.0.1.
 
-`python -m kora_trainer.diffusion.engine --toy DIR --port P` serves
+`python -m kora_engine.diffusion.server --toy DIR --port P` serves
   GET  /health                       200 once the toy is loaded, at once even while a rollout or update runs
   POST /rollout/generate             a JSON `RolloutRequest` -> a msgpack list of `RolloutResponse`, one per output
   POST /update_weights_from_tensor   `serialized_named_tensors` (wire/serialize.py: same-host handles, one entry; the
@@ -9,14 +9,15 @@
                                      `target_modules` (["transformer"] or null),
                                      `weight_update_mode`: null = full weights by name, "lora_merge" = A/B pairs
                                      (`lora_alpha`, `lora_rank`) folded into the pristine base kept at load, fp32
-                                     (diffusion/stacked_fold.py: a few launches per shape group, not per layer)
+                                     (stacked_fold.py beside this file: a few launches per shape group, not per layer)
                                      -> {"success", "message"}
 It matches sgl-project/sglang python/sglang/multimodal_gen/runtime/entrypoints/post_training/: the request and
 response fields of io_struct.py @ 00e1106f4ab55cfb7dceeba2dfbc04b0cc40bb6f (`RolloutRequest`, `RolloutResponse`),
 the route and the per-sample slicing of rollout_api.py @ 078e5e2a5227bb6af1727574bb6212f0afb25250 (msgpack body,
 `rollout_log_probs` [T], `dit_trajectory` {latents [T+1, C, H, W], timesteps, sigmas}), and the tensor encoding of
 utils.py @ 067e8f42c478f654f149497429caddd0b28d3490 (`{"__tensor__": true, "data": base64 safetensors, "shape",
-"dtype"}`). The toy's prompt is its name in prompts.jsonl (`colour-03`); output i draws from its own generator
+"dtype"}`); the request bodies and that encoding are kora_trainer/wire/diffusion.py, which the trainer's client
+shares. The toy's prompt is its name in prompts.jsonl (`colour-03`); output i draws from its own generator
 seeded `seed + i` (kora's rule: sglang's per-output seeding was not checked).
 Refused with 400 and the field named, not silently ignored: another SDE type than "sde", `rollout_log_prob_no_const`,
 a `negative_prompt` other than the empty one (the toy's unconditional embedding; `guidance_scale` > 1 guides every
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import concurrent.futures
 import time
 import uuid
@@ -42,56 +42,21 @@ from typing import Any
 import msgpack
 import torch
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, ValidationError
-from safetensors.torch import load, save
+from pydantic import ValidationError
 
-from kora_trainer.diffusion import flow_grpo
-from kora_trainer.diffusion.lora_sync import LORA_MERGE
-from kora_trainer.diffusion.policy import velocity_fn
-from kora_trainer.diffusion.stacked_fold import StackedFolds
-from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
-from kora_trainer.reference_engine.faults import ExitAt
+from kora_engine.diffusion.stacked_fold import StackedFolds
+from kora_engine.faults import ExitAt
+from kora_trainer.algorithm import flow_grpo
+from kora_trainer.toys.diffusion import DiffusionToy, load_diffusion_toy
+from kora_trainer.toys.diffusion_policy import velocity_fn
 from kora_trainer.wire import flat_bucket
+from kora_trainer.wire.diffusion import RolloutRequest, UpdateWeightsFromTensorRequest, encode_tensor
+from kora_trainer.wire.diffusion_lora import LORA_MERGE
 from kora_trainer.wire.protocol import FLAT
 from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
 
 MAX_OUTPUTS = 64
 MAX_STEPS = 100
-
-
-class RolloutRequest(BaseModel):
-    """sglang-diffusion's RolloutRequest (the fields the toy can serve; unknown keys ignored, as FastAPI does)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    prompt: str
-    negative_prompt: str | None = None
-    seed: int | None = None
-    width: int | None = None
-    height: int | None = None
-    num_inference_steps: int | None = None
-    num_outputs_per_prompt: int | None = None
-    guidance_scale: float | None = None
-    rollout: bool = True
-    rollout_sde_type: str = "sde"
-    rollout_noise_level: float = 0.7
-    rollout_log_prob_no_const: bool = False
-    rollout_return_dit_trajectory: bool = False
-    rollout_sde_step_indices: list[int] | None = None
-    rollout_return_step_indices: list[int] | None = None
-
-
-class UpdateWeightsFromTensorRequest(BaseModel):
-    """sglang-diffusion's UpdateWeightFromTensorReqInput."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    serialized_named_tensors: list[str]
-    load_format: str | None = None
-    target_modules: list[str] | None = None
-    weight_update_mode: str | None = None
-    lora_alpha: float | None = None
-    lora_rank: int | None = None
 
 
 class ToyEngine:
@@ -138,30 +103,6 @@ class ToyEngine:
         t2 = time.perf_counter()
         return (f"Updated {n} transformer weights ({req.weight_update_mode or 'full'}): received in "
                 f"{(t1 - t0) * 1e3:.2f} ms, applied in {(t2 - t1) * 1e3:.2f} ms.")
-
-
-def encode_tensor(t: torch.Tensor) -> dict[str, Any]:
-    t = t.detach().contiguous().cpu()
-    return {"__tensor__": True, "data": base64.b64encode(save({"t": t})).decode("ascii"), "shape": list(t.shape),
-            "dtype": str(t.dtype)}
-
-
-def decode_tensor(obj: dict[str, Any]) -> torch.Tensor:
-    tensor: torch.Tensor = load(base64.b64decode(obj["data"]))["t"]
-    return tensor
-
-
-def trajectory_from_responses(responses: list[dict[str, Any]], noise_level: float) -> flow_grpo.Trajectory:
-    """The trainer's side: a /rollout/generate answer (msgpack-decoded, rollout_return_dit_trajectory on) ->
-    the Trajectory the re-score reads. timesteps drop the closing t = 0 entry: [T+1] -> [T]."""
-    trajs = [r["dit_trajectory"] for r in responses]
-    if any(t is None for t in trajs):
-        raise ValueError("a response has no dit_trajectory: send rollout_return_dit_trajectory=true")
-    timesteps = decode_tensor(trajs[0]["timesteps"])
-    return flow_grpo.Trajectory(latents=torch.stack([decode_tensor(t["latents"]) for t in trajs]),
-                                log_probs=torch.stack([decode_tensor(r["rollout_log_probs"]) for r in responses]),
-                                timesteps=timesteps[:-1], sigmas=decode_tensor(trajs[0]["sigmas"]),
-                                noise_level=noise_level)
 
 
 def _refusal(req: RolloutRequest, toy: DiffusionToy) -> str | None:
@@ -256,7 +197,7 @@ def make_app(toy: DiffusionToy) -> web.Application:
             return web.json_response({"detail": f"Invalid sampling params: {why}"}, status=400)
         return web.Response(body=await on_work(lambda: generated(req)), content_type="application/msgpack")
 
-    faults = ExitAt()  # test-only fault knob (reference_engine/faults.py); inert unless its env var is set
+    faults = ExitAt()  # test-only fault knob (kora_engine/faults.py); inert unless its env var is set
     app = web.Application(client_max_size=1 << 20, middlewares=[faults.middleware] if faults.armed else [])
     app.router.add_get("/health", health)
     app.router.add_post("/rollout/generate", generate)

@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from kora_engine.lm.param_lora import ParamDelta, owns_matrices, resolve_target, rows_forward
 from kora_trainer.config.engine_lora_limits import engine_lora_limits
-from kora_trainer.reference_engine.param_lora import ParamDelta, owns_matrices, resolve_target, rows_forward
 from kora_trainer.wire.gdn_lora import hf_pairs
 from kora_trainer.wire.lora_names import split_lora_name
 

@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
-from kora_trainer.reference_engine.model import GenRequest, GenResult
-from kora_trainer.reference_engine.request_bodies import GenerateReqInput, parse
-from kora_trainer.reference_engine.sampling import SamplingParams
+from kora_engine.lm.lora_adapters import LoRAAdapter
+from kora_engine.lm.model import GenRequest, GenResult
+from kora_engine.lm.request_bodies import GenerateReqInput, parse
+from kora_engine.lm.sampling import SamplingParams
 from kora_trainer.wire.vision import ImageInputs, VisionTokens, expand_placeholders
 
 ImagesOf = Callable[[list[Any]], ImageInputs]  # image_data items of one prompt -> what the vision tower takes

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from kora_trainer.lora.layer import LoRALinear
-from kora_trainer.lora.model import _replace, adapter_parameters, lora_modules
+from kora_trainer.lora.model import adapter_parameters, lora_modules, replace_module
 
 SD3_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 INITS = ("default", "gaussian")
@@ -50,7 +50,7 @@ def apply_diffusion_lora(model: nn.Module, rank: int, alpha: float, targets: Seq
     names = select_diffusion_targets(model, targets)
     model.requires_grad_(False)
     for name in names:  # nn.ModuleList (`to_out`) takes setattr by its index name ("0") too
-        _replace(model, name, lambda base: _wrap(base, rank, alpha, init))
+        replace_module(model, name, lambda base: _wrap(base, rank, alpha, init))
     for p in adapter_parameters(model):
         p.requires_grad_(True)
     return names

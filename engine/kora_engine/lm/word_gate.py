@@ -1,7 +1,7 @@
 """A GPU stream held until a word of the colocated handshake (wire/colocated_words.py) reaches a value.
 
 The words live in CPU shared memory, written by the trainer's process. Registered with CUDA (page-locked and
-mapped for the device), a word can gate a stream: a one-thread kernel (kernels/word_wait.py) spins on it, so work
+mapped for the device), a word can gate a stream: a one-thread kernel (kora_engine/lm/word_wait.py) spins on it, so work
 the engine enqueues after it — an armed push's gather and fold (colocated_routes.arm_slot) — starts the moment the
 trainer's one store of the word lands, with no engine thread between the store and the GPU. torch registers host
 memory but does not say where the device sees it: the registration comes from NVIDIA's own binding of the driver
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from kora_trainer.kernels.word_wait import spin_until
+from kora_engine.lm.word_wait import spin_until
 
 log = logging.getLogger("kora.hf_engine")
 

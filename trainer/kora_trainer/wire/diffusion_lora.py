@@ -14,7 +14,7 @@ What is matched (the seed ../shared/seeds/miles-diffusion-lora-sync.txt §3, and
   accumulate; in fp32 when the forward is fp32 (`SGLANG_DIFFUSION_LORA_MERGE_FP32=1`), else in the weight's dtype.
 - the first-sync log line: `LoRA IPC weight sync v1 [transformer]: pushed N lora tensors, M layer prefixes in K
   buckets (unmapped=0)`.
-The transport is diffusion/engine_client.py's (one flattened bucket per call: wire/flat_bucket.py).
+The transport is wire/diffusion_client.py's (one flattened bucket per call: wire/flat_bucket.py).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def checked_pairs(bucket: Iterable[Named], pristine: Mapping[str, torch.Tensor],
 def fold_from_pristine(pristine: Mapping[str, torch.Tensor], bucket: Iterable[Named], lora_alpha: float,
                        lora_rank: int, fp32: bool = True) -> dict[str, torch.Tensor]:
     """The engine's lora_merge of one bucket, layer by layer: {'<layer>.weight': W0 + (alpha / r) B A} from the
-    pristine copy — the reference the engine's stacked folds (diffusion/stacked_fold.py) are held to.
+    pristine copy — the reference the engine's stacked folds (kora_engine/diffusion/stacked_fold.py) are held to.
 
     `pristine` holds each base weight as loaded ([out, in]). fp32: the sum formed in fp32 and rounded once to W0's
     dtype; otherwise formed in W0's dtype (the seed's fp16 merge). The ops are the trainer's `folded_weight` ones,

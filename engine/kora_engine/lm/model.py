@@ -31,16 +31,16 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from kora_trainer.hf_experts import fused_parent, fused_slot
-from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, MultiLoRAHooks
-from kora_trainer.reference_engine.param_lora import ROUTER_MERGE_REFUSED, ParamTarget, folded, resolve_target
-from kora_trainer.reference_engine.sampling import (
+from kora_engine.lm.lora_adapters import LoRAAdapter, MultiLoRAHooks
+from kora_engine.lm.param_lora import ROUTER_MERGE_REFUSED, ParamTarget, folded, resolve_target
+from kora_engine.lm.sampling import (
     SamplingParams,
     apply_penalties,
     check_stop,
     needs_processing,
     sample_rows,
 )
+from kora_trainer.hf_experts import fused_parent, fused_slot
 from kora_trainer.wire.vision import (
     ImageInputs,
     VisionTokens,

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, build_adapter
+from kora_engine.lm.lora_adapters import LoRAAdapter, build_adapter
 from kora_trainer.wire.fast_receive import AdapterRing, PipelinedReceiver
 from kora_trainer.wire.group import DEFAULT_GROUP_NAME, WeightUpdateGroup
 from kora_trainer.wire.protocol import PackedChecksum, checksum, dtype_name, dtype_of

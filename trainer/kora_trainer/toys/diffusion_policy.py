@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from kora_trainer.diffusion.flow_grpo import VelocityFn
-from kora_trainer.diffusion.toy import DiffusionToy
+from kora_trainer.algorithm.flow_grpo import VelocityFn
+from kora_trainer.toys.diffusion import DiffusionToy
 
 
 def velocity_fn(toy: DiffusionToy, prompt_ids: torch.Tensor, rows: slice | torch.Tensor | None = None,

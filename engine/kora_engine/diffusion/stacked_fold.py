@@ -5,7 +5,7 @@ each on SD3-medium). Nearly all adapted weights of a diffusion transformer share
 for every attention projection), so the engine stacks them: per shape group, the pristine bases live in one
 [n, out, in] tensor and the model's weights become views of one live [n, out, in] tensor (made once per bucket
 layout: the "plan"). A fold is then, per group, two stacks of the pushed factors, one bmm, one scaling and one
-add straight into the live stack — the same ops in the same order as `lora_sync.fold_from_pristine` and the
+add straight into the live stack — the same ops in the same order as `wire/diffusion_lora.fold_from_pristine` and the
 trainer's `folded_weight` (B A, the scaling, the sum; fp32 when the base is fp32), so on the CPU it is bit-equal to
 them (bmm of a stack = mm per layer there; on a GPU cuBLAS may round the batched GEMM differently).
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kora_trainer.diffusion.lora_sync import Named, checked_pairs
+from kora_trainer.wire.diffusion_lora import Named, checked_pairs
 
 
 @dataclass

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from kora_trainer.reference_engine.model import GenRequest
+from kora_engine.lm.model import GenRequest
 
 RID_PREFIX_SEP = "::"  # miles' multi-LoRA request ids: f"{adapter}{RID_PREFIX_SEP}{uuid}"
 
