@@ -45,10 +45,33 @@ def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
 
 def deserialize_named_tensors(data: str | bytes) -> NamedTensors:
     """The inverse. Accepts the base64 text (or its raw bytes); tensors alias the sender's memory."""
-    obj = deserialize_payload(data)
+    return _pairs(deserialize_payload(data))
+
+
+def _pairs(obj: Any) -> NamedTensors:
     if not isinstance(obj, list) or not all(isinstance(e, tuple | list) and len(e) == 2 for e in obj):
         raise ValueError("serialized_named_tensors must hold a list of (name, tensor) pairs")
     return [(str(name), tensor) for name, tensor in obj]
+
+
+def serialize_tensor_dict(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """`{name: tensor}` -> one base64 string: what SGLang's `/load_lora_adapter_from_tensors` unpickles (0.5.17's
+    tp_worker hands the object to the LoRA manager as `Dict[str, Tensor]` and iterates `.items()`; the weight routes
+    take the list of pairs above). Found on a real SGLang: a list there is a 400, "'list' object has no attribute
+    'items'"."""
+    return serialize_payload({name: t.detach() for name, t in named})
+
+
+def deserialize_adapter_tensors(data: str | bytes, pairs_ok: bool = True) -> NamedTensors:
+    """The LoRA route's payload: the dict SGLang takes, or (`pairs_ok`, kora's reference engine outside a build's
+    strict mode) a list of pairs. ValueError names the shape wanted."""
+    obj = deserialize_payload(data)
+    if isinstance(obj, dict) and all(isinstance(t, torch.Tensor) for t in obj.values()):
+        return [(str(name), tensor) for name, tensor in obj.items()]
+    if pairs_ok and isinstance(obj, list):
+        return _pairs(obj)
+    raise ValueError("/load_lora_adapter_from_tensors takes serialized_named_tensors holding a dict {name: tensor} "
+                     f"(SGLang's LoRA manager iterates its items), got {type(obj).__name__}")
 
 
 def serialize_payload(payload: Any) -> str:
