@@ -119,8 +119,16 @@ def _next_status(ctx: Context, body: dict[str, Any], view: JobView | None) -> di
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         return _failed(body, current, ConditionType.REGISTERED, Reason.VALIDATION_FAILED, _problems(errors))
-    job_phase = view.status.get("phase")
-    run = find(view.runs, str(meta["name"])) if view.runs is not None else None
+    return _on_trainer(ctx, body, adapter, view, job)
+
+
+def _on_trainer(ctx: Context, body: dict[str, Any], adapter: LoRAAdapter, view: JobView,
+                job: LoRATrainingJob | None) -> dict[str, Any]:
+    """A valid adapter of an existing job: registered if the trainer does not hold it while the job may run, its
+    status mirrored from the trainer's state of it; Failed if its job ended before it finished."""
+    current = dict(body.get("status") or {})
+    job_name, job_phase = str((body.get("spec") or {}).get("jobName")), view.status.get("phase")
+    run = find(view.runs, str(body["metadata"]["name"])) if view.runs is not None else None
     if run is None and job_phase not in TERMINAL:
         run_or_status = _register(ctx, body, adapter, view, current)
         if isinstance(run_or_status, dict):
