@@ -101,7 +101,7 @@ class Reason(StrEnum):
     DEREGISTRATION_ABANDONED = "DeregistrationAbandoned"
 
 
-# child kind -> the Event reasons of its creation (handlers/reconcile.py creates every child alike)
+# child kind -> the Event reasons of its creation (handlers/children.py creates every child alike)
 CREATED: dict[str, Reason] = {
     "ConfigMap": Reason.CREATED_CONFIG_MAP,
     "Secret": Reason.CREATED_SECRET,

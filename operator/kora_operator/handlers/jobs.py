@@ -188,7 +188,8 @@ def ray_job_changed(body: kopf.Body, namespace: str | None, memo: Any, type: str
             # the same as a resume's (job_created): the RayJob of a job this process has not seen yet, most often
             # from kopf's first listing, which may come before the job's resume
             ctx.children.remember_if_new(str(owners[0].get("uid")))
-        # a copy deep enough for what a reconcile writes into it (_align_ray_job: top-level spec fields); the rest is
-        # only read, and a deep copy of every RayJob event was a good part of the operator's CPU in a burst
+        # a copy deep enough for what a reconcile writes into it (runtimes/kuberay.align_ray_job: top-level spec
+        # fields); the rest is only read, and a deep copy of every RayJob event was a good part of the operator's CPU
+        # in a burst
         raw = dict(body)
         reconcile(ctx, str(namespace), str(job), trigger="rayjob", ray={**raw, "spec": dict(raw.get("spec") or {})})
