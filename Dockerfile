@@ -22,6 +22,7 @@ RUN pip install --no-cache-dir build==1.2.2.post1
 COPY pyproject.toml README.md ./
 COPY operator ./operator
 COPY trainer ./trainer
+COPY engine ./engine
 COPY cli ./cli
 RUN python -m build --wheel --outdir /dist
 

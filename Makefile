@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-full test-unit e2e-kind lint manifests manifests-check testbin cluster-up cluster-down clean
+.PHONY: chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-full test-unit e2e-kind lint manifests manifests-check testbin cluster-up node-up cluster-down clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[operator,trainer,wandb,diffusion]' --group dev
 	touch $(STAMP)
 
-setup: $(STAMP)  ## venv with kora[operator,trainer,wandb,diffusion] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests)
+setup: $(STAMP)  ## venv with kora[operator,trainer,wandb,diffusion] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests; containerd, runc, CNI plugins, iptables, gcc for the real node)
 	@bash hack/install_tools.sh
 
 testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries
@@ -53,7 +53,7 @@ e2e-kind: setup  ## kind + KubeRay (Helm) + our images + charts/kora; the toy jo
 
 lint: setup
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy operator/kora_operator cli/kora_cli trainer/kora_trainer
+	$(VENV)/bin/mypy operator/kora_operator cli/kora_cli trainer/kora_trainer engine/kora_engine
 	$(VENV)/bin/lint-imports
 	@if [ -f Dockerfile ]; then $(VENV)/bin/hadolint Dockerfile; fi
 
@@ -68,7 +68,10 @@ manifests-check: setup
 cluster-up: setup testbin  ## etcd + kube-apiserver + kube-controller-manager on 127.0.0.1
 	$(PY) hack/localcluster.py up
 
-cluster-down:
+node-up: setup testbin  ## cluster-up plus a real node: containerd, kubelet, kube-proxy, scheduler, CoreDNS (root; hack/node/README.md)
+	$(PY) hack/localcluster.py up --node
+
+cluster-down:  ## stops the cluster (and its node: bridge, iptables chains, mounts, cgroups removed)
 	$(PY) hack/localcluster.py down
 
 clean: cluster-down

@@ -1,5 +1,5 @@
 """The sync benches' engine process (bench/gpu_sync.py, bench/gpu_sync_colocated.py): kora's reference engine
-(`reference_engine.server`: EngineModel + the HTTP routes) over a random HF model built from a config directory in
+(`kora_engine.lm.server`: EngineModel + the HTTP routes) over a random HF model built from a config directory in
 the engine process (no checkpoint is read), and the pipe the bench drives it through.
 
 Each bench keeps its own command handlers (what the engine does per message); this module holds what they share:
@@ -26,8 +26,8 @@ def start_reference_engine(model_dir: str, device: torch.device) -> tuple[Any, A
     import transformers
     from aiohttp import web
 
-    from kora_trainer.reference_engine.model import EngineModel
-    from kora_trainer.reference_engine.server import HFEngineServer
+    from kora_engine.lm.model import EngineModel
+    from kora_engine.lm.server import HFEngineServer
     from kora_trainer.wire.ports import free_port
 
     cfg = transformers.AutoConfig.from_pretrained(model_dir)

@@ -84,7 +84,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="default bench/results/chaos_trainer_<date>.json")
     args = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     plan = make_plan(args.kills, args.engine_kills, args.disk, args.seed, args.engine_hangs)
     steps = steps_for(plan)

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "trainer"))
+sys.path[:0] = [str(ROOT / "trainer"), str(ROOT / "engine")]
 sys.path.insert(0, str(ROOT / "bench"))
 CONFIG = ROOT / "trainer" / "examples" / "diffusion_toy.yaml"
 
@@ -98,7 +98,7 @@ def main() -> None:
     model = Path(args.model) if args.model else work / "sd3-medium"
     made_s = None
     if args.model is None:
-        from kora_trainer.diffusion.toy import make_diffusion_toy
+        from kora_trainer.toys.diffusion import make_diffusion_toy
 
         t0 = time.monotonic()
         make_diffusion_toy(model, shape="sd3-medium", sample_size=args.sample_size)

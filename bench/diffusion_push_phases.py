@@ -5,7 +5,7 @@ engine's own receive / apply times (its answer's message), over `--reps` pushes.
 
 Phases: collect (the adapter's factors into layer groups and buckets) or fold (the trainer's W + s B A), flatten
 (the bucket's one flat copy), serialize (the payload), post (the HTTP call: the engine's receive — unpickling and
-opening the CUDA IPC handle — its apply, its synchronize, and the reply). It drives diffusion/engine_client.py's own
+opening the CUDA IPC handle — its apply, its synchronize, and the reply). It drives wire/diffusion_client.py's own
 functions on the SD3-medium toy (`kora make-toy --diffusion --diffusion-shape sd3-medium`), made here unless
 `--model` names one.
 
@@ -27,17 +27,17 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "trainer"))
+sys.path[:0] = [str(ROOT / "trainer"), str(ROOT / "engine")]
 
 import requests  # noqa: E402
 import torch  # noqa: E402
 
-from kora_trainer.diffusion import engine_client  # noqa: E402
-from kora_trainer.diffusion.lora import SD3_TARGETS, apply_diffusion_lora  # noqa: E402
-from kora_trainer.diffusion.lora_sync import LORA_MERGE, layer_groups, pack_pair_buckets  # noqa: E402
-from kora_trainer.diffusion.toy import load_diffusion_toy, make_diffusion_toy  # noqa: E402
+from kora_trainer.lora.diffusers import SD3_TARGETS, apply_diffusion_lora  # noqa: E402
 from kora_trainer.lora.model import adapter_tensors, fold_targets, lora_modules  # noqa: E402
+from kora_trainer.toys.diffusion import load_diffusion_toy, make_diffusion_toy  # noqa: E402
+from kora_trainer.wire import diffusion_client as engine_client  # noqa: E402
 from kora_trainer.wire import flat_bucket  # noqa: E402
+from kora_trainer.wire.diffusion_lora import LORA_MERGE, layer_groups, pack_pair_buckets  # noqa: E402
 from kora_trainer.wire.protocol import FLAT  # noqa: E402
 from kora_trainer.wire.serialize import serialize_payload  # noqa: E402
 
@@ -126,7 +126,7 @@ def main() -> None:
         make_diffusion_toy(model_dir, shape="sd3-medium", sample_size=32)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    engine = subprocess.Popen([sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(model_dir),
+    engine = subprocess.Popen([sys.executable, "-m", "kora_engine.diffusion.server", "--toy", str(model_dir),
                                "--port", str(port), "--device", "cuda"])
     try:
         toy = load_diffusion_toy(model_dir).to("cuda")

@@ -5,7 +5,7 @@ Each run is the command a user types (`python -m kora_trainer.train --config tra
 lora.syncMode=M`), timed whole from here, the engine's start included. What it reports per run: the command's
 seconds, the sampled training reward of the first and last 10 steps, the median gen / train / sync times, and the
 anchor — the fixed-noise evaluation (every prompt x 4 images, the same draws before and after:
-diffusion/train_loop.evaluate) of the base against the run's final checkpoint, which is the number a rise is
+backends/diffusion/train_loop.evaluate) of the base against the run's final checkpoint, which is the number a rise is
 claimed on (the sampled reward of 8 random prompts a step is noisy).
 
     python bench/diffusion_toy.py --out bench/results/diffusion_toy_$(date +%F).json
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "trainer"))
+sys.path[:0] = [str(ROOT / "trainer"), str(ROOT / "engine")]
 CONFIG = ROOT / "trainer" / "examples" / "diffusion_toy.yaml"
 WINDOW = 10
 
@@ -33,11 +33,11 @@ def evaluate(toy_dir: Path, ckpt: Path | None, cfg: Any) -> float:
     """evaluate() of the toy with the job's adapter: the checkpoint's (None: B = 0, the base policy)."""
     import torch
 
+    from kora_trainer.backends.diffusion.train_loop import evaluate as fixed_noise_eval
     from kora_trainer.checkpoint import lora_only
-    from kora_trainer.diffusion.lora import apply_diffusion_lora
-    from kora_trainer.diffusion.toy import load_diffusion_toy
-    from kora_trainer.diffusion.train_loop import evaluate as fixed_noise_eval
+    from kora_trainer.lora.diffusers import apply_diffusion_lora
     from kora_trainer.lora.model import adapter_tensors
+    from kora_trainer.toys.diffusion import load_diffusion_toy
     from kora_trainer.train_diffusion import settings_of
 
     torch.set_num_threads(1)
@@ -96,7 +96,7 @@ def main() -> None:
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="diffusion-toy-"))
     toy = work / "toy"
-    from kora_trainer.diffusion.toy import make_diffusion_toy
+    from kora_trainer.toys.diffusion import make_diffusion_toy
 
     make_diffusion_toy(toy)  # made once, before the timed runs, as `kora make-toy --diffusion` would
     runs = []

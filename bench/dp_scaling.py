@@ -41,7 +41,8 @@ def run(model: str, data: int, steps: int, gpu: bool, work: Path) -> dict[str, f
                  "deployment.async=false", f"rollout.gpusPerEngine={1 if gpu else 0}"]
     cmd = [sys.executable, "-m", "kora_trainer.train", "--config", str(TOY_YAML), "--run-dir", str(run_dir),
            "--control-port", "0", *overrides]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    path = [str(REPO / "trainer"), str(REPO / "engine"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     if out.returncode != 0:
@@ -69,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the result JSON here")
     args = p.parse_args(argv)
     if not (Path(args.model) / "config.json").exists():  # JSON lines: the GPU image has no pyarrow for parquet
-        sys.path.insert(0, str(REPO / "trainer"))
-        from kora_trainer.toy import make_toy
+        sys.path[:0] = [str(REPO / "trainer"), str(REPO / "engine")]
+        from kora_trainer.toys.lm import make_toy
 
         make_toy(args.model, dataset="train.jsonl")
     with tempfile.TemporaryDirectory(prefix="kora-dp-") as tmp:

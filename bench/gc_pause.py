@@ -35,12 +35,12 @@ def full_collection_ms() -> float:
 
 def build(workdir: Path) -> list[object]:
     """What stays alive in an engine and a trainer rank after their start-up (kept referenced, as they are)."""
+    from kora_engine.lm.model import EngineModel, GenRequest
+    from kora_engine.lm.sampling import SamplingParams
+    from kora_engine.lm.server import HFEngineServer, parse_args
     from kora_trainer.backends.select import make_backend
     from kora_trainer.config import load_config
-    from kora_trainer.reference_engine.model import EngineModel, GenRequest
-    from kora_trainer.reference_engine.sampling import SamplingParams
-    from kora_trainer.reference_engine.server import HFEngineServer, parse_args
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     model = workdir / "toy"
     make_toy(model, target=0.0, dataset="train.jsonl")

@@ -3,7 +3,7 @@ with `--tp T --engines N` (issue 8) a tensor-parallel trainer on GPUs 0..T-1 fan
 
 A random-initialised Qwen3-4B-shaped model (no checkpoint is read): the trainer is the megatron-core policy
 (`--trainer megatron`, default; `--trainer hf` = HF Qwen3 + kora's torch LoRA) with a rank-32 LoRA on
-linear_qkv + linear_proj; the engine is kora's reference engine (`reference_engine.server`: EngineModel + the HTTP
+linear_qkv + linear_proj; the engine is kora's reference engine (`kora_engine.lm.server`: EngineModel + the HTTP
 routes, its HF model built from the same config in the engine process) plus the fast-path receivers of
 `sync/fast.py`. Everything below is measured in ONE run, each number the median of --reps:
 
@@ -31,7 +31,7 @@ communicator on one GPU); one weight-update group of TP rank 0 + the N engines c
 then a MAX all-reduce: every engine done). `engines_scaling`: (a), (b) and the HTTP adapter path with the
 first k engines, k = 1..N (a group per k), so the growth from one engine to N is measured in the same run.
 
-    PYTHONPATH=trainer:tests NCCL_NVLS_ENABLE=0 python bench/gpu_sync.py [--out FILE]     # 2 GPUs: everything
+    PYTHONPATH=trainer:engine:tests NCCL_NVLS_ENABLE=0 python bench/gpu_sync.py [--out FILE]     # 2 GPUs: everything
     python bench/gpu_sync.py --tp 2 --engines 2      # 4 GPUs (2 GPUs: --tp 2 --engines 1 shares GPU 1)
     python bench/gpu_sync.py --no-engine      # 1 GPU: (c), the packing halves of (a)/(b), local (d), (e)
     python bench/gpu_sync.py --cpu-smoke --trainer hf   # tiny model, gloo, CPU: the plumbing only (numbers
@@ -201,7 +201,7 @@ class SyncEngine:
         self.ring = fast_receive.AdapterRing(arg["metadata"], self.device, {"*": arg["scaling"]})
 
     def adapter(self, arg: dict[str, Any]) -> dict[str, Any]:
-        from kora_trainer.reference_engine.lora_adapters import LoRAAdapter
+        from kora_engine.lm.lora_adapters import LoRAAdapter
         from kora_trainer.wire import fast_receive
 
         group, ring, adapters = self.groups[self._k(arg)], self.ring, self.server.adapters

@@ -3,7 +3,7 @@ weights move by CUDA IPC.
 
 Trainer: the megatron-core policy of bench/gpu_sync.py (Qwen3-4B-shaped, random init, bf16) with a rank-32 LoRA
 on linear_qkv + linear_proj (`--trainer hf`: HF Qwen3 + kora's torch LoRA). Engine: kora's reference engine
-(`reference_engine.server`: EngineModel + the HTTP routes) in a SEPARATE process on the same GPU, its HF model built
+(`kora_engine.lm.server`: EngineModel + the HTTP routes) in a SEPARATE process on the same GPU, its HF model built
 from the same config; a pipe carries the bench's control messages. Each push starts at "trainer step done"
 (an optimizer-like update of the flat adapter, synchronised) and ends at the engine's ack; median of --reps.
 
@@ -24,7 +24,7 @@ Anchors: one device copy of the same bytes (`adapter_copy_ms`, `copy_ms`, CUDA e
 Serving checks: engine log-probs (HTTP /generate, input log-probs of fixed sequences) vs the trainer's; the
 fast and the HTTP path at the same policy compared with each other; merged weights vs torch's fp32 fold.
 
-    PYTHONPATH=trainer:tests:/tmp/mc python bench/gpu_sync_colocated.py [--out FILE]
+    PYTHONPATH=trainer:engine:tests:/tmp/mc python bench/gpu_sync_colocated.py [--out FILE]
     python bench/gpu_sync_colocated.py --cpu-smoke --trainer hf --rank 4   # tiny, CPU: plumbing only
 
 Results: bench/results/gpu_sync_colocated_*.json; discussion in docs/megatron_backend.md.
@@ -55,7 +55,7 @@ import gpu_sync as gs  # noqa: E402  (bench/gpu_sync.py: model dims, Trainer)
 from _engine_proc import EngineProc, Handler, guarded, serve_commands, start_reference_engine  # noqa: E402
 from _timing import event_ms, loop_ms, run_phase, wall_ms  # noqa: E402
 from _timing import sync_stream as sync_dev  # noqa: E402  (one GPU: the current stream is the trainer's)
-from kora_trainer.reference_engine.lora_adapters import LoRAAdapter, build_adapter  # noqa: E402  (used per push)
+from kora_engine.lm.lora_adapters import LoRAAdapter, build_adapter  # noqa: E402  (used per push)
 
 MIB = 1 << 20
 POLICY = "kora-policy"
@@ -76,7 +76,7 @@ class ColocatedEngine:
     writes into, and the probes of the HTTP path. One method per command (`handlers`)."""
 
     def __init__(self, conn: Any, opts: dict[str, Any]):
-        from kora_trainer.reference_engine import server as engine_server
+        from kora_engine.lm import server as engine_server
 
         cuda = opts["device"] == "cuda"
         if cuda:

@@ -18,7 +18,8 @@ push), so an EngineMerge push is set against the copy of its A/B bytes plus its 
 into the phases the colocated sender reports (`sync_phases`, sync/colocated_sender.py); a verified push's checksum
 call is there as `verify_ms`, outside `sync_ms`.
 
-    PYTHONPATH=$PWD/trainer:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py [--model qwen3-4b]
+    PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py \
+        [--model qwen3-4b] [--engine reference|sglang]   # sglang: real SGLang 0.5.17 (hack/gpu_sglang_env.sh)
         [--modes Merge,Adapter,EngineMerge,Merge-http,Adapter-http] [--steps 4]
         [--out bench/results/gpu_train_DATE.json]
     python bench/gpu_train.py --model toy --backend torch --device cpu --steps 2   # CPU: plumbing only
@@ -68,7 +69,7 @@ def make_model(out: Path, shape: str, device: str) -> Path:
     `shape` in bf16 (`toy`: the toy's own model)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kora_trainer.toy import make_toy, model_config
+    from kora_trainer.toys.lm import make_toy, model_config
 
     marker = out / "bench_shape.json"
     if (out / "config.json").exists() and marker.exists() and json.loads(marker.read_text()) == {"shape": shape}:
@@ -129,7 +130,7 @@ class GpuMemory:
         roles: dict[str, int] = {}
         for pid, mib in self.peak.items():
             name = self.names.get(pid, "")
-            role = "engine" if "reference_engine" in name else "trainer" if "TrainWorker" in name or "ray::" in name \
+            role = "engine" if "kora_engine" in name else "trainer" if "TrainWorker" in name or "ray::" in name \
                 else "other"
             roles[role] = roles.get(role, 0) + mib
         return roles
@@ -226,10 +227,11 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
            "sync.deltaSkipThreshold=0", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit",
            f"checkpoint.path={run_dir / 'ckpt'}", "checkpoint.interval=1",
            f"rollout.gpusPerEngine={1 if gpu else 0}", f"rollout.numEngines={args.engines}",
-           f"sync.fastPath={'false' if http else 'true'}", *args.set]
+           f"sync.fastPath={'false' if http else 'true'}", *engine_overrides(args), *args.set]
     # the e2e tests' reward (tests/e2e/toy_rewards.py): it varies from the first step on an untrained model, so
     # every step has advantages, the adapter moves and every sync pushes
-    path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), str(ROOT / "engine"),
+                            os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "KORA_CONTROL_TOKEN": "bench", "PYTHONPATH": path}
     t0 = time.monotonic()
     with GpuMemory() as mem:
@@ -271,6 +273,71 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
     }
 
 
+# the kernels the carried SGLang 0.5.17 has on the device (hack/sglang_carry.sh: no FA3, no flashinfer JIT sources)
+SGLANG_KERNELS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--lora-backend", "triton"]
+
+
+def engine_overrides(args: argparse.Namespace) -> list[str]:
+    """`--engine sglang`: real SGLang 0.5.17 (rollout.sglangBuild), its kernels and CUDA graphs up to the batch."""
+    if args.engine != "sglang":
+        return []
+    flags = [*SGLANG_KERNELS, "--cuda-graph-max-bs", str(args.prompts * args.samples)]
+    return ["rollout.engine=sglang", "rollout.sglangBuild=0.5.17", f"rollout.sglangArgs=[{','.join(flags)}]"]
+
+
+def sglang_alone(model_dir: Path, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """The anchor for generation: SGLang 0.5.17 started alone with the flags the trainer's engine had (the same
+    deterministic-inference switch: these runs checkpoint without async, so rollouts are reproducible and each
+    sample is its own request with its own sampling_seed), the same batch sent at once, tokens/s of the answers."""
+    import urllib.request
+
+    from kora_trainer.wire.ports import free_port
+
+    port = free_port()
+    prompts = [json.loads(line)["prompt"] for line in (model_dir / "train.jsonl").read_text().splitlines()]
+    prompts = prompts[:args.prompts]
+    flags = [*SGLANG_KERNELS, "--cuda-graph-max-bs", str(args.prompts * args.samples),
+             "--enable-deterministic-inference"]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir), "--host", "127.0.0.1",
+           "--port", str(port), "--mem-fraction-static", "0.5", *flags]
+    log = open(work / "sglang-alone.log", "w")  # noqa: SIM115 - held for the server's life
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def post(body: dict[str, Any]) -> Any:
+        req = urllib.request.Request(url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=600).read())
+
+    try:
+        deadline = time.monotonic() + 400
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                urllib.request.urlopen(url + "/health_generate", timeout=5)
+                break
+            except OSError:
+                time.sleep(1)
+        else:
+            return {"error": "sglang did not start", "log": (work / "sglang-alone.log").read_text()[-2000:]}
+        from concurrent.futures import ThreadPoolExecutor
+
+        bodies = [{"text": p, "sampling_params": {"max_new_tokens": args.max_new_tokens, "temperature": 1.0,
+                                                  "sampling_seed": i * args.samples + j}}
+                  for i, p in enumerate(prompts) for j in range(args.samples)]
+        rates = []
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            list(pool.map(post, bodies[:8]))  # warm
+            for _ in range(3):
+                t = time.perf_counter()
+                outs = list(pool.map(post, bodies))
+                rates.append(sum(o["meta_info"]["completion_tokens"] for o in outs) / (time.perf_counter() - t))
+        return {"tokens_per_s": round(statistics.median(rates), 1), "runs": [round(r, 1) for r in rates],
+                "requests": len(bodies), "command": " ".join(cmd[1:])}
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=sorted(SHAPES), default="qwen3-4b")
@@ -281,6 +348,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--backend", default="megatron")
+    ap.add_argument("--engine", choices=["reference", "sglang"], default="reference",
+                    help="kora's reference engine, or real SGLang 0.5.17 (hack/gpu_sglang_env.sh; Merge, Adapter)")
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--deployment", choices=["Colocate", "Disaggregated"], default="Colocate")
     ap.add_argument("--engines", type=int, default=1, help="rollout.numEngines")
@@ -308,8 +377,14 @@ def main() -> None:
         print(json.dumps({mode: {k: v for k, v in res["modes"][mode].items() if k != "steps"}}, indent=1), flush=True)
         if args.out:
             args.out.write_text(json.dumps(res, indent=2) + "\n")
+    if args.engine == "sglang":
+        res["sglang_alone"] = sglang_alone(model_dir, args, work)
+        print(json.dumps({"sglang_alone": res["sglang_alone"]}), flush=True)
     ratios = {}
     for mode, r in res["modes"].items():
+        alone = res.get("sglang_alone", {}).get("tokens_per_s")
+        if "steps" in r and alone:
+            ratios[f"{mode}_generated_over_sglang_alone"] = round(r["tokens_per_s_generated"] / alone, 3)
         if "steps" not in r:
             continue
         first, later = r["steps"][0], r["steps"][1:]

@@ -42,7 +42,8 @@ def trainer(job: dict, work: Path, *extra: str, timeout_s: float = 1800) -> list
     (work / "job.yaml").write_text(yaml.safe_dump(job))
     cmd = [sys.executable, "-m", "kora_trainer.train", "--config", str(work / "job.yaml"), "--run-dir",
            str(work / "run"), "--control-port", "0", "--make-toy", *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "trainer"), os.environ.get("PYTHONPATH", "")])}
+    path = [str(REPO / "trainer"), str(REPO / "engine"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s, cwd=REPO)
     if out.returncode != 0:
         raise SystemExit(f"the trainer exited {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")

@@ -1,5 +1,5 @@
 """How much of adapter B's generation throughput adapter A's trainer costs, in one reference engine process
-(`python -m kora_trainer.reference_engine` on a tiny Qwen3, CPU): A publishing a new version over a gloo group
+(`python -m kora_engine.lm` on a tiny Qwen3, CPU): A publishing a new version over a gloo group
 (`/load_lora_adapter_from_distributed`) or A retired and its slot reloaded (abort by rid prefix, unload, load from
 tensors), once per --every seconds, a trainer's cadence.
 

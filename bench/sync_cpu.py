@@ -53,7 +53,7 @@ def _receiver(port: int, sizes: list[list[int]], reps: int) -> None:
 def random_model(hidden: int, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from kora_trainer.toy import make_tokenizer
+    from kora_trainer.toys.lm import make_tokenizer
 
     cfg = Qwen3Config(vocab_size=16, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=4,
                       num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8, tie_word_embeddings=True,
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.hidden:
         model = str(random_model(args.hidden, Path(tempfile.mkdtemp(prefix="kora-bench-")) / "model"))
     elif not Path(model).exists():
-        from kora_trainer.toy import make_toy
+        from kora_trainer.toys.lm import make_toy
 
         make_toy(model)
     cap = parse_bytes(args.buffer)

@@ -131,7 +131,7 @@ def main() -> None:
     args.work = args.work or tempfile.mkdtemp(prefix="toy-seeds-")
     toy = toy_path(args.config)
     if not toy.exists():  # made once, before the timed runs, as `kora make-toy` would
-        from kora_trainer.toy import make_toy
+        from kora_trainer.toys.lm import make_toy
 
         make_toy(toy)
     jobs = [(m, int(s)) for s in args.seeds.split(",") for m in args.modes.split(",")]

@@ -29,7 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PROFILER = REPO / "bench" / "sync_profile"
-sys.path[:0] = [str(REPO / "trainer"), str(REPO / "tests"), str(PROFILER)]
+sys.path[:0] = [str(REPO / "trainer"), str(REPO / "engine"), str(REPO / "tests"), str(PROFILER)]
 
 from trainkit import TINY  # noqa: E402 (the toy tests' small steps; after the path above)
 
@@ -47,8 +47,9 @@ def train(tree: Path, toy: Path, work: Path, overrides: list[str], profile: bool
            f"data.path={toy}/train.jsonl", *TINY, *overrides]
     path = [str(PROFILER)] if profile else []
     env = {**os.environ, "KORA_CONTROL_TOKEN": "bench",
-           "PYTHONPATH": os.pathsep.join([*path, str(tree / "trainer"), str(tree / "tests" / "e2e"),
-                                          str(tree / "tests"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([*path, str(tree / "trainer"), str(tree / "engine"),
+                                          str(tree / "tests" / "e2e"), str(tree / "tests"),
+                                          os.environ.get("PYTHONPATH", "")])}
     if profile:
         env["KORA_SYNC_PROFILE"] = str(prof_dir)
     for inherited in ("RAY_ADDRESS", "MASTER_ADDR", "MASTER_PORT"):
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=float, default=300)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     trees = {"HEAD": REPO, **{t.split("=", 1)[0]: Path(t.split("=", 1)[1]).resolve() for t in args.tree}}
     work = Path(tempfile.mkdtemp(prefix="kora-sync-profile-"))

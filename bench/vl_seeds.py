@@ -79,7 +79,7 @@ def main() -> None:
     args.work = args.work or tempfile.mkdtemp(prefix="vl-seeds-")
     toy = toy_path(args.config)
     if not toy.exists():  # made once, before the timed runs, as `kora make-toy --vl` would
-        from kora_trainer.vl_toy import make_vl_toy
+        from kora_trainer.toys.vl import make_vl_toy
 
         make_vl_toy(toy)
     jobs = [(m, int(s)) for s in args.seeds.split(",") for m in args.modes.split(",")]

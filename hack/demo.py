@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not TOY.exists():
             log(f"kora make-toy {TOY.relative_to(ROOT)}: the toy model, tokenizer and dataset the job trains on")
-            from kora_trainer.toy import make_toy
+            from kora_trainer.toys.lm import make_toy
 
             make_toy(TOY)
         log("starting etcd + kube-apiserver + kube-controller-manager on 127.0.0.1")

@@ -27,7 +27,7 @@ run)
     for tree in "$@"; do
         root=$(cd "$tree" && pwd); tag=$(basename "$root")-$SECONDS
         # shellcheck disable=SC2086
-        PYTHONPATH=$root/trainer:$root/tests:/tmp/mc1 timeout "${GPU_AB_TIMEOUT:-150}" "${PYTHON:-python}" "$root/bench/gpu_train.py" \
+        PYTHONPATH=$root/trainer:$root/engine:$root/tests:/tmp/mc1 timeout "${GPU_AB_TIMEOUT:-150}" "${PYTHON:-python}" "$root/bench/gpu_train.py" \
             $args --workdir /tmp/kgt --out "$out/$tag.json" > "$out/$tag.log" 2>&1 || echo "$tag: exit $?"
         "${PYTHON:-python}" - "$out/$tag.json" <<'PY'
 import json, pathlib, statistics, sys

@@ -6,7 +6,7 @@
 #                     image lacks the module
 #   .whl/extra/ray_min.tar.xz  ray 2.60.0 (cp312) without jars/rllib/tune/train/serve/data/llm: the full
 #                     wheel (75.6 MiB) is over what a device call may carry (64 MiB); kora uses Ray core only
-# Usage: bash hack/gpu_env.sh [/tmp/mc]; export PYTHONPATH=trainer:tests:/tmp/mc NCCL_NVLS_ENABLE=0
+# Usage: bash hack/gpu_env.sh [/tmp/mc]; export PYTHONPATH=trainer:engine:tests:/tmp/mc NCCL_NVLS_ENABLE=0
 # Making .whl/ on the dev machine: bash hack/gpu_wheels.sh (what it does, by hand:
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"

@@ -26,7 +26,7 @@ part=${1:?"part: model-parallel | tp | data-parallel | bench | 4b [LAYOUT...] | 
 out=${OUT:-/tmp/kora-multi}
 mkdir -p "$out"
 bash hack/gpu_env.sh /tmp/mc >/dev/null || exit 1
-export PYTHONPATH="$PWD/trainer:$PWD/tests:$PWD/hack:/tmp/mc"
+export PYTHONPATH="$PWD/trainer:$PWD/engine:$PWD/tests:$PWD/hack:/tmp/mc"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | tee "$out/gpus.txt" | wc -l)
 echo "$gpus GPU(s): $(head -1 "$out/gpus.txt")"

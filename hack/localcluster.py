@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """A real local Kubernetes control plane on 127.0.0.1, like controller-runtime's envtest.
 
-    python hack/localcluster.py up|down|status [--dir .kora]
+    python hack/localcluster.py up|down|status [--dir .kora] [--node]
 
 `up` takes the pinned binaries from hack/testbin.sh (or $KORA_TESTBIN) and starts, each on a
 free loopback port, detached, with its log in <dir>/logs/:
@@ -17,6 +17,11 @@ It waits until /readyz is ok, the controller manager is healthy and the `default
 ServiceAccount exists, then writes <dir>/kubeconfig (verifying the apiserver's certificate)
 and <dir>/cluster.json (pids, ports, paths). `up` on a healthy cluster does nothing.
 `down` stops exactly the recorded pids and removes the run dir; it is idempotent.
+
+`up --node` adds a real node (hack/localnode.py: containerd, kubelet, kube-proxy, kube-scheduler,
+CoreDNS; root only): the apiserver then binds to the node's bridge address instead of 127.0.0.1,
+so pods reach it through the `kubernetes` Service, and `down` removes the node's bridge, iptables
+chains, mounts and cgroups too.
 
 Python API (used by the pytest fixtures in tests/integration/conftest.py):
 
@@ -47,6 +52,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import localnode  # standard library only, like this module
 
 HACK_DIR = Path(__file__).resolve().parent
 TESTBIN_SCRIPT = HACK_DIR / "testbin.sh"
@@ -312,6 +319,11 @@ class LocalCluster:
         return float(self.state.get("startup_seconds", 0.0))
 
     @property
+    def has_node(self) -> bool:
+        """Whether a real node (hack/localnode.py) was started with this cluster."""
+        return "node" in self.state
+
+    @property
     def pids(self) -> dict[str, int]:
         return {name: p.pid for name, p in self.procs.items()}
 
@@ -357,21 +369,37 @@ class LocalCluster:
         return cls(state_dir, state, procs)
 
     @classmethod
-    def start(cls, state_dir: Path | str, bin_dir: Path | str | None = None, stream: bool = False) -> LocalCluster:
-        """Start a cluster recorded in `state_dir`; a no-op returning it if one is up already."""
+    def start(
+        cls,
+        state_dir: Path | str,
+        bin_dir: Path | str | None = None,
+        stream: bool = False,
+        node: bool = False,
+        nodes: int = 1,
+    ) -> LocalCluster:
+        """Start a cluster recorded in `state_dir`; a no-op returning it if one is up already.
+
+        With `node`, `nodes` real nodes join it (hack/localnode.py; the second and later ones each in a
+        network namespace of ours); an existing cluster without them is restarted.
+        """
         state_dir = Path(state_dir).resolve()
         existing = cls.load(state_dir)
         if existing is not None:
-            if existing.healthy():
+            if existing.healthy() and (not node or existing.state.get("node", {}).get("nodes") == nodes):
                 return existing
             existing.stop()  # half-dead leftovers: clear them before starting afresh
         t0 = time.monotonic()
         bins = Path(bin_dir) if bin_dir else provide_binaries(stream=stream)
+        node_bins = None
+        if node:
+            if why := localnode.missing_prerequisites():
+                raise ClusterError("cannot run a node here: " + "; ".join(why))
+            node_bins = localnode.provide_node_binaries(stream=stream)
         t_bins = time.monotonic() - t0
         last: ClusterError | None = None
         for _attempt in range(3):  # a free port can be taken between probe and bind: retry
             try:
-                cluster = cls._boot(state_dir, bins)
+                cluster = cls._boot(state_dir, bins, node_bins, nodes)
             except _PortRace as exc:
                 last = ClusterError(str(exc))
                 continue
@@ -383,14 +411,21 @@ class LocalCluster:
         raise last
 
     @classmethod
-    def _boot(cls, state_dir: Path, bins: Path) -> LocalCluster:
+    def _boot(cls, state_dir: Path, bins: Path, node_bins: Path | None = None, nodes: int = 1) -> LocalCluster:
         cluster_root = state_dir / "cluster"
         logs = state_dir / "logs"
         cluster_root.mkdir(parents=True, exist_ok=True)
         logs.mkdir(parents=True, exist_ok=True)
-        run = Path(tempfile.mkdtemp(prefix="run-", dir=cluster_root))
         etcd_port, peer_port, api_port, kcm_port = free_ports(4)
-        server = f"https://127.0.0.1:{api_port}"
+        node_record: dict[str, Any] | None = None
+        if node_bins is not None:
+            try:
+                node_record = localnode.prepare(state_dir, nodes)  # the bridge whose address the apiserver binds
+            except localnode.NodeError as exc:
+                raise ClusterError(str(exc)) from exc
+        run = Path(tempfile.mkdtemp(prefix="run-", dir=cluster_root))
+        address = node_record["node_ip"] if node_record else "127.0.0.1"
+        server = f"https://{address}:{api_port}"
         admin_token = os.urandom(24).hex()
         kcm_token = os.urandom(24).hex()
         state: dict[str, Any] = {
@@ -403,6 +438,8 @@ class LocalCluster:
             "logs": {c: str(logs / f"{c}.log") for c in COMPONENTS},
             "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        if node_record is not None:
+            state["node"] = node_record
         cluster = cls(state_dir, state, {})
         try:
             # etcd
@@ -424,13 +461,14 @@ class LocalCluster:
             tokens.write_text(
                 f'{admin_token},{ADMIN_USER},uid-kora-admin,"system:masters"\n'
                 f"{kcm_token},{KCM_USER},uid-kube-controller-manager\n"
+                + (localnode.token_lines(node_record) if node_record else "")
             )
             tokens.chmod(0o600)
             cert_dir = run / "apiserver-certs"
             cluster._spawn("kube-apiserver", [
                 str(bins / "kube-apiserver"),
                 f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+                f"--bind-address={address}", f"--advertise-address={address}", f"--secure-port={api_port}",
                 f"--cert-dir={cert_dir}",
                 f"--token-auth-file={tokens}",
                 "--authorization-mode=Node,RBAC",
@@ -439,8 +477,9 @@ class LocalCluster:
                 f"--service-account-issuer={SA_ISSUER}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--allow-privileged=true",
-                # the `kubernetes` Service cannot have a loopback endpoint; no pod here needs it
-                "--endpoint-reconciler-type=none",
+                # without a node the `kubernetes` Service cannot have a loopback endpoint, and no pod
+                # needs it; with one it points at the bridge address pods reach
+                *(localnode.apiserver_flags(node_record) if node_record else ["--endpoint-reconciler-type=none"]),
                 "--profiling=false",
             ])  # fmt: skip
             cluster._await(
@@ -480,6 +519,11 @@ class LocalCluster:
                 lambda: http_get(default_sa, admin_token)[0] == 200,
                 what="the default ServiceAccount in namespace default",
             )
+            if node_record is not None and node_bins is not None:
+                try:
+                    localnode.start(cluster, node_record, node_bins)
+                except localnode.NodeError as exc:
+                    raise ClusterError(str(exc)) from exc
         except BaseException:
             with contextlib.suppress(Exception):
                 cluster.stop()  # what did start, the run dir, the state and the kubeconfig
@@ -488,14 +532,18 @@ class LocalCluster:
         return cluster
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
-        self.procs[name] = spawn(name, cmd, Path(self.state["logs"][name]))
+        logs = self.state["logs"]
+        logs.setdefault(name, str(Path(logs[COMPONENTS[0]]).with_name(f"{name}.log")))
+        self.procs[name] = spawn(name, cmd, Path(logs[name]))
         self._save()  # recorded at once, so `down` finds it even if this `up` is killed midway
 
-    def _await(self, name: str, probe: Callable[[], bool], what: str | None = None) -> None:
+    def _await(
+        self, name: str, probe: Callable[[], bool], what: str | None = None, timeout: float = START_TIMEOUT
+    ) -> None:
         """Wait (bounded) until `probe` holds; fail fast, with `name`'s log, if `name` exits."""
         proc = self.procs[name]
         what = what or f"{name} to become healthy"
-        deadline = time.monotonic() + START_TIMEOUT
+        deadline = time.monotonic() + timeout
 
         def check() -> bool:
             if not proc.alive():
@@ -519,7 +567,7 @@ class LocalCluster:
                 raise ClusterError(f"{name} exited while waiting for {what}; tail of {proc.log}:\n{tail}") from None
             if time.monotonic() >= deadline:
                 raise ClusterError(
-                    f"timed out after {START_TIMEOUT:g} s waiting for {what}; tail of {proc.log}:\n{log_tail(proc.log)}"
+                    f"timed out after {timeout:g} s waiting for {what}; tail of {proc.log}:\n{log_tail(proc.log)}"
                 )
             time.sleep(0.2)
 
@@ -533,10 +581,15 @@ class LocalCluster:
 
     def stop(self) -> None:
         """Stop exactly the recorded processes, remove the run dir and the state. Idempotent."""
-        ordered = [self.procs[c] for c in reversed(COMPONENTS) if c in self.procs]
-        # controller manager and apiserver first (they talk to etcd while shutting down)
-        stop_procs([p for p in ordered if p.name != "etcd"])
-        stop_procs([p for p in ordered if p.name == "etcd"])
+        if self.has_node:
+            # the node's processes first (they talk to the apiserver while stopping), then the control
+            # plane, then the node's network (the apiserver listens on the bridge's address till it exits)
+            try:
+                localnode.teardown(self, between=self._stop_control_plane)
+            except localnode.NodeError as exc:
+                raise ClusterError(f"tearing the node down: {exc}") from exc
+        else:
+            self._stop_control_plane()
         run_dir = self.state.get("run_dir")
         if run_dir and Path(run_dir).parent == self.state_dir / "cluster":
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -545,6 +598,12 @@ class LocalCluster:
                 leftover.unlink()
         with contextlib.suppress(OSError):
             (self.state_dir / "cluster").rmdir()  # only if empty
+
+    def _stop_control_plane(self) -> None:
+        ordered = [self.procs[c] for c in reversed(COMPONENTS) if c in self.procs]
+        # controller manager and apiserver first (they talk to etcd while shutting down)
+        stop_procs([p for p in ordered if p.name != "etcd"])
+        stop_procs([p for p in ordered if p.name == "etcd"])
 
 
 class _Exited(Exception):
@@ -602,24 +661,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="localcluster.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["up", "down", "status"])
     parser.add_argument("--dir", default=".kora", help="state dir (default: .kora)")
+    parser.add_argument(
+        "--node", action="store_true", help="up: add a real node (hack/localnode.py; root, containerd, runc, ...)"
+    )
+    parser.add_argument(
+        "--nodes", type=int, default=1, help="up --node: how many nodes (the 2nd.. each in a network namespace)"
+    )
     args = parser.parse_args(argv)
     state_dir = Path(args.dir).resolve()
 
     if args.command == "up":
         was = LocalCluster.load(state_dir)
-        if was is not None and was.healthy():
+        wanted = not args.node or (was is not None and was.state.get("node", {}).get("nodes") == args.nodes)
+        if was is not None and was.healthy() and wanted:
             print(f"already up: {was.server} (pids {was.pids})", file=sys.stderr)
             print(f"export KUBECONFIG={was.kubeconfig}")
             return 0
         t0 = time.monotonic()
         try:
-            cluster = LocalCluster.start(state_dir, stream=True)
+            cluster = LocalCluster.start(state_dir, stream=True, node=args.node, nodes=args.nodes)
         except ClusterError as exc:
             print(f"localcluster: {exc}", file=sys.stderr)
             return 1
         took = time.monotonic() - t0
+        node = f", node {cluster.state['node']['seconds']}" if cluster.has_node else ""
         print(
-            f"up in {took:.1f} s (testbin {cluster.state['testbin_seconds']:.1f} s): {cluster.server}, "
+            f"up in {took:.1f} s (testbin {cluster.state['testbin_seconds']:.1f} s{node}): {cluster.server}, "
             f"pids {cluster.pids}, logs in {state_dir / 'logs'}",
             file=sys.stderr,
         )
@@ -631,12 +698,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if cluster is None:
             print("not up (nothing recorded)", file=sys.stderr)
             return 0
+        pids = cluster.pids
+        t0 = time.monotonic()
         try:
             cluster.stop()
         except ClusterError as exc:
             print(f"localcluster: {exc}", file=sys.stderr)
             return 1
-        print(f"down: stopped pids {cluster.pids}", file=sys.stderr)
+        node = f" (node: {cluster.state['teardown_seconds']})" if "teardown_seconds" in cluster.state else ""
+        print(f"down in {time.monotonic() - t0:.1f} s{node}: stopped pids {pids}", file=sys.stderr)
         return 0
 
     # status
@@ -654,6 +724,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "processes": {n: {"pid": p.pid, "alive": alive[n]} for n, p in cluster.procs.items()},
                 "bin_dir": str(cluster.bin_dir),
                 "startup_seconds": cluster.startup_seconds,
+                "node": {k: v for k, v in cluster.state.get("node", {}).items() if k != "tokens"} or None,
             },
             indent=2,
         )

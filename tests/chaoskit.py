@@ -13,7 +13,7 @@ Faults (what ends an attempt):
   cannot be hit from outside on a loaded machine), and the rest of the trainer is SIGKILLed the moment the
   writer is seen dead;
 - `engine-generate` / `engine-sync`: the engine SIGKILLs itself on its n-th /generate or fast-path push
-  (reference_engine/faults.py: exactly inside the call); the trainer must fail the attempt, naming the engine,
+  (kora_engine/faults.py: exactly inside the call); the trainer must fail the attempt, naming the engine,
   within the bound, not hang;
 - `engine-hang-generate` / `engine-hang-sync`: the engine hangs without dying inside its n-th /generate, or
   inside a push (the first one, on the HTTP path, or the n-th fast-path one): it SIGSTOPs itself, or wedges its
@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 
+from kora_engine.faults import EXIT_AT_ENV, HANG_AT_ENV, HANG_MARK
 from kora_trainer.checkpoint import lora_only
 from kora_trainer.checkpoint.faults import KILL_AT_ENV, PHASES
-from kora_trainer.reference_engine.faults import EXIT_AT_ENV, HANG_AT_ENV, HANG_MARK
 from tmpfskit import mounted_tmpfs, resize_tmpfs
 from trainkit import TrainRun, _session_pids
 
@@ -197,7 +197,7 @@ def _kill_now(run: TrainRun, pids: list[int]) -> None:
 def _engine_pid(run: TrainRun) -> int | None:
     for pid in _session_pids(run.proc.pid):
         with contextlib.suppress(OSError):
-            if b"kora_trainer.reference_engine" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"kora_engine.lm" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return pid
     return None
 

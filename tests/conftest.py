@@ -17,7 +17,7 @@ for _path in (TESTS_DIR.parent / "hack", TESTS_DIR):
 def toy_dir(tmp_path_factory):
     """The toy model, tokenizer and dataset (kora make-toy), untrained: the pipeline is under test, not
     the skill. Made once per session; tests only read it."""
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     out = tmp_path_factory.mktemp("toy") / "toy"
     make_toy(out, target=0.0)
@@ -27,7 +27,7 @@ def toy_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def diffusion_toy_dir(tmp_path_factory):
     """The diffusion toy (kora make-toy --diffusion), made once per session; tests only read it."""
-    from kora_trainer.diffusion.toy import make_diffusion_toy
+    from kora_trainer.toys.diffusion import make_diffusion_toy
 
     out = tmp_path_factory.mktemp("diffusion-toy") / "toy"
     make_diffusion_toy(out)
@@ -38,7 +38,7 @@ def diffusion_toy_dir(tmp_path_factory):
 def vl_toy_dir(tmp_path_factory):
     """The vision-language toy (kora make-toy --vl), briefly pretrained as the command makes it (~10 s); tests only
     read it."""
-    from kora_trainer.vl_toy import make_vl_toy
+    from kora_trainer.toys.vl import make_vl_toy
 
     out = tmp_path_factory.mktemp("vl_toy") / "vl_toy"
     make_vl_toy(out)

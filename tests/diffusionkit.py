@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kora_trainer.diffusion.lora import SD3_TARGETS, apply_diffusion_lora
-from kora_trainer.diffusion.toy import DiffusionToy, load_diffusion_toy
+from kora_trainer.lora.diffusers import SD3_TARGETS, apply_diffusion_lora
 from kora_trainer.lora.model import lora_modules
+from kora_trainer.toys.diffusion import DiffusionToy, load_diffusion_toy
 
 
 def toy_with_moved_adapter(path, rank: int = 4, alpha: float = 8.0, seed: int = 7) -> DiffusionToy:

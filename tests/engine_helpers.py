@@ -41,11 +41,11 @@ class EngineProc:
 
 def start_engine(model_dir: Path, log_dir: Path, *extra: str, device: str = "cpu",
                  timeout_s: float = 120.0, env: dict[str, str] | None = None) -> EngineProc:
-    """`python -m kora_trainer.reference_engine` on a free port, `env` added to its environment; waits
+    """`python -m kora_engine.lm` on a free port, `env` added to its environment; waits
     (bounded) for /health."""
     port = free_port()
     log = log_dir / f"engine-{port}.log"
-    cmd = [sys.executable, "-m", "kora_trainer.reference_engine", "--model-path", str(model_dir),
+    cmd = [sys.executable, "-m", "kora_engine.lm", "--model-path", str(model_dir),
            "--port", str(port), "--device", device, "--num-threads", "1", *extra]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     with open(log, "wb") as out:
@@ -263,8 +263,8 @@ def kora_and_sglang_like(tmp_path_factory: Any) -> Iterator[tuple[Path, dict[str
 def recording_engine(tmp_path_factory: Any, *extra: str, device: str = "cpu"
                      ) -> Iterator[tuple[Path, EngineProc, Path]]:
     """(a tiny model, the reference engine serving it, the JSON-lines file of every HTTP request it answered:
-    reference_engine/record.py); stopped after."""
-    from kora_trainer.reference_engine.record import RECORD_ENV
+    kora_engine/lm/record.py); stopped after."""
+    from kora_engine.lm.record import RECORD_ENV
     from tinymodel import make_tiny_model
 
     model = make_tiny_model(tmp_path_factory.mktemp("tiny"))

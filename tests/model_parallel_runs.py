@@ -34,7 +34,7 @@ def close(a: float, b: float) -> bool:
 def make_toys(root: Path) -> tuple[Path, Path]:
     """The toy (its dataset as train.jsonl) and a tiny Qwen3-MoE (4 layers, 8 experts top-2) with the toy's
     tokenizer, so the toy's prompts train it."""
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
     from tinymodel import make_tiny_moe_model
 
     make_toy(root / "toy", target=0.0, dataset="train.jsonl")

@@ -9,6 +9,10 @@ Written from the sources, not from kora's models, so a kora field that leaks int
   (IO:1582 UpdateWeightsFromDistributedReqInput, IO:1608 UpdateWeightsFromTensorReqInput, IO:1721 / 1741 the group,
   IO:1750 UpdateWeightVersionReqInput, IO:1812 AbortReq (+ prefix), IO:1995 / 2014 / 2027 the LoRA routes,
   IO:2048 LoadLoRAAdapterFromDistributedReqInput).
+- `0.5.17`: the PyPI wheel's sglang/srt/managers/io_struct.py (IO:1676 UpdateWeightsFromDistributedReqInput and
+  IO:1699 UpdateWeightsFromTensorReqInput: no `selector`, the tensor route has `disable_draft_model`; IO:1798 / 1814
+  the group, IO:1827 UpdateWeightVersionReqInput, IO:1906 AbortReq (no `prefix`), IO:2113 / 2132 / 2145 the LoRA
+  routes, IO:1601 PauseGenerationReqInput; GenerateReqInput has `image_data` and the fields tabled below).
 Every struct but GenerateReqInput also has BaseReq's `rid` and `http_worker_ipc`.
 """
 
@@ -18,7 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-STOCK, MILES = "0.5.23", "sglang-miles-94949da7"
+STOCK, STOCK_0_5_17, MILES = "0.5.23", "0.5.17", "sglang-miles-94949da7"
 BASE_REQ = {"rid", "http_worker_ipc"}
 
 # GenerateReqInput: the fields SGLANG_API.md tables (the struct has more; kora sends none of the others)
@@ -52,12 +56,20 @@ _MILES_STRUCTS = {
                                             {"group_name", "pinned", "added_tokens_config", "lora_id", "upsert"}),
     "/abort_request": (set(), _STOCK_STRUCTS["/abort_request"][1] | {"prefix"}),
 }
-STRUCTS: dict[str, dict[str, tuple[set[str], set[str]]]] = {STOCK: _STOCK_STRUCTS, MILES: _MILES_STRUCTS}
+_WEIGHTS_0_5_17 = _WEIGHTS - {"selector"}
+_STOCK_0_5_17_STRUCTS = {
+    **_STOCK_STRUCTS,
+    "/generate": (set(), GENERATE | {"image_data"}),
+    "/update_weights_from_distributed": ({"names", "dtypes", "shapes"}, {"group_name", *_WEIGHTS_0_5_17}),
+    "/update_weights_from_tensor": ({"serialized_named_tensors"}, _WEIGHTS_0_5_17 | {"disable_draft_model"}),
+}
+STRUCTS: dict[str, dict[str, tuple[set[str], set[str]]]] = {
+    STOCK: _STOCK_STRUCTS, STOCK_0_5_17: _STOCK_0_5_17_STRUCTS, MILES: _MILES_STRUCTS}
 BODYLESS = {"/health", "/health_generate", "/model_info", "/get_model_info", "/flush_cache"}
 
 
 def read_calls(path: Path) -> list[dict[str, Any]]:
-    """The engine's record (reference_engine/record.py): one dict per answered request."""
+    """The engine's record (kora_engine/lm/record.py): one dict per answered request."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

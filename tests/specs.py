@@ -38,6 +38,9 @@ DIFFUSION: dict[str, Any] = {"diffusion.kind": "image", "rollout.engine": "hf", 
 
 # rule id -> {dotted spec path: value} that violates exactly that rule
 VIOLATIONS: dict[str, dict[str, Any]] = {
+    "sglang-args-owned": {"rollout.sglangArgs": ["--attention-backend", "triton", "--port=30001"]},
+    "sglang-args-engine": {"rollout.engine": "hf", "rollout.gpusPerEngine": 0,
+                           "rollout.sglangArgs": ["--attention-backend", "triton"]},
     "adapter-dp-size": {"lora.syncMode": "Adapter", "rollout.dpSize": 2},
     "router-needs-adapter": {"lora.targetModules": ["linear_qkv", "router"]},
     "adapter-colocate-distributed": {"lora.syncMode": "Adapter", "deployment.mode": "Colocate",

@@ -169,8 +169,8 @@ def wait_all(runs: list[TrainRun], timeout_s: float = TIMEOUT_S, poll: bool = Tr
 
 def hang_notice_s(run: TrainRun, engine_log: Path) -> float:
     """Wait for `run` to exit (wait_all); the seconds from its engine's own hang mark in `engine_log` (the test-only
-    fault of reference_engine/faults.py) to the first poll that saw the run Failed."""
-    from kora_trainer.reference_engine.faults import HANG_MARK
+    fault of kora_engine/faults.py) to the first poll that saw the run Failed."""
+    from kora_engine.faults import HANG_MARK
 
     seen: dict[str, float] = {}
 

@@ -2,7 +2,7 @@
 engine started with that key in its environment, as the RayJob's pods get it (secretKeyRef into
 KORA_ENGINE_ADMIN_API_KEY), refuses a weight route called without the key or with another one (401) and
 serves it with the key. Every part is real: kube-apiserver, etcd, `kora operator`, the reference engine
-(`python -m kora_trainer.reference_engine`) and HTTP on 127.0.0.1.
+(`python -m kora_engine.lm`) and HTTP on 127.0.0.1.
 """
 
 from __future__ import annotations

@@ -234,9 +234,9 @@ def test_an_adapter_the_engine_drops_stops_the_job_naming_it(toy_dir, tmp_path):
     even's gap is above sync.servedLogpGapMax from its second step (its first, B = 0, equals the base), odd's stays
     at fp32 rounding; after sync.servedBadStepsToFail bad steps of even the job stops Failed, /status's servingCheck
     and the message naming even, its version and the threshold."""
+    from kora_engine.lm.adapter_registry import DROP_ADAPTER_ENV
     from kora_operator.api.job import LoRATrainingJob
     from kora_operator.progress import policy_served
-    from kora_trainer.reference_engine.adapter_registry import DROP_ADAPTER_ENV
     from specs import valid_job
 
     data = str(toy_dir / "train.parquet")
@@ -264,10 +264,10 @@ def test_an_adapter_the_engine_drops_stops_the_job_naming_it(toy_dir, tmp_path):
 
 @pytest.mark.slow
 def test_an_engine_hung_mid_generate_fails_the_job_naming_it(toy_dir, tmp_path):
-    """The engine SIGSTOPs itself inside its third /generate (reference_engine/faults.py): the hang watch kills it
+    """The engine SIGSTOPs itself inside its third /generate (kora_engine/faults.py): the hang watch kills it
     after rollout.engineHangSeconds and the multi-adapter job fails with EngineLost naming the engine, that it hung
     and in what state, the round it was in and what a retry resumes from (each adapter's own checkpoint)."""
-    from kora_trainer.reference_engine.faults import HANG_AT_ENV
+    from kora_engine.faults import HANG_AT_ENV
 
     hang_s = 5
     job = job_file(toy_dir, tmp_path, [{"name": "odd", "rank": 16, "numSteps": 6}],

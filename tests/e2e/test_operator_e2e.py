@@ -287,7 +287,7 @@ def test_deleting_a_running_job_stops_the_trainer_and_leaves_nothing(cluster, ns
     procs = job_processes(head, "doomed")
     lines = {p: " ".join(cmdline(p)) for p in procs}
     assert trainer_drivers(head, "doomed"), lines
-    assert any("kora_trainer.reference_engine" in c for c in lines.values()), lines  # the engine
+    assert any("kora_engine.lm" in c for c in lines.values()), lines  # the engine
     assert any(c.startswith("ray::") for c in lines.values()), lines  # the trainer's Ray actors
     assert {c["kind"] for c in (children(cluster, "doomed", ns)["ConfigMap"] + children(cluster, "doomed", ns)
                                 ["Secret"])} == {"ConfigMap", "Secret"}

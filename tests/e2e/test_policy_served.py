@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import pytest
 
+from kora_engine.lm.adapter_registry import DROP_ADAPTER_ENV
 from kora_operator.api.job import LoRATrainingJob
 from kora_operator.conditions import transitions
 from kora_operator.progress import progress_conditions, progress_of
-from kora_trainer.reference_engine.adapter_registry import DROP_ADAPTER_ENV
 from specs import valid_job
 from trainkit import TrainRun, wait_all
 

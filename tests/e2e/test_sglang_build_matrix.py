@@ -4,7 +4,7 @@ build's structs as its source spells them: tests/sglang_buildkit.py) and one the
 the combinations a build refuses are refused before anything starts.
 
 `rollout.engine: hf` + `rollout.sglangBuild: NAME` starts the reference engine with `--sglang-build NAME`
-(reference_engine/strict.py): it stands in for the build's SGLang, which cannot run here (no GPU)."""
+(kora_engine/lm/strict.py): it stands in for the build's SGLang, which cannot run here (no GPU)."""
 
 from __future__ import annotations
 

@@ -111,10 +111,10 @@ def test_a_restarted_run_resumes_and_repeats_the_uninterrupted_steps_exactly(uni
 def test_an_engine_hung_mid_rollout_fails_the_attempt_and_a_retry_resumes_exactly(uninterrupted, diffusion_toy_dir,
                                                                                  tmp_path):
     """The engine SIGSTOPs itself inside step 2's rollouts (its 6th /rollout/generate: 4 prompts a step;
-    reference_engine/faults.py): the driver's hang watch kills it after rollout.engineHangSeconds and the attempt
+    kora_engine/faults.py): the driver's hang watch kills it after rollout.engineHangSeconds and the attempt
     fails with EngineLost naming the engine, that it hung, its state, what the driver was doing and the fix; a retry
     on the same checkpoint.path resumes from step 1 and runs steps 2-4 as the uninterrupted run did."""
-    from kora_trainer.reference_engine.faults import HANG_AT_ENV
+    from kora_engine.faults import HANG_AT_ENV
 
     ref, ref_ckpt = uninterrupted
     hang_s, ckpt = 4, tmp_path / "ckpt"

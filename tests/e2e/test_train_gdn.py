@@ -18,7 +18,7 @@ import pytest
 
 from gdnkit import GDN_TARGETS, make_tiny_gdn_model
 from kora_trainer.lora.gdn import GATE_MASK_OFF_ENV
-from kora_trainer.toy import write_dataset
+from kora_trainer.toys.lm import write_dataset
 from trainkit import TrainRun, wait_all
 
 GAP_BOUND = 1e-3

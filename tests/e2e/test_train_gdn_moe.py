@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gdnkit import make_tiny_gdn_moe_model
-from kora_trainer.toy import write_dataset
+from kora_trainer.toys.lm import write_dataset
 from trainkit import TINY, TOY_YAML, TrainRun, wait_all
 
 STEPS = 3

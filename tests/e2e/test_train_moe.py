@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kora_trainer.toy import write_dataset
+from kora_trainer.toys.lm import write_dataset
 from tinymodel import make_tiny_moe_model
 from trainkit import TrainRun, wait_all
 

@@ -28,8 +28,8 @@ GAP_MAX = 1e-4
 @pytest.fixture
 def workers_import_the_tests(monkeypatch):
     """The Ray nodes' workers take the nodes' environment: the custom reward (tests/e2e) must be importable."""
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "trainer"), str(E2E), str(REPO / "tests"),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(REPO / "trainer"), str(REPO / "engine"), str(E2E),
+                                                      str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ COMMON = ["algorithm.rolloutBatchSize=8", "algorithm.nSamplesPerPrompt=4", "algo
 
 @pytest.fixture(scope="module")
 def vl_moe_dir(tmp_path_factory) -> Path:
-    from kora_trainer.vl_toy import make_vl_toy
+    from kora_trainer.toys.vl import make_vl_toy
 
     out = tmp_path_factory.mktemp("vl_moe") / "vl_moe"
     info = make_vl_toy(out, moe=True)
@@ -56,7 +56,7 @@ def image_logits(model: torch.nn.Module, toy: Path) -> torch.Tensor:
     """The last position's logits for 8 image prompts (one per colour), built as the rollout manager builds them."""
     from transformers import AutoImageProcessor, AutoTokenizer
 
-    from kora_trainer.vl_toy import PROMPT, image_png
+    from kora_trainer.toys.vl import PROMPT, image_png
     from kora_trainer.wire.vision import VisionTokens, forward_inputs, images_from_bytes, prompt_ids
 
     tokenizer, processor = AutoTokenizer.from_pretrained(toy), AutoImageProcessor.from_pretrained(toy)

@@ -8,7 +8,7 @@ push makes no HTTP call (the engine records every request it answers) and the en
 at the pushed version. tests/unit/test_sync_colocated_handshake.py is the same on the CPU, with the concurrency and
 timeout cases.
 
-Run: PYTHONPATH=$PWD/trainer:$PWD/tests pytest -m gpu tests/gpu/test_colocated_handshake_gpu.py
+Run: PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests pytest -m gpu tests/gpu/test_colocated_handshake_gpu.py
 Tolerance: fp32 on both sides; 1e-3 as the other GPU sync tests (TF32 off, batching and KV cache reorder sums).
 """
 

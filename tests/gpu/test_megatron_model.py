@@ -2,7 +2,7 @@
 Qwen3 GPTModel from the tiny HF checkpoint, LoRA wrappers, HF / PEFT conversions, a GRPO step vs the torch backend.
 
 Run on a GPU machine with megatron-core importable:
-    PYTHONPATH=trainer:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_model.py
+    PYTHONPATH=trainer:engine:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_model.py
 Tolerances (fp32, TF32 off): logits 1e-4 absolute; bf16: megatron's error against the fp32 HF model at most
 twice HF-bf16's own error (plus 1e-2). Numbers measured are in docs/megatron_backend.md.
 """

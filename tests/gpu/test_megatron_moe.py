@@ -12,7 +12,7 @@ Tolerance (fp32, TF32 off): logits 1e-4 absolute, as for the dense model. bf16 i
 
 The CPU tests (layer pattern, fused <-> per-expert tensors, router settings) run without a GPU; the rest need
 a GPU and megatron-core:
-    PYTHONPATH=trainer:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_moe.py
+    PYTHONPATH=trainer:engine:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_moe.py
 """
 
 from __future__ import annotations

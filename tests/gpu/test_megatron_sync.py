@@ -3,7 +3,7 @@ on GPU 0; 2 GPUs) and colocated through CUDA IPC (both on GPU 0): after each pus
 `MegatronBackend.logprobs` (Adapter mode through `lora_path`), then a GRPO step moves the adapter and the next
 push lands too; an unchanged adapter is skipped (collective rule).
 
-Run: PYTHONPATH=trainer:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_sync.py
+Run: PYTHONPATH=trainer:engine:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_sync.py
 Tolerance: fp32 on both sides, TF32 off (torch's default for matmuls): engine vs trainer log-probs 1e-3
 absolute (the engine batches and KV-caches, the trainer runs one forward; megatron vs HF logits agree to
 ~2e-6, docs/megatron_backend.md). Every push is also checked byte for byte by the engine's checksum.

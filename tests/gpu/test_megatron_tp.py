@@ -1,7 +1,7 @@
 """The megatron LoRA wrappers under tensor parallelism 2 (two processes, one GPU each, NCCL): log-probs, adapter
 gradients, grad norm, the HF-PEFT export and the merged HF state equal the unsharded HF + peft reference.
 
-Run: PYTHONPATH=trainer:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_tp.py (2 GPUs).
+Run: PYTHONPATH=trainer:engine:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_tp.py (2 GPUs).
 Tolerances: fp32, TF32 off; log-probs 1e-4 absolute, gradients 1e-4 relative to the largest entry, the
 merged weights 1e-5 absolute; the exported adapter is bit-identical to the one loaded.
 """

@@ -6,7 +6,8 @@ halves), so a TP = 1 job resumes it with the same adapter.
 
 Two ways to run the two ranks: one GPU each over NCCL (2 GPUs), or both on cuda:0 over gloo (one GPU: NCCL refuses
 two ranks of one group on one device), so the TP code paths run on a one-GPU machine too.
-Run: PYTHONPATH=$PWD/trainer:$PWD/tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_tp_checkpoint.py
+Run: PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests:/path/to/megatron-core \
+    pytest -m gpu tests/gpu/test_megatron_tp_checkpoint.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ takes part in the shard gathers of every bucket. After each push the engine's lo
 policy's `MegatronBackend.logprobs` (Adapter mode through `lora_path`); a GRPO step on both ranks moves the
 adapter and the next push lands too; an unchanged adapter is skipped by both ranks (the MAX over the TP group).
 
-Run (2 GPUs): PYTHONPATH=trainer:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_tp_sync.py
+Run (2 GPUs): PYTHONPATH=trainer:engine:tests:/path/to/megatron-core pytest -m gpu tests/gpu/test_megatron_tp_sync.py
 Tolerance: that of test_megatron_sync.py (fp32 both sides, TF32 off, 1e-3 absolute); every push is also
 checked byte for byte by the engine's checksum.
 """

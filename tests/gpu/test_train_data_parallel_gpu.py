@@ -3,7 +3,7 @@
 the same job at data 1 (tests/e2e/test_train_data_parallel.py's claim on GPUs: the same losses up to the order of
 the sums; fp32 toy). Skipped below the GPUs a case needs; the two-GPU issue runs them.
 
-Run: PYTHONPATH=$PWD/trainer:$PWD/tests:/path/to/megatron-core NCCL_NVLS_ENABLE=0 \
+Run: PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests:/path/to/megatron-core NCCL_NVLS_ENABLE=0 \
     pytest -m gpu tests/gpu/test_train_data_parallel_gpu.py
 """
 
@@ -24,7 +24,7 @@ GAP_MAX = 1e-3
 
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     out = tmp_path_factory.mktemp("toy") / "toy"
     make_toy(out, target=0.0, dataset="train.jsonl")

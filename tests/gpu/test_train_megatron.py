@@ -8,7 +8,8 @@ sampled tokens with the engine's (`rollout_logp_gap_max`, on-policy steps only: 
 The toy is fp32 on both sides, so after a correct push they agree to kernel noise; a wrong or missing push
 leaves a gap of the adapter's size. Bound 1e-3, the one tests/gpu/test_megatron_sync.py uses.
 
-Run: PYTHONPATH=trainer:tests:/path/to/megatron-core NCCL_NVLS_ENABLE=0 pytest -m gpu tests/gpu/test_train_megatron.py
+Run: PYTHONPATH=trainer:engine:tests:/path/to/megatron-core NCCL_NVLS_ENABLE=0 \
+    pytest -m gpu tests/gpu/test_train_megatron.py
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ MEGATRON = ["backend=megatron", "deployment.async=false", "rollout.gpusPerEngine
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory) -> Path:
     """The toy with its dataset as JSON lines: the GPU image has no pyarrow (the model is the same)."""
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     out = tmp_path_factory.mktemp("toy") / "toy"
     make_toy(out, target=0.0, dataset="train.jsonl")
@@ -51,7 +52,7 @@ def data(toy: Path) -> str:
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory) -> Path:
     """A tiny random Qwen3-MoE (layer 1 dense, 8 experts top-2) with the toy's tokenizer and dataset."""
-    from kora_trainer.toy import write_dataset
+    from kora_trainer.toys.lm import write_dataset
 
     out = make_tiny_moe_model(tmp_path_factory.mktemp("moe") / "moe")
     write_dataset(out / "train.jsonl")

@@ -8,7 +8,7 @@ What says the push is right: `rollout_logp_gap_max` (trainer vs engine log-probs
 each step's first update; fp32 on both sides), bound 1e-3 as in test_train_megatron.py, whose fixtures and
 settings this reuses.
 
-Run: bash hack/gpu_env.sh /tmp/mc; PYTHONPATH=$PWD/trainer:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 \
+Run: bash hack/gpu_env.sh /tmp/mc; PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 \
     KORA_MEGATRON_REPORT=$OUT/report.jsonl python3 -m pytest -q -s tests/gpu/test_train_megatron_fast_sync.py
 """
 

@@ -7,7 +7,7 @@ the export is written (tests/model_parallel_runs.py). Skipped below the GPUs a c
 them. On the CPU, tests/e2e/test_train_model_parallel_cpu.py runs the same cases through the same train command,
 and tests/unit/test_megatron_model_parallel.py the policies, checkpoints and pushes over gloo.
 
-Run: PYTHONPATH=$PWD/trainer:$PWD/tests:/path/to/megatron-core NCCL_NVLS_ENABLE=0 \
+Run: PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests:/path/to/megatron-core NCCL_NVLS_ENABLE=0 \
     pytest -m gpu tests/gpu/test_train_model_parallel_gpu.py
 """
 

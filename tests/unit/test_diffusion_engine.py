@@ -18,14 +18,14 @@ import requests
 import torch
 
 from diffusionkit import toy_with_moved_adapter
-from kora_trainer.diffusion import flow_grpo
-from kora_trainer.diffusion.engine import decode_tensor, trajectory_from_responses
-from kora_trainer.diffusion.engine_client import EngineRollout, LoraMergeSync
-from kora_trainer.diffusion.lora_sync import layer_groups, pack_pair_buckets, sync_log_line
-from kora_trainer.diffusion.policy import velocity_fn
-from kora_trainer.diffusion.toy import load_diffusion_toy
-from kora_trainer.diffusion.train_loop import FlowGRPOSettings, train_toy
+from kora_trainer.algorithm import flow_grpo
+from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings, train_toy
 from kora_trainer.lora.model import adapter_tensors, base_state, folded_state
+from kora_trainer.toys.diffusion import load_diffusion_toy
+from kora_trainer.toys.diffusion_policy import velocity_fn
+from kora_trainer.wire.diffusion import decode_tensor, trajectory_from_responses
+from kora_trainer.wire.diffusion_client import EngineRollout, LoraMergeSync
+from kora_trainer.wire.diffusion_lora import layer_groups, pack_pair_buckets, sync_log_line
 from kora_trainer.wire.ports import free_port
 from kora_trainer.wire.serialize import serialize_named_tensors
 from localcluster import wait_for
@@ -36,7 +36,7 @@ def engine_url(diffusion_toy_dir, tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("diffusion-engine") / "engine.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(diffusion_toy_dir),
+        proc = subprocess.Popen([sys.executable, "-m", "kora_engine.diffusion.server", "--toy", str(diffusion_toy_dir),
                                  "--port", str(port)], stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"

@@ -1,4 +1,4 @@
-"""Flow-GRPO's math (kora_trainer/diffusion/flow_grpo.py) on the diffusion toy's real SD3 transformer, fp32.
+"""Flow-GRPO's math (kora_trainer/algorithm/flow_grpo.py) on the diffusion toy's real SD3 transformer, fp32.
 
 The must-show: every step's log-prob the rollout recorded equals the trainer's re-score of that step before any
 update — and the match is sharp: a re-score with another noise level or another step's timestep misses it.
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from diffusionkit import toy_with_moved_adapter
-from kora_trainer.diffusion import flow_grpo
-from kora_trainer.diffusion.policy import generators, velocity_fn
+from kora_trainer.algorithm import flow_grpo
 from kora_trainer.lora.model import adapter_disabled
+from kora_trainer.toys.diffusion_policy import generators, velocity_fn
 
 STEPS, NOISE = 10, 0.7  # the SD3 recipe's 10 steps and noise level 0.7
 TOL = 1e-5  # fp32 rounding of a re-score in other batch shapes (measured: exactly 0 on CPU)

@@ -2,8 +2,8 @@
 
 Both runs start from the same adapter (B moved off zero, so A and B both get gradients), take the same rollout
 (the toy's own sampler, seeded) and do two Flow-GRPO optimizer passes (plain SGD: see sgd); the two ranks each
-train on half of the prompt groups with the transformer sharded by diffusion/fsdp.py; the one-rank run trains on
-all of them in one process. The adapters after must agree to rounding (the order of float sums differs)."""
+train on half of the prompt groups with the transformer sharded by backends/diffusion/fsdp.py; the one-rank run
+trains on all of them in one process. The adapters after must agree to rounding (the order of float sums differs)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def sgd(params):
 
 
 def settings():
-    from kora_trainer.diffusion.train_loop import FlowGRPOSettings
+    from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings
 
     return FlowGRPOSettings(prompts_per_step=PROMPTS, samples_per_prompt=GROUP, num_inference_steps=STEPS,
                             lr=5e-3, lora_rank=4, lora_alpha=8.0, seed=5)
@@ -34,12 +34,12 @@ def settings():
 
 def policy(toy_dir):
     """The toy with its adapter, B moved deterministically; the optimizer; the batch's rollout and advantages."""
-    from kora_trainer.diffusion import flow_grpo
-    from kora_trainer.diffusion.lora import apply_diffusion_lora
-    from kora_trainer.diffusion.rewards import colour_reward
-    from kora_trainer.diffusion.toy import load_diffusion_toy
-    from kora_trainer.diffusion.train_loop import local_rollout
+    from kora_trainer.algorithm import flow_grpo
+    from kora_trainer.algorithm.diffusion_rewards import colour_reward
+    from kora_trainer.backends.diffusion.train_loop import local_rollout
+    from kora_trainer.lora.diffusers import apply_diffusion_lora
     from kora_trainer.lora.model import lora_modules
+    from kora_trainer.toys.diffusion import load_diffusion_toy
 
     torch.set_num_threads(1)
     s = settings()
@@ -61,9 +61,9 @@ def rank_main(rank: int, world: int, port: int, toy_dir: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from kora_trainer.diffusion.flow_grpo import Trajectory
-    from kora_trainer.diffusion.fsdp import full_adapter, rank_rows, shard_transformer
-    from kora_trainer.diffusion.train_loop import update
+    from kora_trainer.algorithm.flow_grpo import Trajectory
+    from kora_trainer.backends.diffusion.fsdp import full_adapter, rank_rows, shard_transformer
+    from kora_trainer.backends.diffusion.train_loop import update
     from kora_trainer.lora.model import adapter_parameters
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -85,8 +85,8 @@ def rank_main(rank: int, world: int, port: int, toy_dir: str, out: str) -> None:
 
 
 def test_two_fsdp2_ranks_give_the_one_rank_update(diffusion_toy_dir, tmp_path):
-    from kora_trainer.diffusion.fsdp import full_adapter
-    from kora_trainer.diffusion.train_loop import update
+    from kora_trainer.backends.diffusion.fsdp import full_adapter
+    from kora_trainer.backends.diffusion.train_loop import update
     from kora_trainer.lora.model import adapter_parameters
 
     out = tmp_path / "two_ranks.pt"
@@ -106,7 +106,7 @@ def test_two_fsdp2_ranks_give_the_one_rank_update(diffusion_toy_dir, tmp_path):
 
 
 def test_a_batch_that_does_not_split_into_whole_groups_per_rank_is_refused():
-    from kora_trainer.diffusion.fsdp import rank_rows
+    from kora_trainer.backends.diffusion.fsdp import rank_rows
 
     assert rank_rows(16, 4, 1, 2).tolist() == list(range(8, 16))
     with pytest.raises(ValueError, match=r"rolloutBatchSize 3 prompt groups do not split evenly over "
@@ -116,7 +116,7 @@ def test_a_batch_that_does_not_split_into_whole_groups_per_rank_is_refused():
 
 def test_with_several_optimizer_steps_a_rank_takes_its_share_of_each_steps_prompt_groups():
     """4 groups of 4, two optimizer steps (globalBatchSize 8): step k's rows are 8k..8k+7, one group per rank."""
-    from kora_trainer.diffusion.fsdp import rank_rows
+    from kora_trainer.backends.diffusion.fsdp import rank_rows
 
     assert rank_rows(16, 4, 0, 2, minibatches=2).tolist() == [0, 1, 2, 3, 8, 9, 10, 11]
     assert rank_rows(16, 4, 1, 2, minibatches=2).tolist() == [4, 5, 6, 7, 12, 13, 14, 15]

@@ -82,11 +82,11 @@ def test_a_model_or_data_the_path_cannot_take_is_refused_naming_the_field(diffus
 def test_the_export_is_diffusers_own_lora_file_and_loads_into_the_trained_policy(diffusion_toy_dir, tmp_path):
     """diffusers' `load_lora_adapter` (what an SD3 pipeline's `load_lora_weights` calls for its transformer) reads
     the export into a fresh transformer that computes exactly what the trainer's adapted one does."""
-    from kora_trainer.diffusion.export import WEIGHT_NAME, export_diffusers_lora, lora_config
-    from kora_trainer.diffusion.lora import SD3_TARGETS, apply_diffusion_lora
-    from kora_trainer.diffusion.policy import velocity_fn
-    from kora_trainer.diffusion.toy import load_diffusion_toy
+    from kora_trainer.checkpoint.diffusers_export import WEIGHT_NAME, export_diffusers_lora, lora_config
+    from kora_trainer.lora.diffusers import SD3_TARGETS, apply_diffusion_lora
     from kora_trainer.lora.model import lora_modules
+    from kora_trainer.toys.diffusion import load_diffusion_toy
+    from kora_trainer.toys.diffusion_policy import velocity_fn
 
     trained, fresh, base = (load_diffusion_toy(diffusion_toy_dir) for _ in range(3))
     torch.manual_seed(0)
@@ -111,9 +111,9 @@ def test_tracking_kl_to_base_measures_the_kl_without_adding_it_to_the_loss(diffu
     > 0) and the loss is the one without it."""
     from dataclasses import replace
 
-    from kora_trainer.diffusion import flow_grpo
-    from kora_trainer.diffusion.lora import apply_diffusion_lora
-    from kora_trainer.diffusion.train_loop import local_rollout, update
+    from kora_trainer.algorithm import flow_grpo
+    from kora_trainer.backends.diffusion.train_loop import local_rollout, update
+    from kora_trainer.lora.diffusers import apply_diffusion_lora
     from kora_trainer.lora.model import adapter_parameters, lora_modules
 
     cfg = TrainerConfig.model_validate({**job(diffusion_toy_dir).model_dump(by_alias=True),
@@ -143,9 +143,9 @@ def test_timestep_fraction_trains_the_first_steps_only(diffusion_toy_dir):
     steps (flow_grpo's int(T x fraction)), bit for bit, and not the whole trajectory's."""
     from dataclasses import replace
 
-    from kora_trainer.diffusion import flow_grpo
-    from kora_trainer.diffusion.lora import apply_diffusion_lora
-    from kora_trainer.diffusion.train_loop import local_rollout, trained_steps, update
+    from kora_trainer.algorithm import flow_grpo
+    from kora_trainer.backends.diffusion.train_loop import local_rollout, trained_steps, update
+    from kora_trainer.lora.diffusers import apply_diffusion_lora
     from kora_trainer.lora.model import adapter_parameters, adapter_tensors
 
     s = settings_of(job(diffusion_toy_dir, timestepFraction=0.4))

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kora_trainer.diffusion.lora import SD3_TARGETS, apply_diffusion_lora, lora_module_names
-from kora_trainer.diffusion.toy import load_diffusion_toy
+from kora_trainer.lora.diffusers import SD3_TARGETS, apply_diffusion_lora, lora_module_names
 from kora_trainer.lora.model import adapter_disabled, adapter_pairs, adapter_parameters, folded_state
+from kora_trainer.toys.diffusion import load_diffusion_toy
 
 
 def _velocity(toy, x):

@@ -7,7 +7,10 @@ import pytest
 import torch
 
 from diffusionkit import toy_with_moved_adapter
-from kora_trainer.diffusion.lora_sync import (
+from kora_engine.diffusion.stacked_fold import StackedFolds
+from kora_trainer.lora.model import adapter_tensors, base_state, folded_state
+from kora_trainer.toys.diffusion import load_diffusion_toy
+from kora_trainer.wire.diffusion_lora import (
     LayerGroup,
     fold_from_pristine,
     layer_groups,
@@ -16,9 +19,6 @@ from kora_trainer.diffusion.lora_sync import (
     split_pairs,
     sync_log_line,
 )
-from kora_trainer.diffusion.stacked_fold import StackedFolds
-from kora_trainer.diffusion.toy import load_diffusion_toy
-from kora_trainer.lora.model import adapter_tensors, base_state, folded_state
 
 
 def _named(buckets):
@@ -102,8 +102,9 @@ def test_the_engines_fold_into_its_pristine_base_equals_the_trainers_fp32_fold(d
 
 def test_the_engines_stacked_folds_equal_the_layer_by_layer_fold_and_a_bad_bucket_changes_no_weight(
         diffusion_toy_dir):
-    """diffusion/stacked_fold.py, as the engine uses it: the model's adapted weights become views of one stack per
-    shape, a fold writes them all at once, bit-equal on the CPU to fold_from_pristine and to the trainer's fold."""
+    """kora_engine/diffusion/stacked_fold.py, as the engine uses it: the model's adapted weights become views of one
+    stack per shape, a fold writes them all at once, bit-equal on the CPU to fold_from_pristine and to the
+    trainer's fold."""
     toy = toy_with_moved_adapter(diffusion_toy_dir)  # rank 4, alpha 8
     engine = load_diffusion_toy(diffusion_toy_dir).transformer
     params = dict(engine.named_parameters())

@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from kora_trainer.diffusion.rewards import colour_reward
-from kora_trainer.diffusion.toy import TRANSFORMER, is_diffusion_toy, load_diffusion_toy
+from kora_trainer.algorithm.diffusion_rewards import colour_reward
+from kora_trainer.toys.diffusion import TRANSFORMER, is_diffusion_toy, load_diffusion_toy
 
 
 def test_the_parts_load_through_diffusers_from_pretrained(diffusion_toy_dir):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kora_trainer.diffusion.train_loop import FlowGRPOSettings, train_toy
+from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings, train_toy
 
 # Measured (2026-12-02, 1 thread, a shared 2-core machine under load 8-13): evaluate() -0.312 before; after 60
 # steps -0.222 (55-87 s), after 100 steps -0.193 (95 s). Deterministic for a step count (two runs, same curve).

@@ -130,7 +130,7 @@ def test_the_client_sends_each_key_where_it_belongs(both_keys):
 def test_the_keys_never_reach_argv(admin_only, both_keys):
     for engine in (admin_only, both_keys):
         argv = Path(f"/proc/{engine.proc.pid}/cmdline").read_bytes().decode()
-        assert ADMIN not in argv and API not in argv and "kora_trainer.reference_engine" in argv
+        assert ADMIN not in argv and API not in argv and "kora_engine.lm" in argv
 
 
 def test_the_decision_table_is_sglangs():

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from kora_trainer.reference_engine import request_bodies as rq
-from kora_trainer.reference_engine.contract import SAMPLING_FIELDS, generate_contract_error
-from kora_trainer.reference_engine.sampling import TOP_K_ALL, SamplingParams, check_stop
+from kora_engine.lm import request_bodies as rq
+from kora_engine.lm.contract import SAMPLING_FIELDS, generate_contract_error
+from kora_engine.lm.sampling import TOP_K_ALL, SamplingParams, check_stop
 
 
 def test_contract_gate_texts_are_serde_style():

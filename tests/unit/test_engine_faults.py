@@ -1,11 +1,11 @@
-"""The reference engine's test-only death switch (reference_engine/faults.py): a malformed value stops the engine
+"""The reference engine's test-only death switch (kora_engine/faults.py): a malformed value stops the engine
 at start with the expected form, not later; unset, nothing is counted."""
 
 from __future__ import annotations
 
 import pytest
 
-from kora_trainer.reference_engine.faults import ExitAt, parse_exit_at
+from kora_engine.faults import ExitAt, parse_exit_at
 
 
 def test_exit_at_parses_route_and_count():

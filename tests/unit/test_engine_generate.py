@@ -25,7 +25,7 @@ from engine_helpers import (
     stop_engine,
     wait_engine_state,
 )
-from kora_trainer.reference_engine.contract import SAMPLING_FIELDS
+from kora_engine.lm.contract import SAMPLING_FIELDS
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from tinymodel import make_tiny_model
 

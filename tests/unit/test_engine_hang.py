@@ -1,6 +1,6 @@
 """An engine that hangs without dying is killed by its HangWatch within rollout.engineHangSeconds (plus one probe),
 so the call in flight fails at once instead of waiting out its own timeout: a real reference engine that SIGSTOPs
-itself, or wedges its event loop, inside a /generate (reference_engine/faults.py); and a real process that accepts
+itself, or wedges its event loop, inside a /generate (kora_engine/faults.py); and a real process that accepts
 connections and never answers one. A healthy engine gets a verdict at once and is left alone."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 import pytest
 
 from engine_helpers import start_engine, stop_engine
+from kora_engine.faults import HANG_AT_ENV, HANG_MARK, parse_hang_at
 from kora_trainer.orchestration.engine_watch import HangWatch
-from kora_trainer.reference_engine.faults import HANG_AT_ENV, HANG_MARK, parse_hang_at
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.ports import free_port
 from localcluster import wait_for

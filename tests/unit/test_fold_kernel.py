@@ -191,7 +191,7 @@ def test_fast_merge_sync_over_gloo_lands_every_tensor():
 
 
 def test_fast_adapter_push_and_flat_delta_over_gloo():
-    from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
+    from kora_engine.lm.lora_adapters import pair_lora_tensors
     from kora_trainer.sync import fast, fast_adapter
     from kora_trainer.wire import fast_receive
 

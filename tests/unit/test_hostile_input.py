@@ -4,7 +4,7 @@ not UTF-8, ids outside the vocabulary, requests past the context, bodies over th
 framing and methods nobody serves; and both serve normally afterwards.
 
 Both servers are the real ones on 127.0.0.1: the engine as its own process (`python -m
-kora_trainer.reference_engine` on the tiny model, vocab 16, context 256) started with a stated body limit of
+kora_engine.lm` on the tiny model, vocab 16, context 256) started with a stated body limit of
 1 MiB (`--max-body-bytes`, default 64 MiB) and a body timeout of 1 s (`--body-timeout-s`, default 60 s); the
 control plane with the real AdapterRegistry behind /adapter_runs (its limit: 1 MiB) and a read timeout of 1 s.
 The engine's routes come from its own route table, so a route added later is in the barrage too. Every request
@@ -34,9 +34,9 @@ from hostilekit import (
     tally,
     typed_cases,
 )
+from kora_engine.lm import request_bodies as rq
 from kora_trainer.adapter_runs.api import AdapterRunsAPI
 from kora_trainer.control_plane import MAX_BODY, ControlPlane, Progress
-from kora_trainer.reference_engine import request_bodies as rq
 from kora_trainer.wire.engine_client import EngineClient
 from specs import multi_adapter_registry
 from tinymodel import make_tiny_model
@@ -119,8 +119,8 @@ PROTOCOL_GARBAGE = [  # the request line and headers themselves (aiohttp's parse
 
 def _route_table(model_dir: Path) -> dict[str, set[str]]:
     """path -> methods of the engine's app, read from its router (the model is loaded, nothing is served)."""
-    from kora_trainer.reference_engine.model import EngineModel
-    from kora_trainer.reference_engine.server import HFEngineServer
+    from kora_engine.lm.model import EngineModel
+    from kora_engine.lm.server import HFEngineServer
 
     server = HFEngineServer(EngineModel(str(model_dir), "cpu"))
     try:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from kora_trainer.checkpoint.diffusers_export import export_diffusers_lora, lora_config
 from kora_trainer.checkpoint.peft_adapter import AdapterError
-from kora_trainer.diffusion.export import export_diffusers_lora, lora_config
-from kora_trainer.diffusion.lora import SD3_TARGETS, apply_diffusion_lora
-from kora_trainer.diffusion.toy import load_diffusion_toy
+from kora_trainer.lora.diffusers import SD3_TARGETS, apply_diffusion_lora
 from kora_trainer.lora.model import adapter_parameters
+from kora_trainer.toys.diffusion import load_diffusion_toy
 
 
 def _velocity(transformer, toy, x):

@@ -28,7 +28,7 @@ from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.config import LoRASpec
 from kora_trainer.lora import apply_lora
 from kora_trainer.lora.model import adapter_tensors, peft_config_dict
-from kora_trainer.vl_toy import PROMPT, image_png
+from kora_trainer.toys.vl import PROMPT, image_png
 from kora_trainer.wire.vision import VisionTokens, images_from_bytes, load_image_processor, prompt_ids
 
 pytestmark = pytest.mark.timeout(240)

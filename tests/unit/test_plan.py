@@ -113,7 +113,7 @@ def test_the_vl_samples_start_checks_pass_on_a_tiny_model_of_their_architecture(
     starts on torch; the same sample in Adapter mode with scope all is refused by SPEC rule 4, read from it."""
     from kora_operator.validation import validate_job
     from kora_trainer.backends.select import check_actor_layout, resolve_backend
-    from kora_trainer.vl_toy import moe_model_config
+    from kora_trainer.toys.vl import moe_model_config
 
     moe_model_config().save_pretrained(tmp_path)
     hf = json.loads((tmp_path / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""The reference engine in each SGLang build's strict mode (`--sglang-build NAME`, reference_engine/strict.py), and
+"""The reference engine in each SGLang build's strict mode (`--sglang-build NAME`, kora_engine/lm/strict.py), and
 the trainer's sender against it: the routes the build lacks are FastAPI's 404, kora's fields are ignored as SGLang
 ignores unknown keys, and every request body the sender makes in each mode and transport is one of the build's
 structs (recorded as the engine received it, checked against tests/sglang_buildkit.py's copies of the sources),

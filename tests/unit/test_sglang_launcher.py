@@ -8,6 +8,7 @@ import sys
 import pytest
 import yaml
 
+from kora_engine.lm import server as engine_server
 from kora_trainer.config import TrainerConfig
 from kora_trainer.orchestration.sglang_launcher import (
     SGLANG_REQUIREMENT,
@@ -18,7 +19,6 @@ from kora_trainer.orchestration.sglang_launcher import (
     sglang_target_modules,
     sglang_version_problem,
 )
-from kora_trainer.reference_engine import server as engine_server
 
 
 def config(**sections) -> TrainerConfig:
@@ -99,7 +99,7 @@ def test_sglang_gets_its_keys_from_a_private_config_file_not_argv(tmp_path):
 def test_hf_command_is_accepted_by_the_hf_engine_parser():
     cfg = config(lora={"syncMode": "Adapter"}, rollout={"engine": "hf", "gpusPerEngine": 0})
     launch = engine_command(cfg, port=31000, api_key="k", admin_api_key="adm", num_threads=1)
-    assert launch.engine == "hf" and launch.argv[1:3] == ["-m", "kora_trainer.reference_engine"]
+    assert launch.engine == "hf" and launch.argv[1:3] == ["-m", "kora_engine.lm"]
     assert "k" not in launch.argv and "adm" not in launch.argv and not launch.secret_files  # keys by environment
     args = engine_server.parse_args(launch.argv[3:], environ=launch.env)
     assert (args.model_path, args.port, args.device, args.max_lora_rank) == ("/models/qwen", 31000, "cpu", 16)

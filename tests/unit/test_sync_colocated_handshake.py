@@ -1,5 +1,5 @@
 """The colocated fast path's per-push handshake in shared memory (wire/colocated_words.py, issue 17): against a real
-`reference_engine` process that records every HTTP request it answers (reference_engine/record.py), a steady-state
+`reference_engine` process that records every HTTP request it answers (kora_engine/lm/record.py), a steady-state
 Merge, EngineMerge or Adapter push makes no HTTP call at all; versions stay exact while generation runs through the
 pushes (each rollout's log-probs are the trainer's policy at the version it reports); an engine that stops answering
 fails the push within the transport's timeout with an error naming it and what it did not answer, and the next push

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from kora_trainer.toy import VOCAB, encode_batch, make_toy, sampled_accuracy
+from kora_trainer.toys.lm import VOCAB, encode_batch, make_toy, sampled_accuracy
 
 
 @pytest.fixture(scope="module")

@@ -100,7 +100,7 @@ def test_the_engine_serves_image_prompts_and_its_logprobs_are_the_trainers(vl_to
                                        for seed in range(4 * len(ids))],
                              image_data=[[image_item(b) for b in r.images] for r in rows] * 4)
     assert info["has_image_understanding"] is True
-    # the pretrained toy reads every colour greedily (vl_toy.py: toy.json's greedy_accuracy)
+    # the pretrained toy reads every colour greedily (toys/vl.py: toy.json's greedy_accuracy)
     assert [o.text for o in greedy] == [r.label for r in rows]
     assert any(TOKENS.image in o.output_ids for o in sampled)
     model = load_policy_model(str(vl_toy_dir)).eval()

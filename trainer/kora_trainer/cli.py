@@ -20,7 +20,7 @@ def register_make_toy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: see orchestration/cluster.py)")
     p.add_argument("--diffusion", action="store_true",
                    help="write the diffusion toy instead: a tiny SD3 transformer on 8x8 latents, its scheduler, "
-                        "prompt embeddings and colour targets (kora_trainer/diffusion/toy.py)")
+                        "prompt embeddings and colour targets (kora_trainer/toys/diffusion.py)")
     p.add_argument("--diffusion-shape", default="toy", choices=["toy", "sd3-medium"],
                    help="with --diffusion: the transformer's shape, the CPU toy's or SD3-medium's (2B parameters, "
                         "random init: for a GPU)")
@@ -28,7 +28,7 @@ def register_make_toy(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
                    help="with --diffusion: the latent side (default: the shape's own, 8 for the toy)")
     p.add_argument("--vl", action="store_true",
                    help="write the vision-language toy instead: a tiny Qwen3.5 with a vision tower naming the colour "
-                        "of a generated image, its tokenizer, image processor and dataset (kora_trainer/vl_toy.py)")
+                        "of a generated image, its tokenizer, image processor and dataset (kora_trainer/toys/vl.py)")
     p.add_argument("--moe", action="store_true",
                    help="with --vl: the Qwen3.5-MoE variant (fused experts, router, shared expert in each layer)")
     p.set_defaults(func=_make_toy)
@@ -39,7 +39,7 @@ def _make_toy(args: argparse.Namespace) -> int:
         if args.target is not None:
             raise SystemExit("kora make-toy: --target is the LLM toy's pretraining goal; the diffusion toy is not "
                              "pretrained (drop --target or --diffusion)")
-        from kora_trainer.diffusion.toy import make_diffusion_toy
+        from kora_trainer.toys.diffusion import make_diffusion_toy
 
         info = make_diffusion_toy(args.dir, shape=args.diffusion_shape, sample_size=args.sample_size)
         print(json.dumps({"dir": args.dir, **info}))
@@ -49,12 +49,12 @@ def _make_toy(args: argparse.Namespace) -> int:
     if args.vl:
         if args.diffusion:
             raise SystemExit("kora make-toy: --vl and --diffusion are two toys; pass one")
-        from kora_trainer.vl_toy import make_vl_toy
+        from kora_trainer.toys.vl import make_vl_toy
 
         print(json.dumps({"dir": args.dir, **make_vl_toy(args.dir, target=args.target, threads=args.threads,
                                                               moe=args.moe)}))
         return 0
-    from kora_trainer.toy import make_toy
+    from kora_trainer.toys.lm import make_toy
 
     info = make_toy(args.dir, target=args.target, threads=args.threads)
     print(json.dumps({"dir": args.dir, **info}))

@@ -197,18 +197,18 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
                   "pass --make-toy to make the toy model and dataset there", file=sys.stderr)
             return None
         if cfg.diffusion is not None:
-            from kora_trainer.diffusion.toy import make_diffusion_toy
+            from kora_trainer.toys.diffusion import make_diffusion_toy
 
             print(f"making the diffusion toy in {cfg.model.path} (kora make-toy --diffusion)", flush=True)
             make_diffusion_toy(cfg.model.path)
             return cfg
         if cfg.data.image_key is not None:  # a job with image prompts: the vision-language toy
-            from kora_trainer.vl_toy import make_vl_toy
+            from kora_trainer.toys.vl import make_vl_toy
 
             print(f"making the vision-language toy in {cfg.model.path} (kora make-toy --vl)", flush=True)
             make_vl_toy(cfg.model.path, threads=args.threads)
             return cfg
-        from kora_trainer.toy import make_toy
+        from kora_trainer.toys.lm import make_toy
 
         print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)
         make_toy(cfg.model.path, threads=args.threads)

@@ -13,7 +13,7 @@ serving check), so the operator and the tests read a diffusion run as they read 
 Which prompts a step takes and every image's noise are functions of (algorithm.seed, step), so a resumed run
 repeats the uninterrupted run's steps exactly: it restores the adapter, the optimizer and the RNG, and pushes the
 restored policy first. With checkpoint.exportHF the adapter goes out at the end as diffusers' own LoRA file
-(diffusion/export.py).
+(checkpoint/diffusers_export.py).
 
 Ranks: at parallelism.data 1 this process trains (no Ray); at N > 1 it starts a private Ray head (or joins
 RAY_ADDRESS's cluster) and N rank actors (orchestration/diffusion_ranks.py), each holding the transformer
@@ -41,19 +41,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# the policy's side of the job (diffusion/actor.py, which the Ray ranks import too); tests and bench/ import them here
-from kora_trainer.diffusion.actor import DiffusionJobError, device_of, load_model, settings_of
+# the policy's side of the job (backends/diffusion/actor.py, the Ray ranks import it too); tests, bench/ import it here
+from kora_trainer.backends.diffusion.actor import DiffusionJobError, device_of, load_model, settings_of
 
 if TYPE_CHECKING:
+    from kora_trainer.backends.diffusion.actor import Batch
     from kora_trainer.config import TrainerConfig
-    from kora_trainer.diffusion.actor import Batch
-    from kora_trainer.diffusion.engine_client import Pushed
-    from kora_trainer.diffusion.toy import DiffusionToy
     from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
     from kora_trainer.orchestration.engine_watch import HangWatch
     from kora_trainer.orchestration.engines import EngineProcess
     from kora_trainer.recorder import StepRecorder
     from kora_trainer.sync.sender import SyncReport
+    from kora_trainer.toys.diffusion import DiffusionToy
+    from kora_trainer.wire.diffusion_client import Pushed
 
 ENGINE_READY_S = 180.0
 
@@ -99,8 +99,8 @@ RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images [B, C
 def reward_of(cfg: TrainerConfig, prompts: Prompts, channels: int) -> RewardFn:
     """diffusion.reward: colour (the labels are target colours, data.labelKey), or data.customRewardPath's
     `fn(images, prompts, labels) -> [B]`."""
+    from kora_trainer.algorithm.diffusion_rewards import colour_reward
     from kora_trainer.config.sections import DiffusionReward
-    from kora_trainer.diffusion.rewards import colour_reward
 
     assert cfg.diffusion is not None
     if cfg.diffusion.reward is DiffusionReward.COLOUR:
@@ -140,7 +140,7 @@ def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int, device: torch.
     from kora_trainer.wire.ports import free_port
 
     port = free_port("127.0.0.1")
-    argv = [sys.executable, "-m", "kora_trainer.diffusion.engine", "--toy", str(Path(cfg.model.path).resolve()),
+    argv = [sys.executable, "-m", "kora_engine.diffusion.server", "--toy", str(Path(cfg.model.path).resolve()),
             "--port", str(port), "--num-threads", str(threads), "--device", device.type]
     return EngineProcess.launch(argv, f"http://127.0.0.1:{port}", run_dir / "engines", threads, ENGINE_READY_S)
 
@@ -166,7 +166,7 @@ class LocalPolicy:
     """parallelism.data 1: the policy in this process (no Ray), pushed from its own transformer."""
 
     def __init__(self, cfg: TrainerConfig, toy: DiffusionToy, engine_url: str):
-        from kora_trainer.diffusion.actor import DiffusionPolicy, make_sync
+        from kora_trainer.backends.diffusion.actor import DiffusionPolicy, make_sync
 
         self.cfg, self.policy, self.push = cfg, DiffusionPolicy(cfg, toy), make_sync(cfg, engine_url)
 
@@ -186,7 +186,7 @@ class LocalPolicy:
         return self.policy.resume(root)
 
     def export(self, root: str, step: int) -> Path:
-        from kora_trainer.diffusion.actor import export
+        from kora_trainer.backends.diffusion.actor import export
 
         return export(self.cfg, root, step, self.policy.toy.transformer)
 
@@ -219,10 +219,10 @@ class DiffusionSteps:
     def step(self, step: int, rollout: Callable[..., Any], trainer: LocalPolicy | DiffusionRanks,
              engine: EngineProcess, watch: HangWatch, saved: int | None) -> tuple[Any, float]:
         """Roll out, score, update: (StepMetrics, gen_ms)."""
+        from kora_trainer.algorithm import flow_grpo
         from kora_trainer.algorithm.lr_schedule import lr_at
+        from kora_trainer.backends.diffusion.actor import Batch
         from kora_trainer.backends.grpo_step import StepMetrics
-        from kora_trainer.diffusion import flow_grpo
-        from kora_trainer.diffusion.actor import Batch
 
         s, alg = self.settings, self.cfg.algorithm
         rows = step_rows(s.seed, step, len(self.prompts.ids), s.prompts_per_step).repeat_interleave(
@@ -277,8 +277,8 @@ def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Call
         threads: int = 1) -> None:
     """Start the engine and the trainer, resume, push, then per step: roll out, train, sync; checkpoint as
     checkpoint.* says."""
-    from kora_trainer.diffusion.engine_client import EngineRollout
     from kora_trainer.orchestration.engine_watch import HangWatch
+    from kora_trainer.wire.diffusion_client import EngineRollout
 
     assert cfg.diffusion is not None
     torch.set_num_threads(threads)

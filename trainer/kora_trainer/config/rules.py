@@ -21,6 +21,7 @@ from kora_trainer.config.layout import FIX_DATA_SEARCH, PARALLEL_MESSAGE, parall
 from kora_trainer.config.sections import (
     CheckpointDType,
     DeploymentMode,
+    Engine,
     LrDecayStyle,
     SGLangBuild,
     SyncMode,
@@ -181,7 +182,34 @@ DIFFUSION_RULES = tuple(SpecRule(rid, fld, msg, _on_diffusion(bad), f"!has(self.
                         for rid, fld, msg, bad, cel in _DIFFUSION_RULES)
 
 
+# the sglang.launch_server flags kora derives from the spec (orchestration/sglang_launcher.sglang_command)
+SGLANG_OWNED_FLAGS = ("--model-path", "--host", "--port", "--tp-size", "--dp-size", "--enable-lora",
+                      "--max-loras-per-batch", "--max-lora-rank", "--lora-target-modules", "--api-key",
+                      "--admin-api-key", "--config", "--base-gpu-id", "--random-seed")
+_OWNED_CEL = "[" + ", ".join(f"'{f}'" for f in SGLANG_OWNED_FLAGS) + "]"
+
+
+def _owned_sglang_flag(arg: str) -> bool:
+    return arg.split("=", 1)[0] in SGLANG_OWNED_FLAGS
+
+
 SPEC_RULES: tuple[SpecRule, ...] = (
+    SpecRule(
+        "sglang-args-owned", "rollout.sglangArgs",
+        "rollout.sglangArgs names a flag kora sets from the spec (" + ", ".join(SGLANG_OWNED_FLAGS) + "): set it "
+        "through its field (model.path, rollout.gpusPerEngine, rollout.dpSize, lora, ...) and remove it from "
+        "rollout.sglangArgs",
+        lambda c: any(_owned_sglang_flag(a) for a in c.rollout.sglang_args),
+        f"!has(self.rollout.sglangArgs) || self.rollout.sglangArgs.all(a, !(a in {_OWNED_CEL}) "
+        f"&& !{_OWNED_CEL}.exists(f, a.startsWith(f + '=')))",
+    ),
+    SpecRule(
+        "sglang-args-engine", "rollout.sglangArgs",
+        "rollout.sglangArgs are sglang.launch_server flags, and rollout.engine hf starts kora's reference engine, "
+        "which takes none of them: set rollout.engine to sglang, or remove rollout.sglangArgs",
+        lambda c: bool(c.rollout.sglang_args) and c.rollout.engine is Engine.HF,
+        "!has(self.rollout.sglangArgs) || size(self.rollout.sglangArgs) == 0 || self.rollout.engine != 'hf'",
+    ),
     # SPEC rule 3
     SpecRule(
         "adapter-dp-size", "rollout.dpSize",

@@ -194,10 +194,12 @@ class Engine(StrEnum):
 
 class SGLangBuild(StrEnum):
     """The SGLang builds kora knows the routes of (config/sglang_builds.py tables them, docs/sglang_builds.md
-    cites their source): stock 0.5.23 from PyPI, and one pinned revision of sgl-project/sglang's sglang-miles
-    branch (the adapter over the weight-update group, in-place upsert, abort by request-id prefix)."""
+    cites their source): stock 0.5.23 from PyPI, stock 0.5.17 (the last release on torch 2.11, the one kora has
+    run on a GPU), and one pinned revision of sgl-project/sglang's sglang-miles branch (the adapter over the
+    weight-update group, in-place upsert, abort by request-id prefix)."""
 
     STOCK_0_5_23 = "0.5.23"
+    STOCK_0_5_17 = "0.5.17"
     MILES_94949DA7 = "sglang-miles-94949da7"
 
 
@@ -225,9 +227,16 @@ class RolloutSpec(CamelModel):
     A diffusion job's engine is watched the same way (it answers /health while it denoises or folds)."""
     sglang_build: SGLangBuild | None = None
     """The SGLang build the engines run, which decides the routes the trainer may use (docs/sglang_builds.md):
-    0.5.23 (stock, the default for engine sglang) or sglang-miles-94949da7. With engine hf it starts the
-    reference engine in that build's strict mode (only that build's routes and fields); unset, the reference
-    engine serves kora's extensions too. A sync mode the build cannot do is refused with the fix."""
+    0.5.23 (stock, the default for engine sglang), 0.5.17 (stock) or sglang-miles-94949da7. With engine hf it
+    starts the reference engine in that build's strict mode (only that build's routes and fields); unset, the
+    reference engine serves kora's extensions too. A sync mode the build cannot do is refused with the fix."""
+    sglang_args: Annotated[list[Annotated[str, Field(min_length=1, max_length=256,
+                                                     description="One flag or value, as on the command line.")]],
+                           Field(max_length=64)] = Field(default_factory=list)
+    """Further `sglang.launch_server` flags for every engine, appended after kora's own (e.g. ["--attention-backend",
+    "triton", "--sampling-backend", "pytorch"]; a later flag wins, so `--mem-fraction-static` here overrides kora's
+    Colocate default). Flags kora sets from the spec (model path, host, port, sizes, LoRA, keys, seeds) are refused;
+    rollout.engine sglang only (the reference engine takes none)."""
 
 
 class ParallelismSpec(CamelModel):

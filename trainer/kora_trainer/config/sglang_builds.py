@@ -14,6 +14,10 @@ A build is the set of HTTP routes and request fields its server has. Sources (re
   tensor in `names` order from src 0: model_runner.py:2376), upsert (#30913) and `AbortReq.prefix` (#30912,
   IO:1812). It has no `weight_version` on the adapter routes and no EngineMerge fold.
 
+- `0.5.17`: the PyPI wheel sglang-0.5.17-cp312-cp312-manylinux_2_34_x86_64.whl (sha256 fb4cba47…; its
+  `_version.py` has `commit_id = None`), read 2026-12-06 (docs/sglang_builds.md has the lines). Its
+  `/load_lora_adapter_from_tensors` has no `@auth_level`: a NORMAL route, open unless the engine has an api key.
+
 What a build lacks is refused before anything starts (`build_problems`), with the fix; what it can do another
 way is done that way and said so in `RoutePlan.note` (the sync line the trainer prints).
 """
@@ -37,8 +41,14 @@ _STOCK_ROUTES = frozenset({
     "/update_weight_version", "/flush_cache", "/pause_generation", "/continue_generation", "/abort_request",
 })
 ADAPTER_OVER_GROUP = "/load_lora_adapter_from_distributed"
+TENSOR_ADAPTER = "/load_lora_adapter_from_tensors"
+# 0.5.17's further routes (HS = its http_server.py): memory release/resume for Colocate (HS:1462, :1474), the
+# checkpoint-engine IPC push (HS:1393; needs the checkpoint-engine package beside SGLang, so kora does not send it)
+# and the weight version read back (HS:761)
+_STOCK_0_5_17_ROUTES = _STOCK_ROUTES | {"/release_memory_occupation", "/resume_memory_occupation",
+                                        "/update_weights_from_ipc", "/weight_version", "/get_weight_version"}
 
-# Request fields kora's reference engine reads beyond a build's structs (reference_engine/request_bodies.py marks
+# Request fields kora's reference engine reads beyond a build's structs (kora_engine/lm/request_bodies.py marks
 # them "kora"): a strict engine drops them, as SGLang ignores unknown keys. Per route; `upsert` / `pinned` / `prefix`
 # are the sglang-miles fields, dropped where the build lacks them.
 KORA_FIELDS: dict[str, frozenset[str]] = {
@@ -59,6 +69,10 @@ class Build:
     adapter_over_group: bool  # /load_lora_adapter_from_distributed (upsert, whole adapter per call)
     abort_prefix: bool  # AbortReq.prefix: abort every rid starting with the given one
     pip_requirement: str  # what the trainer image installs (Dockerfile ARG SGLANG_BUILD)
+    # routes 0.5.23 marks @auth_level(ADMIN_OPTIONAL) that this build serves as NORMAL (no decorator): open to
+    # anyone unless the engine also has an --api-key, which then opens them (wire/engine_auth.py)
+    normal_routes: frozenset[str] = frozenset()
+    stock_version: str | None = None  # a PyPI release: the installed sglang must be exactly this version
 
     def has(self, route: str) -> bool:
         return route in self.routes
@@ -74,12 +88,17 @@ class Build:
 BUILDS: dict[SGLangBuild, Build] = {
     SGLangBuild.STOCK_0_5_23: Build(
         SGLangBuild.STOCK_0_5_23, _STOCK_ROUTES, "PyPI sglang 0.5.23 (../shared/SGLANG_API.md)",
-        adapter_over_group=False, abort_prefix=False, pip_requirement="sglang==0.5.23"),
+        adapter_over_group=False, abort_prefix=False, pip_requirement="sglang==0.5.23", stock_version="0.5.23"),
+    SGLangBuild.STOCK_0_5_17: Build(
+        SGLangBuild.STOCK_0_5_17, _STOCK_0_5_17_ROUTES, "PyPI sglang 0.5.17 (docs/sglang_builds.md)",
+        adapter_over_group=False, abort_prefix=False, pip_requirement="sglang==0.5.17",
+        normal_routes=frozenset({TENSOR_ADAPTER}), stock_version="0.5.17"),
     SGLangBuild.MILES_94949DA7: Build(
         SGLangBuild.MILES_94949DA7, _STOCK_ROUTES | {ADAPTER_OVER_GROUP},
         f"sgl-project/sglang sglang-miles @ {MILES_COMMIT}",
         adapter_over_group=True, abort_prefix=True,
-        pip_requirement=f"sglang @ git+https://github.com/sgl-project/sglang@{MILES_COMMIT}#subdirectory=python"),
+        pip_requirement=f"sglang @ git+https://github.com/sgl-project/sglang@{MILES_COMMIT}#subdirectory=python",
+        normal_routes=frozenset({TENSOR_ADAPTER, ADAPTER_OVER_GROUP})),
 }
 
 

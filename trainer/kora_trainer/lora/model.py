@@ -40,15 +40,17 @@ def apply_lora(model: nn.Module, spec: LoRASpec) -> list[str]:
                          f"(scope {spec.scope}); remove them from lora.targetModules")
     model.requires_grad_(False)
     for name in names:
-        _replace(model, name, lambda base: LoRALinear(base, spec.rank, spec.alpha, spec.dropout))
+        replace_module(model, name, lambda base: LoRALinear(base, spec.rank, spec.alpha, spec.dropout))
     for name, param in params:  # a module's second parameter wraps its first wrapper, as PEFT nests them
-        _replace(model, name, lambda base, param=param: LoRAParam(base, param, spec.rank, spec.alpha))
+        replace_module(model, name, lambda base, param=param: LoRAParam(base, param, spec.rank, spec.alpha))
     for p in adapter_parameters(model):
         p.requires_grad_(True)
     return names + [name for name, _ in params]
 
 
-def _replace(model: nn.Module, name: str, wrap: Any) -> None:
+def replace_module(model: nn.Module, name: str, wrap: Any) -> None:
+    """Swap the submodule `name` for `wrap(it)`, keeping its train/eval mode (how every LoRA wrapper goes in: the
+    LM layers here, the diffusers ones in lora/diffusers.py)."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     base = getattr(parent, leaf)

@@ -3,12 +3,12 @@
 As the language-model ranks (workers.TrainWorker): rank 0 finds its node's address and a port there
 (`rendezvous`), then every rank joins the trainer's own gloo group there at once (`setup`: torch's default group
 in each actor's process, the store and gloo bound to the route towards rank 0: loopback on one node). Each rank
-holds the transformer FSDP2-sharded over the ranks (diffusion/fsdp.py) and its AdamW's shard; the driver keeps
+holds the transformer FSDP2-sharded over the ranks (backends/diffusion/fsdp.py) and its AdamW's shard; the driver keeps
 the engine and the rollouts and hands each rank its rows (fsdp.rank_rows) through the object store.
 
 A sync, a checkpoint and the export gather the adapter whole on every rank (fsdp.full_adapter: the all-gather is
 a collective), and rank 0 alone pushes or writes. Rank 0 pushes from an unsharded copy of the adapted transformer
-it keeps for that (the sync classes fold or pack from a plain module: diffusion/engine_client.py), and it is
+it keeps for that (the sync classes fold or pack from a plain module: wire/diffusion_client.py), and it is
 placed on the driver's node, the engine's: the push hands same-host handles over.
 """
 
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
 
     import torch
 
+    from kora_trainer.backends.diffusion.actor import Batch, DiffusionPolicy
     from kora_trainer.config import TrainerConfig
-    from kora_trainer.diffusion.actor import Batch, DiffusionPolicy
-    from kora_trainer.diffusion.engine_client import Pushed
-    from kora_trainer.diffusion.toy import DiffusionToy
+    from kora_trainer.toys.diffusion import DiffusionToy
+    from kora_trainer.wire.diffusion_client import Pushed
 
 
 class DiffusionRankWorker:
@@ -49,7 +49,7 @@ class DiffusionRankWorker:
         import torch
         from torch.distributed.device_mesh import init_device_mesh
 
-        from kora_trainer.diffusion.actor import DiffusionPolicy, adapted, load_model, make_sync
+        from kora_trainer.backends.diffusion.actor import DiffusionPolicy, adapted, load_model, make_sync
         from kora_trainer.wire.group import init_default_group
 
         torch.set_num_threads(self.threads)
@@ -68,7 +68,7 @@ class DiffusionRankWorker:
     def _mirrored(self) -> torch.nn.Module | None:
         """The adapter gathered whole (every rank) into rank 0's unsharded copy; that copy's transformer on rank 0,
         None on the others."""
-        from kora_trainer.diffusion.fsdp import load_full_adapter
+        from kora_trainer.backends.diffusion.fsdp import load_full_adapter
 
         full = self.policy.adapter()
         if self.mirror is None:
@@ -89,7 +89,7 @@ class DiffusionRankWorker:
         return self.policy.resume(root)
 
     def export(self, root: str, step: int) -> str | None:
-        from kora_trainer.diffusion.actor import export
+        from kora_trainer.backends.diffusion.actor import export
 
         module = self._mirrored()
         return None if module is None else str(export(self.cfg, root, step, module))
@@ -124,8 +124,8 @@ class DiffusionRanks:
         """Each rank its rows (its share of each minibatch's prompt groups); every rank's pass stats, rank order."""
         import ray
 
-        from kora_trainer.diffusion.actor import settings_of
-        from kora_trainer.diffusion.fsdp import rank_rows
+        from kora_trainer.backends.diffusion.actor import settings_of
+        from kora_trainer.backends.diffusion.fsdp import rank_rows
 
         s = settings_of(self.cfg)
         shares = [ray.put(batch.rows(rank_rows(batch.ids.numel(), s.samples_per_prompt, r, self.world,

@@ -1,6 +1,6 @@
 """Command lines that start a rollout engine for a TrainerConfig: a real SGLang server
 (`python -m sglang.launch_server`, pinned to sglang 0.5.23) or kora's reference engine
-(`python -m kora_trainer.reference_engine`). Both speak the same HTTP API, so the trainer starts
+(`python -m kora_engine.lm`). Both speak the same HTTP API, so the trainer starts
 either with `engine_command(config, ...)` and talks to it with `rollout.client.EngineClient`.
 
 The SGLang flag names were checked against SGLang's `docs/advanced_features/server_arguments.md`
@@ -19,7 +19,7 @@ How the config maps onto them:
   step, so `--disable-radix-cache`: a cached prefix computed with the previous adapter must not be
   reused (the adapter routes, unlike the weight routes, do not flush the cache).
 - EngineMerge: needs the engine-side fold (`weight_update_mode: "lora_merge"`), which SGLang 0.5.23's
-  LLM server does not have — only kora's hf engine (see reference_engine/server.py) — so it is refused for sglang.
+  LLM server does not have — only kora's hf engine (see kora_engine/lm/server.py) — so it is refused for sglang.
 - Colocate: training and rollout share the GPUs: `--mem-fraction-static` (default 0.5 here; SGLang's
   own default fills the GPU) and `--enable-memory-saver` (release/resume memory occupation).
 - Reproducible rollouts: for a run that claims exact resume (`reproducible_rollouts`: checkpoint.path
@@ -53,7 +53,7 @@ from importlib import metadata
 from pathlib import Path
 
 from kora_trainer.config import MEGATRON_TO_SGLANG, DeploymentMode, SyncMode, TrainerConfig
-from kora_trainer.config.sections import Engine, SGLangBuild
+from kora_trainer.config.sections import Engine
 from kora_trainer.config.sglang_builds import BUILDS, DEFAULT_BUILD, MILES_COMMIT, Build, effective_build
 from kora_trainer.wire.engine_auth import ADMIN_API_KEY_ENV, API_KEY_ENV
 
@@ -120,8 +120,8 @@ def sglang_build_problem(build: Build, installed: str | None = None) -> str | No
             installed = metadata.version("sglang")
         except metadata.PackageNotFoundError:
             return f"sglang is not installed: install {build.pip_requirement} ({image})"
-    if build.name is SGLangBuild.STOCK_0_5_23:
-        if installed == SGLANG_VERSION:
+    if build.stock_version is not None:
+        if installed == build.stock_version:
             return None
     else:
         local = installed.partition("+")[2].split(".")
@@ -180,6 +180,7 @@ def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *,
         argv += ["--random-seed", str(random_seed)]
     if reproducible_rollouts(config) if deterministic is None else deterministic:
         argv += ["--enable-deterministic-inference"]
+    argv += config.rollout.sglang_args  # the user's own flags last: a later flag wins (rules refuse kora's)
     keys = {flag: key for flag, key in (("api-key", api_key), ("admin-api-key", admin_api_key)) if key}
     secret_files = {}
     if keys:  # a private YAML for SGLang's --config, not argv (see "Keys" above)
@@ -192,14 +193,14 @@ def sglang_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *,
 def hf_engine_command(config: TrainerConfig, port: int, host: str = "127.0.0.1", *, python: str = sys.executable,
                       api_key: str | None = None, admin_api_key: str | None = None, dtype: str = "auto",
                       num_threads: int | None = None) -> EngineLaunch:
-    """`python -m kora_trainer.reference_engine ...`: the reference engine for the same job (its keys in `env`)."""
+    """`python -m kora_engine.lm ...`: the reference engine for the same job (its keys in `env`)."""
     device = "cuda" if config.rollout.gpus_per_engine > 0 else "cpu"
-    argv = [python, "-m", "kora_trainer.reference_engine", "--model-path", config.model.path, "--host", host,
+    argv = [python, "-m", "kora_engine.lm", "--model-path", config.model.path, "--host", host,
             "--port", str(port), "--device", device, "--dtype", dtype,
             "--max-loras-per-batch", str(max_loras_per_batch(config)), "--max-lora-rank", str(config.lora.rank)]
     if num_threads:
         argv += ["--num-threads", str(num_threads)]
-    if config.rollout.sglang_build is not None:  # that build's strict mode (reference_engine/strict.py)
+    if config.rollout.sglang_build is not None:  # that build's strict mode (kora_engine/lm/strict.py)
         argv += ["--sglang-build", config.rollout.sglang_build.value]
     env = {name: key for name, key in ((API_KEY_ENV, api_key), (ADMIN_API_KEY_ENV, admin_api_key)) if key}
     return EngineLaunch(argv, host, port, Engine.HF.value, env=env)  # the keys by environment, not argv

@@ -1,6 +1,6 @@
 """The fast path of weight sync for colocated engines: the trainer writes each push straight into the memory of
 the engines beside it, mapped once (CUDA IPC on GPU, shared memory on CPU). The engine's side is
-reference_engine/colocated_routes.py; `fast_sender.with_fast_path` picks this sender for a `ColocatedTransport`.
+kora_engine/lm/colocated_routes.py; `fast_sender.with_fast_path` picks this sender for a `ColocatedTransport`.
 
 The steps are `FastWeightSender`'s: the first sync is the HTTP path's (checked by the engines' checksums), then
 one plan, then every later push on the fast path (delta-skip by `FlatDelta`, collective over the trainer's
@@ -20,7 +20,7 @@ No HTTP call per push in the steady state, in any mode (verified pushes add one 
   wake byte), then waits (bounded) for each engine's ACK n: its watcher takes the weight lock, gathers the adapter
   into slot k with the delta number against slot k-1 in one pass, folds slot k into its pristine base (the HTTP
   path's lora_merge, one weight write; on a GPU two CUDA-graph replays), synchronises, and on a delta-skip folds
-  slot k-1 (the last push) back in; the version set under the lock (reference_engine/colocated_gather.py). With
+  slot k-1 (the last push) back in; the version set under the lock (kora_engine/lm/colocated_gather.py). With
   a trainer group the trainer decides (MAX over its ranks), gathers the slot and then makes the request.
 - Merge: the engine hands over its parameters and the handshake words. A push stores REQ = n first (the engine
   takes its weight lock: generation in flight gives way at its next step and recomputes its KV cache after),

@@ -13,7 +13,7 @@ otherwise (SGLang engines, EngineMerge, a TP follower). Then:
    `fast.MergePlan` over the backend's `fast_merge_entries` and a `fast.PipelinedSender` (ring buffers; on CUDA
    the folds captured once); Adapter:
    `fast_adapter.AdapterPack` over `fast_adapter_specs` (one gather). Every engine gets the buckets' metadata (`POST
-   /kora/fast_sync/plan`, reference_engine/fast_routes.py). A policy the plan does not cover (MoE experts, TP > 1, a
+   /kora/fast_sync/plan`, kora_engine/lm/fast_routes.py). A policy the plan does not cover (MoE experts, TP > 1, a
    folded weight over sync.bufferSize, ...), an engine without the route (404: SGLang) or one refusing the plan
    keeps the job on the HTTP path; the report's `note` says why (and, when it worked, that the fast path is on).
 3. Every later sync: `fast_adapter.FlatDelta` decides with the HTTP path's rule (push iff the max |Δadapter| over the

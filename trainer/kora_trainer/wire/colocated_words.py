@@ -1,6 +1,6 @@
 """The colocated fast path's per-push handshake in shared memory (issue 17): what a Merge or EngineMerge push
 says to the engine beside it instead of HTTP calls. The trainer's side is sync/colocated_sender.py, the engine's
-reference_engine/colocated_watcher.py; the Adapter doorbell (fast_receive.doorbell_value) is the one-word case.
+kora_engine/lm/colocated_watcher.py; the Adapter doorbell (fast_receive.doorbell_value) is the one-word case.
 
 The words: int64 [NWORDS] in CPU shared memory, made by the engine at plan time and handed over with the memory
 the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage). Each word has one writer:
@@ -41,7 +41,7 @@ the trainer writes (`serialize.serialize_payload` shares a CPU tensor's storage)
     SPUN   engine   n when the watcher saw request n while spinning for it (not woken from `select`); -n when
                     it spun ARM_S for armed request n in vain, stored before it undoes the arm
     GATE   trainer  n with request n (EngineMerge with `gather`), after its synchronise and before THRESH, ARG and
-                    REQ: an armed engine on a GPU (reference_engine/word_gate.py) has enqueued request n's gather
+                    REQ: an armed engine on a GPU (kora_engine/lm/word_gate.py) has enqueued request n's gather
                     and fold under its weight lock behind a kernel that spins until GATE >= n, and this store
                     starts them; the engine stores it itself to cancel an arm whose request did not come within
                     ARM_S (the one word with two writers: both store n)

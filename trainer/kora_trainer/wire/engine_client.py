@@ -293,7 +293,7 @@ class EngineClient:
         return cast("dict[str, Any]", self.post("/update_weight_version", {"new_version": new_version,
                                                     "abort_all_requests": abort_all_requests}))
 
-    # ---- kora's fast sync (reference engine only: reference_engine/fast_routes.py; SGLang answers 404) ----------
+    # ---- kora's fast sync (reference engine only: kora_engine/lm/fast_routes.py; SGLang answers 404) ----------
 
     def fast_sync_plan(self, mode: str, metadata: list[dict[str, list[Any]]], group_name: str = DEFAULT_GROUP,
                        slots: int = 2, lora_name: str | None = None,
@@ -310,7 +310,7 @@ class EngineClient:
             "weight_version": weight_version, "group_name": group_name, "verify": verify}))
 
     def colocated(self, step: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
-        """kora's colocated fast path (reference_engine/colocated_routes.py): step is plan, begin, push or abort."""
+        """kora's colocated fast path (kora_engine/lm/colocated_routes.py): step is plan, begin, push or abort."""
         return cast("dict[str, Any]", self.post(f"/kora/colocated/{step}", body, timeout))
 
     # ---- control ----------------------------------------------------------------------------

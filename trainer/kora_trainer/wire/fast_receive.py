@@ -166,7 +166,7 @@ DOORBELL_SLOT_BITS = 8  # a colocated adapter ring's doorbell word: version << D
 
 def doorbell_value(version: int, slot: int) -> int:
     """The word a colocated trainer stores to publish `AdapterRing` slot `slot` as policy `version`
-    (reference_engine/colocated_routes.py reads it before every adapter lookup)."""
+    (kora_engine/lm/colocated_routes.py reads it before every adapter lookup)."""
     if not 0 <= slot < 1 << DOORBELL_SLOT_BITS or not 0 <= version < 1 << (63 - DOORBELL_SLOT_BITS):
         raise ValueError(f"doorbell: slot {slot} or version {version} out of range")
     return version << DOORBELL_SLOT_BITS | slot

@@ -1,0 +1,3 @@
+module kora.dev/nodeprobe
+
+go 1.22
