@@ -17,11 +17,10 @@ from pydantic import BaseModel, ValidationError
 
 from kora_operator.conditions import Cond
 from kora_operator.progress import ProgressUnavailable, call
-from kora_operator.reasons import ConditionType, Reason
+from kora_operator.reasons import ConditionStatus, ConditionType, Reason
 from kora_trainer.config.adapter_runs import AdapterPhase, AdapterRunsState, AdapterRunState
 from kora_trainer.config.sections import AdapterRunConfig
 
-T, F = "True", "False"
 PATH = "/adapter_runs"
 M = TypeVar("M", bound=BaseModel)
 
@@ -112,32 +111,35 @@ def mirrored(run: AdapterRunState) -> dict[str, Any]:
 def run_conditions(run: AdapterRunState, job_name: str, max_staleness: int) -> list[Cond]:
     """Registered, Training, WeightsSynced, Complete and Failed from the trainer's state of the adapter."""
     where = f"slot {run.slot}" if run.slot is not None else "its slot freed"
-    conds = [Cond(ConditionType.REGISTERED, T, Reason.REGISTERED,
+    conds = [Cond(ConditionType.REGISTERED, ConditionStatus.TRUE, Reason.REGISTERED,
                   f"registered on LoRATrainingJob {job_name}'s trainer ({where})")]
     of = f" of {run.num_steps}" if run.num_steps is not None else ""
-    training: dict[AdapterPhase, tuple[str, Reason, str]] = {
-        AdapterPhase.PENDING: (F, Reason.WAITING_TO_LOAD, "registered: the trainer loads it at its next step boundary"),
-        AdapterPhase.TRAINING: (T, Reason.ADAPTER_TRAINING, f"step {run.step}{of}"),
-        AdapterPhase.RETIRING: (F, Reason.RETIRING, run.message or "retiring at the trainer's next step boundary"),
-        AdapterPhase.SUCCEEDED: (F, Reason.SUCCEEDED, f"finished after {run.step} steps"),
-        AdapterPhase.RETIRED: (F, Reason.RETIRED, run.message or f"deleted after {run.step} steps"),
-        AdapterPhase.FAILED: (F, Reason.ADAPTER_FAILED, run.message or "the trainer failed it"),
+    no, yes = ConditionStatus.FALSE, ConditionStatus.TRUE
+    training: dict[AdapterPhase, tuple[ConditionStatus, Reason, str]] = {
+        AdapterPhase.PENDING: (no, Reason.WAITING_TO_LOAD,
+                               "registered: the trainer loads it at its next step boundary"),
+        AdapterPhase.TRAINING: (yes, Reason.ADAPTER_TRAINING, f"step {run.step}{of}"),
+        AdapterPhase.RETIRING: (no, Reason.RETIRING, run.message or "retiring at the trainer's next step boundary"),
+        AdapterPhase.SUCCEEDED: (no, Reason.SUCCEEDED, f"finished after {run.step} steps"),
+        AdapterPhase.RETIRED: (no, Reason.RETIRED, run.message or f"deleted after {run.step} steps"),
+        AdapterPhase.FAILED: (no, Reason.ADAPTER_FAILED, run.message or "the trainer failed it"),
     }
     status, reason, message = training[run.phase]
     conds.append(Cond(ConditionType.TRAINING, status, reason, message))
     if run.last_sync is not None:
         behind = run.step - run.version
         if behind > max_staleness:
-            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, F, Reason.ENGINES_BEHIND,
+            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, ConditionStatus.FALSE, Reason.ENGINES_BEHIND,
                               f"the engines serve version {run.version} of this adapter while it is at step "
                               f"{run.step}: {behind} steps behind, more than spec.deployment.maxStaleness "
                               f"{max_staleness} of its job"))
         else:
-            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, T, Reason.WEIGHTS_SYNCED,
+            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, ConditionStatus.TRUE, Reason.WEIGHTS_SYNCED,
                               f"the engines serve version {run.version} of this adapter (step {run.step})"))
     if run.phase is AdapterPhase.SUCCEEDED:
         export = f"; exported to {run.export_path}" if run.export_path else ""
-        conds.append(Cond(ConditionType.COMPLETE, T, Reason.SUCCEEDED, f"trained {run.step} steps{export}"))
+        conds.append(Cond(ConditionType.COMPLETE, ConditionStatus.TRUE, Reason.SUCCEEDED,
+                          f"trained {run.step} steps{export}"))
     if run.phase is AdapterPhase.FAILED:
-        conds.append(Cond(ConditionType.FAILED, T, Reason.ADAPTER_FAILED, message))
+        conds.append(Cond(ConditionType.FAILED, ConditionStatus.TRUE, Reason.ADAPTER_FAILED, message))
     return conds

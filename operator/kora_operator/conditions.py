@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kora_operator.reasons import ConditionType, EventType, Reason
+from kora_operator.reasons import ConditionStatus, ConditionType, EventType, Reason
 from kora_trainer.config.status import MAX_MESSAGE
 
 Conditions = list[dict[str, Any]]
@@ -28,7 +28,7 @@ class Cond:
     """A condition to set: the parts the operator decides (the times come from set_condition)."""
 
     type: ConditionType
-    status: str  # "True" | "False" | "Unknown"
+    status: ConditionStatus
     reason: Reason
     message: str = ""
 
@@ -41,7 +41,7 @@ def set_condition(conditions: Sequence[Mapping[str, Any]], cond: Cond, generatio
     """A new list with `cond` set; the others untouched and in place (new types go last)."""
     new: dict[str, Any] = {
         "type": str(cond.type),
-        "status": cond.status,
+        "status": str(cond.status),
         "observedGeneration": generation,
         "lastTransitionTime": now,
         "reason": str(cond.reason),
@@ -97,8 +97,8 @@ def transitions(old: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any
         before = get_condition(old, str(c["type"]))
         if before is not None and (before.get("status"), before.get("reason")) == (c["status"], c["reason"]):
             continue
-        bad = (c["type"] in _BAD_WHEN_TRUE and c["status"] == "True") or (
-            c["type"] in _BAD_WHEN_FALSE and c["status"] == "False") or c["reason"] in _BAD_REASONS
+        bad = (c["type"] in _BAD_WHEN_TRUE and c["status"] == ConditionStatus.TRUE) or (
+            c["type"] in _BAD_WHEN_FALSE and c["status"] == ConditionStatus.FALSE) or c["reason"] in _BAD_REASONS
         message = c.get("message") or f"{c['type']} is {c['status']}"
         out.append(Transition(EventType.WARNING if bad else EventType.NORMAL, str(c["reason"]), truncate(message)))
     # one Event per piece of news: two conditions changing for the same reason with the same

@@ -30,10 +30,9 @@ from pydantic import ValidationError
 from kora_operator.api.job import LoRATrainingJobSpec
 from kora_operator.api.status import Progress
 from kora_operator.conditions import Cond
-from kora_operator.reasons import ConditionType, Reason
+from kora_operator.reasons import ConditionStatus, ConditionType, Reason
 from kora_trainer.config.status import TrainerStatus
 
-T, F = "True", "False"
 STATUS_KEYS = tuple(f.alias or n for n, f in TrainerStatus.model_fields.items())
 
 
@@ -120,12 +119,12 @@ def policy_served(check: Mapping[str, Any] | None, spec: LoRATrainingJobSpec) ->
         where = f"adapter {check['adapter']}'s version {check.get('version', '?')} (its step {check.get('step', '?')})"
     if gap > threshold:
         bad = check.get("badSteps")
-        return Cond(ConditionType.POLICY_SERVED, F, Reason.POLICY_NOT_SERVED,
+        return Cond(ConditionType.POLICY_SERVED, ConditionStatus.FALSE, Reason.POLICY_NOT_SERVED,
                     f"the engines' log-probs of the sampled tokens are {gap:.3g} from the trainer's for {where}, "
                     f"above sync.servedLogpGapMax {threshold:g}" + (f" ({bad} step(s) in a row; the run stops at "
                     f"sync.servedBadStepsToFail {spec.sync.served_bad_steps_to_fail})" if bad else "")
                     + ": the engines do not serve the trained policy (adapter dropped or not loaded?)")
-    return Cond(ConditionType.POLICY_SERVED, T, Reason.POLICY_SERVED,
+    return Cond(ConditionType.POLICY_SERVED, ConditionStatus.TRUE, Reason.POLICY_SERVED,
                 f"the engines serve the trained policy: log-prob gap {gap:.2g} <= {threshold:g} at {where}")
 
 
@@ -141,7 +140,7 @@ def progress_conditions(progress: Mapping[str, Any], spec: LoRATrainingJobSpec,
         behind = step - checked
         allowed = spec.deployment.max_staleness
         if behind > allowed:
-            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, F, Reason.ENGINES_BEHIND,
+            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, ConditionStatus.FALSE, Reason.ENGINES_BEHIND,
                               f"the engines serve policy version {version} while the trainer is at step {step}: "
                               f"{behind} steps behind, more than spec.deployment.maxStaleness {allowed}"))
         else:
@@ -150,7 +149,7 @@ def progress_conditions(progress: Mapping[str, Any], spec: LoRATrainingJobSpec,
                 how = f"; last push {sync['bytes']} B in {float(sync['milliseconds']):.0f} ms"
             same = (f", unchanged within sync.deltaSkipThreshold up to step {checked}"
                     if checked > version else "")
-            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, T, Reason.WEIGHTS_SYNCED,
+            conds.append(Cond(ConditionType.WEIGHTS_SYNCED, ConditionStatus.TRUE, Reason.WEIGHTS_SYNCED,
                               f"the engines serve policy version {version}{same} (trainer step {step}, "
                               f"{sync.get('mode') or spec.lora.effective_sync_mode} mode){how}"))
     served = policy_served(progress.get("servingCheck"), spec)
@@ -158,12 +157,12 @@ def progress_conditions(progress: Mapping[str, Any], spec: LoRATrainingJobSpec,
         conds.append(served)
     ckpt = progress.get("lastCheckpoint")
     if ckpt and ckpt.get("path"):
-        conds.append(Cond(ConditionType.CHECKPOINTED, T, Reason.CHECKPOINTED,
+        conds.append(Cond(ConditionType.CHECKPOINTED, ConditionStatus.TRUE, Reason.CHECKPOINTED,
                           f"step {ckpt.get('step', '?')} saved in {ckpt['path']}"))
     elif spec.checkpoint.path:
-        conds.append(Cond(ConditionType.CHECKPOINTED, F, Reason.NO_CHECKPOINT_YET,
+        conds.append(Cond(ConditionType.CHECKPOINTED, ConditionStatus.FALSE, Reason.NO_CHECKPOINT_YET,
                           f"no checkpoint yet: one every {spec.checkpoint.interval} steps, in {spec.checkpoint.path}"))
     else:
-        conds.append(Cond(ConditionType.CHECKPOINTED, F, Reason.CHECKPOINTS_DISABLED,
+        conds.append(Cond(ConditionType.CHECKPOINTED, ConditionStatus.FALSE, Reason.CHECKPOINTS_DISABLED,
                           "spec.checkpoint.path is unset: nothing is saved, and a retry starts over"))
     return conds

@@ -1,4 +1,4 @@
-"""Every condition type, condition reason and Event reason the operator writes, in one place.
+"""Every condition type, condition status, condition reason and Event reason the operator writes, in one place.
 
 Reasons are CamelCase (metav1.Condition requires it); Event reasons reuse them, so what
 `kubectl describe` lists under Events matches the Reason column of the conditions above it.
@@ -19,6 +19,14 @@ class ConditionType(StrEnum):
     COMPLETE = "Complete"
     FAILED = "Failed"
     REGISTERED = "Registered"  # a LoRAAdapter's: its job's trainer holds it
+
+
+class ConditionStatus(StrEnum):
+    """A metav1.Condition's status (api/status.py's Condition.status spells the same three for the schema)."""
+
+    TRUE = "True"
+    FALSE = "False"
+    UNKNOWN = "Unknown"
 
 
 class EventType(StrEnum):
@@ -93,7 +101,7 @@ class Reason(StrEnum):
     DEREGISTRATION_ABANDONED = "DeregistrationAbandoned"
 
 
-# child kind -> the Event reasons of its creation (handlers/reconcile.py creates every child alike)
+# child kind -> the Event reasons of its creation (handlers/children.py creates every child alike)
 CREATED: dict[str, Reason] = {
     "ConfigMap": Reason.CREATED_CONFIG_MAP,
     "Secret": Reason.CREATED_SECRET,

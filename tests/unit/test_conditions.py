@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kora_operator.conditions import MAX_MESSAGE, Cond, get_condition, set_condition, transitions, truncate
-from kora_operator.phase import next_status, observe
 from kora_operator.reasons import ConditionType, EventType, Reason
+from kora_operator.runtimes.base import next_status
+from kora_operator.runtimes.kuberay import observe
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
 

@@ -35,43 +35,52 @@ _DROP = {"title", "$defs"}
 
 def _structural(node: Schema, defs: dict[str, Schema]) -> Schema:
     """Inline refs and rewrite JSON-Schema-isms into structural OpenAPI v3."""
-    node = dict(node)
-    if "$ref" in node:
-        target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
-        node = {**target, **node}  # the field's own description/default win over the class's
-    any_of = node.pop("anyOf", None)
-    if any_of is not None:
-        non_null = [s for s in any_of if s.get("type") != "null"]
-        if node.get("x-kubernetes-int-or-string"):
-            node["anyOf"] = non_null  # int-or-string keeps its two branches
-        elif len(non_null) == 1:
-            node = {**_structural(non_null[0], defs), **node}
-        else:
-            raise ValueError(f"unsupported union in schema: {any_of}")
     out: Schema = {}
-    for key, value in node.items():
-        if key in _DROP or (key == "default" and value is None):
-            continue
-        if key == "description":
-            out[key] = " ".join(value.split())  # docstrings wrap; kubectl explain re-wraps
-            continue
-        if key == "properties":
-            out[key] = {k: _structural(v, defs) for k, v in value.items()}
-        elif key == "items":
-            out[key] = _structural(value, defs)
-        elif key == "additionalProperties":
-            if isinstance(value, dict):
-                out[key] = _structural(value, defs)
-        elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
-            # JSON Schema 2020-12 gives the bound; OpenAPI v3.0 wants the bound plus a flag
-            out[key.replace("exclusiveM", "m")], out[key] = value, True
-        else:
-            out[key] = value
+    for key, value in _resolved(node, defs).items():
+        _put(out, key, value, defs)
     if "properties" in out:
         out["type"] = "object"
     if "enum" in out and "type" not in out:
         out["type"] = "string"
     return out
+
+
+def _resolved(node: Schema, defs: dict[str, Schema]) -> Schema:
+    """The node with its $ref inlined and a nullable union (`X | None`) collapsed to its one branch."""
+    node = dict(node)
+    if "$ref" in node:
+        target = defs[node.pop("$ref").rsplit("/", 1)[-1]]
+        node = {**target, **node}  # the field's own description/default win over the class's
+    any_of = node.pop("anyOf", None)
+    if any_of is None:
+        return node
+    non_null = [s for s in any_of if s.get("type") != "null"]
+    if node.get("x-kubernetes-int-or-string"):
+        node["anyOf"] = non_null  # int-or-string keeps its two branches
+        return node
+    if len(non_null) == 1:
+        return {**_structural(non_null[0], defs), **node}
+    raise ValueError(f"unsupported union in schema: {any_of}")
+
+
+def _put(out: Schema, key: str, value: Any, defs: dict[str, Schema]) -> None:
+    """One key of a schema node, as structural OpenAPI v3 has it (or nothing)."""
+    if key in _DROP or (key == "default" and value is None):
+        return
+    if key == "description":
+        out[key] = " ".join(value.split())  # docstrings wrap; kubectl explain re-wraps
+    elif key == "properties":
+        out[key] = {k: _structural(v, defs) for k, v in value.items()}
+    elif key == "items":
+        out[key] = _structural(value, defs)
+    elif key == "additionalProperties":
+        if isinstance(value, dict):
+            out[key] = _structural(value, defs)
+    elif key in ("exclusiveMinimum", "exclusiveMaximum") and not isinstance(value, bool):
+        # JSON Schema 2020-12 gives the bound; OpenAPI v3.0 wants the bound plus a flag
+        out[key.replace("exclusiveM", "m")], out[key] = value, True
+    else:
+        out[key] = value
 
 
 def openapi_schema(model: type[BaseModel]) -> Schema:

@@ -15,7 +15,7 @@ from kora_trainer.config.sections import SyncMode
 # that serves it, the operator that copies it, and the CRD schema generated from it
 from kora_trainer.config.status import CheckpointProgress, Progress, SyncProgress
 
-__all__ = ["CheckpointProgress", "Condition", "LoRATrainingJobStatus", "Phase", "Progress", "SyncProgress"]
+__all__ = ["TERMINAL", "CheckpointProgress", "Condition", "LoRATrainingJobStatus", "Phase", "Progress", "SyncProgress"]
 
 
 class Phase(StrEnum):
@@ -25,6 +25,9 @@ class Phase(StrEnum):
     SUSPENDED = "Suspended"
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
+
+
+TERMINAL = (Phase.SUCCEEDED, Phase.FAILED)  # a job in one of these is history: nothing moves it again
 
 
 class Condition(CamelModel):

@@ -3,7 +3,8 @@
 An adapter lives on its job's trainer: `POST /adapter_runs` registers it once the job runs, `GET
 /adapter_runs/state` says how it stands, `DELETE /adapter_runs/{name}` retires it (kora_operator/adapter_runs.py).
 Whatever woke it up — its own create or resume, or a reconcile of its job (each poll of a running multi-adapter
-job reads the trainer's adapter state once, for all the job's adapters: `reconcile_job`) — the same
+job reads the trainer's adapter state once, for all the job's adapters: its reconcile's last step,
+`sync_job_adapters`) — the same
 `sync_adapter` runs: read the adapter afresh, check SPEC rule 9 against its job, own it to the job, register it
 if the trainer does not know it, and mirror the trainer's state of it into its status, written through /status
 only when it changed, with an Event for each condition that changed.
@@ -30,14 +31,13 @@ import kopf
 from kora_operator.adapter_runs import AdapterRuns, Refused, find, mirrored, run_conditions
 from kora_operator.api.adapter import LoRAAdapter
 from kora_operator.api.job import GROUP, LoRATrainingJob
-from kora_operator.api.status import Phase
+from kora_operator.api.status import TERMINAL, Phase
 from kora_operator.builders.meta import job_owner_reference
 from kora_operator.conditions import Cond, get_condition, set_conditions, transitions
-from kora_operator.handlers.reconcile import Context, JobView, job_view, reconcile
+from kora_operator.handlers.context import Context, JobView, job_view
 from kora_operator.kube import ApiException, now_rfc3339
-from kora_operator.phase import TERMINAL
 from kora_operator.progress import ProgressUnavailable
-from kora_operator.reasons import ConditionType, EventType, Reason
+from kora_operator.reasons import ConditionStatus, ConditionType, EventType, Reason
 from kora_operator.validation import validate_adapter
 from kora_trainer.config.adapter_runs import FINISHED, AdapterPhase, AdapterRunState
 from kora_trainer.config.rules import Problem
@@ -46,7 +46,6 @@ log = logging.getLogger("kora.adapters")
 FINALIZER = f"{GROUP}/deregister-adapter"
 DEREGISTER_GIVE_UP_S = 60.0  # how long a delete retries a trainer that cannot be reached (as jobs.py a Ray cluster)
 RETIRE_TIMEOUT_S = 600.0  # how long a delete waits for the trainer to retire the adapter (its next step boundary)
-F, T = "False", "True"
 
 _locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
 _locks_guard = threading.Lock()
@@ -60,16 +59,12 @@ def _lock(ns: str, name: str) -> threading.Lock:
 # -- what wakes an adapter up --------------------------------------------------------------------------------
 
 
-def reconcile_job(ctx: Context, ns: str, name: str, trigger: str, body: dict[str, Any] | None = None,
-                  ray: dict[str, Any] | None = None) -> None:
-    """A job's reconcile (`body`, `ray`: see reconcile.reconcile), then its adapters' (they see the job and its
-    trainer as that reconcile left them). A poll of a job without adapter slots (multiLora.maxAdapters 0) stops
-    at the job: an adapter naming it fails rule 9 at its first reconcile, and nothing a poll sees changes that.
-    Which adapters name the job: ctx.adapters (the adapters' watch), else a LIST."""
-    view = reconcile(ctx, ns, name, trigger, body=body, ray=ray)
-    if view is None:
-        return
-    if trigger == "poll" and not int(((view.body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0):
+def sync_job_adapters(ctx: Context, ns: str, name: str, view: JobView, poll: bool = False) -> None:
+    """The adapter step of a job's reconcile (handlers/reconcile.py calls it last): sync each adapter naming the job
+    to `view`, the job and its trainer as that reconcile left them. A `poll` of a job without adapter slots
+    (multiLora.maxAdapters 0) stops here: an adapter naming it fails rule 9 at its first reconcile, and nothing a
+    poll sees changes that. Which adapters name the job: ctx.adapters (the adapters' watch), else a LIST."""
+    if poll and not int(((view.body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0):
         return
     try:
         adapters = ctx.adapters.of_job(ns, name) if ctx.adapters is not None else [
@@ -124,8 +119,16 @@ def _next_status(ctx: Context, body: dict[str, Any], view: JobView | None) -> di
     errors = [p for p in problems if p.severity == "error"]
     if errors:
         return _failed(body, current, ConditionType.REGISTERED, Reason.VALIDATION_FAILED, _problems(errors))
-    job_phase = view.status.get("phase")
-    run = find(view.runs, str(meta["name"])) if view.runs is not None else None
+    return _on_trainer(ctx, body, adapter, view, job)
+
+
+def _on_trainer(ctx: Context, body: dict[str, Any], adapter: LoRAAdapter, view: JobView,
+                job: LoRATrainingJob | None) -> dict[str, Any]:
+    """A valid adapter of an existing job: registered if the trainer does not hold it while the job may run, its
+    status mirrored from the trainer's state of it; Failed if its job ended before it finished."""
+    current = dict(body.get("status") or {})
+    job_name, job_phase = str((body.get("spec") or {}).get("jobName")), view.status.get("phase")
+    run = find(view.runs, str(body["metadata"]["name"])) if view.runs is not None else None
     if run is None and job_phase not in TERMINAL:
         run_or_status = _register(ctx, body, adapter, view, current)
         if isinstance(run_or_status, dict):
@@ -196,9 +199,9 @@ def _pending(body: dict[str, Any], current: dict[str, Any], reason: Reason, mess
     """Waiting to register (or, for one that trained, for its job to run again): Registered False, and Training
     False if it has trained."""
     generation = body["metadata"].get("generation")
-    conds = [Cond(ConditionType.REGISTERED, F, reason, message)]
+    conds = [Cond(ConditionType.REGISTERED, ConditionStatus.FALSE, reason, message)]
     if get_condition(current.get("conditions") or [], ConditionType.TRAINING) is not None:
-        conds.append(Cond(ConditionType.TRAINING, F, reason, message))
+        conds.append(Cond(ConditionType.TRAINING, ConditionStatus.FALSE, reason, message))
     return {**current, "phase": str(AdapterPhase.PENDING), "observedGeneration": generation,
             "conditions": set_conditions(current.get("conditions") or [], conds, generation, now_rfc3339())}
 
@@ -206,7 +209,8 @@ def _pending(body: dict[str, Any], current: dict[str, Any], reason: Reason, mess
 def _failed(body: dict[str, Any], current: dict[str, Any], where: ConditionType, reason: Reason,
             message: str) -> dict[str, Any]:
     generation = body["metadata"].get("generation")
-    conds = [Cond(where, F, reason, message), Cond(ConditionType.FAILED, T, reason, message)]
+    conds = [Cond(where, ConditionStatus.FALSE, reason, message),
+             Cond(ConditionType.FAILED, ConditionStatus.TRUE, reason, message)]
     return {**current, "phase": str(AdapterPhase.FAILED), "observedGeneration": generation,
             "conditions": set_conditions(current.get("conditions") or [], conds, generation, now_rfc3339())}
 

@@ -1,8 +1,9 @@
 """kopf handlers: LoRAAdapter create/resume, and the watch events that show one deleted.
 
 They call handlers/adapter_sync.py, whose level-based sync also runs after every reconcile of the adapter's job
-(handlers/jobs.py: each poll of a running multi-adapter job mirrors its trainer's state into its adapters). No
-update handler: an adapter's spec is immutable (the CRD says so; the trainer cannot change a registered one).
+(the last step of handlers/reconcile.py: each poll of a running multi-adapter job mirrors its trainer's state into
+its adapters). No update handler: an adapter's spec is immutable (the CRD says so; the trainer cannot change a
+registered one).
 """
 
 from __future__ import annotations

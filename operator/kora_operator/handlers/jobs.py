@@ -1,7 +1,7 @@
 """kopf handlers: LoRATrainingJob create/resume/update/delete, and changes of the RayJobs we own.
 
-Every handler calls the same level-based reconcile (handlers/reconcile.py), then its LoRAAdapters'
-(handlers/adapter_sync.py); none sleeps. The poll loop (handlers/poller.py) calls it too, for jobs whose
+Every handler calls the same level-based reconcile (handlers/reconcile.py), whose last step syncs the job's
+LoRAAdapters (handlers/adapter_sync.py); none sleeps. The poll loop (handlers/poller.py) calls it too, for jobs whose
 state lives outside Kubernetes.
 """
 
@@ -13,17 +13,19 @@ from typing import Any
 
 import kopf
 
-from kora_operator.api.job import GROUP, VERSION, RuntimeKind
+from kora_operator.api.job import GROUP, VERSION
+from kora_operator.api.status import TERMINAL
 from kora_operator.builders.meta import JOB_LABEL, MANAGED_BY
 from kora_operator.events import EventPoster
-from kora_operator.handlers.adapter_sync import poll_deletion, reconcile_job
+from kora_operator.handlers.adapter_sync import poll_deletion
+from kora_operator.handlers.context import Context
 from kora_operator.handlers.kopf_state import HandledSpecs, UnmarkedProgress
 from kora_operator.handlers.memory import AdapterIndex, KnownChildren
 from kora_operator.handlers.poller import Poller
-from kora_operator.handlers.reconcile import Context, forget, stop_ray_job
+from kora_operator.handlers.reconcile import forget, reconcile, stop_ray_job
 from kora_operator.kube import Kube
 from kora_operator.metrics import reconciles_in_flight
-from kora_operator.phase import TERMINAL
+from kora_operator.runtimes import runtime_of
 from kora_operator.runtimes.rayjobs import RayError
 from kora_operator.settings import Settings
 from kora_operator.statuses import StatusWriter
@@ -66,7 +68,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
                   children=KnownChildren(ours.children_recheck) if ours.children_recheck > 0 else None,
                   # job statuses behind the reconciles too, coalesced per job (statuses.py)
                   statuses=StatusWriter(kube.patch_job_status, busy=lambda: reconciles_in_flight() > 0).start())
-    ctx.poller = Poller(ours.poll_interval, lambda ns, name: reconcile_job(ctx, ns, name, trigger="poll")).start()
+    ctx.poller = Poller(ours.poll_interval, lambda ns, name: reconcile(ctx, ns, name, trigger="poll")).start()
     ctx.deletions = Poller(ours.poll_interval, lambda ns, name: poll_deletion(ctx, ns, name)).start()
     memo.ctx = ctx
 
@@ -110,12 +112,12 @@ def job_created(namespace: str | None, name: str, memo: Any, reason: str, body: 
             return  # its RayJob's event from kopf's first listing came first and has reconciled it since the start
     # a job being created is reconciled as kopf was handed it (reconcile.reconcile says why that is safe)
     given = copy.deepcopy(dict(body)) if reason == "create" else None
-    reconcile_job(ctx, str(namespace), name, trigger=reason, body=given)
+    reconcile(ctx, str(namespace), name, trigger=reason, body=given)
 
 
 @kopf.on.update(*JOBS, field="spec")
 def job_updated(namespace: str | None, name: str, memo: Any, **_: Any) -> None:
-    reconcile_job(memo.ctx, str(namespace), name, trigger="update")
+    reconcile(memo.ctx, str(namespace), name, trigger="update")
 
 
 @kopf.on.event(*JOBS)
@@ -135,10 +137,9 @@ async def job_event(type: str | None, uid: str | None, namespace: str | None, na
 # optional: no finalizer. Children carry ownerReferences, so the garbage collector removes them
 # even when the operator is down; a finalizer would only make deletes hang on us.
 def _ray_job_may_run(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
-    """Runtime Ray and not finished: a finished job's Ray job has ended (Succeeded and Failed are
-    only reached from a terminal Ray job, or before any submission)."""
-    ray = (spec.get("runtime") or {}).get("kind") == RuntimeKind.RAY
-    return bool(ray and status.get("phase") not in TERMINAL)
+    """A runtime that must stop the trainer itself (Ray), and not finished: a finished job's Ray job has ended
+    (Succeeded and Failed are only reached from a terminal Ray job, or before any submission)."""
+    return runtime_of(spec).stops_on_delete and status.get("phase") not in TERMINAL
 
 
 @kopf.on.delete(*JOBS, optional=True)
@@ -181,13 +182,14 @@ def ray_job_changed(body: kopf.Body, namespace: str | None, memo: Any, type: str
     if type == "DELETED":
         if ctx.children is not None and owners:
             ctx.children.forget(str(owners[0].get("uid")))  # its reconcile makes the RayJob again
-        reconcile_job(ctx, str(namespace), str(job), trigger="rayjob")
+        reconcile(ctx, str(namespace), str(job), trigger="rayjob")
     else:  # the RayJob as watched: its reconcile need not read it again
         if ctx.children is not None and owners:
             # the same as a resume's (job_created): the RayJob of a job this process has not seen yet, most often
             # from kopf's first listing, which may come before the job's resume
             ctx.children.remember_if_new(str(owners[0].get("uid")))
-        # a copy deep enough for what a reconcile writes into it (_align_ray_job: top-level spec fields); the rest is
-        # only read, and a deep copy of every RayJob event was a good part of the operator's CPU in a burst
+        # a copy deep enough for what a reconcile writes into it (runtimes/kuberay.align_ray_job: top-level spec
+        # fields); the rest is only read, and a deep copy of every RayJob event was a good part of the operator's CPU
+        # in a burst
         raw = dict(body)
-        reconcile_job(ctx, str(namespace), str(job), trigger="rayjob", ray={**raw, "spec": dict(raw.get("spec") or {})})
+        reconcile(ctx, str(namespace), str(job), trigger="rayjob", ray={**raw, "spec": dict(raw.get("spec") or {})})

@@ -21,7 +21,7 @@ Key = tuple[str, str]
 
 
 class Poller:
-    def __init__(self, interval: float, poll: Callable[[str, str], None], workers: int = 4) -> None:
+    def __init__(self, interval: float, poll: Callable[[str, str], object], workers: int = 4) -> None:
         self.interval = interval
         self._poll = poll
         self._keys: set[Key] = set()

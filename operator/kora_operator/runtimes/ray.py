@@ -16,9 +16,9 @@ The submission carries the same trainer config as the KubeRay ConfigMap, in the 
 variable KORA_JOB_YAML, piped to `python -m kora_trainer.train --config /dev/stdin`; the
 control-plane token and port also travel in the environment, and so does the NCCL environment of
 the KubeRay pods (builders/ncclenv.py) less its pod-interface names. Whether the job fits the
-cluster's GPUs cannot be seen from here: the trainer refuses to start when it does not. This
-module is pure: `build_submission` and `decide` take values and return values; handlers/reconcile.py
-does the I/O.
+cluster's GPUs cannot be seen from here: the trainer refuses to start when it does not.
+`build_submission` and `decide` are pure: they take values and return values; `Ray` (the runtime that
+handlers/reconcile.py chooses for a job) does the I/O.
 """
 
 from __future__ import annotations
@@ -32,19 +32,30 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
-from kora_operator.api.job import LoRATrainingJob
+from kora_operator.api.job import LoRATrainingJob, RuntimeKind
 from kora_operator.api.status import Phase
 from kora_operator.builders.configmap import trainer_config_yaml
 from kora_operator.builders.ncclenv import nccl_env
 from kora_operator.conditions import Cond
-from kora_operator.phase import Observation
-from kora_operator.reasons import ConditionType, Reason
-from kora_operator.runtimes.rayjobs import FAILED, PENDING, RUNNING, STOPPED, SUCCEEDED, JobInfo
+from kora_operator.reasons import ConditionStatus, ConditionType, EventType, Reason
+from kora_operator.runtimes.base import Advanced, Observation, Operator, Step, next_status
+from kora_operator.runtimes.rayjobs import (
+    FAILED,
+    PENDING,
+    RUNNING,
+    STOPPED,
+    SUCCEEDED,
+    JobInfo,
+    RayError,
+    RayJobsClient,
+    RayRejected,
+    RayUnauthorized,
+)
+from kora_operator.settings import Settings
 from kora_trainer.config.control import ControlEnv
 from kora_trainer.config.ray_env import usage_stats_env
 from kora_trainer.config.status import MAX_MESSAGE
 
-T, F = "True", "False"
 PORT_KEY = "kora.dev/control-port"
 JOB_KEY = "kora.dev/job"
 UID_KEY = "kora.dev/uid"
@@ -159,7 +170,8 @@ class Decision:
 
 
 def _ready(address: str) -> Cond:
-    return Cond(ConditionType.CLUSTER_READY, T, Reason.CLUSTER_READY, f"the Ray cluster at {address} answers")
+    return Cond(ConditionType.CLUSTER_READY, ConditionStatus.TRUE, Reason.CLUSTER_READY,
+                f"the Ray cluster at {address} answers")
 
 
 def decide(info: JobInfo | None, *, sub: str, address: str, suspend: bool, phase: str | None,
@@ -171,30 +183,33 @@ def decide(info: JobInfo | None, *, sub: str, address: str, suspend: bool, phase
     if status == SUCCEEDED:
         msg = f"the trainer finished successfully (Ray job {sub})"
         return Decision(Action.NONE, Observation(Phase.SUCCEEDED, [
-            ready, Cond(ConditionType.TRAINING, F, Reason.SUCCEEDED, msg),
-            Cond(ConditionType.COMPLETE, T, Reason.SUCCEEDED, msg)], terminal_time=info.end_time if info else None))
+            ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.SUCCEEDED, msg),
+            Cond(ConditionType.COMPLETE, ConditionStatus.TRUE, Reason.SUCCEEDED, msg)],
+            terminal_time=info.end_time if info else None))
     if suspend:
         action = Action.STOP if info is not None and not info.terminal else Action.NONE
         return Decision(action, Observation(Phase.SUSPENDED, [
-            Cond(ConditionType.TRAINING, F, Reason.SUSPENDED, f"spec.suspend is true: Ray job {sub} is stopped; "
-                 "set it to false to resubmit (the trainer resumes from its last checkpoint)")]))
+            Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.SUSPENDED,
+                 f"spec.suspend is true: Ray job {sub} is stopped; set it to false to resubmit (the trainer resumes "
+                 "from its last checkpoint)")]))
     was_suspended = phase == Phase.SUSPENDED
     if info is None:
         return Decision(Action.SUBMIT, Observation(Phase.PENDING, [
-            ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING,
+            ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.TRAINER_PENDING,
                         f"submitted the trainer as Ray job {sub}; waiting for it to start")]))
     if was_suspended:
         if info.terminal:
             return Decision(Action.RESUME, Observation(Phase.PENDING, [
-                ready, Cond(ConditionType.TRAINING, F, Reason.RESUMING,
+                ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.RESUMING,
                             "resuming: resubmitting the trainer, which continues from its last checkpoint")]))
         return Decision(Action.STOP, Observation(Phase.SUSPENDED, [
-            Cond(ConditionType.TRAINING, F, Reason.RESUMING, f"resuming once Ray job {sub} has stopped")]))
+            Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.RESUMING,
+                 f"resuming once Ray job {sub} has stopped")]))
     if status == FAILED:
         message = failure_message(info)
         if restarts < backoff_limit:
             return Decision(Action.RETRY, Observation(Phase.PENDING, [
-                ready, Cond(ConditionType.TRAINING, F, Reason.RETRYING,
+                ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.RETRYING,
                             _fit(f"restart {restarts + 1} of {backoff_limit} (spec.backoffLimit): ", message))]))
         return Decision(Action.NONE, _failed(ready, Reason.TRAINER_FAILED, message, info.end_time))
     if status == STOPPED:
@@ -202,26 +217,27 @@ def decide(info: JobInfo | None, *, sub: str, address: str, suspend: bool, phase
                                              "kora (`ray job stop` or the Ray dashboard)", info.end_time))
     if status == RUNNING:
         return Decision(Action.NONE, Observation(Phase.RUNNING, [
-            ready, Cond(ConditionType.TRAINING, T, Reason.TRAINER_RUNNING,
+            ready, Cond(ConditionType.TRAINING, ConditionStatus.TRUE, Reason.TRAINER_RUNNING,
                         f"the trainer runs as Ray job {sub} on {address}")]))
     if status != PENDING:
         unknown = f"Ray job {sub} is in state {status!r}, which this operator does not know"
         return Decision(Action.NONE, Observation(Phase.PENDING, [
-            ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING, unknown)]))
+            ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.TRAINER_PENDING, unknown)]))
     return Decision(Action.NONE, Observation(Phase.PENDING, [
-        ready, Cond(ConditionType.TRAINING, F, Reason.TRAINER_PENDING,
+        ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.TRAINER_PENDING,
                     f"Ray job {sub} waits for the Ray cluster to start it")]))
 
 
 def _failed(ready: Cond, reason: Reason, message: str, end: str | None) -> Observation:
-    return Observation(Phase.FAILED, [ready, Cond(ConditionType.TRAINING, F, reason, message),
-                                      Cond(ConditionType.FAILED, T, reason, message)], terminal_time=end)
+    return Observation(Phase.FAILED, [ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, reason, message),
+                                      Cond(ConditionType.FAILED, ConditionStatus.TRUE, reason, message)],
+                       terminal_time=end)
 
 
 def unreachable(phase: str | None, reason: Reason, message: str) -> Observation:
     """The Ray Jobs API cannot be used right now: say so, and keep the phase (the trainer may be fine)."""
     keep = Phase(phase) if phase in set(Phase) else Phase.PENDING
-    return Observation(keep, [Cond(ConditionType.CLUSTER_READY, F, reason, message)])
+    return Observation(keep, [Cond(ConditionType.CLUSTER_READY, ConditionStatus.FALSE, reason, message)])
 
 
 def recorded_port(info: JobInfo | None, sub: str, ports: tuple[int, int]) -> int:
@@ -229,3 +245,134 @@ def recorded_port(info: JobInfo | None, sub: str, ports: tuple[int, int]) -> int
     raw: Mapping[str, str] = info.metadata if info is not None else {}
     port = raw.get(PORT_KEY, "")
     return int(port) if port.isdigit() else control_port(sub, ports)
+
+
+# -- the runtime: the I/O around `decide` ----------------------------------------------------------------------
+
+
+class Ray:
+    kind = RuntimeKind.RAY
+    stops_on_delete = True  # nothing in Kubernetes owns a Ray job: a deleted job waits until it has stopped
+
+    def advance(self, step: Step) -> Advanced:
+        """The children made (the ConfigMap with the rendered config, the Secrets; a poll leaves them alone), then
+        the Ray job's submission moved along (`decide` says how), and the next status."""
+        if not step.poll and not step.children.known():
+            step.children.create(step.create_first)
+            step.children.remember()
+        return _Submission.of(step).advance()
+
+    def trainer_url(self, ops: Operator, body: Mapping[str, Any]) -> str | None:
+        sub = (body.get("status") or {}).get("rayJobName")
+        address = ((body.get("spec") or {}).get("runtime") or {}).get("address")
+        if not sub or not address:
+            return None
+        try:
+            info = ops.ray_client(str(address)).get(str(sub))
+        except RayError:
+            info = None  # the port the submission would have been given; the trainer is likely unreachable too
+        return control_url(str(address), recorded_port(info, str(sub), ops.settings.ray_control_ports))
+
+    def polls(self, phase: str | None, settings: Settings) -> bool:
+        return True  # until it ends: only polling sees its Ray job change
+
+    def stop(self, ops: Operator, body: Mapping[str, Any]) -> tuple[str | None, JobInfo | None]:
+        """Stop the deleted job's Ray job: (submission id, its state after the stop request); (None, None) when
+        nothing was submitted."""
+        sub = (body.get("status") or {}).get("rayJobName")
+        address = ((body.get("spec") or {}).get("runtime") or {}).get("address")
+        if not sub or not address:
+            return None, None
+        client = ops.ray_client(str(address))
+        info = client.get(str(sub))
+        if info is not None and not info.terminal:
+            client.stop(str(sub))
+            info = client.get(str(sub))
+        return str(sub), info
+
+
+@dataclass
+class _Submission:
+    """One reconcile's look at the job's current submission, and what it did about it."""
+
+    step: Step
+    address: str
+    client: RayJobsClient
+    sub: str
+    restarts: int
+    info: JobInfo | None = None
+    submitted: bool = False
+
+    @classmethod
+    def of(cls, step: Step) -> _Submission:
+        address = str(step.job.spec.runtime.address)
+        sub = str(step.status.get("rayJobName") or submission_id(str(step.meta["uid"])))
+        return cls(step, address, step.ops.ray_client(address), sub, int(step.status.get("restarts") or 0))
+
+    def advance(self) -> Advanced:
+        status = self.step.status
+        try:
+            obs = self._act()
+        except RayRejected as e:
+            obs = Observation(Phase.PENDING, [Cond(ConditionType.TRAINING, ConditionStatus.FALSE,
+                                                   Reason.SUBMISSION_FAILED, str(e))])
+        except RayError as e:
+            reason = Reason.RAY_UNAUTHORIZED if isinstance(e, RayUnauthorized) else Reason.RAY_UNREACHABLE
+            obs = unreachable(status.get("phase"), reason, str(e))
+        seen = {"dashboardURL": self.address}
+        if self.info is not None and self.info.start_time and not status.get("startTime"):
+            seen["startTime"] = self.info.start_time
+        # rayJobName names a submission that exists (the delete handler stops it), or the one being made
+        known = self.info is not None or self.submitted or status.get("rayJobName") == self.sub
+        new = next_status(status, obs, seen, ray_name=self.sub if known else None,
+                          generation=self.step.meta.get("generation"), now=self.step.now, restarts=self.restarts)
+        port = recorded_port(self.info, self.sub, self.step.ops.settings.ray_control_ports)
+        return Advanced(new, control_url(self.address, port))
+
+    def _act(self) -> Observation:
+        step, job = self.step, self.step.job
+        self.info = self.client.get(self.sub)
+        decision = decide(self.info, sub=self.sub, address=self.address, suspend=job.spec.suspend,
+                          phase=step.status.get("phase"), restarts=self.restarts,
+                          backoff_limit=job.spec.backoff_limit)
+        if decision.action is Action.SUBMIT:
+            if step.status.get("rayJobName") != self.sub:  # named before it exists: a delete then knows what to stop
+                step.ops.write_status_now(step.body, {"rayJobName": self.sub})
+            self._submit()
+        elif decision.action is Action.STOP:
+            if self.client.stop(self.sub):
+                step.ops.kube.event(step.body, EventType.NORMAL, Reason.STOPPED_RAY_JOB,
+                                    f"stopped Ray job {self.sub} (spec.suspend is true)")
+        elif decision.action in (Action.RETRY, Action.RESUME):
+            self._resubmit(retry=decision.action is Action.RETRY)
+        return decision.obs
+
+    def _resubmit(self, retry: bool) -> None:
+        step = self.step
+        failed, self.sub = self.sub, next_submission_id(self.sub)
+        if retry:
+            self.restarts += 1
+            step.ops.kube.event(step.body, EventType.WARNING, Reason.TRAINER_FAILED,
+                                f"restart {self.restarts} of {step.job.spec.backoff_limit}: resubmitting as "
+                                f"{self.sub}; {failure_message(self.info) if self.info else failed}")
+        # the new id is written before it is submitted: an operator that dies in between finds
+        # the id in the status, sees no such Ray job and submits it, never a second one
+        step.ops.write_status_now(step.body, {"rayJobName": self.sub, "restarts": self.restarts})
+        self.info = None
+        self._submit()
+
+    def _submit(self) -> None:
+        step, settings = self.step, self.step.ops.settings
+        port = control_port(self.sub, settings.ray_control_ports)
+        request = build_submission(step.job, sub=self.sub, token=step.ops.tokens.for_job(str(step.meta["uid"])),
+                                   port=port, trainer_command=settings.trainer_command, linger_s=settings.linger_s)
+        try:
+            made = self.client.submit(request)
+        except RayRejected as e:
+            step.ops.kube.event(step.body, EventType.WARNING, Reason.FAILED_TO_SUBMIT_RAY_JOB, str(e))
+            raise
+        if made:
+            step.ops.kube.event(step.body, EventType.NORMAL, Reason.SUBMITTED_RAY_JOB,
+                                f"submitted the trainer as Ray job {self.sub} to {self.client.address} (control "
+                                f"plane on port {port})")
+        self.submitted = True
