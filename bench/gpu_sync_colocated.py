@@ -331,7 +331,8 @@ def plan(r: Run) -> None:
 
 def _plan_merge(r: Run) -> None:
     """The engine's weights (q;k;v fused first) mapped once; the Merge and base pushes planned into them."""
-    from kora_trainer.sync import colocated, fast
+    from kora_trainer.sync.fast import colocated_merge as colocated
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire.serialize import deserialize_payload
 
     st, res, engine = r.st, r.res, r.engine
@@ -356,7 +357,7 @@ def _plan_merge(r: Run) -> None:
 
 def _plan_ring(r: Run) -> None:
     """The adapter's one-gather pack and the engine's adapter ring (3 slots), mapped once."""
-    from kora_trainer.sync import fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
     from kora_trainer.wire.serialize import deserialize_payload
 
     st, res, trainer = r.st, r.res, r.trainer
@@ -669,7 +670,7 @@ def merge_http(r: Run) -> None:
 # ---- (d) delta-skip -----------------------------------------------------------------------------------------------
 
 def delta_skip(r: Run) -> None:
-    from kora_trainer.sync import fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
 
     res, flat, device = r.res, r.trainer.flat, r.device
     delta = fast_adapter.FlatDelta(flat)

@@ -158,7 +158,7 @@ def _both(fn0, fn1):
 
 
 def test_fast_merge_sync_over_gloo_lands_every_tensor():
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire import fast_receive
     from kora_trainer.wire.protocol import Assembler
 
@@ -192,7 +192,8 @@ def test_fast_merge_sync_over_gloo_lands_every_tensor():
 
 def test_fast_adapter_push_and_flat_delta_over_gloo():
     from kora_trainer.reference_engine.lora_adapters import pair_lora_tensors
-    from kora_trainer.sync import fast, fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire import fast_receive
 
     g = torch.Generator().manual_seed(1)

@@ -14,7 +14,8 @@ import torch
 
 from engine_helpers import ATOL, kora_and_sglang_like, logprob_gap, on_hf_engines, step, trained_policy
 from kora_trainer.lora import adapter_tensors
-from kora_trainer.sync.fast_sender import FastWeightSender, fast_path_off, with_fast_path
+from kora_trainer.sync.fast.distributed import FastWeightSender
+from kora_trainer.sync.fast.path import fast_path_off, with_fast_path
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
 from kora_trainer.wire.protocol import PackedChecksum, checksum

@@ -81,7 +81,7 @@ class TrainWorker:
         collective delta-skip decision). `admin_api_key`: the job's engine admin key (every sync route is admin)."""
         import torch
 
-        from kora_trainer.sync.fast_sender import with_fast_path
+        from kora_trainer.sync.fast.path import with_fast_path
         from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
         from kora_trainer.wire.engine_client import EngineClient
 

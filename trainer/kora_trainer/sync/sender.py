@@ -25,7 +25,7 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,18 +34,9 @@ from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.config.engine_lora_limits import engine_lora_limits
 from kora_trainer.config.sections import POLICY_ADAPTER
 from kora_trainer.config.sglang_builds import effective_build, plan_for
-from kora_trainer.lora import adapter_parameters, adapter_tensors, peft_config_dict
+from kora_trainer.lora import adapter_tensors, peft_config_dict
 from kora_trainer.sync.delta import DeltaTracker, should_push
-from kora_trainer.sync.fast import Entry, GatherSpec
-from kora_trainer.sync.sources import (
-    Source,
-    adapter_source,
-    adapter_specs,
-    base_source,
-    merge_entries,
-    merged_source,
-    served_adapter_source,
-)
+from kora_trainer.sync.sources import Source, adapter_source, base_source, merged_source, served_adapter_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
 from kora_trainer.wire.engine_client import EngineClient, EngineError, applied_checksum
 from kora_trainer.wire.gdn_lora import to_sglang_config
@@ -54,7 +45,7 @@ from kora_trainer.wire.protocol import FLAT, Bucket, plan_buckets, tensor_digest
 from kora_trainer.wire.protocol import checksum as protocol_checksum
 
 Named = tuple[str, torch.Tensor]
-__all__ = ["POLICY_ADAPTER", "SyncReport", "WeightSender"]
+__all__ = ["POLICY_ADAPTER", "Sender", "SyncReport", "WeightSender"]
 
 
 @dataclass
@@ -71,9 +62,9 @@ class SyncReport:
     buckets: int = 0
     max_delta: float | None = None  # the group's max |Δadapter| since the last push (None on the first)
     what: str = ""  # full | base+adapter | adapter | lora_pairs | skipped
-    path: str = "http"  # http (the engine routes, per bucket) | fast (sync/fast_sender.py: planned once)
+    path: str = "http"  # http (the engine routes, per bucket) | fast (sync/fast/: planned once)
     note: str = ""  # set once, where the path was decided: the fast path planned, or why it is not used
-    # where the push's time went, in ms (the colocated fast path: sync/colocated_sender.py names the parts); a
+    # where the push's time went, in ms (the colocated fast path: sync/fast/colocated.py names the parts); a
     # verified push's extra checksum call is `verify_ms` here, outside `ms`: the engines serve the push before it
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -85,6 +76,25 @@ class SyncReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+class Sender(Protocol):
+    """A weight sender as the trainer's worker (orchestration/workers.py) and the backends use it: production's
+    `WeightSender` (and a backend's subclass of it) and the fenced fast path's wrappers (sync/fast/) alike. Every
+    rank of the trainer's group calls `sync` each step (collective: the skip decision spans the group)."""
+
+    transport: Any  # DistributedTransport | ColocatedTransport | a follower (`follower`) | None (no engine here)
+    engine_version: int  # the policy version the engines serve
+
+    def arm(self) -> None:
+        """The step's update is enqueued and a push follows (a sender whose engines get ready for it tells them)."""
+        ...
+
+    def sync(self, version: int) -> SyncReport:
+        """Push policy `version` (or skip it, collectively): what happened, as the recorder writes it."""
+        ...
+
+    def close(self) -> None: ...
+
 
 class RunningChecksum:
     """protocol.checksum computed one tensor at a time (no list of every pushed tensor kept alive)."""
@@ -214,23 +224,11 @@ class WeightSender:
         """Adapter mode's pushes: the adapter as the engines' LoRA loader names it (sources.served_adapter_source)."""
         return served_adapter_source(self.model, self.gate_adapters)
 
-    # ---- the GPU fast path's plan (sync/fast_sender.py); NotImplementedError: the HTTP path only -------------
-
-    def fast_adapter_params(self) -> list[nn.Parameter]:
-        """The adapter parameters (live, one dtype and device), the optimizer's order."""
-        return list(adapter_parameters(self.model))
-
-    def fast_merge_entries(self) -> list[Entry]:
-        return merge_entries(self.model)
-
-    def fast_adapter_specs(self) -> list[GatherSpec]:
-        return adapter_specs(self.model)
-
     # ---- the one entry point ------------------------------------------------------------------
 
     def arm(self) -> None:
         """The step's update is enqueued and a push follows: a sender whose engines can get ready for it tells
-        them now (the colocated fast path); this one has nothing to do."""
+        them now (the colocated fast path, sync/fast/colocated.py); this one has nothing to do."""
 
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""

@@ -50,7 +50,7 @@ from kora_trainer.backends.megatron.lora import all_lora_modules, lora_modules
 from kora_trainer.backends.megatron.model import base_parameters, param_hf_tensors
 from kora_trainer.backends.megatron.moe import is_expert_module
 from kora_trainer.backends.megatron.parallel import pp_rank_size
-from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
+from kora_trainer.sync.fast.plan import Entry, FoldEntry, GatherSpec, PlainEntry
 from kora_trainer.sync.sender import WeightSender, follower
 from kora_trainer.sync.sources import Source
 from kora_trainer.wire.group import WeightUpdateGroup

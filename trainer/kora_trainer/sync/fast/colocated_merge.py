@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kora_trainer.kernels.fold import FoldItem, GroupedFold
-from kora_trainer.sync.fast import Entry, FoldEntry
+from kora_trainer.sync.fast.plan import Entry, FoldEntry
 
 
 def span_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kora_trainer.kernels.gather_delta import gather, gather_max_delta
-from kora_trainer.sync.fast import GatherSpec
+from kora_trainer.sync.fast.plan import GatherSpec
 from kora_trainer.wire.fast_receive import nbytes
 from kora_trainer.wire.group import WeightUpdateGroup
 from kora_trainer.wire.protocol import Bucket, Piece, dtype_name
