@@ -518,7 +518,7 @@ def adapter_http(r: Run) -> None:
     res, st = r.res, r.st
     transport = ColocatedTransport([r.client])
     sender = sender_for(r.trainer, "Adapter", r.model_dir, r.cap, transport, r.args.rank, r.args.alpha)
-    sender._base_pushed = True  # the base is on the engine already (fast base push above)
+    sender.how.base_pushed = True  # the base is on the engine already (fast base push above)
     rep = sender.sync(1000)  # the same policy as the fast path's last push
     assert rep.pushed, rep
     if "seqs" in st:

@@ -193,7 +193,7 @@ class WeightSender:
         self.verify = verify
         self.tracker = DeltaTracker()
         self.engine_version = 0  # the policy version the engines serve (0: the checkpoint they loaded)
-        self._base_pushed = False
+        self.how: ModePush = MODE_PUSHES[self.mode]()  # what a push of this mode sends (the strategies below)
         self._loaded: set[str] = set()  # adapter names this sender has loaded on the engines (colocated)
         self.adapter_name = POLICY_ADAPTER  # multi-LoRA (sync/slot_sender.py) pushes each adapter under its own
         self.gate_adapters = engine_lora_limits().gdn_gate_adapters  # the build hosts GDN b/a adapters
@@ -259,23 +259,7 @@ class WeightSender:
         return self.transport.kind if self.transport is not None else "none"
 
     def _push(self, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
-        if self.mode is SyncMode.MERGE:
-            n, b = self._push_weights(self.merged_source(), version, checksum, {})
-            return n, b, "full"
-        if self.mode is SyncMode.ENGINE_MERGE:
-            lora = self.cfg.lora
-            extra = {"weight_update_mode": "lora_merge", "lora_alpha": lora.alpha, "lora_rank": lora.rank,
-                     "merge_fp32": True}
-            n, b = self._push_weights(self.adapter_source(), version, checksum, extra)
-            return n, b, "lora_pairs"
-        what = "adapter"
-        n0 = b0 = 0
-        if not self._base_pushed:
-            n0, b0 = self._push_weights(self.base_source(), version, checksum, {})
-            self._base_pushed = True
-            what = "base+adapter"
-        n, b = self._push_adapter(self.served_adapter_source(), version, checksum)
-        return n0 + n, b0 + b, what
+        return self.how.push(self, version, checksum)
 
     # ---- full weights / lora pairs through the weight routes ------------------------------------
 
@@ -442,3 +426,52 @@ class WeightSender:
         if self.transport is not None:
             self.transport.close()
 
+
+# ---- the modes (PEFT's LoraVariant habit: one strategy object per mode, the sender's steps call it) -------------
+
+class ModePush:
+    """One sync mode's push through production's routes: (bytes, buckets, SyncReport.what)."""
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        raise NotImplementedError
+
+
+class MergePush(ModePush):
+    """Merge: the whole model, adapters folded in, under HF names through the weight routes."""
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        n, b = s._push_weights(s.merged_source(), version, checksum, {})
+        return n, b, "full"
+
+
+class EngineMergePush(ModePush):
+    """EngineMerge: the raw lora_A/lora_B pairs through the weight routes; the engine folds them into a pristine
+    copy of its base (`weight_update_mode: "lora_merge"`)."""
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        lora = s.cfg.lora
+        extra = {"weight_update_mode": "lora_merge", "lora_alpha": lora.alpha, "lora_rank": lora.rank,
+                 "merge_fp32": True}
+        n, b = s._push_weights(s.adapter_source(), version, checksum, extra)
+        return n, b, "lora_pairs"
+
+
+class AdapterPush(ModePush):
+    """Adapter: the frozen base once (adapter tensors kept out), then only the adapter through the LoRA routes."""
+
+    def __init__(self) -> None:
+        self.base_pushed = False
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        what = "adapter"
+        n0 = b0 = 0
+        if not self.base_pushed:
+            n0, b0 = s._push_weights(s.base_source(), version, checksum, {})
+            self.base_pushed = True
+            what = "base+adapter"
+        n, b = s._push_adapter(s.served_adapter_source(), version, checksum)
+        return n0 + n, b0 + b, what
+
+
+MODE_PUSHES: dict[SyncMode, type[ModePush]] = {SyncMode.MERGE: MergePush, SyncMode.ADAPTER: AdapterPush,
+                                               SyncMode.ENGINE_MERGE: EngineMergePush}
