@@ -5,7 +5,7 @@ A random-initialised Qwen3-4B-shaped model (no checkpoint is read): the trainer 
 (`--trainer megatron`, default; `--trainer hf` = HF Qwen3 + kora's torch LoRA) with a rank-32 LoRA on
 linear_qkv + linear_proj; the engine is kora's reference engine (`reference_engine.server`: EngineModel + the HTTP
 routes, its HF model built from the same config in the engine process) plus the fast-path receivers of
-`sync/fast.py`. Everything below is measured in ONE run, each number the median of --reps:
+`sync/fast/plan.py`. Everything below is measured in ONE run, each number the median of --reps:
 
 (a) adapter push, end to end: trainer step done (synchronised) -> the adapter packed (one gather), broadcast,
     the engine's adapter object swapped (it serves `kora-policy` from the next request) -> engine ack;
@@ -23,7 +23,7 @@ routes, its HF model built from the same config in the engine process) plus the 
 Tensor parallel (`--tp T`, megatron only): T trainer processes (this one is TP rank 0 on GPU 0, the others are
 spawned on GPUs 1..T-1; megatron parallel_state's TP group). Every TP rank runs the same phases; only TP rank 0
 talks to the engines. In (a) and (b) each rank's shards are gathered to TP rank 0 inside the push
-(`fast.PipelinedSender` / `fast_adapter.AdapterPack` with the TP group), (c) folds TP rank 0's shards, (d)'s MAX runs
+(`plan.PipelinedSender` / `adapter_pack.AdapterPack` with the TP group), (c) folds TP rank 0's shards, (d)'s MAX runs
 over the TP group, the HTTP adapter path gathers through `export.hf_adapter_tensors`.
 Engines (`--engines N`): engine i on GPU T+i (fewer GPUs: wrapped onto the trainer's GPUs other than GPU 0,
 with a warning — TP rank 0 and the engines share the weight-update group and NCCL refuses two ranks of one
@@ -217,7 +217,7 @@ class SyncEngine:
 
     def allreduce(self, arg: dict[str, Any]) -> None:
         group = self.groups[self._k(arg)]
-        for _ in range(arg["reps"]):  # float64, as the trainer's delta decision (fast_adapter.FlatDelta.pending)
+        for _ in range(arg["reps"]):  # float64, as the trainer's delta decision (adapter_pack.FlatDelta.pending)
             t = torch.zeros(1, dtype=torch.float64, device=self.device)
             group.allreduce_max(t)
         sync_dev(self.device)

@@ -8,7 +8,7 @@ from the same config; a pipe carries the bench's control messages. Each push sta
 (an optimizer-like update of the flat adapter, synchronised) and ends at the engine's ack; median of --reps.
 
 Two paths, one run:
-- fast colocated path (sync/fast.py), IPC handles exchanged ONCE at plan time:
+- fast colocated path (sync/fast/), IPC handles exchanged ONCE at plan time:
   (a) adapter: one gather of the HF-PEFT adapter straight into the engine's next `AdapterRing` slot (engine
       memory mapped by the trainer), synchronise, tell the engine the slot -> it registers an adapter object
       over that slot's views (made once) and serves `kora-policy` from the next request -> ack.
@@ -20,7 +20,7 @@ Two paths, one run:
   unload + load + /update_weight_version; /update_weights_from_tensor per bucket), serialize.py payloads,
   engine and sender checksums; with a breakdown of where the time goes.
 Anchors: one device copy of the same bytes (`adapter_copy_ms`, `copy_ms`, CUDA events).
-(d) delta-skip decision: fast_adapter.FlatDelta (one max|Δ| + one host read; one trainer rank: no collective).
+(d) delta-skip decision: adapter_pack.FlatDelta (one max|Δ| + one host read; one trainer rank: no collective).
 Serving checks: engine log-probs (HTTP /generate, input log-probs of fixed sequences) vs the trainer's; the
 fast and the HTTP path at the same policy compared with each other; merged weights vs torch's fp32 fold.
 

@@ -43,7 +43,7 @@ def test_triton_fold_matches_reference(r, adtype):
     assert (got == ref).float().mean() > 0.99
 
 
-# ---- grouped folds, row maps, and the fast sync path built on them (sync/fast.py) ------------------------
+# ---- grouped folds, row maps, and the fast sync path built on them (sync/fast/plan.py) --------------------
 
 def _item(m, n, r, lora=True, row_map=False, device="cpu", seed=0, out=None):
     from kora_trainer.kernels.fold import FoldItem

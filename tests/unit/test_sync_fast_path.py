@@ -1,4 +1,4 @@
-"""The fast path of weight sync (sync/fast_sender.py + the reference engine's /kora/fast_sync routes) against real
+"""The fast path of weight sync (sync/fast/distributed.py + the reference engine's /kora/fast_sync routes) against real
 `reference_engine` processes over a real gloo group: after the HTTP path's first push it plans once, then pushes in
 Merge and Adapter mode, and the engine serves the trainer's policy; delta-skip, versions and checksums keep the
 HTTP path's meaning. Where it cannot run (an engine without the routes, as SGLang; a policy the plan does not

@@ -6,7 +6,7 @@ wrappers being the backend's own classes (built without megatron-core, which thi
 factors are small integers, so every fold is exact in fp32 and what the engine gets must equal the full HF
 model's fold bit for bit — whatever the sharding, the row maps and the bucket boundaries.
 
-- the fast path: `merge_entries` / `adapter_specs` per rank -> `fast.MergePlan` / `PipelinedSender` (rank 0
+- the fast path: `merge_entries` / `adapter_specs` per rank -> `plan.MergePlan` / `PipelinedSender` (rank 0
   with the weight-update group, rank 1 only gathering) -> `PipelinedReceiver` / `AdapterRing` on an engine rank;
 - the HTTP path: `MegatronWeightSender` on both ranks, rank 1 finding itself a follower; rank 0's buckets are
   recorded and reassembled; the delta-skip decision is the TP group's (a change on rank 1 alone pushes).

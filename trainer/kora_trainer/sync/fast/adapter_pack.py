@@ -1,4 +1,4 @@
-"""The GPU fast path for Adapter mode (the Merge-mode plan and sender are fast.py's, the engine side
+"""The GPU fast path for Adapter mode (the Merge-mode plan and sender are plan.py's, the engine side
 wire/fast_receive.py's): `AdapterPack` gathers the HF-PEFT adapter with ONE `index_select` from the adapter's
 parameters laid end to end into one flat buffer (TP > 1: from the gathered flat adapters), `FlatDelta` decides
 the delta-skip with one fused max-abs-diff and one all-reduce of one number (`delta.should_push`'s rule).

@@ -2,7 +2,7 @@
 are the destination. `ColocatedMerge` writes every adapted weight with one captured fold graph (megatron's
 fused QKV unfused by a row map into the engine's fused q;k;v buffer: `wire.fast_receive.fuse_rows`) and the frozen
 tensors with one captured copy graph (`CopyGraph`; an incremental push skips them). The trainer's colocated sync
-(sync/colocated_sender.py) and bench/gpu_sync_colocated.py use it.
+(sync/fast/colocated_modes.py) and bench/gpu_sync_colocated.py use it.
 """
 
 from __future__ import annotations

@@ -14,15 +14,15 @@ changes — the same tensors go to the same bytes of the same buckets — so her
   The trainer packs bucket i+1 on a pack stream while bucket i is on the wire (NCCL's stream); the receiver applies
   bucket i into the engine's parameters on an apply stream while bucket i+1 arrives. Events order reuse of a buffer.
   The host only enqueues: nothing waits for the GPU until the final `ack`.
-- `AdapterPack` (Adapter mode; fast_adapter.py): the HF-PEFT adapter as ONE gather (`index_select`) from the
+- `AdapterPack` (Adapter mode; adapter_pack.py): the HF-PEFT adapter as ONE gather (`index_select`) from the
   adapter's parameters laid end to end, into one flat buffer; `AdapterRing` on the engine side receives it into one
   of a ring of buffers whose tensor views were made once, and the new adapter object is registered — the engine
   serves it from the next request on, with no copy and no per-tensor work.
-- `FlatDelta` (fast_adapter.py): the delta-skip decision as one fused max-abs-diff over the flat adapter and one
+- `FlatDelta` (adapter_pack.py): the delta-skip decision as one fused max-abs-diff over the flat adapter and one
   all-reduce of one number (`delta.should_push`'s rule — collective MAX, never a per-rank return).
 - Colocated (trainer and engine on the same GPU, SPEC's default deployment): the engine's memory is mapped by the
   trainer ONCE through CUDA IPC (`serialize.py` payloads exchanged at plan time), then a push writes straight into
-  it. `ColocatedMerge` (colocated.py): the engine's weights are the destination — one captured fold graph writes
+  it. `ColocatedMerge` (colocated_merge.py): the engine's weights are the destination — one captured fold graph writes
   every adapted weight (W + s·B·A, megatron's fused QKV unfused by a row map into the engine's fused q;k;v buffer,
   see `fuse_rows`), one captured copy graph the frozen tensors (a full push; an incremental push skips them, the
   base is frozen). `AdapterPack.pack_into`: the adapter's one gather lands in the engine's next `AdapterRing` slot.
