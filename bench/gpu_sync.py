@@ -5,7 +5,7 @@ A random-initialised Qwen3-4B-shaped model (no checkpoint is read): the trainer 
 (`--trainer megatron`, default; `--trainer hf` = HF Qwen3 + kora's torch LoRA) with a rank-32 LoRA on
 linear_qkv + linear_proj; the engine is kora's reference engine (`kora_engine.lm.server`: EngineModel + the HTTP
 routes, its HF model built from the same config in the engine process) plus the fast-path receivers of
-`sync/fast.py`. Everything below is measured in ONE run, each number the median of --reps:
+`sync/fast/plan.py`. Everything below is measured in ONE run, each number the median of --reps:
 
 (a) adapter push, end to end: trainer step done (synchronised) -> the adapter packed (one gather), broadcast,
     the engine's adapter object swapped (it serves `kora-policy` from the next request) -> engine ack;
@@ -23,7 +23,7 @@ routes, its HF model built from the same config in the engine process) plus the 
 Tensor parallel (`--tp T`, megatron only): T trainer processes (this one is TP rank 0 on GPU 0, the others are
 spawned on GPUs 1..T-1; megatron parallel_state's TP group). Every TP rank runs the same phases; only TP rank 0
 talks to the engines. In (a) and (b) each rank's shards are gathered to TP rank 0 inside the push
-(`fast.PipelinedSender` / `fast_adapter.AdapterPack` with the TP group), (c) folds TP rank 0's shards, (d)'s MAX runs
+(`plan.PipelinedSender` / `adapter_pack.AdapterPack` with the TP group), (c) folds TP rank 0's shards, (d)'s MAX runs
 over the TP group, the HTTP adapter path gathers through `export.hf_adapter_tensors`.
 Engines (`--engines N`): engine i on GPU T+i (fewer GPUs: wrapped onto the trainer's GPUs other than GPU 0,
 with a warning — TP rank 0 and the engines share the weight-update group and NCCL refuses two ranks of one
@@ -217,7 +217,7 @@ class SyncEngine:
 
     def allreduce(self, arg: dict[str, Any]) -> None:
         group = self.groups[self._k(arg)]
-        for _ in range(arg["reps"]):  # float64, as the trainer's delta decision (fast_adapter.FlatDelta.pending)
+        for _ in range(arg["reps"]):  # float64, as the trainer's delta decision (adapter_pack.FlatDelta.pending)
             t = torch.zeros(1, dtype=torch.float64, device=self.device)
             group.allreduce_max(t)
         sync_dev(self.device)
@@ -249,7 +249,7 @@ class Trainer:
     def __init__(self, kind: str, dims: dict[str, Any], rank: int, alpha: float, device: torch.device, seed: int = 0,
                  tp: int = 1):
         from kora_trainer.config import LoRASpec
-        from kora_trainer.sync.fast_adapter import flatten_parameters
+        from kora_trainer.sync.fast.adapter_pack import flatten_parameters
 
         if tp > 1 and kind != "megatron":
             raise ValueError("tensor parallelism needs --trainer megatron")
@@ -297,7 +297,7 @@ class Trainer:
             from kora_trainer.backends.megatron.sync import merge_entries
 
             return merge_entries(self.model, self.layout, merged)
-        from kora_trainer.sync.sources import merge_entries as hf_merge_entries
+        from kora_trainer.sync.fast.policy import merge_entries as hf_merge_entries
 
         if merged:
             return hf_merge_entries(self.model)
@@ -309,7 +309,7 @@ class Trainer:
             from kora_trainer.backends.megatron.sync import adapter_specs
 
             return adapter_specs(self.model, self.layout)
-        from kora_trainer.sync.sources import adapter_specs as hf_adapter_specs
+        from kora_trainer.sync.fast.policy import adapter_specs as hf_adapter_specs
 
         return hf_adapter_specs(self.model)
 
@@ -396,7 +396,7 @@ def expected_hf(entries: list[Any], names: list[str]) -> dict[str, torch.Tensor]
     `kernels.fold.FoldItem.reference` writes it (torch's fp32 addmm fold, rows placed by the row map) cut into its
     HF tensors, a PlainEntry as it is."""
     from kora_trainer.kernels.fold import FoldItem
-    from kora_trainer.sync.fast import FoldEntry
+    from kora_trainer.sync.fast.plan import FoldEntry
 
     want = set(names)
     out: dict[str, torch.Tensor] = {}
@@ -599,7 +599,7 @@ def _phases(b: Bench) -> None:
 # ---- (b) merge sync vs raw broadcast -----------------------------------------------------------------------
 
 def _plan_merge(b: Bench) -> None:
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
 
     b.plan = fast.MergePlan(b.trainer.merge_entries(True), b.cap)
     b.sizes = [x.nbytes for x in b.plan.buckets]
@@ -608,7 +608,7 @@ def _plan_merge(b: Bench) -> None:
 
 
 def merge_sender(b: Bench) -> Any:
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
 
     if b.merged_sender is None:
         b.merged_sender = fast.PipelinedSender(b.plan, b.group, fold_kw=b.fold_kw, tp=b.tp)
@@ -736,7 +736,7 @@ def _fold_items(b: Bench) -> tuple[list[Any], torch.Tensor, torch.Tensor, int]:
     """(a FoldItem per adapted weight into one destination buffer, that buffer, a source buffer of its size,
     their bytes)."""
     from kora_trainer.kernels.fold import FoldItem
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
 
     entries = [e for e in b.trainer.merge_entries(True)  # under TP the shards' unadapted copies are no fold
                if isinstance(e, fast.FoldEntry) and not (e.sharded and e.a is None)]
@@ -786,7 +786,7 @@ def _fold_check(items: list[Any], res: dict[str, Any]) -> None:
 
 def base_push(b: Bench) -> None:
     """The base on the engines (Adapter mode's first sync), so that engine + adapter = the trainer's policy."""
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire import fast_receive
 
     base_plan = fast.MergePlan(b.trainer.merge_entries(False), b.cap)
@@ -805,7 +805,7 @@ def base_push(b: Bench) -> None:
 # ---- (a) adapter push vs raw broadcast; (d) delta-skip ---------------------------------------------------------
 
 def _plan_adapter(b: Bench) -> None:
-    from kora_trainer.sync import fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
 
     t = b.trainer
     b.pack = fast_adapter.AdapterPack(t.params, t.adapter_specs(), b.cap, tp=b.tp)

@@ -8,7 +8,7 @@ from the same config; a pipe carries the bench's control messages. Each push sta
 (an optimizer-like update of the flat adapter, synchronised) and ends at the engine's ack; median of --reps.
 
 Two paths, one run:
-- fast colocated path (sync/fast.py), IPC handles exchanged ONCE at plan time:
+- fast colocated path (sync/fast/), IPC handles exchanged ONCE at plan time:
   (a) adapter: one gather of the HF-PEFT adapter straight into the engine's next `AdapterRing` slot (engine
       memory mapped by the trainer), synchronise, tell the engine the slot -> it registers an adapter object
       over that slot's views (made once) and serves `kora-policy` from the next request -> ack.
@@ -20,7 +20,7 @@ Two paths, one run:
   unload + load + /update_weight_version; /update_weights_from_tensor per bucket), serialize.py payloads,
   engine and sender checksums; with a breakdown of where the time goes.
 Anchors: one device copy of the same bytes (`adapter_copy_ms`, `copy_ms`, CUDA events).
-(d) delta-skip decision: fast_adapter.FlatDelta (one max|Δ| + one host read; one trainer rank: no collective).
+(d) delta-skip decision: adapter_pack.FlatDelta (one max|Δ| + one host read; one trainer rank: no collective).
 Serving checks: engine log-probs (HTTP /generate, input log-probs of fixed sequences) vs the trainer's; the
 fast and the HTTP path at the same policy compared with each other; merged weights vs torch's fp32 fold.
 
@@ -331,7 +331,8 @@ def plan(r: Run) -> None:
 
 def _plan_merge(r: Run) -> None:
     """The engine's weights (q;k;v fused first) mapped once; the Merge and base pushes planned into them."""
-    from kora_trainer.sync import colocated, fast
+    from kora_trainer.sync.fast import colocated_merge as colocated
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire.serialize import deserialize_payload
 
     st, res, engine = r.st, r.res, r.engine
@@ -356,7 +357,7 @@ def _plan_merge(r: Run) -> None:
 
 def _plan_ring(r: Run) -> None:
     """The adapter's one-gather pack and the engine's adapter ring (3 slots), mapped once."""
-    from kora_trainer.sync import fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
     from kora_trainer.wire.serialize import deserialize_payload
 
     st, res, trainer = r.st, r.res, r.trainer
@@ -517,7 +518,7 @@ def adapter_http(r: Run) -> None:
     res, st = r.res, r.st
     transport = ColocatedTransport([r.client])
     sender = sender_for(r.trainer, "Adapter", r.model_dir, r.cap, transport, r.args.rank, r.args.alpha)
-    sender._base_pushed = True  # the base is on the engine already (fast base push above)
+    sender.how.base_pushed = True  # the base is on the engine already (fast base push above)
     rep = sender.sync(1000)  # the same policy as the fast path's last push
     assert rep.pushed, rep
     if "seqs" in st:
@@ -669,7 +670,7 @@ def merge_http(r: Run) -> None:
 # ---- (d) delta-skip -----------------------------------------------------------------------------------------------
 
 def delta_skip(r: Run) -> None:
-    from kora_trainer.sync import fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
 
     res, flat, device = r.res, r.trainer.flat, r.device
     delta = fast_adapter.FlatDelta(flat)

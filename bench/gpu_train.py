@@ -15,7 +15,7 @@ full push writes all of them) and of the adapted weights' bytes (a later Merge p
 the adapter's bytes (an Adapter push writes those once); and one fold of every adapted weight from a pristine copy
 into another (`fold_adapted`: kernels/fold.GroupedFold, the kernel and graph an EngineMerge engine replays per
 push), so an EngineMerge push is set against the copy of its A/B bytes plus its fold. Each step's push is split
-into the phases the colocated sender reports (`sync_phases`, sync/colocated_sender.py); a verified push's checksum
+into the phases the colocated sender reports (`sync_phases`, sync/fast/colocated.py); a verified push's checksum
 call is there as `verify_ms`, outside `sync_ms`.
 
     PYTHONPATH=$PWD/trainer:$PWD/engine:$PWD/tests:/tmp/mc NCCL_NVLS_ENABLE=0 python bench/gpu_train.py \

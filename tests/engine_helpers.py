@@ -304,8 +304,8 @@ def steady_state_pushes(sender: Any, b: Any, client: EngineClient, record: Path,
         if version % 2:  # as the trainer's step does (orchestration/workers.py); even versions come unannounced
             sender.arm()
         if armed:  # the warm-up done before the request, as at the end of a training step
-            for words in sender.words:
-                wait_word(words, WARMED, lambda v: v == sender.seq + 1, 30, "the engine's warm-up")
+            for words in sender.hand.words:
+                wait_word(words, WARMED, lambda v: v == sender.hand.seq + 1, 30, "the engine's warm-up")
         before = len(recorded_calls(record))
         report = sender.sync(version=version)
         made = recorded_calls(record)[before:]
@@ -331,9 +331,9 @@ def on_hf_engines(b: Any) -> None:
 
 
 def colocated_sender(b: Any, client: EngineClient, transport_timeout_s: float = 60.0) -> Any:
-    """The trainer's colocated fast sender (sync/colocated_sender.py) for a `trained_policy` backend, on `client`."""
-    from kora_trainer.sync.colocated_sender import ColocatedFastSender
-    from kora_trainer.sync.fast_sender import with_fast_path
+    """The trainer's colocated fast sender (sync/fast/colocated.py) for a `trained_policy` backend, on `client`."""
+    from kora_trainer.sync.fast.colocated import ColocatedFastSender
+    from kora_trainer.sync.fast.path import with_fast_path
     from kora_trainer.sync.sender import WeightSender
     from kora_trainer.sync.transport import ColocatedTransport
 
@@ -352,15 +352,15 @@ def greedy(client: EngineClient) -> list[tuple[str | None, list[int], list[float
 def skip_under_threshold_keeps_what_is_served(sender: Any, b: Any, client: EngineClient, version: int) -> Any:
     """Move the adapter a little, under a raised delta threshold, and sync as `version`: a delta-skip, and the
     engine serves exactly what it served before (weights, to the bit, and version), though an EngineMerge engine
-    gathered and folded the moved pairs before its decision (colocated_sender._fold_on_engine) and put them back."""
+    gathered and folded the moved pairs before its decision (EngineMergeMode.fold_on_engine) and put them back."""
     served = greedy(client)
-    threshold, sender.http.threshold = sender.http.threshold, 1.0
+    threshold, sender.threshold = sender.threshold, 1.0
     try:
         step(b, 1e-3)
         sender.arm()  # as the trainer's step does: the engine warms on the slot it then decides to skip
         report = sender.sync(version=version)
     finally:
-        sender.http.threshold = threshold
+        sender.threshold = threshold
     assert not report.pushed and 0 < report.max_delta < 1.0, report
     assert greedy(client) == served
     return report
@@ -374,12 +374,12 @@ def armed_push_that_never_comes(sender: Any, b: Any, client: EngineClient) -> No
     served = greedy(client)
     step(b, 0.05)
     sender.arm()
-    n = sender.seq + 1
-    for words in sender.words:
+    n = sender.hand.seq + 1
+    for words in sender.hand.words:
         wait_word(words, WARMED, lambda v: v == n, 30, "the engine's warm-up")
     with ThreadPoolExecutor(1) as pool:  # asked while armed: it runs only once the engine gave up (SPUN -n)
         held = pool.submit(greedy, client).result(timeout=60)
-        assert [words[SPUN] for words in sender.words] == [-n] * len(sender.words), "served while armed"
+        assert [words[SPUN] for words in sender.hand.words] == [-n] * len(sender.hand.words), "served while armed"
     assert held == served
     assert greedy(client) == served  # (a request number is armed once: the next push should come unannounced)
 
@@ -389,13 +389,13 @@ def misarmed_push(sender: Any, b: Any, client: EngineClient, version: int, atol:
     EngineMerge's two slots, the one that holds what is served): the engine neither warms nor prelaunches it (it
     would overwrite the delta's reference), and the push still decides right and serves the pushed policy."""
     step(b, 0.03)
-    for words in sender.words:
+    for words in sender.hand.words:
         words[ARM_SLOT] = (sender.pushes + 1) % sender.adapter_slots
-        words[ARM] = sender.seq + 1
-    for wake in sender.wakers:
+        words[ARM] = sender.hand.seq + 1
+    for wake in sender.hand.wakers:
         wake()
-    for words in sender.words:
-        wait_word(words, WARMED, lambda v: v == sender.seq + 1, 30, "the engine's warm-up")
+    for words in sender.hand.words:
+        wait_word(words, WARMED, lambda v: v == sender.hand.seq + 1, 30, "the engine's warm-up")
     report = sender.sync(version=version)
     assert report.pushed and report.phases["engine_spun"] == 1.0, report
     assert report.phases["engine_prelaunched"] == 0.0, report.phases

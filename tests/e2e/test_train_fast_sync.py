@@ -1,6 +1,6 @@
 """`python -m kora_trainer.train` with weight sync on the fast path, as a user runs it: the toy, on-policy steps;
-Disaggregated (sync/fast_sender.py: a real gloo weight-update group to a real reference-engine process) and
-Colocate (sync/colocated_sender.py: the engine's memory mapped once, shared memory on CPU, written in place).
+Disaggregated (sync/fast/distributed.py: a real gloo weight-update group to a real reference-engine process) and
+Colocate (sync/fast/colocated.py: the engine's memory mapped once, shared memory on CPU, written in place).
 
 The first sync (before step 1) goes through the HTTP path and plans the fast one; every step's push is a fast push
 (summary `sync_paths`: the steps' pushes per path). What says the

@@ -79,7 +79,7 @@ def test_megatron_backend_trains_and_every_sync_mode_serves_the_policy(toy, tmp_
     assert summary["steps"] == 4 and summary["sync_mode"] == mode
     assert summary["transport"] == ("colocated" if deployment == "Colocate" else "distributed")
     assert summary["sync_bytes_per_step"] > 0 and summary["syncs_skipped"] == 0
-    if deployment == "Colocate":  # sync/colocated_sender.py: CUDA IPC, planned once
+    if deployment == "Colocate":  # sync/fast/colocated.py: CUDA IPC, planned once
         assert set(summary["sync_paths"]) == {"fast"}, (summary["sync_paths"], run.notes())
         if mode != "Adapter":  # each push told to the engine in shared memory, no HTTP call (the watcher's fold)
             assert any("push handshake in shared memory" in n for n in run.notes()), run.notes()

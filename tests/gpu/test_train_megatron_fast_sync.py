@@ -1,7 +1,7 @@
-"""`python -m kora_trainer.train` with `backend: megatron` and weight sync on the fast path (sync/fast_sender.py):
+"""`python -m kora_trainer.train` with `backend: megatron` and weight sync on the fast path (sync/fast/distributed.py):
 the toy, Disaggregated (trainer on GPU 0, the reference engine on GPU 1, one NCCL weight-update group),
 on-policy steps. The first sync is the HTTP path's and plans the fast one; every step's push is then a fast push
-(Merge: `fast.PipelinedSender` into the engine's `PipelinedReceiver`; Adapter: `fast_adapter.AdapterPack` into its
+(Merge: `plan.PipelinedSender` into the engine's `PipelinedReceiver`; Adapter: `adapter_pack.AdapterPack` into its
 `AdapterRing`). The same job with `sync.fastPath=false` gives the HTTP path's numbers beside it.
 
 What says the push is right: `rollout_logp_gap_max` (trainer vs engine log-probs of the sampled tokens before

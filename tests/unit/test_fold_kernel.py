@@ -43,7 +43,7 @@ def test_triton_fold_matches_reference(r, adtype):
     assert (got == ref).float().mean() > 0.99
 
 
-# ---- grouped folds, row maps, and the fast sync path built on them (sync/fast.py) ------------------------
+# ---- grouped folds, row maps, and the fast sync path built on them (sync/fast/plan.py) --------------------
 
 def _item(m, n, r, lora=True, row_map=False, device="cpu", seed=0, out=None):
     from kora_trainer.kernels.fold import FoldItem
@@ -158,7 +158,7 @@ def _both(fn0, fn1):
 
 
 def test_fast_merge_sync_over_gloo_lands_every_tensor():
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire import fast_receive
     from kora_trainer.wire.protocol import Assembler
 
@@ -192,7 +192,8 @@ def test_fast_merge_sync_over_gloo_lands_every_tensor():
 
 def test_fast_adapter_push_and_flat_delta_over_gloo():
     from kora_engine.lm.lora_adapters import pair_lora_tensors
-    from kora_trainer.sync import fast, fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire import fast_receive
 
     g = torch.Generator().manual_seed(1)

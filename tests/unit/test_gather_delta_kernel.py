@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kora_trainer.kernels.gather_delta import gather, gather_max_delta, runs_of
-from kora_trainer.sync.fast_adapter import FlatDelta
+from kora_trainer.sync.fast.adapter_pack import FlatDelta
 
 ROOT = Path(__file__).resolve().parents[2]
 

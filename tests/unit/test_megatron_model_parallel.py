@@ -226,7 +226,7 @@ def sync_rank(rank: int, world: int, port: int, model_dir: str, out: str, url: s
     from kora_trainer.backends.batch import RolloutBatch
     from kora_trainer.backends.megatron.backend import MegatronBackend
     from kora_trainer.backends.megatron.parallel import destroy_parallel
-    from kora_trainer.sync.fast_sender import with_fast_path
+    from kora_trainer.sync.fast.path import with_fast_path
     from kora_trainer.sync.sender import POLICY_ADAPTER
     from kora_trainer.sync.transport import ColocatedTransport
     from kora_trainer.wire.engine_client import EngineClient

@@ -1,4 +1,4 @@
-"""The colocated fast path (sync/colocated_sender.py + the reference engine's /kora/colocated routes) against a real
+"""The colocated fast path (sync/fast/colocated.py + the reference engine's /kora/colocated routes) against a real
 `reference_engine` process on the same host: after the HTTP path's first push the trainer maps the engine's memory
 once (shared memory here, CUDA IPC on a GPU) and writes every later push straight into it, in Merge, Adapter and
 EngineMerge mode; the engine serves the trainer's policy, rollouts carry the version, delta-skip and checksums keep

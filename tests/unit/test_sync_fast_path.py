@@ -1,4 +1,4 @@
-"""The fast path of weight sync (sync/fast_sender.py + the reference engine's /kora/fast_sync routes) against real
+"""The fast path of weight sync (sync/fast/distributed.py + the reference engine's /kora/fast_sync routes) against real
 `reference_engine` processes over a real gloo group: after the HTTP path's first push it plans once, then pushes in
 Merge and Adapter mode, and the engine serves the trainer's policy; delta-skip, versions and checksums keep the
 HTTP path's meaning. Where it cannot run (an engine without the routes, as SGLang; a policy the plan does not
@@ -14,7 +14,8 @@ import torch
 
 from engine_helpers import ATOL, kora_and_sglang_like, logprob_gap, on_hf_engines, step, trained_policy
 from kora_trainer.lora import adapter_tensors
-from kora_trainer.sync.fast_sender import FastWeightSender, fast_path_off, with_fast_path
+from kora_trainer.sync.fast.distributed import FastWeightSender
+from kora_trainer.sync.fast.path import fast_path_off, with_fast_path
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import DistributedTransport
 from kora_trainer.wire.protocol import PackedChecksum, checksum

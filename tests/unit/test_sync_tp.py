@@ -6,7 +6,7 @@ wrappers being the backend's own classes (built without megatron-core, which thi
 factors are small integers, so every fold is exact in fp32 and what the engine gets must equal the full HF
 model's fold bit for bit — whatever the sharding, the row maps and the bucket boundaries.
 
-- the fast path: `merge_entries` / `adapter_specs` per rank -> `fast.MergePlan` / `PipelinedSender` (rank 0
+- the fast path: `merge_entries` / `adapter_specs` per rank -> `plan.MergePlan` / `PipelinedSender` (rank 0
   with the weight-update group, rank 1 only gathering) -> `PipelinedReceiver` / `AdapterRing` on an engine rank;
 - the HTTP path: `MegatronWeightSender` on both ranks, rank 1 finding itself a follower; rank 0's buckets are
   recorded and reassembled; the delta-skip decision is the TP group's (a change on rank 1 alone pushes).
@@ -200,7 +200,7 @@ def _push_merge(plans: list[Any], tp: list[Any], wu: list[Any], want: dict[str, 
                 then: Callable[[], Any] | None = None) -> dict[str, torch.Tensor]:
     """Push through the fast path (rank 0 + rank 1 -> engine) and return what the engine holds; with `then`,
     push, check `want`, run `then` (e.g. a training step), push again with the same senders and receiver."""
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
     from kora_trainer.wire import fast_receive
 
     params = {n: torch.zeros_like(t) for n, t in want.items()}
@@ -221,7 +221,7 @@ def _push_merge(plans: list[Any], tp: list[Any], wu: list[Any], want: dict[str, 
 
 def test_fast_merge_sync_gathers_tp_shards_into_the_buckets(megatron_tp):
     from kora_trainer.backends.megatron.sync import merge_entries
-    from kora_trainer.sync import fast
+    from kora_trainer.sync.fast import plan as fast
 
     state, adapter = full_model()
     models = [shard_model(state, adapter, r) for r in range(TP)]
@@ -249,7 +249,7 @@ def test_fast_merge_sync_gathers_tp_shards_into_the_buckets(megatron_tp):
 def test_fast_adapter_pack_gathers_tp_shards(megatron_tp):
     from kora_trainer.backends.megatron.lora import adapter_parameters
     from kora_trainer.backends.megatron.sync import adapter_specs
-    from kora_trainer.sync import fast_adapter
+    from kora_trainer.sync.fast import adapter_pack as fast_adapter
     from kora_trainer.wire import fast_receive
 
     state, adapter = full_model()

@@ -81,7 +81,7 @@ class StepRate:
 
 
 def sync_paths(pushed: list[SyncReport]) -> dict[str, dict[str, Any]]:
-    """Pushes and their median ms per sync path (http: the engine routes per bucket; fast: sync/fast_sender.py)."""
+    """Pushes and their median ms per sync path (http: the engine routes per bucket; fast: sync/fast/distributed.py)."""
     out = {}
     for path in dict.fromkeys(s.path for s in pushed):
         ms = [s.ms for s in pushed if s.path == path]

@@ -1,5 +1,5 @@
 """kora's colocated fast-sync routes on the reference engine: the trainer on the same device writes the policy
-straight into the engine's memory, which it mapped once. The trainer's side is `sync/colocated_sender.py`.
+straight into the engine's memory, which it mapped once. The trainer's side is `sync/fast/colocated.py`.
 
 SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP path (`/update_weights_from_tensor`,
 `/load_lora_adapter_from_tensors`).

@@ -1,7 +1,7 @@
-"""kora's fast weight-sync routes on the reference engine: `sync/fast.py`'s receivers behind two HTTP calls.
+"""kora's fast weight-sync routes on the reference engine: `sync/fast/plan.py`'s receivers behind two HTTP calls.
 
 SGLang has no such routes: a trainer whose plan call gets 404 keeps the HTTP path. The trainer's side is
-`sync/fast_sender.py`.
+`sync/fast/distributed.py`.
 
 - `POST /kora/fast_sync/plan` {group_name, mode: "Merge" | "Adapter", metadata: [one `protocol.Bucket.metadata()`
   per bucket, byte_ranges included], slots, lora_name, config_dict}: once per trainer, after its first (HTTP)

@@ -25,6 +25,7 @@ from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES, actor_layout_
 
 if TYPE_CHECKING:
     from kora_trainer.backends.grpo_step import StepMetrics
+    from kora_trainer.sync.sender import WeightSender
 
 LARGE_MODEL_BYTES = 2 * 1024**3
 WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -48,7 +49,7 @@ class PolicyBackend(Protocol):
     def adapter_named(self) -> list[tuple[str, torch.Tensor]]: ...
     def check_lora_only(self) -> None: ...
     def peft_export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]: ...
-    def make_sender(self, transport: Any) -> Any: ...
+    def make_sender(self, transport: Any) -> WeightSender: ...  # production's; sync/fast/path.py may wrap it
 
 
 def weights_bytes(path: str | Path) -> int:

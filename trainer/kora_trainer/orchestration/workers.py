@@ -1,7 +1,7 @@
 """The job's three kinds of worker, as plain classes; `cluster.py` turns them into Ray actors.
 
 - TrainWorker: the training actor (policy + optimizer; torch or megatron backend) and the weight sender
-  (rank 0 of the weight-update group; the fast path where it applies, sync/fast_sender.py).
+  (rank 0 of the weight-update group; the fast path where it applies, sync/fast/path.py).
 - EngineWorker: starts one engine process from the launcher's command line and stops it.
 - RolloutWorker: the rollout manager (prompts -> engines -> scored samples).
 """
@@ -81,7 +81,7 @@ class TrainWorker:
         collective delta-skip decision). `admin_api_key`: the job's engine admin key (every sync route is admin)."""
         import torch
 
-        from kora_trainer.sync.fast_sender import with_fast_path
+        from kora_trainer.sync.fast.path import with_fast_path
         from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
         from kora_trainer.wire.engine_client import EngineClient
 
@@ -92,7 +92,7 @@ class TrainWorker:
             transport = DistributedTransport.connect(clients, backend=backend, host=host)
         elif clients:
             transport = ColocatedTransport(clients)
-        self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast_sender.py
+        self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast/path.py
         heap.freeze(f"trainer rank {self.rank}")  # the backend and the sender: out of every later full collection
         return transport.kind if transport is not None else "none"
 

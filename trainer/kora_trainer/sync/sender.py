@@ -25,7 +25,7 @@ import hashlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -34,18 +34,9 @@ from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.config.engine_lora_limits import engine_lora_limits
 from kora_trainer.config.sections import POLICY_ADAPTER
 from kora_trainer.config.sglang_builds import effective_build, plan_for
-from kora_trainer.lora import adapter_parameters, adapter_tensors, peft_config_dict
+from kora_trainer.lora import adapter_tensors, peft_config_dict
 from kora_trainer.sync.delta import DeltaTracker, should_push
-from kora_trainer.sync.fast import Entry, GatherSpec
-from kora_trainer.sync.sources import (
-    Source,
-    adapter_source,
-    adapter_specs,
-    base_source,
-    merge_entries,
-    merged_source,
-    served_adapter_source,
-)
+from kora_trainer.sync.sources import Source, adapter_source, base_source, merged_source, served_adapter_source
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
 from kora_trainer.wire.engine_client import EngineClient, EngineError, applied_checksum
 from kora_trainer.wire.gdn_lora import to_sglang_config
@@ -54,7 +45,7 @@ from kora_trainer.wire.protocol import FLAT, Bucket, plan_buckets, tensor_digest
 from kora_trainer.wire.protocol import checksum as protocol_checksum
 
 Named = tuple[str, torch.Tensor]
-__all__ = ["POLICY_ADAPTER", "SyncReport", "WeightSender"]
+__all__ = ["POLICY_ADAPTER", "Sender", "SyncReport", "WeightSender"]
 
 
 @dataclass
@@ -71,9 +62,9 @@ class SyncReport:
     buckets: int = 0
     max_delta: float | None = None  # the group's max |Δadapter| since the last push (None on the first)
     what: str = ""  # full | base+adapter | adapter | lora_pairs | skipped
-    path: str = "http"  # http (the engine routes, per bucket) | fast (sync/fast_sender.py: planned once)
+    path: str = "http"  # http (the engine routes, per bucket) | fast (sync/fast/: planned once)
     note: str = ""  # set once, where the path was decided: the fast path planned, or why it is not used
-    # where the push's time went, in ms (the colocated fast path: sync/colocated_sender.py names the parts); a
+    # where the push's time went, in ms (the colocated fast path: sync/fast/colocated.py names the parts); a
     # verified push's extra checksum call is `verify_ms` here, outside `ms`: the engines serve the push before it
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -85,6 +76,25 @@ class SyncReport:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+class Sender(Protocol):
+    """A weight sender as the trainer's worker (orchestration/workers.py) and the backends use it: production's
+    `WeightSender` (and a backend's subclass of it) and the fenced fast path's wrappers (sync/fast/) alike. Every
+    rank of the trainer's group calls `sync` each step (collective: the skip decision spans the group)."""
+
+    transport: Any  # DistributedTransport | ColocatedTransport | a follower (`follower`) | None (no engine here)
+    engine_version: int  # the policy version the engines serve
+
+    def arm(self) -> None:
+        """The step's update is enqueued and a push follows (a sender whose engines get ready for it tells them)."""
+        ...
+
+    def sync(self, version: int) -> SyncReport:
+        """Push policy `version` (or skip it, collectively): what happened, as the recorder writes it."""
+        ...
+
+    def close(self) -> None: ...
+
 
 class RunningChecksum:
     """protocol.checksum computed one tensor at a time (no list of every pushed tensor kept alive)."""
@@ -183,7 +193,7 @@ class WeightSender:
         self.verify = verify
         self.tracker = DeltaTracker()
         self.engine_version = 0  # the policy version the engines serve (0: the checkpoint they loaded)
-        self._base_pushed = False
+        self.how: ModePush = MODE_PUSHES[self.mode]()  # what a push of this mode sends (the strategies below)
         self._loaded: set[str] = set()  # adapter names this sender has loaded on the engines (colocated)
         self.adapter_name = POLICY_ADAPTER  # multi-LoRA (sync/slot_sender.py) pushes each adapter under its own
         self.gate_adapters = engine_lora_limits().gdn_gate_adapters  # the build hosts GDN b/a adapters
@@ -214,23 +224,11 @@ class WeightSender:
         """Adapter mode's pushes: the adapter as the engines' LoRA loader names it (sources.served_adapter_source)."""
         return served_adapter_source(self.model, self.gate_adapters)
 
-    # ---- the GPU fast path's plan (sync/fast_sender.py); NotImplementedError: the HTTP path only -------------
-
-    def fast_adapter_params(self) -> list[nn.Parameter]:
-        """The adapter parameters (live, one dtype and device), the optimizer's order."""
-        return list(adapter_parameters(self.model))
-
-    def fast_merge_entries(self) -> list[Entry]:
-        return merge_entries(self.model)
-
-    def fast_adapter_specs(self) -> list[GatherSpec]:
-        return adapter_specs(self.model)
-
     # ---- the one entry point ------------------------------------------------------------------
 
     def arm(self) -> None:
         """The step's update is enqueued and a push follows: a sender whose engines can get ready for it tells
-        them now (the colocated fast path); this one has nothing to do."""
+        them now (the colocated fast path, sync/fast/colocated.py); this one has nothing to do."""
 
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
@@ -261,23 +259,7 @@ class WeightSender:
         return self.transport.kind if self.transport is not None else "none"
 
     def _push(self, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
-        if self.mode is SyncMode.MERGE:
-            n, b = self._push_weights(self.merged_source(), version, checksum, {})
-            return n, b, "full"
-        if self.mode is SyncMode.ENGINE_MERGE:
-            lora = self.cfg.lora
-            extra = {"weight_update_mode": "lora_merge", "lora_alpha": lora.alpha, "lora_rank": lora.rank,
-                     "merge_fp32": True}
-            n, b = self._push_weights(self.adapter_source(), version, checksum, extra)
-            return n, b, "lora_pairs"
-        what = "adapter"
-        n0 = b0 = 0
-        if not self._base_pushed:
-            n0, b0 = self._push_weights(self.base_source(), version, checksum, {})
-            self._base_pushed = True
-            what = "base+adapter"
-        n, b = self._push_adapter(self.served_adapter_source(), version, checksum)
-        return n0 + n, b0 + b, what
+        return self.how.push(self, version, checksum)
 
     # ---- full weights / lora pairs through the weight routes ------------------------------------
 
@@ -444,3 +426,52 @@ class WeightSender:
         if self.transport is not None:
             self.transport.close()
 
+
+# ---- the modes (PEFT's LoraVariant habit: one strategy object per mode, the sender's steps call it) -------------
+
+class ModePush:
+    """One sync mode's push through production's routes: (bytes, buckets, SyncReport.what)."""
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        raise NotImplementedError
+
+
+class MergePush(ModePush):
+    """Merge: the whole model, adapters folded in, under HF names through the weight routes."""
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        n, b = s._push_weights(s.merged_source(), version, checksum, {})
+        return n, b, "full"
+
+
+class EngineMergePush(ModePush):
+    """EngineMerge: the raw lora_A/lora_B pairs through the weight routes; the engine folds them into a pristine
+    copy of its base (`weight_update_mode: "lora_merge"`)."""
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        lora = s.cfg.lora
+        extra = {"weight_update_mode": "lora_merge", "lora_alpha": lora.alpha, "lora_rank": lora.rank,
+                 "merge_fp32": True}
+        n, b = s._push_weights(s.adapter_source(), version, checksum, extra)
+        return n, b, "lora_pairs"
+
+
+class AdapterPush(ModePush):
+    """Adapter: the frozen base once (adapter tensors kept out), then only the adapter through the LoRA routes."""
+
+    def __init__(self) -> None:
+        self.base_pushed = False
+
+    def push(self, s: WeightSender, version: int, checksum: RunningChecksum) -> tuple[int, int, str]:
+        what = "adapter"
+        n0 = b0 = 0
+        if not self.base_pushed:
+            n0, b0 = s._push_weights(s.base_source(), version, checksum, {})
+            self.base_pushed = True
+            what = "base+adapter"
+        n, b = s._push_adapter(s.served_adapter_source(), version, checksum)
+        return n0 + n, b0 + b, what
+
+
+MODE_PUSHES: dict[SyncMode, type[ModePush]] = {SyncMode.MERGE: MergePush, SyncMode.ADAPTER: AdapterPush,
+                                               SyncMode.ENGINE_MERGE: EngineMergePush}

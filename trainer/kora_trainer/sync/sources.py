@@ -4,9 +4,6 @@ A `Source` lists its tensors as groups of *meta* tensors (names, dtypes, shapes,
 buckets are planned first and each bucket's real tensors are produced only when that bucket goes out:
 a Merge push folds one bucket's weights at a time, so peak extra memory is about one bucket (plus the
 largest single tensor), not a second copy of the model.
-
-`merge_entries` / `adapter_specs`: the same pushes as the GPU fast path's plan (`fast.py`, used by
-`fast_sender.py`) for an HF model with kora's LoRA.
 """
 
 from __future__ import annotations
@@ -19,11 +16,7 @@ from torch import nn
 
 from kora_trainer.hf_experts import per_expert_views
 from kora_trainer.lora import adapter_pairs, base_state
-from kora_trainer.lora.gdn import gdn_modules
-from kora_trainer.lora.layer import LoRALinear
-from kora_trainer.lora.model import fold_targets, hf_name, lora_modules
-from kora_trainer.lora.params import LoRAParam
-from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
+from kora_trainer.lora.model import fold_targets, hf_name
 from kora_trainer.wire.gdn_lora import to_sglang_pairs
 
 Named = tuple[str, torch.Tensor]
@@ -43,7 +36,7 @@ class Source:
         return sum(t.numel() * t.element_size() for g in self.groups for _, t in g)
 
 
-def _meta(t: torch.Tensor) -> torch.Tensor:
+def meta_tensor(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
@@ -51,8 +44,8 @@ def _per_expert_source(live: Mapping[str, torch.Tensor], make: Callable[[str], t
     """`live` (HF names -> tensors) as a Source whose fused MoE expert tensors go out under their per-expert
     names (hf_experts.py: what SGLang's load_weights and checkpoints use); `make(name)` produces a live name's
     tensor when its bucket goes out (once per bucket, however many of its experts the bucket holds)."""
-    parent_of = {piece: n for n, t in live.items() for piece, _ in per_expert_views(n, _meta(t))}
-    groups = [[(piece, _meta(v))] for n, t in live.items() for piece, v in per_expert_views(n, t.detach())]
+    parent_of = {piece: n for n, t in live.items() for piece, _ in per_expert_views(n, meta_tensor(t))}
+    groups = [[(piece, meta_tensor(v))] for n, t in live.items() for piece, v in per_expert_views(n, t.detach())]
 
     def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
         made: dict[str, dict[str, torch.Tensor]] = {}
@@ -86,7 +79,7 @@ def adapter_source(model: nn.Module) -> Source:
     """Adapter / EngineMerge: lora_A/lora_B under HF-PEFT names, each pair one group (never split)."""
     pairs = adapter_pairs(model)
     live = {n: t for pair in pairs for n, t in pair}
-    groups = [[(a, _meta(ta)), (b, _meta(tb))] for (a, ta), (b, tb) in pairs]
+    groups = [[(a, meta_tensor(ta)), (b, meta_tensor(tb))] for (a, ta), (b, tb) in pairs]
     return Source(groups, lambda names: {n: live[n] for n in names})
 
 
@@ -97,45 +90,10 @@ def served_adapter_source(model: nn.Module, gate_adapters: bool) -> Source:
     def pairs() -> list[tuple[Named, Named]]:
         return to_sglang_pairs(adapter_pairs(model), gate_adapters)
 
-    groups = [[(a, _meta(ta)), (b, _meta(tb))] for (a, ta), (b, tb) in pairs()]
+    groups = [[(a, meta_tensor(ta)), (b, meta_tensor(tb))] for (a, ta), (b, tb) in pairs()]
 
     def get(names: Sequence[str]) -> dict[str, torch.Tensor]:
         now = {n: t for pair in pairs() for n, t in pair}
         return {n: now[n] for n in names}
 
     return Source(groups, get)
-
-
-def _no_parameter_adapters(model: nn.Module) -> None:
-    if lora_modules(model, LoRAParam):
-        raise NotImplementedError("adapters on bare parameters (MoE experts, routers) go through the HTTP path")
-
-
-def merge_entries(model: nn.Module) -> list[Entry]:
-    """Merge mode's fast-path plan: `merged_source`'s tensors in its order — every adapted Linear weight folded
-    (W + s·B·A, fp32, rounded once) under its HF name, every other parameter as it is."""
-    _no_parameter_adapters(model)
-    linear = {f"{n}.base_layer.weight": m for n, m in lora_modules(model, LoRALinear).items()}
-    entries: list[Entry] = []
-    for name, p in model.named_parameters():
-        if ".lora_A." in name or ".lora_B." in name:
-            continue
-        hf = hf_name(name)
-        if [n for n, _ in per_expert_views(hf, _meta(p))] != [hf]:
-            raise NotImplementedError(f"{hf}: fused MoE experts go out under per-expert names (the HTTP path)")
-        m = linear.get(name)
-        if m is not None and m.enabled:
-            entries.append(FoldEntry([(hf, tuple(p.shape))], p.detach(), m.lora_A.weight.detach(),
-                                     m.lora_B.weight.detach(), float(m.scaling)))
-        else:
-            entries.append(PlainEntry(hf, p.detach()))
-    return entries
-
-
-def adapter_specs(model: nn.Module) -> list[GatherSpec]:
-    """Adapter mode's fast-path plan: every HF-PEFT tensor is one LoRA parameter, whole (`adapter_source`'s
-    order)."""
-    _no_parameter_adapters(model)
-    if gdn_modules(model):
-        raise NotImplementedError("GDN in_proj adapters go out under SGLang's fused names (the HTTP path)")
-    return [GatherSpec(n, t) for pair in adapter_pairs(model) for n, t in pair]

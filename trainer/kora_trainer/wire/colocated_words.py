@@ -1,5 +1,5 @@
 """The colocated fast path's per-push handshake in shared memory (issue 17): what a Merge or EngineMerge push
-says to the engine beside it instead of HTTP calls. The trainer's side is sync/colocated_sender.py, the engine's
+says to the engine beside it instead of HTTP calls. The trainer's side is sync/fast/colocated.py, the engine's
 kora_engine/lm/colocated_watcher.py; the Adapter doorbell (fast_receive.doorbell_value) is the one-word case.
 
 The words: int64 [NWORDS] in CPU shared memory, made by the engine at plan time and handed over with the memory

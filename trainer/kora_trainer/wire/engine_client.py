@@ -1,5 +1,5 @@
 """The one HTTP client kora's trainer uses for every rollout engine: a real SGLang server
-(sglang 0.5.23) or kora's reference engine (`reference_engine`), which speak the same API.
+(sglang 0.5.23) or kora's reference engine (`kora_engine.lm`), which speak the same API.
 
     client = EngineClient("http://127.0.0.1:30000", api_key=None, admin_api_key=job_admin_key)
     client.wait_healthy(timeout_s=120)

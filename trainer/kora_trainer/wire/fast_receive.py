@@ -1,4 +1,4 @@
-"""The engine's side of the GPU fast path (sync/fast.py is the trainer's): what both sides must agree on byte
+"""The engine's side of the GPU fast path (sync/fast/plan.py is the trainer's): what both sides must agree on byte
 for byte, and the receivers.
 
 - `PipelinedReceiver`: receive bucket i+1 while bucket i is copied into the engine's parameters (a ring of
@@ -6,7 +6,7 @@ for byte, and the receivers.
 - `AdapterRing`: a ring of flat adapter buffers whose {module: (A, B, scaling)} views are made once; a push is
   one broadcast into the next slot.
 - `ack`: the engine's "done", ordered after everything it enqueued.
-- `nbytes`, `as_bytes`, `Streams`: the byte layout and the stream skeleton the sender (sync/fast.py) shares.
+- `nbytes`, `as_bytes`, `Streams`: the byte layout and the stream skeleton the sender (sync/fast/plan.py) shares.
 On CPU (gloo) the same classes run sequentially without streams.
 """
 

@@ -9,12 +9,12 @@
   transport (found at construction, one small collective) and run the same buckets, gathers included, sending
   nothing. The delta-skip's MAX runs over the TP group unless a
   `trainer_group` is given.
-- `merge_entries` / `adapter_specs`: the GPU fast path's plan (`sync/fast.py`): which megatron tensor (and
+- `merge_entries` / `adapter_specs`: the GPU fast path's plan (`sync/fast/plan.py`): which megatron tensor (and
   which rows of it) each HF tensor is, so the fold writes megatron's fused QKV straight into HF's q, k, v
   layout inside the sync bucket (`qkv_row_map`) and the adapter is one gather. Under TP each rank plans its
-  own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `fast.PipelinedSender` / `fast_adapter.AdapterPack` gather
+  own shards (`FoldEntry.tp_dim`, `GatherSpec.split`) and `plan.PipelinedSender` / `adapter_pack.AdapterPack` gather
   them to TP rank 0 over `tp_group()`. `MegatronWeightSender` hands them to the trainer's fast path
-  (`sync/fast_sender.py`) at TP = 1 for dense models.
+  (`sync/fast/`, as its `PolicyPlan`) at TP = 1 for dense models.
 - Pipeline stages and expert parallelism: each rank's sources name its own layers and experts (global indices);
   `across_ranks` makes them the whole model's, every tensor broadcast from its owner over the expert-parallel, then
   the pipeline group when its bucket goes out, so the rank that holds the transport (rank 0; under Colocate every
@@ -50,7 +50,7 @@ from kora_trainer.backends.megatron.lora import all_lora_modules, lora_modules
 from kora_trainer.backends.megatron.model import base_parameters, param_hf_tensors
 from kora_trainer.backends.megatron.moe import is_expert_module
 from kora_trainer.backends.megatron.parallel import pp_rank_size
-from kora_trainer.sync.fast import Entry, FoldEntry, GatherSpec, PlainEntry
+from kora_trainer.sync.fast.plan import Entry, FoldEntry, GatherSpec, PlainEntry
 from kora_trainer.sync.sender import WeightSender, follower
 from kora_trainer.sync.sources import Source
 from kora_trainer.wire.group import WeightUpdateGroup
@@ -175,7 +175,7 @@ def _meta_outs(kind: str, shape: torch.Size, hf: Sequence[str], layout: Layout, 
 
 def merge_entries(model: nn.Module, layout: Layout, merged: bool = True, flavour: str = "hf") -> list[Entry]:
     """The model under HF names as fast-sync entries: enabled adapters folded in when `merged`. Under TP, this
-    rank's shards (sharded kinds become `FoldEntry`s with `tp_dim`; `fast.MergePlan` lays every rank's out)."""
+    rank's shards (sharded kinds become `FoldEntry`s with `tp_dim`; `plan.MergePlan` lays every rank's out)."""
     tp = _tp_size()
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout, flavour)}
@@ -336,7 +336,7 @@ class MegatronWeightSender(WeightSender):
     def served_adapter_source(self) -> Source:  # its flavour already names what the engines take
         return self.adapter_source()
 
-    # ---- the fast path's plan (sync/fast_sender.py): TP = 1, dense models --------------------------------------
+    # ---- the fast path's plan (sync/fast/policy.py's PolicyPlan): TP = 1, dense models -------------------------
 
     def _fast_covered(self) -> None:
         if _tp_size() > 1:

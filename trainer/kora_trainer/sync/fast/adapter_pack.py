@@ -1,4 +1,4 @@
-"""The GPU fast path for Adapter mode (the Merge-mode plan and sender are fast.py's, the engine side
+"""The GPU fast path for Adapter mode (the Merge-mode plan and sender are plan.py's, the engine side
 wire/fast_receive.py's): `AdapterPack` gathers the HF-PEFT adapter with ONE `index_select` from the adapter's
 parameters laid end to end into one flat buffer (TP > 1: from the gathered flat adapters), `FlatDelta` decides
 the delta-skip with one fused max-abs-diff and one all-reduce of one number (`delta.should_push`'s rule).
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kora_trainer.kernels.gather_delta import gather, gather_max_delta
-from kora_trainer.sync.fast import GatherSpec
+from kora_trainer.sync.fast.plan import GatherSpec
 from kora_trainer.wire.fast_receive import nbytes
 from kora_trainer.wire.group import WeightUpdateGroup
 from kora_trainer.wire.protocol import Bucket, Piece, dtype_name
@@ -56,6 +56,33 @@ def flatten_parameters(params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
     return flat
 
 
+def _spec_index(s: GatherSpec, base: int, shape: tuple[int, int], numel: int) -> torch.Tensor:
+    """The flat index (into the gathered flat adapters: rank r's at r * numel) of every element of one HF tensor,
+    row-major; its source starts at `base` in its rank's flat adapter."""
+    m, n = s.src.shape
+    rows = torch.arange(shape[0]) if s.rows is None else s.rows.cpu().long()
+    if s.split == 0:  # full row R is row R % m of rank R // m
+        idx = ((rows // m) * numel + base + (rows % m) * n).unsqueeze(1) + torch.arange(n).unsqueeze(0)
+    elif s.split == 1:  # full column C is column C % n of rank C // n
+        cols = torch.arange(shape[1])
+        idx = (base + rows * n).unsqueeze(1) + ((cols // n) * numel + cols % n).unsqueeze(0)
+    else:
+        idx = (base + rows * n).unsqueeze(1) + torch.arange(n).unsqueeze(0)
+    return idx.reshape(-1)
+
+
+def _whole_tensor_buckets(names: list[str], shapes: list[tuple[int, int]], dtype: torch.dtype, cap: int
+                          ) -> list[Bucket]:
+    """Tensors packed in order into buckets of at most `cap` bytes, never split (one larger tensor travels alone)."""
+    buckets: list[Bucket] = [Bucket()]
+    for name, shape in zip(names, shapes, strict=True):
+        n = nbytes(shape, dtype)
+        if buckets[-1].pieces and buckets[-1].nbytes + n > cap:
+            buckets.append(Bucket())
+        buckets[-1].pieces.append(Piece(name, dtype_name(dtype), shape, 0, n))
+    return buckets
+
+
 class AdapterPack:
     """The HF-PEFT adapter as one gather from the flat adapter parameters into one flat buffer.
 
@@ -87,17 +114,8 @@ class AdapterPack:
             base = offsets.get(s.src.data_ptr())
             if base is None or s.src.dtype != dtype:
                 raise ValueError(f"{s.name}: its source is not one of the adapter parameters (or another dtype)")
-            m, n = s.src.shape
             shape = s.full_shape(size)
-            rows = torch.arange(shape[0]) if s.rows is None else s.rows.cpu().long()
-            if s.split == 0:  # full row R is row R % m of rank R // m
-                idx = ((rows // m) * self.numel + base + (rows % m) * n).unsqueeze(1) + torch.arange(n).unsqueeze(0)
-            elif s.split == 1:  # full column C is column C % n of rank C // n
-                cols = torch.arange(shape[1])
-                idx = (base + rows * n).unsqueeze(1) + ((cols // n) * self.numel + cols % n).unsqueeze(0)
-            else:
-                idx = (base + rows * n).unsqueeze(1) + torch.arange(n).unsqueeze(0)
-            index.append(idx.reshape(-1))
+            index.append(_spec_index(s, base, shape, self.numel))
             self.names.append(s.name)
             self.shapes.append(shape)
         idx = torch.cat(index)
@@ -107,12 +125,7 @@ class AdapterPack:
         self.gathered = torch.empty(size * self.numel if self.tp is not None and self.leader else 0, dtype=dtype,
                                     device=device)
         # buckets: whole tensors (a pair never split: A and B of one module are consecutive and small)
-        self.buckets: list[Bucket] = [Bucket()]
-        for name, shape in zip(self.names, self.shapes, strict=True):
-            n = nbytes(shape, dtype)
-            if self.buckets[-1].pieces and self.buckets[-1].nbytes + n > cap:
-                self.buckets.append(Bucket())
-            self.buckets[-1].pieces.append(Piece(name, dtype_name(dtype), shape, 0, n))
+        self.buckets = _whole_tensor_buckets(self.names, self.shapes, dtype, cap)
         self.bounds = []
         start = 0
         for b in self.buckets:

@@ -2,7 +2,7 @@
 are the destination. `ColocatedMerge` writes every adapted weight with one captured fold graph (megatron's
 fused QKV unfused by a row map into the engine's fused q;k;v buffer: `wire.fast_receive.fuse_rows`) and the frozen
 tensors with one captured copy graph (`CopyGraph`; an incremental push skips them). The trainer's colocated sync
-(sync/colocated_sender.py) and bench/gpu_sync_colocated.py use it.
+(sync/fast/colocated_modes.py) and bench/gpu_sync_colocated.py use it.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kora_trainer.kernels.fold import FoldItem, GroupedFold
-from kora_trainer.sync.fast import Entry, FoldEntry
+from kora_trainer.sync.fast.plan import Entry, FoldEntry
 
 
 def span_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -92,6 +92,16 @@ class CopyGraph:
             d.copy_(s)
 
 
+def _target(dst: Mapping[str, torch.Tensor], name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The engine's tensor `name`, checked to be what the trainer sends."""
+    t = dst.get(name)
+    if t is None:
+        raise KeyError(f"{name}: no such parameter on the engine")
+    if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name}: engine has {t.dtype} {tuple(t.shape)}, trainer sends {dtype} {tuple(shape)}")
+    return t
+
+
 class ColocatedMerge:
     """Merge mode with the engine on the trainer's GPU: `dst` are the engine's parameters under HF names, mapped
     once through CUDA IPC (`serialize.deserialize_payload` of the engine's named parameters). A push enqueues
@@ -113,31 +123,11 @@ class ColocatedMerge:
         self.scratch_entries = 0
         self.adapted_bytes = 0
         self.nbytes = 0
-
-        def target(name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-            t = dst.get(name)
-            if t is None:
-                raise KeyError(f"{name}: no such parameter on the engine")
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name}: engine has {t.dtype} {tuple(t.shape)}, trainer sends {dtype} "
-                                 f"{tuple(shape)}")
-            return t
-
         for e in entries:
             if isinstance(e, FoldEntry) and e.sharded:
                 raise NotImplementedError("colocated Merge sync of a tensor-parallel policy is not wired (TP = 1)")
             if isinstance(e, FoldEntry):
-                outs = [target(n, shape, e.dtype) for n, shape in e.outs]
-                out = outs[0] if len(outs) == 1 and outs[0].is_contiguous() else span_view(outs)
-                post: list[tuple[torch.Tensor, torch.Tensor]] = []
-                if out is None:  # the engine holds the outputs apart: fold into a scratch, then copy rows
-                    self.scratch_entries += 1
-                    out = torch.empty(e.w.shape, dtype=e.dtype, device=e.w.device)
-                    start = 0
-                    for t in outs:
-                        post.append((t, out[start:start + t.shape[0]]))
-                        start += t.shape[0]
-                item = FoldItem(e.w, out, e.a, e.b, e.scale, e.row_map)
+                item, post = self._fold_item(e, dst)
                 if e.a is not None:
                     adapted.append(item)
                     after_fold += post
@@ -147,7 +137,7 @@ class ColocatedMerge:
                     copies += post
                 self.nbytes += e.nbytes
             else:
-                t = target(e.name, tuple(e.src.shape), e.src.dtype)
+                t = _target(dst, e.name, tuple(e.src.shape), e.src.dtype)
                 if not t.is_contiguous():
                     raise ValueError(f"{e.name}: the engine's tensor is not contiguous")
                 copies.append((t.reshape(-1), e.src.reshape(-1)))
@@ -159,6 +149,22 @@ class ColocatedMerge:
         self.copies = CopyGraph(copies, copy_streams)
         w = next((e.w for e in entries if isinstance(e, FoldEntry)), None)
         self.side = torch.cuda.Stream(w.device) if w is not None and w.is_cuda else None
+
+    def _fold_item(self, e: FoldEntry, dst: Mapping[str, torch.Tensor]
+                   ) -> tuple[FoldItem, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The fold (or copy) of one entry straight into the engine's tensors, and the row copies after it where the
+        engine holds the outputs apart (then the fold goes into a scratch buffer)."""
+        outs = [_target(dst, n, shape, e.dtype) for n, shape in e.outs]
+        out = outs[0] if len(outs) == 1 and outs[0].is_contiguous() else span_view(outs)
+        post: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if out is None:  # the engine holds the outputs apart: fold into a scratch, then copy rows
+            self.scratch_entries += 1
+            out = torch.empty(e.w.shape, dtype=e.dtype, device=e.w.device)
+            start = 0
+            for t in outs:
+                post.append((t, out[start:start + t.shape[0]]))
+                start += t.shape[0]
+        return FoldItem(e.w, out, e.a, e.b, e.scale, e.row_map), post
 
     def prepare(self, full: bool = True) -> None:
         """Compile and capture now (before the first push, while no other stream of this process is busy); the

@@ -14,15 +14,15 @@ changes — the same tensors go to the same bytes of the same buckets — so her
   The trainer packs bucket i+1 on a pack stream while bucket i is on the wire (NCCL's stream); the receiver applies
   bucket i into the engine's parameters on an apply stream while bucket i+1 arrives. Events order reuse of a buffer.
   The host only enqueues: nothing waits for the GPU until the final `ack`.
-- `AdapterPack` (Adapter mode; fast_adapter.py): the HF-PEFT adapter as ONE gather (`index_select`) from the
+- `AdapterPack` (Adapter mode; adapter_pack.py): the HF-PEFT adapter as ONE gather (`index_select`) from the
   adapter's parameters laid end to end, into one flat buffer; `AdapterRing` on the engine side receives it into one
   of a ring of buffers whose tensor views were made once, and the new adapter object is registered — the engine
   serves it from the next request on, with no copy and no per-tensor work.
-- `FlatDelta` (fast_adapter.py): the delta-skip decision as one fused max-abs-diff over the flat adapter and one
+- `FlatDelta` (adapter_pack.py): the delta-skip decision as one fused max-abs-diff over the flat adapter and one
   all-reduce of one number (`delta.should_push`'s rule — collective MAX, never a per-rank return).
 - Colocated (trainer and engine on the same GPU, SPEC's default deployment): the engine's memory is mapped by the
   trainer ONCE through CUDA IPC (`serialize.py` payloads exchanged at plan time), then a push writes straight into
-  it. `ColocatedMerge` (colocated.py): the engine's weights are the destination — one captured fold graph writes
+  it. `ColocatedMerge` (colocated_merge.py): the engine's weights are the destination — one captured fold graph writes
   every adapted weight (W + s·B·A, megatron's fused QKV unfused by a row map into the engine's fused q;k;v buffer,
   see `fuse_rows`), one captured copy graph the frozen tensors (a full push; an incremental push skips them, the
   base is frozen). `AdapterPack.pack_into`: the adapter's one gather lands in the engine's next `AdapterRing` slot.
@@ -141,34 +141,43 @@ class MergePlan:
         for e in entries:
             if isinstance(e, FoldEntry) and e.sharded:
                 self._sharded(e)
-                continue
-            if isinstance(e, FoldEntry):
-                if e.nbytes > cap:
-                    raise ValueError(f"{e.outs[0][0]}: a folded weight of {e.nbytes} bytes does not fit in "
-                                     f"sync.bufferSize {cap}")
-                if self.buckets[-1].nbytes + e.nbytes > cap:
-                    self._new()
-                self.work[-1].folds.append((e, self.buckets[-1].nbytes))
-                for name, shape in e.outs:
-                    n = nbytes(shape, e.dtype)
-                    self.buckets[-1].pieces.append(Piece(name, dtype_name(e.dtype), tuple(shape), 0, n))
-                continue
-            src = as_bytes(e.src)
-            total, start = src.numel(), 0
-            while start < total or total == 0:
-                room = cap - self.buckets[-1].nbytes
-                if room <= 0:
-                    self._new()
-                    room = cap
-                end = min(total, start + room)
-                self.work[-1].copies.append((src[start:end], self.buckets[-1].nbytes, end - start))
-                self.buckets[-1].pieces.append(Piece(e.name, dtype_name(e.src.dtype), tuple(e.src.shape), start, end))
-                start = end
-                if total == 0:
-                    break
+            elif isinstance(e, FoldEntry):
+                self._folded(e)
+            else:
+                self._plain(e)
         if not self.buckets[-1].pieces:
             self.buckets.pop()
             self.work.pop()
+
+    def _folded(self, e: FoldEntry) -> None:
+        """A folded (or copied) weight: never split, so a bucket of its own where it does not fit."""
+        cap = self.cap
+        if e.nbytes > cap:
+            raise ValueError(f"{e.outs[0][0]}: a folded weight of {e.nbytes} bytes does not fit in "
+                             f"sync.bufferSize {cap}")
+        if self.buckets[-1].nbytes + e.nbytes > cap:
+            self._new()
+        self.work[-1].folds.append((e, self.buckets[-1].nbytes))
+        for name, shape in e.outs:
+            n = nbytes(shape, e.dtype)
+            self.buckets[-1].pieces.append(Piece(name, dtype_name(e.dtype), tuple(shape), 0, n))
+
+    def _plain(self, e: PlainEntry) -> None:
+        """A plain tensor: split over buckets as byte ranges where it does not fit."""
+        cap = self.cap
+        src = as_bytes(e.src)
+        total, start = src.numel(), 0
+        while start < total or total == 0:
+            room = cap - self.buckets[-1].nbytes
+            if room <= 0:
+                self._new()
+                room = cap
+            end = min(total, start + room)
+            self.work[-1].copies.append((src[start:end], self.buckets[-1].nbytes, end - start))
+            self.buckets[-1].pieces.append(Piece(e.name, dtype_name(e.src.dtype), tuple(e.src.shape), start, end))
+            start = end
+            if total == 0:
+                break
 
     def _new(self) -> None:
         self.buckets.append(Bucket())
@@ -193,7 +202,8 @@ class MergePlan:
         work.scratch = off + self.tp * stride
         return off, stride
 
-    def _sharded(self, e: FoldEntry) -> None:
+    def _check_shards(self, e: FoldEntry) -> None:
+        """A sharded entry's outputs must be `tp` row shards (tp_dim 0) or column shards (tp_dim 1) of its W."""
         tp, name = self.tp, e.outs[0][0]
         if e.tp_dim == 0:
             rows = [shape[0] for _, shape in e.outs]
@@ -206,27 +216,34 @@ class MergePlan:
                 raise ValueError(f"{name}: {[s for _, s in e.outs]} is not {tp} column shards of {tuple(e.w.shape)}")
         else:
             raise ValueError(f"{name}: tp_dim {e.tp_dim}")
+
+    def _row_copy(self, e: FoldEntry) -> None:
+        """A plain row-sharded copy: every rank's rows straight into the bucket, split by rows when large."""
+        tp, name = self.tp, e.outs[0][0]
+        src, m = as_bytes(e.w), e.w.shape[0]
+        row_bytes = e.nbytes // m if m else 0
+        r = 0
+        while r < m:
+            fit = (self.cap - self.buckets[-1].nbytes) // (tp * row_bytes)
+            if fit == 0:
+                if not self.buckets[-1].pieces:
+                    raise ValueError(f"{name}: one row from each of {tp} ranks ({tp * row_bytes} bytes) does "
+                                     f"not fit in sync.bufferSize {self.cap}")
+                self._new()
+                continue
+            r1 = min(m, r + fit)
+            n = (r1 - r) * row_bytes
+            self.work[-1].gathers.append((src[r * row_bytes:r1 * row_bytes], "bucket", self.buckets[-1].nbytes, n))
+            for t in range(tp):
+                self.buckets[-1].pieces += self._rank_pieces(e, t, r, r1)
+            r = r1
+
+    def _sharded(self, e: FoldEntry) -> None:
+        self._check_shards(e)
         if e.tp_dim == 0 and e.a is None and e.row_map is None:
-            # a plain row-sharded copy: every rank's rows straight into the bucket, split by rows when large
-            src, m = as_bytes(e.w), e.w.shape[0]
-            row_bytes = e.nbytes // m if m else 0
-            r = 0
-            while r < m:
-                fit = (self.cap - self.buckets[-1].nbytes) // (tp * row_bytes)
-                if fit == 0:
-                    if not self.buckets[-1].pieces:
-                        raise ValueError(f"{name}: one row from each of {tp} ranks ({tp * row_bytes} bytes) does "
-                                         f"not fit in sync.bufferSize {self.cap}")
-                    self._new()
-                    continue
-                r1 = min(m, r + fit)
-                n = (r1 - r) * row_bytes
-                self.work[-1].gathers.append((src[r * row_bytes:r1 * row_bytes], "bucket", self.buckets[-1].nbytes,
-                                              n))
-                for t in range(tp):
-                    self.buckets[-1].pieces += self._rank_pieces(e, t, r, r1)
-                r = r1
+            self._row_copy(e)
             return
+        tp, name = self.tp, e.outs[0][0]
         full = tp * e.nbytes
         if full > self.cap:
             raise ValueError(f"{name}: a sharded weight of {full} bytes (all {tp} shards) does not fit in "
@@ -258,6 +275,20 @@ class MergePlan:
         return [b.metadata() for b in self.buckets]
 
 
+def _leader_and_device(plan: MergePlan, group: WeightUpdateGroup | None, tp: WeightUpdateGroup | None
+                       ) -> tuple[bool, torch.device]:
+    """Whether this rank is TP rank 0 (the one that folds and broadcasts) and the device the push runs on."""
+    tp_size = tp.world_size if tp is not None else 1
+    if tp_size != plan.tp:
+        raise ValueError(f"the plan is for tensor parallel size {plan.tp}, the TP group given has {tp_size} ranks")
+    leader = tp is None or tp.rank == 0
+    if leader and group is None:
+        raise ValueError("TP rank 0 needs the weight-update group")
+    device = group.device if group is not None else tp.device if tp is not None else None
+    assert device is not None
+    return leader, device
+
+
 class PipelinedSender:
     """Trainer rank 0: fill (fold + copy) bucket i+1 while bucket i is broadcast. `push()` only enqueues.
 
@@ -269,37 +300,36 @@ class PipelinedSender:
                  fold_kw: dict[str, Any] | None = None, tp: WeightUpdateGroup | None = None):
         self.plan, self.group, self.slots = plan, group, slots
         self.tp = tp if tp is not None and tp.world_size > 1 else None
-        if (self.tp.world_size if self.tp is not None else 1) != plan.tp:
-            raise ValueError(f"the plan is for tensor parallel size {plan.tp}, the TP group given has "
-                             f"{self.tp.world_size if self.tp is not None else 1} ranks")
-        self.leader = self.tp is None or self.tp.rank == 0
-        if self.leader and group is None:
-            raise ValueError("TP rank 0 needs the weight-update group")
-        device = group.device if group is not None else (self.tp.device if self.tp is not None else None)
-        assert device is not None
-        self.device = device
+        self.leader, self.device = _leader_and_device(plan, group, self.tp)
         self.buffers: list[torch.Tensor] = []
         self.scratch = torch.empty(0, dtype=torch.uint8, device=self.device)
         self.folds: list[GroupedFold] = []
         self.streams = Streams(self.device, slots, len(plan.buckets))
-        if not self.leader:
-            return
+        if self.leader:
+            self._allocate(fold_kw)
+
+    def _allocate(self, fold_kw: dict[str, Any] | None) -> None:
+        """TP rank 0: the ring of bucket buffers, the gather scratch and every bucket's fold graph."""
+        plan = self.plan
         size = max((b.nbytes for b in plan.buckets), default=0)
-        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(slots)]
+        self.buffers = [torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(self.slots)]
         self.scratch = torch.empty(max((w.scratch for w in plan.work), default=0), dtype=torch.uint8,
                                    device=self.device)
-        for i, work in enumerate(plan.work):
-            buf = self.buffers[i % slots]
-            items = []
-            for e, off in work.folds:
-                out = buf[off:off + e.nbytes].view(e.dtype).view(e.w.shape)
-                items.append(FoldItem(e.w, out, e.a, e.b, e.scale, e.row_map))
-            for e, off, w_off, f_off in work.tp_folds:
-                items += self._shard_items(e, buf, off, w_off, f_off)
-            self.folds.append(GroupedFold(items, **(fold_kw or {})))
+        self.folds = [GroupedFold(self._items(i), **(fold_kw or {})) for i in range(len(plan.work))]
         if self.device.type == "cuda":  # compile + capture now, before any collective is in flight
             for f in self.folds:
                 f.prepare()
+
+    def _items(self, i: int) -> list[FoldItem]:
+        """Bucket i's folds (or copies) into its ring buffer: rank 0's own, then every rank's gathered shards."""
+        work, buf = self.plan.work[i], self.buffers[i % self.slots]
+        items = []
+        for e, off in work.folds:
+            out = buf[off:off + e.nbytes].view(e.dtype).view(e.w.shape)
+            items.append(FoldItem(e.w, out, e.a, e.b, e.scale, e.row_map))
+        for e, off, w_off, f_off in work.tp_folds:
+            items += self._shard_items(e, buf, off, w_off, f_off)
+        return items
 
     def _shard_items(self, e: FoldEntry, buf: torch.Tensor, off: int, w_off: int, f_off: int) -> list[FoldItem]:
         """Rank 0's folds (or copies) of every rank's gathered shard into the entry's place in the bucket."""

@@ -1,22 +1,23 @@
-"""The GPU fast path of weight sync in the trainer: `fast.py`'s plan and pipelined push behind `WeightSender`.
+"""The fast path of weight sync over the weight-update group: `plan.py`'s plan and pipelined push behind
+`WeightSender` (only kora's reference engine answers it: its `/kora/fast_sync/*` routes).
 
-`with_fast_path(sender, cfg)` (TrainWorker.connect) wraps the backend's HTTP sender (`WeightSender`,
+`path.with_fast_path(sender, cfg)` (TrainWorker.connect) wraps the backend's HTTP sender (`WeightSender`,
 `MegatronWeightSender`) in a `FastWeightSender` where the fast path may apply — sync.fastPath (true), the
 weight-update group (Disaggregated, or Colocate's distributedEngines), Merge or Adapter mode, kora's hf engine —
-(colocated engines: `colocated_sender.ColocatedFastSender`, the same steps in memory) and returns it unchanged
-otherwise (SGLang engines, EngineMerge, a TP follower). Then:
+(colocated engines: `colocated.ColocatedFastSender`, the same steps in memory) and returns it unchanged
+otherwise (SGLang engines, EngineMerge, a TP follower). Then (base.py's steps):
 
 1. The first sync is the HTTP path's (Adapter: the base + the adapter; Merge: the merged model), checked end to
    end by the engines' checksums; the engines now hold the policy.
 2. Right after it, ONE plan. The adapter parameters are laid end to end in one buffer
-   (`fast_adapter.flatten_parameters`: the same parameter objects and values, the optimizer untouched); Merge:
-   `fast.MergePlan` over the backend's `fast_merge_entries` and a `fast.PipelinedSender` (ring buffers; on CUDA
-   the folds captured once); Adapter:
-   `fast_adapter.AdapterPack` over `fast_adapter_specs` (one gather). Every engine gets the buckets' metadata (`POST
+   (`adapter_pack.flatten_parameters`: the same parameter objects and values, the optimizer untouched); Merge:
+   `plan.MergePlan` over the policy's `fast_merge_entries` (policy.py) and a `plan.PipelinedSender` (ring
+   buffers; on CUDA the folds captured once); Adapter:
+   `adapter_pack.AdapterPack` over `fast_adapter_specs` (one gather). Every engine gets the buckets' metadata (`POST
    /kora/fast_sync/plan`, kora_engine/lm/fast_routes.py). A policy the plan does not cover (MoE experts, TP > 1, a
    folded weight over sync.bufferSize, ...), an engine without the route (404: SGLang) or one refusing the plan
    keeps the job on the HTTP path; the report's `note` says why (and, when it worked, that the fast path is on).
-3. Every later sync: `fast_adapter.FlatDelta` decides with the HTTP path's rule (push iff the max |Δadapter| over the
+3. Every later sync: `adapter_pack.FlatDelta` decides with the HTTP path's rule (push iff the max |Δadapter| over the
    trainer's group since the last push > sync.deltaSkipThreshold; collective: every rank calls `sync`); a push
    issues `POST /kora/fast_sync/push` to every engine from the clients' threads while the buckets are broadcast
    (Merge: bucket i+1 packed while bucket i is on the wire; Adapter: one gather, one broadcast per bucket); the
@@ -35,120 +36,48 @@ out, as on the HTTP path.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import torch
 
-from kora_trainer.config import SyncMode, TrainerConfig
-from kora_trainer.config.sections import Engine
-from kora_trainer.sync.fast import MergePlan, PipelinedSender
-from kora_trainer.sync.fast_adapter import AdapterPack, FlatDelta, flatten_parameters
-from kora_trainer.sync.sender import POLICY_ADAPTER, RunningChecksum, SyncReport, WeightSender
-from kora_trainer.sync.transport import GROUP_NAME, ColocatedTransport, DistributedTransport, SyncError, wait_all
+from kora_trainer.config import SyncMode
+from kora_trainer.sync.fast.adapter_pack import AdapterPack, FlatDelta, flatten_parameters
+from kora_trainer.sync.fast.base import FastSender
+from kora_trainer.sync.fast.plan import MergePlan, PipelinedSender
+from kora_trainer.sync.sender import POLICY_ADAPTER, RunningChecksum, SyncReport
+from kora_trainer.sync.transport import GROUP_NAME, DistributedTransport, SyncError, wait_all
 from kora_trainer.wire.engine_client import EngineError
 from kora_trainer.wire.protocol import Assembler, PackedChecksum
 
-log = logging.getLogger("kora.sync")
 
-VERIFY_EVERY = 10  # engines report the checksum of what they applied on the first fast push and every 10th
-
-
-def fast_path_off(sender: WeightSender, cfg: TrainerConfig) -> str | None:
-    """Why the fast path cannot apply to this job (None: it may; the plan decides)."""
-    if not cfg.sync.fast_path:
-        return "sync.fastPath is false"
-    kind = type(sender.transport)
-    modes = (SyncMode.MERGE, SyncMode.ADAPTER) + ((SyncMode.ENGINE_MERGE,) if kind is ColocatedTransport else ())
-    if sender.mode not in modes:  # over the group, EngineMerge's pairs go by the HTTP path's buckets
-        return f"{sender.mode} mode"
-    if cfg.parallelism.tensor > 1:  # every TP rank must take part in a push; the fast plans are one rank's
-        return "tensor parallelism (the trainer's fast path is TP 1)"
-    if kind not in (DistributedTransport, ColocatedTransport):  # a TP follower, none
-        return f"the {getattr(sender.transport, 'kind', 'missing')} transport"
-    if cfg.rollout.engine != Engine.HF:
-        return f"{cfg.rollout.engine} engines"
-    if cfg.rollout.sglang_build is not None:  # the reference engine in a build's strict mode has no /kora/* routes
-        return f"rollout.sglangBuild {cfg.rollout.sglang_build.value} (SGLang's routes only)"
-    return None
-
-
-def with_fast_path(sender: WeightSender, cfg: TrainerConfig) -> Any:
-    """`sender`, wrapped in a `FastWeightSender` (over the weight-update group) or a `ColocatedFastSender` (in
-    memory, sync/colocated_sender.py) where the fast path may apply."""
-    if fast_path_off(sender, cfg) is not None:
-        return sender
-    # Adapter mode: a request keeps the adapter object it was admitted with; its ring slot must outlive the
-    # pushes made while it runs (async: up to maxStaleness steps ahead)
-    ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
-    if type(sender.transport) is ColocatedTransport:
-        from kora_trainer.sync.colocated_sender import ColocatedFastSender
-
-        # EngineMerge: each push's pairs are folded before its call returns, so one slot would serve; two let the
-        # next push's delta decision read the last pushed pairs from the other slot (colocated_sender._capture_decide)
-        return ColocatedFastSender(sender, adapter_slots=2 if sender.mode is SyncMode.ENGINE_MERGE else 3 + ahead)
-    return FastWeightSender(sender, adapter_slots=3 + ahead)
-
-
-class FastWeightSender:
-    """`WeightSender.sync`'s contract (collective, a `SyncReport` per call) over the fast path after the HTTP
-    path's first push; see the module docstring."""
+class FastWeightSender(FastSender):
+    """`Sender` (collective, a `SyncReport` per call) over the weight-update group after the HTTP path's first push;
+    see the module docstring."""
 
     transport_type: type = DistributedTransport
 
-    def __init__(self, http: WeightSender, adapter_slots: int = 3, verify_every: int = VERIFY_EVERY):
-        if type(http.transport) is not self.transport_type:
-            raise ValueError(f"{type(self).__name__} runs over a {self.transport_type.__name__}")
-        self.http = http
-        self.transport: Any = http.transport  # a transport_type (checked above): its clients, group, timeout_s
-        self.mode = http.mode
-        self.adapter_slots, self.verify_every = adapter_slots, verify_every
-        self.planned = self.active = False
-        self.fallback_reason: str | None = None
-        self.pushes = 0  # fast pushes made
-        self.engine_version = 0
-        self.flat: torch.Tensor | None = None
-        self.delta: FlatDelta | None = None
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
         self.plan: MergePlan | None = None
         self.sender: PipelinedSender | None = None
         self.pack: AdapterPack | None = None
         self.packed: PackedChecksum | None = None
-        self.nbytes = self.nbuckets = 0
-
-    def arm(self) -> None:
-        """`WeightSender.arm` (the colocated sender tells its engines)."""
-
-    def sync(self, version: int) -> SyncReport:
-        """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
-        if not self.active:
-            report = self.http.sync(version)
-            self.engine_version = self.http.engine_version
-            if report.pushed and not self.planned:
-                self.planned = True
-                report.note = self._plan()
-            return report
-        return self._push(version)
 
     # ---- the plan, once -----------------------------------------------------------------------------------
-
-    def _off(self, reason: str) -> str:
-        self.fallback_reason = reason
-        log.warning("weight sync keeps the HTTP path: %s", reason)
-        return f"fast path off, the HTTP path stays: {reason}"
 
     def _make_plan(self) -> MergePlan | AdapterPack:
         """The layout of every push (raises for what the fast path does not cover)."""
         if self.mode is SyncMode.MERGE:
-            return MergePlan(self.http.fast_merge_entries(), self.http.cap)
-        return AdapterPack(self.http.fast_adapter_params(), self.http.fast_adapter_specs(), self.http.cap)
+            return MergePlan(self.policy.fast_merge_entries(), self.cap)
+        return AdapterPack(self.policy.fast_adapter_params(), self.policy.fast_adapter_specs(), self.cap)
 
     def _plan(self) -> str:
         if self.transport.group.device.type == "cuda":  # nothing in flight while the plan captures its folds
             torch.cuda.synchronize()
         try:
             self._make_plan()  # what the plan cannot cover raises here, before the parameters are touched
-            flat = flatten_parameters(self.http.fast_adapter_params())
+            flat = flatten_parameters(self.policy.fast_adapter_params())
             plan = self._make_plan()  # over the flat parameters
             extra: dict[str, Any] = {"slots": 2}
             if isinstance(plan, MergePlan):
@@ -160,7 +89,7 @@ class FastWeightSender:
                                              plan.out.device)
                 self.nbytes, self.nbuckets = plan.out.numel() * plan.out.element_size(), len(plan.buckets)
                 extra = {"slots": self.adapter_slots, "lora_name": POLICY_ADAPTER,
-                         "config_dict": self.http.adapter_config}
+                         "config_dict": self.adapter_config}
         except (NotImplementedError, ValueError, KeyError) as e:
             return self._off(f"the policy: {e}")
         clients = self.transport.clients
@@ -189,10 +118,10 @@ class FastWeightSender:
         assert self.flat is not None and self.delta is not None
         t0 = time.perf_counter()
         kind, mode = self.transport.kind, str(self.mode)
-        push, delta = self.delta.should_push(self.flat, self.http.threshold, self.http.trainer_group)
+        push, delta = self.delta.should_push(self.flat, self.threshold, self.trainer_group)
         if not push:
             return SyncReport.skip(mode, kind, self.engine_version, delta, path="fast")
-        verify = self.http.verify and self.pushes % self.verify_every == 0
+        verify = self.verify and self.pushes % self.verify_every == 0
         clients = self.transport.clients
         futs = [c.submit(c.fast_sync_push, str(version), GROUP_NAME, verify) for c in clients]
         if self.sender is not None:
@@ -230,6 +159,3 @@ class FastWeightSender:
             for name, t in assembler.feed(meta, self.sender.fill(i)):
                 running.add(name, t)
         return running.hexdigest()
-
-    def close(self) -> None:
-        self.http.close()
