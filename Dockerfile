@@ -36,6 +36,9 @@ ARG SGLANG_MILES_IMAGE=lmsysorg/sglang:v0.5.19
 # --- python: Debian's python3.11 in a venv (/opt/kora), pip at the pinned version ----------------------------
 FROM ${BASE_IMAGE} AS python
 ARG DEBIAN_FRONTEND=noninteractive
+# Debian's archive holds only the current stable version of each package (a version pin breaks at the next point
+# release); the suite (bookworm) is the pin
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/* \
@@ -44,6 +47,8 @@ ENV VIRTUAL_ENV=/opt/kora PATH=/opt/kora/bin:/usr/local/sbin:/usr/local/bin:/usr
     PYTHONUNBUFFERED=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_ROOT_USER_ACTION=ignore \
     PIP_CONSTRAINT=/opt/kora/constraints.txt
 COPY constraints.txt /opt/kora/constraints.txt
+# pip's versions: PIP_CONSTRAINT (constraints.txt), never written here; its cache is a cache mount, never in a layer
+# hadolint ignore=DL3013,DL3042
 RUN --mount=type=cache,id=kora-pip,target=/root/.cache/pip,sharing=locked --mount=type=secret,id=ca \
     if [ -f /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     pip install --upgrade pip
@@ -60,6 +65,7 @@ w('trainer', p['dependencies'] + x['trainer'] + x['wandb'] + x['diffusion'])"
 
 # --- wheel: one build of the kora distribution for every image ------------------------------------------------
 FROM python AS wheel
+# hadolint ignore=DL3013,DL3042
 RUN --mount=type=cache,id=kora-pip,target=/root/.cache/pip,sharing=locked --mount=type=secret,id=ca \
     if [ -f /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     pip install hatchling
@@ -73,11 +79,12 @@ RUN pip wheel --no-deps --no-build-isolation --no-index --wheel-dir /dist /src
 # --- operator: slim, non-root, no ML stack (import-linter keeps torch/ray out of kora_operator) ---------------
 FROM python AS operator
 COPY --from=reqs /reqs/operator.txt /tmp/requirements.txt
+# hadolint ignore=DL3042
 RUN --mount=type=cache,id=kora-pip,target=/root/.cache/pip,sharing=locked --mount=type=secret,id=ca \
     if [ -f /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     pip install -r /tmp/requirements.txt
 COPY --from=wheel /dist/ /tmp/dist/
-RUN pip install --no-deps --no-index /tmp/dist/kora-*.whl && rm -rf /tmp/dist /tmp/requirements.txt
+RUN pip install --no-cache-dir --no-deps --no-index /tmp/dist/kora-*.whl && rm -rf /tmp/dist /tmp/requirements.txt
 ENV PYTHONDONTWRITEBYTECODE=1
 # a numeric user (65532, "nonroot" by convention) so runAsNonRoot can verify it without /etc/passwd
 USER 65532:65532
@@ -89,15 +96,17 @@ CMD ["operator"]
 FROM python AS trainer-cpu
 ARG DEBIAN_FRONTEND=noninteractive
 # KubeRay's head and worker probes run wget in the Ray container
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends wget \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=reqs /reqs/trainer.txt /tmp/requirements.txt
+# hadolint ignore=DL3042
 RUN --mount=type=cache,id=kora-pip,target=/root/.cache/pip,sharing=locked --mount=type=secret,id=ca \
     if [ -f /run/secrets/ca ]; then export PIP_CERT=/run/secrets/ca; fi; \
     pip install -r /tmp/requirements.txt
 COPY --from=wheel /dist/ /tmp/dist/
-RUN pip install --no-deps --no-index /tmp/dist/kora-*.whl && rm -rf /tmp/dist /tmp/requirements.txt
+RUN pip install --no-cache-dir --no-deps --no-index /tmp/dist/kora-*.whl && rm -rf /tmp/dist /tmp/requirements.txt
 # no SGLang here: a job runs kora's reference engine (rollout.engine hf), as the CPU tests do
 LABEL dev.kora.sglang-build="none"
 # Ray's dashboard probes the cloud metadata servers unless ~/ray_bootstrap_config.yaml exists, whatever
@@ -129,6 +138,7 @@ COPY constraints.txt /tmp/constraints.txt
 COPY --from=wheel /dist/ /tmp/dist/
 # every pin but those of the packages the SGLang image brings itself (tagged `sglang-image` in constraints.txt: its
 # kernels are built against them); megatron-core's pin is the Python >= 3.12 one, the version the GPU tests ran
+# hadolint ignore=DL3013
 RUN grep -v '# sglang-image' /tmp/constraints.txt > /tmp/kora-constraints.txt \
     && PIP_CONSTRAINT=/tmp/kora-constraints.txt pip install --no-cache-dir megatron-core \
         "$(ls /tmp/dist/kora-*.whl)[trainer,wandb,diffusion]" \
