@@ -19,9 +19,9 @@ try:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 except ImportError:  # a bare python3 (the GPU wheel script's): pip ships the same library
-    from pip._vendor.packaging.markers import Marker  # type: ignore[no-redef]
-    from pip._vendor.packaging.requirements import Requirement  # type: ignore[no-redef]
-    from pip._vendor.packaging.utils import canonicalize_name  # type: ignore[no-redef]
+    from pip._vendor.packaging.markers import Marker  # type: ignore[assignment]
+    from pip._vendor.packaging.requirements import Requirement  # type: ignore[assignment]
+    from pip._vendor.packaging.utils import canonicalize_name  # type: ignore[assignment]
 
 CONSTRAINTS = Path(__file__).resolve().parent.parent / "constraints.txt"
 SGLANG_IMAGE_TAG = "# sglang-image"
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("names", nargs="*", help="print only these (default: every pin that applies)")
     args = ap.parse_args(argv)
     pins = for_python(args.python)
-    names = [canonicalize_name(n) for n in args.names] or sorted(pins)
+    names: list[str] = [canonicalize_name(n) for n in args.names] or sorted(pins)
     missing = [n for n in names if n not in pins]
     if missing:
         print(f"pins.py: no pin for {', '.join(missing)} on Python {args.python} in {CONSTRAINTS}", file=sys.stderr)
