@@ -153,6 +153,22 @@ def podman_cmd(*args: str) -> list[str]:
     return ["podman", "--tmpdir", str(store() / "run" / "libpod"), *args]
 
 
+def release_cgroups(wait: float = 5.0) -> None:
+    """podman (cgroupfs) makes libpod_parent/ (and conmon/ in it) in every cgroup v1 controller and leaves them when
+    its containers are gone: remove them once empty (rmdir fails on a cgroup still holding a process or a child, so a
+    running container's are kept). runc removes each container's own cgroup itself; conmon outlives `podman run` by a
+    moment, so wait up to `wait` seconds for its cgroup to empty."""
+    deadline = time.monotonic() + wait
+    while True:
+        for parent in Path("/sys/fs/cgroup").glob("*/libpod_parent"):
+            for path in (parent / "conmon", parent):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+        if not any(Path("/sys/fs/cgroup").glob("*/libpod_parent")) or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
+
+
 def run(cmd: Sequence[str], **kw: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(cmd), env=env(), text=True, check=True, **kw)  # type: ignore[call-overload,no-any-return]
 
@@ -331,6 +347,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.no_save:
             return 0
         manifest = [save(t, args.compress) for t in chosen]
+        release_cgroups()
     (out_dir() / "images.json").write_text(json.dumps(manifest, indent=2) + "\n")
     for m in manifest:
         log(f"{m['image']}: {int(m['image_bytes']) / 2**20:.0f} MiB, {m['archive']}")  # type: ignore[call-overload]
@@ -353,7 +370,10 @@ def cmd_clean() -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["podman"]:
-        return subprocess.run(podman_cmd(*argv[1:]), env=env()).returncode
+        try:
+            return subprocess.run(podman_cmd(*argv[1:]), env=env()).returncode
+        finally:
+            release_cgroups()
     if argv[:1] == ["clean"]:
         return cmd_clean()
     if argv[:1] == ["build"]:

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @pytest.fixture(scope="module")
-def built() -> dict[str, dict]:
+def built() -> Iterator[dict[str, dict]]:
     why = images.problem()
     if why:
         pytest.skip(f"cannot build images here: {why}")
@@ -36,7 +37,8 @@ def built() -> dict[str, dict]:
     manifest = json.loads((images.out_dir() / "images.json").read_text())
     for m in manifest:
         print(f"{m['image']}: {m['image_bytes'] / 2**20:.0f} MiB, archive {m['archive_bytes'] / 2**20:.0f} MiB")
-    return {m["target"]: m for m in manifest}
+    yield {m["target"]: m for m in manifest}
+    images.release_cgroups()
 
 
 def podman_run(image: str, *args: str, volume: Path | None = None, entrypoint: str | None = None) -> str:
