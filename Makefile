@@ -5,16 +5,17 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-full test-unit e2e-kind lint manifests manifests-check testbin cluster-up node-up cluster-down clean
+.PHONY: images chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-full test-unit e2e-kind lint manifests manifests-check testbin cluster-up node-up cluster-down clean
 
-$(STAMP): pyproject.toml
+# constraints.txt: the pinned versions, the same the images install (tests/unit/test_pins.py holds them together)
+$(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade 'pip>=25.1'
-	$(PY) -m pip install --quiet -e '.[operator,trainer,wandb,diffusion]' --group dev
+	$(PY) -m pip install --quiet --upgrade -c constraints.txt pip
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[operator,trainer,wandb,diffusion]' --group dev
 	touch $(STAMP)
 
-setup: $(STAMP)  ## venv with kora[operator,trainer,wandb,diffusion] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests; containerd, runc, CNI plugins, iptables, gcc for the real node)
+setup: $(STAMP)  ## venv with kora[operator,trainer,wandb,diffusion] and the test/lint tools (and strace + iproute2, for the loopback and two-node tests; containerd, runc, CNI plugins, iptables, gcc for the real node; buildah, podman, debootstrap for the images)
 	@bash hack/install_tools.sh
 
 testbin:  ## build (once) or find the pinned etcd/kube-apiserver/kubectl/helm/KubeRay binaries
@@ -47,6 +48,9 @@ chaos: setup testbin  ## faults on purpose (issue 18 item 1), full size: one scr
 
 nettrace: setup testbin  ## `make demo` under strace: every network destination its processes reached (hack/nettrace.py)
 	$(PY) hack/nettrace.py -- $(PY) hack/demo.py --steps 40
+
+images: setup  ## the operator and CPU trainer images from the Dockerfile, with buildah (root; no Docker): .kora/images/*.tar
+	$(PY) hack/images.py
 
 e2e-kind: setup  ## kind + KubeRay (Helm) + our images + charts/kora; the toy job to Succeeded. Skips without Docker/kind
 	$(PY) hack/e2e_kind.py

@@ -10,13 +10,14 @@
 # Making .whl/ on the dev machine: bash hack/gpu_wheels.sh (what it does, by hand:
 #   P="--no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
 #      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
-#   pip download $P -d .whl megatron-core==0.19.2 pydantic==<venv's> pydantic_core==<venv's> annotated-types typing-inspection
+#   pip download $P -d .whl megatron-core pydantic pydantic_core annotated-types typing-inspection (the versions:
+#     python hack/pins.py --python 3.12 megatron-core pydantic)
 #     pydantic-settings python-dotenv
 #   pip download $P -d .whl/extra msgpack protobuf jsonschema jsonschema-specifications referencing rpds-py click attrs
 #     diffusers==<venv's> aiohttp aiohappyeyeballs aiosignal frozenlist multidict yarl propcache   (the diffusion path)
-#   ray: pip download $P ray==2.60.0, unpack it KEEPING the file modes (python's zipfile drops them: set each
+#   ray: pip download $P ray==<pin>, unpack it KEEPING the file modes (python's zipfile drops them: set each
 #   member's mode from external_attr >> 16, or gcs_server/raylet are not executable), delete ray/{jars,rllib,tune,
-#   train,serve,data,llm}, and tar -cJf .whl/extra/ray_min.tar.xz ray ray-2.60.0.dist-info (about 30 MiB)
+#   train,serve,data,llm}, and tar -cJf .whl/extra/ray_min.tar.xz ray ray-<pin>.dist-info (about 30 MiB)
 set -euo pipefail
 target=${1:-/tmp/mc}
 mkdir -p "$target"
