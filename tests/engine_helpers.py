@@ -22,7 +22,7 @@ from kora_trainer.wire.engine_client import EngineClient
 from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
 from kora_trainer.wire.ports import free_port
 from kora_trainer.wire.protocol import FLAT, Bucket, pack, plan_buckets
-from kora_trainer.wire.serialize import serialize_named_tensors
+from kora_trainer.wire.serialize import serialize_named_tensors, serialize_tensor_dict
 from localcluster import wait_for
 
 PROMPTS = [[1, 4, 5, 13, 6, 7, 14], [1, 12, 13, 3, 14], [1, 9, 9, 13, 9, 9, 14, 4]]
@@ -191,7 +191,8 @@ def publish_adapter(client: EngineClient, group: WeightUpdateGroup, name: str, p
 
 
 def serialize_adapter(peft_model: torch.nn.Module) -> str:
-    return serialize_named_tensors(peft_tensors(peft_model))
+    """The adapter as /load_lora_adapter_from_tensors takes it in SGLang: a {name: tensor} dict."""
+    return serialize_tensor_dict(peft_tensors(peft_model))
 
 
 def retire_and_reload(client: EngineClient, name: str, model: torch.nn.Module) -> None:

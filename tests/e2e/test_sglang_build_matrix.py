@@ -17,14 +17,14 @@ import yaml
 
 from kora_trainer.config import sglang_builds as sb
 from kora_trainer.config.sections import DeploymentMode, SGLangBuild, SyncMode
-from sglang_buildkit import MILES, STOCK, call_problems, read_calls
+from sglang_buildkit import MILES, STOCK, STOCK_0_5_17, call_problems, read_calls
 from trainkit import TrainRun, train_command, wait_all
 
 # CI runs one combination per route family (stock per-tensor Merge, stock in-memory Adapter, miles' adapter route);
 # `make test-full` every one
 CI_SIZE = {(STOCK, "Merge", "Disaggregated"), (STOCK, "Adapter", "Colocate"), (MILES, "Adapter", "Disaggregated")}
 ACCEPTED = [(b, m, d) if (b, m, d) in CI_SIZE else pytest.param(b, m, d, marks=pytest.mark.full)
-            for b in (STOCK, MILES) for m in ("Merge", "Adapter") for d in ("Disaggregated", "Colocate")]
+            for b in (STOCK, STOCK_0_5_17, MILES) for m in ("Merge", "Adapter") for d in ("Disaggregated", "Colocate")]
 
 
 @pytest.mark.slow

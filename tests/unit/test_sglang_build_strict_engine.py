@@ -21,7 +21,7 @@ from kora_trainer.config.sections import DeploymentMode, SGLangBuild, SyncMode
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
 from kora_trainer.wire.engine_client import EngineError
-from sglang_buildkit import MILES, STOCK, call_problems, read_calls
+from sglang_buildkit import MILES, STOCK, STOCK_0_5_17, call_problems, read_calls
 from tinymodel import make_tiny_model
 
 
@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.fixture(scope="module", params=[STOCK, MILES])
+@pytest.fixture(scope="module", params=[STOCK, STOCK_0_5_17, MILES])
 def strict(request, model_dir, tmp_path_factory):
     """(build name, engine, its call record) for one strict engine per build."""
     logs = tmp_path_factory.mktemp(f"strict-{request.param}")
@@ -66,10 +66,29 @@ def test_routes_the_build_lacks_are_404_as_in_that_build(strict):
     status, info = get(engine.url + "/model_info")
     assert status == 200 and "kora_engine" not in info and "weight_version" in info  # SGLang's keys only
     status, body = post(engine.url + "/load_lora_adapter_from_distributed", {"lora_name": "x"})
-    if build == STOCK:
+    if build != MILES:
         assert (status, body) == (404, {"detail": "Not Found"})
     else:  # sglang-miles has it: a body without its required fields is FastAPI's 400
         assert status == 400 and "LoadLoRAAdapterFromDistributedReqInput" in body["message"]
+
+
+def test_the_lora_route_takes_sglangs_dict_and_refuses_a_list_of_pairs(strict, model_dir, tmp_path):
+    """SGLang's LoRA manager iterates the payload's items (0.5.17's tp_worker; a list was a 400 "'list' object has no
+    attribute 'items'" on a real SGLang, issue 43): a build's strict engine refuses the list the same way, so the CPU
+    tests catch a sender that sends it."""
+    from engine_helpers import make_peft_adapter, peft_config_dict, peft_tensors
+    from kora_trainer.wire.serialize import serialize_named_tensors, serialize_tensor_dict
+
+    _, engine, _ = strict
+    _, peft_model = make_peft_adapter(model_dir, tmp_path / "adapter", seed=3)
+    named = peft_tensors(peft_model)
+    body = {"lora_name": "pairs", "config_dict": peft_config_dict(peft_model)}
+    status, answer = post(engine.url + "/load_lora_adapter_from_tensors",
+                          {**body, "serialized_named_tensors": [serialize_named_tensors(named)]})
+    assert status == 400 and "dict {name: tensor}" in json.dumps(answer)
+    status, answer = post(engine.url + "/load_lora_adapter_from_tensors",
+                          {**body, "serialized_named_tensors": [serialize_tensor_dict(named)]})
+    assert status == 200 and answer["success"], answer
 
 
 CASES = [("Merge", "distributed"), ("Merge", "colocated"), ("Adapter", "distributed"), ("Adapter", "colocated")]

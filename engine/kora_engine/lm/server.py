@@ -116,7 +116,7 @@ from kora_trainer import heap
 from kora_trainer.config.sglang_builds import Build
 from kora_trainer.wire import colocated_words, engine_auth, flat_bucket
 from kora_trainer.wire.protocol import FLAT, checksum
-from kora_trainer.wire.serialize import deserialize_named_tensors, deserialize_payload
+from kora_trainer.wire.serialize import deserialize_adapter_tensors, deserialize_named_tensors, deserialize_payload
 
 log = logging.getLogger("kora.hf_engine")
 
@@ -453,7 +453,9 @@ class HFEngineServer:
         def load(b: rq.LoadLoRAAdapterFromTensorsReqInput) -> dict[str, Any]:
             if b.added_tokens_config:
                 raise ValueError("LoRA adapters that add tokens are not supported.")
-            named = deserialize_named_tensors(b.serialized_named_tensors[self.receiver.tp_rank])
+            # a build's strict mode takes only SGLang's shape, a dict; kora's own mode takes a list of pairs too
+            named = deserialize_adapter_tensors(b.serialized_named_tensors[self.receiver.tp_rank],
+                                                pairs_ok=self.build is None)
             self.adapters.load_from_tensors(b.lora_name, b.config_dict, named)
             return {"checksum": checksum(named)}  # kora: what was applied, for the sender to compare
 

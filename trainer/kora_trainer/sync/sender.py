@@ -384,7 +384,7 @@ class WeightSender:
         hand = self.transport if isinstance(self.transport, ColocatedTransport) else \
             ColocatedTransport(self.transport.clients if self.transport is not None else [])
         name = self.adapter_name
-        results = hand.send(named, self._replace_adapter(name, self.adapter_config, wv))
+        results = hand.send(named, self._replace_adapter(name, self.adapter_config, wv), as_dict=True)
         self._check(results, checksum, lambda: protocol_checksum(named))
         self._loaded.add(name)
         return sum(t.numel() * t.element_size() for _, t in named)

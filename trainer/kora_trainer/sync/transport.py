@@ -25,7 +25,7 @@ from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
 from kora_trainer.wire.ports import free_port
 from kora_trainer.wire.protocol import Bucket, dtype_name, pack
-from kora_trainer.wire.serialize import serialize_named_tensors
+from kora_trainer.wire.serialize import serialize_named_tensors, serialize_tensor_dict
 
 GROUP_NAME = "weight_update_group"
 
@@ -124,13 +124,14 @@ class ColocatedTransport:
     def __init__(self, clients: Sequence[EngineClient], timeout_s: float = 300.0):
         self.clients, self.timeout_s = list(clients), timeout_s
 
-    def send(self, named: list[tuple[str, torch.Tensor]],
-             call: Callable[[EngineClient, str], dict[str, Any]]) -> list[dict[str, Any]]:
+    def send(self, named: list[tuple[str, torch.Tensor]], call: Callable[[EngineClient, str], dict[str, Any]],
+             as_dict: bool = False) -> list[dict[str, Any]]:
         """Hand `named` to every engine in memory. The tensors are copied first: serialising moves a
         CPU tensor's storage into shared memory, which must not happen to a live parameter, and the
-        copies stay alive until every engine has answered (they alias them until then)."""
+        copies stay alive until every engine has answered (they alias them until then). `as_dict`: the
+        payload is a {name: tensor} dict (SGLang's LoRA route), not the weight routes' list of pairs."""
         copies = packed_views(named)
-        payload = serialize_named_tensors(copies)
+        payload = serialize_tensor_dict(copies) if as_dict else serialize_named_tensors(copies)
         futs = [c.submit(call, c, payload) for c in self.clients]
         try:
             return wait_all(futs, self.timeout_s)
