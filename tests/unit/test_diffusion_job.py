@@ -1,4 +1,4 @@
-"""The diffusion job's pieces the train command stands on (train_diffusion.py): the fields as Flow-GRPO's knobs,
+"""The diffusion job's pieces the Flow-GRPO recipe stands on (recipes/flow_grpo.py): the fields as Flow-GRPO's knobs,
 which rows a step takes, the rewards, and the refusals of a model or data the path cannot take."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kora_trainer.config import TrainerConfig
-from kora_trainer.train_diffusion import (
+from kora_trainer.recipes.flow_grpo import (
     DiffusionJobError,
     load_model,
     load_prompts,

@@ -1,4 +1,4 @@
-"""The driver's bookkeeping, so that train.py only says what happens: per-step curves, the progress line on
+"""The driver's bookkeeping, so that a recipe (recipes/) only says what happens: per-step curves, the progress line on
 stdout, the control-plane progress the operator polls, the run's event file, and the final summary.
 
 The event file (`<run dir>/events.jsonl`, SPEC's "trainer event file") holds one JSON object per line, each

@@ -1,38 +1,16 @@
 """`python -m kora_trainer.train --config FILE [key=value ...] [seed flags]`: one LoRA GRPO job.
 
-The loop, top to bottom: start Ray and the workers (engines, trainer, rollout manager), resume from the
-newest good checkpoint under `checkpoint.path` if there is one, push the (initial or restored) policy,
-then per step generate -> score -> GRPO update -> sync, publishing progress on the control plane, with a
-LoRA-only checkpoint every `checkpoint.interval` steps and at the last step (`checkpoint.exportHF` /
---save-hf also writes `<checkpoint.path>/lora_adapter/` at the end). With `deployment.async` the engines
-generate the next steps' rollouts while the current step trains, at most `deployment.maxStaleness` (default
-1) steps ahead, so a rollout lags the policy by at most that many versions (`rollout_lag_max`). It ends
-with one JSON line: {"event": "summary", "steps", "first_step", "resumed_from_step", "sync_mode",
-"reward_first", "reward_last", "loss_curve", ...} (reward_first / reward_last: mean training reward over
-the first / last 10 steps this process ran; loss_curve: each step's policy loss, unrounded; sync_paths:
-pushes and median ms per sync path, `http` or `fast` — sync/fast_sender.py, whose decision the log's
-`sync: ...` line gives).
+The entry: read the job's config (with --make-toy, the toy made at model.path first), print the placement
+(--dry-run), pick the job's recipe once (recipes/: grpo.py, the default; multi_lora.py for multiLora.maxAdapters >
+0; flow_grpo.py for a `diffusion` section), then run it behind the step recorder and the control plane. What a
+recipe's loop does, resume included, its module's docstring says (recipes/grpo.py for the default job).
 
-Resume: a run restarted on the same checkpoint.path prints `resumed from checkpoint step K (<dir>)` (and
-every newer checkpoint it refused, with the reason: a torn or corrupted one is never loaded), reports
-`resumedFromStep` on /status, pushes the restored policy as its first sync and continues with step K+1.
-With `deployment.async: false`, steps K+1... reproduce the uninterrupted run exactly (same seed, CPU; see
-checkpoint/training.py for what is saved and why that suffices). With `deployment.async: true`
-exactness is not claimed: the uninterrupted run generated step K+1's rollouts with policy K-1 while step
-K trained, and that in-flight generation is not in the checkpoint, so the resumed run regenerates step
-K+1's rollouts from policy K.
-
-Everything the loop records goes through recorder.StepRecorder: stdout, the control plane's progress, and the
+Everything a run records goes through recorder.StepRecorder: stdout, the control plane's progress, and the
 JSON-lines event file `<run dir>/events.jsonl` (one event per step, sync, checkpoint, and the summary; the
 recorder's docstring lists them).
 
 At the end the control plane lingers for the operator: until one authorized GET /status has returned
 the final phase, or KORA_CONTROL_LINGER_S seconds (default 0) passed.
-
-An engine that dies under the run, or hangs for rollout.engineHangSeconds, fails the attempt with EngineLost naming
-it (orchestration/engine_watch.py);
-a checkpoint the disk has no room for fails it with CheckpointWriteError naming the path and the bytes, the
-previous checkpoint still the newest good one (checkpoint/lora_only.py). Either way a retry resumes.
 """
 
 from __future__ import annotations
@@ -40,17 +18,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kora_trainer.recipes import Clock, Recipe, RecipeRefused, recipe_for
+
 if TYPE_CHECKING:
     from kora_trainer.config import TrainerConfig
-    from kora_trainer.orchestration.cluster import Job
     from kora_trainer.recorder import StepRecorder
-
-T_START = time.monotonic()  # the whole command's wall time counts, Ray start included
-SHUTDOWN_S = 5.0  # stopping the engines and Ray, kept in reserve by --time-limit
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -118,68 +93,9 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def total_steps(cfg: TrainerConfig) -> int:
-    alg = cfg.algorithm
-    if alg.num_steps is not None:
-        return int(alg.num_steps)
-    from kora_trainer.orchestration.data import load_rows
-
-    rows = len(load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key))
-    return max(1, (alg.num_epochs or 1) * rows // alg.rollout_batch_size)
-
-
-class Lookahead:
-    """The rollouts queued ahead of the trainer. With deployment.async the engines generate up to maxStaleness
-    steps ahead while the trainer trains, so a rollout lags the policy by at most that many versions (the
-    clipped ratio against the engines' own log-probs corrects for it); without, the next step's rollouts are
-    generated while the trainer writes its checkpoint. Generations queue on the one rollout actor, which runs
-    them in order; a batch goes to the trainer without visiting the driver."""
-
-    def __init__(self, job: Job, cfg: TrainerConfig, start: int, steps: int):
-        self.gen = job.rollout.generate.options(num_returns=2)
-        self.ahead = cfg.deployment.max_staleness if cfg.deployment.async_ else 0
-        self.steps, self.issued = steps, start  # the last step whose generation is queued
-        self.queue: deque[list[Any]] = deque()  # [batch, stats] refs (ray gives num_returns=2 as a list)
-        self.issue_through(start + 1)
-
-    def issue_through(self, last: int) -> None:
-        while self.issued < min(last, self.steps):
-            self.issued += 1
-            self.queue.append(self.gen.remote(self.issued))
-
-    def take(self, step: int) -> list[Any]:
-        """This step's (batch, stats) refs; queues what async may generate meanwhile."""
-        refs = self.queue.popleft()
-        self.issue_through(step + self.ahead)
-        return refs
-
-
-def resume(job: Job, cfg: TrainerConfig, root: str, rec: StepRecorder) -> None:
-    """SPEC rule 8, then the newest checkpoint under root that verifies (newer refused ones are logged)."""
-    import ray
-
-    if cfg.checkpoint.lora_only:
-        job.trainer.first("check_lora_only")
-    info = job.trainer.all("resume", root)[0]  # every rank restores the same state (data-parallel replicas)
-    if info is None:
-        rec.say(f"no checkpoint under {root}: starting at step 1")
-        return
-    rec.resumed(info)
-    rec.run.data_position = ray.get(job.rollout.skip_to.remote(info["data_position"]))
-
-
-def save_checkpoint(job: Job, cfg: TrainerConfig, root: str, step: int, rec: StepRecorder) -> None:
-
-    t0 = time.monotonic()
-    meta = {"sync_mode": str(cfg.lora.effective_sync_mode), "base_model": str(Path(cfg.model.path).resolve()),
-            "seed": cfg.algorithm.seed, "async": cfg.deployment.async_}
-    path = job.trainer.written("save_checkpoint", root, rec.run.data_position, cfg.checkpoint.keep, meta)
-    rec.checkpointed(step, path, (time.monotonic() - t0) * 1000)
-
-
 def load(args: argparse.Namespace) -> TrainerConfig | None:
-    """The job's config with its overrides and seed flags (None: refused, the reason printed); with --make-toy
-    the toy is made at model.path first when nothing is there."""
+    """The job's config with its overrides and seed flags (None: refused, the reason printed); nothing at
+    model.path is refused unless --make-toy (the recipe makes its toy there) or --dry-run (a plan needs no model)."""
     from kora_trainer.config import ConfigError, load_config
     from kora_trainer.config.flags import as_overrides, origins, seed_flag_values
 
@@ -191,87 +107,11 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
         return None
     for w in warnings:
         print(f"warning: {w.message}", flush=True)
-    if not args.dry_run and not Path(cfg.model.path).exists():  # a plan needs no model
-        if not args.make_toy:
-            print(f"model.path {cfg.model.path} does not exist: point model.path at an HF checkpoint directory, or "
-                  "pass --make-toy to make the toy model and dataset there", file=sys.stderr)
-            return None
-        if cfg.diffusion is not None:
-            from kora_trainer.toys.diffusion import make_diffusion_toy
-
-            print(f"making the diffusion toy in {cfg.model.path} (kora make-toy --diffusion)", flush=True)
-            make_diffusion_toy(cfg.model.path)
-            return cfg
-        if cfg.data.image_key is not None:  # a job with image prompts: the vision-language toy
-            from kora_trainer.toys.vl import make_vl_toy
-
-            print(f"making the vision-language toy in {cfg.model.path} (kora make-toy --vl)", flush=True)
-            make_vl_toy(cfg.model.path, threads=args.threads)
-            return cfg
-        from kora_trainer.toys.lm import make_toy
-
-        print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)
-        make_toy(cfg.model.path, threads=args.threads)
+    if not args.dry_run and not args.make_toy and not Path(cfg.model.path).exists():
+        print(f"model.path {cfg.model.path} does not exist: point model.path at an HF checkpoint directory, or "
+              "pass --make-toy to make the toy model and dataset there", file=sys.stderr)
+        return None
     return cfg
-
-
-def watched(job: Job, cfg: TrainerConfig, rec: StepRecorder, doing: str) -> Any:
-    """A failure while an engine is dead or hung becomes EngineLost, naming it (orchestration/engine_watch.py: why
-    the attempt fails rather than restart the engine); the engines' hang watches get their bound to decide."""
-    from kora_trainer.orchestration.engine_watch import engines_watched
-
-    return engines_watched(job.engines, job.engine_urls, doing, rec.run.saved_step, cfg.rollout.engine_hang_seconds)
-
-
-def train(job: Job, cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_limit: float | None) -> None:
-    """Resume, push the policy, then per step: generate, train, sync, checkpoint; export at the end."""
-    import ray
-
-    from kora_trainer import heap
-
-    if root:
-        resume(job, cfg, root, rec)
-    with watched(job, cfg, rec, "the first push of the policy"):
-        first_push = job.trainer.sync()
-    rec.started(job.info, len(job.engines), cfg.rollout.engine, job.transport, first_push)
-    rollouts, last_step_s = Lookahead(job, cfg, rec.run.start, rec.steps), 0.0
-    for step in range(rec.run.start + 1, rec.steps + 1):
-        if time_limit and time.monotonic() - T_START + last_step_s + SHUTDOWN_S > time_limit:
-            rec.stopped(f"time limit {time_limit:.0f}s: stopping after step {step - 1}")
-            break
-        t_step = time.monotonic()
-        with watched(job, cfg, rec, f"step {step}'s rollouts and update"):
-            batch_ref, stats_ref = rollouts.take(step)
-            metrics, rstats = job.trainer.train_step(batch_ref), ray.get(stats_ref)
-        with watched(job, cfg, rec, f"step {step}'s weight sync"):
-            pushed = job.trainer.sync()
-        rec.stepped(step, metrics, rstats, pushed)
-        rollouts.issue_through(step + 1)
-        if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
-            save_checkpoint(job, cfg, root, step, rec)
-        last_step_s = time.monotonic() - t_step
-        if step == rec.run.start + 1:  # start-up and what the first step imported: out of later full collections
-            heap.freeze("the trainer's driver")
-    if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
-        save_checkpoint(job, cfg, root, rec.run.done, rec)
-    if root and cfg.checkpoint.export_hf:
-        rec.exported(job.trainer.written("export_hf", root, {"seed": cfg.algorithm.seed}))
-
-
-def adapter_registry(cfg: TrainerConfig, root: str | None) -> Any:
-    """A multi-adapter job's registry (adapter_runs/registry.py): the adapters a previous attempt held (from
-    `<checkpoint.path>/adapters/registry.json`), then those the job lists."""
-    from kora_trainer.adapter_runs.registry import AdapterRegistry
-    from kora_trainer.train_multi_lora import register_given
-
-    registry = AdapterRegistry(cfg, Path(root) / "adapters" / "registry.json" if root else None)
-    register_given(cfg, registry, registry.restore())
-    return registry
-
-
-def time_left(limit: float | None) -> Any:
-    """A check the multi-adapter loop makes each round: False once --time-limit (less the shutdown) is spent."""
-    return lambda: not limit or time.monotonic() - T_START + SHUTDOWN_S < limit
 
 
 def trackers(cfg: TrainerConfig, run_dir: Path) -> list[Any] | None:
@@ -288,96 +128,77 @@ def trackers(cfg: TrainerConfig, run_dir: Path) -> list[Any] | None:
     return sinks
 
 
-def summarize(cfg: TrainerConfig, rec: StepRecorder, job: Job | None, loop: Any) -> None:
-    """The summary line of a finished run: the multi-adapter loop's, a diffusion run's, or the single loop's."""
-    if loop is not None:
-        from kora_trainer.train_multi_lora import summary
-
-        summary(loop, rec)
-    elif cfg.diffusion is not None:
-        rec.summary("colocated", "torch")
-    else:
-        rec.summary(job.transport if job else None, job.info.get("backend") if job else None)
-
-
 def main(argv: list[str] | None = None) -> int:
+    start = time.monotonic()  # the whole command's wall time counts, Ray start included
     args = parse_args(argv)
     cfg = load(args)
     if cfg is None:
         return 2
     if args.dry_run:
         return dry_run(cfg, args)
+    clock = Clock(args.time_limit, start)
+    recipe = recipe_for(cfg, clock, args.threads)
+    if not Path(cfg.model.path).exists():  # with --make-toy (load refused it without)
+        recipe.make_toy()
     from kora_trainer.orchestration.sglang_launcher import installed_build_problem
 
     if (installed := installed_build_problem(cfg)) is not None:  # before anything starts: the image's SGLang
         print(f"invalid kora config:\n  rollout.sglangBuild: {installed}", file=sys.stderr)
         return 2
+    return serve(recipe, cfg, args, clock)
+
+
+def serve(recipe: Recipe, cfg: TrainerConfig, args: argparse.Namespace, clock: Clock) -> int:
+    """The recipe's run behind the step recorder and the control plane (which lingers for the operator after)."""
     from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
-    from kora_trainer.orchestration.cluster import launch, shutdown, start_ray
     from kora_trainer.recorder import StepRecorder
-    from kora_trainer.serving_check import ServingCheck
 
     run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
-    multi = cfg.multi_lora.max_adapters > 0
-    serving = (ServingCheck(cfg.sync.served_logp_gap_max, cfg.sync.served_bad_steps_to_fail) if cfg.diffusion is None
-               else ServingCheck(cfg.diffusion.served_logp_gap_max, cfg.sync.served_bad_steps_to_fail,
-                                 field="diffusion.servedLogpGapMax"))
+    serving = recipe.serving_check()
     sinks = trackers(cfg, run_dir)
     if sinks is None:
         return 2
-    rec = StepRecorder(run_dir, 0 if multi else total_steps(cfg), str(cfg.lora.effective_sync_mode), T_START,
-                       serving=None if multi else serving, sinks=sinks)
+    rec = StepRecorder(run_dir, recipe.total_steps(), str(cfg.lora.effective_sync_mode), clock.start,
+                       serving=serving, sinks=sinks)
     root = str(Path(cfg.checkpoint.path).resolve()) if cfg.checkpoint.path else None  # workers need not share cwd
     linger_s, linger_warning = resolve_linger()
     if linger_warning:
         rec.say(f"warning: {linger_warning}")
     token, token_from = resolve_token(run_dir)
-    routes = registry = None
-    if multi:
-        from kora_trainer.adapter_runs.api import AdapterRunsAPI
-        from kora_trainer.adapter_runs.registry import RegistryError
-
-        try:
-            registry = adapter_registry(cfg, root)
-        except RegistryError as e:  # an adapter of multiLora.adapters the registry refuses (e.g. its data file)
-            print(f"multiLora.adapters: {e.message}", file=sys.stderr)
-            rec.close()
-            return 2
-        routes = AdapterRunsAPI(registry)
+    try:
+        routes = recipe.control_routes(root)
+    except RecipeRefused as e:
+        print(e, file=sys.stderr)
+        rec.close()
+        return 2
     control = ControlPlane(rec.progress, token, resolve_port(args.control_port), routes=routes).start()
     rec.say(f"control plane {control.url}/status (bearer token: {token_from}); run dir {run_dir}")
-    started_ray, temp_dir, job, ok, loop = False, None, None, False, None
     try:
-        if cfg.diffusion is not None:  # its engine, and this process or Ray ranks (train_diffusion.py)
-            from kora_trainer.train_diffusion import run as run_diffusion
-
-            run_diffusion(cfg, rec, root, time_left(args.time_limit), run_dir, threads=args.threads)
-        else:
-            started_ray, temp_dir = start_ray()  # imports Ray, after setting the environment Ray reads at import
-            job = launch(cfg, run_dir, threads=args.threads)
-            if registry is not None:
-                from kora_trainer.train_multi_lora import run
-
-                loop = run(job, cfg, registry, rec, root, time_left(args.time_limit))
-            else:
-                train(job, cfg, rec, root, args.time_limit)
-        rec.progress.update(phase="Succeeded")
-        ok = True
-    except BaseException as e:
-        rec.failed(e)
-        raise
+        run(recipe, rec, root, run_dir)
     finally:
-        if cfg.diffusion is None:
-            shutdown(job, started_ray, temp_dir)
-        if ok:
-            summarize(cfg, rec, job, loop)
-        rec.close()
         if linger_s > 0:
             rec.say(f"control plane: serving the final status for up to {linger_s:g}s")
             read = control.linger(linger_s)
             rec.say(f"control plane: final status {'read' if read else 'not read'}; stopping")
         control.stop()
     return 0
+
+
+def run(recipe: Recipe, rec: StepRecorder, root: str | None, run_dir: Path) -> None:
+    """Train; then, whatever happened, stop what the recipe started, summarize a success and close the record."""
+    ok = False
+    try:
+        recipe.train(rec, root, run_dir)
+        rec.progress.update(phase="Succeeded")
+        ok = True
+    except BaseException as e:
+        rec.failed(e)
+        raise
+    finally:
+        recipe.close()
+        if ok:
+            recipe.summarize(rec)
+        rec.close()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The adapter registry: which adapters a multi-adapter job trains, in which slot, and how far each has got.
 
 The source of truth for both sides: the control plane's `/adapter_runs` routes (api.py) register and retire
-adapters through it from their HTTP threads, the driver (train_multi_lora.py) reads what to load and what to
+adapters through it from their HTTP threads, the driver (recipes/multi_lora.py) reads what to load and what to
 retire at each step boundary and reports each adapter's progress back. Everything is under one lock; a
 registration or retirement wakes a driver that waits for work (`wait_for_work`).
 

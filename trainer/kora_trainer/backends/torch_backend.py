@@ -7,7 +7,7 @@ adapter_pairs), so this module knows nothing about engines.
 The GRPO step itself (old log-probs, minibatches of whole groups, the rollout log-prob gap) is
 `grpo_step.py`'s, shared with the megatron backend.
 
-Randomness: the global torch RNG (LoRA dropout) and a private generator for the minibatch shuffle.
+Randomness: the global torch RNG (LoRA dropout) and its own generator for the minibatch shuffle.
 `checkpoint/training.py` saves and restores both (`generator_states`), with the adapter, AdamW state and
 `version`, so a resumed run continues the uninterrupted one's random streams.
 """
@@ -81,7 +81,7 @@ class TorchBackend(ShuffleState):
         self.version = 0  # GRPO steps applied: the policy version the sender pushes
         self.checkpoint_writer = self.dp.rank == 0  # data-parallel replicas hold the same state
         self.checkpoint_shards = None  # no tensor parallelism: a rank's state is the whole state
-        self._shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
+        self.shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
 
     # ---- checkpoint hooks (checkpoint/training.py) ------------------------------------------------
 

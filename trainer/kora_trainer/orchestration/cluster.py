@@ -91,15 +91,46 @@ def start_ray(num_cpus: int | None = None) -> tuple[bool, str | None]:
     return True, temp_dir
 
 
+@dataclass(frozen=True)
+class Placed:
+    """The job's placement group, ready, and what its actors are started with."""
+
+    cfg: TrainerConfig
+    plan: Placement
+    pg: Any
+    admin_key: str  # this job's engines' admin routes: only its trainer ranks hold the key
+    kind: str  # the ranks' transport to the engines (workers.transport_kind)
+
+    def bundle(self, i: int) -> Any:
+        """The scheduling strategy of an actor in bundle i."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        return PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i)
+
+
+@dataclass(frozen=True)
+class Models:
+    """The engines (starting) and the trainer's ranks (set up: rendezvous done, model loaded)."""
+
+    engines: list[Any]  # actor handles as Any: ray types a handle's methods as the plain methods, without .remote
+    trainer: TrainGroup
+    master: tuple[Any, ...]  # the ranks' rendezvous address
+    ranks: list[dict[str, Any]]  # each rank's setup answer (node, device, backend, ...)
+
+
 def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job:
     """The placement group, then the engines and the trainer's ranks (which load the model while the engines
     start), then the rollout manager and each rank's transport to the engines it feeds."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    placed = place(cfg)
+    models = start_models(placed, run_dir, threads or 1)
+    return start_rollout(placed, models)
 
-    threads = threads or 1
+
+def place(cfg: TrainerConfig) -> Placed:
+    """The job's placement group (config/placement.py's plan on this cluster's GPUs), once it is ready."""
+    import ray
+
     kind = transport_kind(cfg)
-    build = effective_build(cfg)
     if kind == "colocated" and engine_gpus(cfg) > 1:
         raise ConfigError([f"deployment Colocate with rollout.gpusPerEngine {engine_gpus(cfg)}: an engine spanning "
                            "several trainer ranks' GPUs is planned (kora plan) but not launched yet: set "
@@ -111,37 +142,53 @@ def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job
     admin_key = os.environ.get(ADMIN_API_KEY_ENV) or new_admin_key()
     pg = ray.util.placement_group(plan.bundles, strategy=STRATEGY)
     wait_placed(pg, plan)
+    return Placed(cfg, plan, pg, admin_key, kind)
 
-    def bundle(i: int) -> PlacementGroupSchedulingStrategy:
-        return PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
 
+def start_models(placed: Placed, run_dir: Path, threads: int) -> Models:
+    """The engines, then the trainer's ranks, which load the model while the engines start."""
+    import ray
+
+    cfg, plan = placed.cfg, placed.plan
     engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"], num_gpus=plan.shares.engine)(EngineWorker)
-    # actor handles as Any: ray types a handle's methods as the plain methods, without their .remote
-    engines: list[Any] = [engine_cls.options(scheduling_strategy=bundle(plan.engine_bundle[i]))
-                          .remote(cfg, str(run_dir / "logs"), threads, i, admin_key)
+    engines: list[Any] = [engine_cls.options(scheduling_strategy=placed.bundle(plan.engine_bundle[i]))
+                          .remote(cfg, str(run_dir / "logs"), threads, i, placed.admin_key)
                           for i in range(cfg.rollout.num_engines)]
     world = len(plan.rank_bundle)
     multi = cfg.multi_lora.max_adapters > 0  # the multi-adapter workers (multi_lora_workers.py)
     rank_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=plan.shares.trainer)(
         MultiLoRAWorker if multi else TrainWorker)
-    trainer = TrainGroup([rank_cls.options(scheduling_strategy=bundle(plan.rank_bundle[r]))
+    trainer = TrainGroup([rank_cls.options(scheduling_strategy=placed.bundle(plan.rank_bundle[r]))
                           .remote(cfg, threads, r, world) for r in range(world)])
     master = trainer.first("rendezvous")
     ranks = trainer.all("setup", *master)
+    return Models(engines, trainer, master, ranks)
+
+
+def start_rollout(placed: Placed, models: Models) -> Job:
+    """The rollout manager on the engines' URLs, then each rank's transport to the engines it feeds."""
+    import ray
+
+    cfg, plan, engines = placed.cfg, placed.plan, models.engines
+    build = effective_build(cfg)
     urls = ray.get([e.url.remote() for e in engines])
+    multi = cfg.multi_lora.max_adapters > 0
     # generate is no admin route; a multi-adapter job's adapters generate at once (one call each)
     rollout_cls: Any = ray.remote(num_cpus=CPU_SHARES["rollout"])(AdapterRolloutWorker if multi else RolloutWorker)
     rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.max_adapters + 2 if multi else 1).remote(cfg, urls)
     route_plan = plan_for(cfg)
     if build is not None and route_plan is not None:  # the stock build's in-memory adapter hand-over: one node
-        away = same_node_problem(build, route_plan, ranks[0]["node"], ray.get([e.node.remote() for e in engines]))
+        away = same_node_problem(build, route_plan, models.ranks[0]["node"],
+                                 ray.get([e.node.remote() for e in engines]))
         if away is not None:
             raise ConfigError([away])
-    kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], kind, master[0], admin_key)
-                     for r, a in enumerate(trainer.actors)])
-    info = {**{k: ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": ranks, "engine_urls": urls,
-            "gpus_per_trainer": plan.shares.trainer, "gpus_per_engine": plan.shares.engine}
-    return Job(trainer, rollout, engines, urls, kinds[0], pg=pg, info=info)
+    kinds = ray.get([a.connect.remote([urls[e] for e in plan.engines_of(r)], placed.kind, models.master[0],
+                                      placed.admin_key)
+                     for r, a in enumerate(models.trainer.actors)])
+    world = len(plan.rank_bundle)
+    info = {**{k: models.ranks[0][k] for k in ("backend", "device")}, "world": world, "ranks": models.ranks,
+            "engine_urls": urls, "gpus_per_trainer": plan.shares.trainer, "gpus_per_engine": plan.shares.engine}
+    return Job(models.trainer, rollout, engines, urls, kinds[0], pg=placed.pg, info=info)
 
 
 def wait_placed(pg: Any, plan: Placement, timeout_s: float = 120.0) -> None:

@@ -102,7 +102,7 @@ class DiffusionRankWorker:
 
 
 class DiffusionRanks:
-    """The driver's face of the ranks, as the one-process path's LocalPolicy (train_diffusion.py): train, sync,
+    """The driver's face of the ranks, as the one-process path's LocalPolicy (recipes/flow_grpo.py): train, sync,
     save, resume, export."""
 
     def __init__(self, cfg: TrainerConfig, engine_url: str, threads: int):

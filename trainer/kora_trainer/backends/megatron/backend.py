@@ -140,7 +140,7 @@ class MegatronBackend(ShuffleState):
         self.micro_batch_size = micro_batch_size
         self.max_grad_norm = max_grad_norm
         self.version = 0
-        self._shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
+        self.shuffle = torch.Generator().manual_seed(cfg.algorithm.seed)
         # checkpoints and the export: the TP shards gathered (a collective), written once by global rank 0
         self.checkpoint_writer = torch.distributed.get_rank() == 0
         self.checkpoint_shards = TensorShards.of(self.params)

@@ -1,5 +1,5 @@
-"""The multi-adapter driver (multiLora.maxAdapters > 0): many LoRA adapters on one frozen base, each with its own
-data, reward, batch shape, optimizer and step count. `train.main` runs it for such a job.
+"""The multi-LoRA recipe (multiLora.maxAdapters > 0): many LoRA adapters on one frozen base, each with its own
+data, reward, batch shape, optimizer and step count.
 
 The loop, top to bottom: the adapters a previous attempt held come back from `adapters/registry.json` (each
 from its own checkpoint), those listed in multiLora.adapters are registered, the base is pushed once; then per
@@ -30,13 +30,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from kora_trainer.adapter_runs.api import AdapterRunsAPI
+from kora_trainer.adapter_runs.registry import AdapterRegistry, RegistryError
 from kora_trainer.config.adapter_runs import AdapterPhase, AdapterSettings
+from kora_trainer.orchestration.cluster import launch
+from kora_trainer.recipes.base import Clock, EngineWatch, RayJob, RecipeRefused, make_lm_toy
 from kora_trainer.serving_check import ServingCheck
 
 if TYPE_CHECKING:
-    from kora_trainer.adapter_runs.registry import AdapterRegistry
     from kora_trainer.config import TrainerConfig
     from kora_trainer.orchestration.cluster import Job
     from kora_trainer.recorder import StepRecorder
@@ -196,14 +200,6 @@ class MultiLoRARun:
         self.rec.adapter_checkpointed(name, self.steps[name], path, (time.monotonic() - t0) * 1000)
 
 
-def watched(job: Job, cfg: TrainerConfig, doing: str) -> Any:
-    """An engine that died or hung under `doing` fails the attempt with EngineLost naming it (engine_watch.py)."""
-    from kora_trainer.orchestration.engine_watch import engines_watched
-
-    return engines_watched(job.engines, job.engine_urls, doing, None, cfg.rollout.engine_hang_seconds,
-                           resume=ADAPTER_RESUME)
-
-
 def register_given(cfg: TrainerConfig, registry: AdapterRegistry, restored: list[str]) -> None:
     """multiLora.adapters, except those a previous attempt already brought back (restored)."""
     for a in cfg.multi_lora.adapters:
@@ -211,18 +207,27 @@ def register_given(cfg: TrainerConfig, registry: AdapterRegistry, restored: list
             registry.register(a.name, a.config())
 
 
+def adapter_registry(cfg: TrainerConfig, root: str | None) -> AdapterRegistry:
+    """A multi-adapter job's registry (adapter_runs/registry.py): the adapters a previous attempt held (from
+    `<checkpoint.path>/adapters/registry.json`), then those the job lists."""
+    registry = AdapterRegistry(cfg, Path(root) / "adapters" / "registry.json" if root else None)
+    register_given(cfg, registry, registry.restore())
+    return registry
+
+
 def run(job: Job, cfg: TrainerConfig, registry: AdapterRegistry, rec: StepRecorder, root: str | None,
-        time_left: Any) -> MultiLoRARun:
-    """Until every given adapter finished (service mode: until `time_left()` says stop)."""
+        clock: Clock) -> MultiLoRARun:
+    """Until every given adapter finished (service mode: until --time-limit, less the shutdown, is spent)."""
     service = not cfg.multi_lora.adapters
-    with watched(job, cfg, "the push of the base"):
+    watch = EngineWatch.of_ray_engines(job, cfg, rec, resume=ADAPTER_RESUME)
+    with watch("the push of the base"):
         base = job.trainer.all("push_base")[0]
     rec.event("start", multi_lora=True, service=service, max_adapters=cfg.multi_lora.max_adapters,
               engines=len(job.engines), transport=job.transport, sync=base.as_dict(), world=len(job.trainer.actors))
     rec.progress.update(phase="Running", activeAdapters=registry.active())
     loop = MultiLoRARun(job, cfg, registry, rec, root)
-    while time_left():
-        with watched(job, cfg, f"a round of adapters {', '.join(sorted(loop.steps)) or '(none loaded yet)'}"):
+    while clock.fits():
+        with watch(f"a round of adapters {', '.join(sorted(loop.steps)) or '(none loaded yet)'}"):
             loop.reconcile()
             rec.progress.update(activeAdapters=registry.active(), step=sum(loop.steps.values()))
             if not loop.steps:
@@ -254,3 +259,43 @@ def summary(loop: MultiLoRARun, rec: StepRecorder) -> dict[str, Any]:
     rec.event("summary", **{k: v for k, v in out.items() if k != "event"})
     rec.say(json.dumps(out))
     return out
+
+
+class MultiLoRA:
+    """The recipe (recipes/base.Recipe) of a job with multiLora.maxAdapters > 0: its registry, served on the control
+    plane's /adapter_runs, says which adapters train."""
+
+    def __init__(self, cfg: TrainerConfig, clock: Clock, threads: int = 1):
+        self.cfg, self.clock, self.threads = cfg, clock, threads
+        self.ray = RayJob()
+        self.registry: AdapterRegistry | None = None
+        self.loop: MultiLoRARun | None = None
+
+    def make_toy(self) -> None:
+        make_lm_toy(self.cfg, self.threads)
+
+    def total_steps(self) -> int:
+        return 0  # each adapter counts its own
+
+    def serving_check(self) -> None:
+        return None  # one per adapter (MultiLoRARun.served)
+
+    def control_routes(self, root: str | None) -> AdapterRunsAPI:
+        try:
+            self.registry = adapter_registry(self.cfg, root)
+        except RegistryError as e:  # an adapter of multiLora.adapters the registry refuses (e.g. its data file)
+            raise RecipeRefused(f"multiLora.adapters: {e.message}") from e
+        return AdapterRunsAPI(self.registry)
+
+    def train(self, rec: StepRecorder, root: str | None, run_dir: Path) -> None:
+        assert self.registry is not None, "control_routes makes the registry"
+        self.ray.connect()
+        job = self.ray.job = launch(self.cfg, run_dir, threads=self.threads)  # placement, models, rollout manager
+        self.loop = run(job, self.cfg, self.registry, rec, root, self.clock)
+
+    def close(self) -> None:
+        self.ray.stop()
+
+    def summarize(self, rec: StepRecorder) -> None:
+        assert self.loop is not None
+        summary(self.loop, rec)

@@ -1,8 +1,8 @@
-"""The train command for a job with a `diffusion` section: Flow-GRPO on a diffusion transformer's LoRA adapter.
+"""The Flow-GRPO recipe, for a job with a `diffusion` section: Flow-GRPO on a diffusion transformer's LoRA adapter.
 
 What runs (docs/diffusion.md): this process trains (one rank, the torch backend), and the reference diffusion
 engine beside it (rollout.engine hf; deployment.mode Colocate: the weights go by same-host handles) serves the
-rollouts. The loop, as train.py's: start the engine, resume from the newest good LoRA-only checkpoint under
+rollouts. The loop, as recipes/grpo.py's: start the engine, resume from the newest good LoRA-only checkpoint under
 checkpoint.path, push the (initial or restored) policy, then per step: the engine's images of rolloutBatchSize
 prompts x nSamplesPerPrompt (each with every denoising step's latent and log-prob) -> reward -> group advantages
 -> the trainer's re-score and clipped update -> sync (Merge: the adapted weights folded here, fp32 rounded once;
@@ -13,7 +13,7 @@ serving check), so the operator and the tests read a diffusion run as they read 
 Which prompts a step takes and every image's noise are functions of (algorithm.seed, step), so a resumed run
 repeats the uninterrupted run's steps exactly: it restores the adapter, the optimizer and the RNG, and pushes the
 restored policy first. With checkpoint.exportHF the adapter goes out at the end as diffusers' own LoRA file
-(checkpoint/diffusers_export.py).
+(diffusion/export.py).
 
 Ranks: at parallelism.data 1 this process trains (no Ray); at N > 1 it starts a private Ray head (or joins
 RAY_ADDRESS's cluster) and N rank actors (orchestration/diffusion_ranks.py), each holding the transformer
@@ -41,19 +41,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# the policy's side of the job (backends/diffusion/actor.py, the Ray ranks import it too); tests, bench/ import it here
+# the policy's side of the job (backends/diffusion/actor.py, which the Ray ranks import too); tests and bench/ import them here
 from kora_trainer.backends.diffusion.actor import DiffusionJobError, device_of, load_model, settings_of
+from kora_trainer.recipes.base import Clock, EngineWatch, total_steps
+from kora_trainer.serving_check import ServingCheck
 
 if TYPE_CHECKING:
-    from kora_trainer.backends.diffusion.actor import Batch
     from kora_trainer.config import TrainerConfig
+    from kora_trainer.backends.diffusion.actor import Batch
+    from kora_trainer.wire.diffusion_client import EngineRollout, Pushed
+    from kora_trainer.toys.diffusion import DiffusionToy
+    from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings
     from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
-    from kora_trainer.orchestration.engine_watch import HangWatch
     from kora_trainer.orchestration.engines import EngineProcess
     from kora_trainer.recorder import StepRecorder
     from kora_trainer.sync.sender import SyncReport
-    from kora_trainer.toys.diffusion import DiffusionToy
-    from kora_trainer.wire.diffusion_client import Pushed
 
 ENGINE_READY_S = 180.0
 
@@ -99,8 +101,8 @@ RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images [B, C
 def reward_of(cfg: TrainerConfig, prompts: Prompts, channels: int) -> RewardFn:
     """diffusion.reward: colour (the labels are target colours, data.labelKey), or data.customRewardPath's
     `fn(images, prompts, labels) -> [B]`."""
-    from kora_trainer.algorithm.diffusion_rewards import colour_reward
     from kora_trainer.config.sections import DiffusionReward
+    from kora_trainer.algorithm.diffusion_rewards import colour_reward
 
     assert cfg.diffusion is not None
     if cfg.diffusion.reward is DiffusionReward.COLOUR:
@@ -143,16 +145,6 @@ def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int, device: torch.
     argv = [sys.executable, "-m", "kora_engine.diffusion.server", "--toy", str(Path(cfg.model.path).resolve()),
             "--port", str(port), "--num-threads", str(threads), "--device", device.type]
     return EngineProcess.launch(argv, f"http://127.0.0.1:{port}", run_dir / "engines", threads, ENGINE_READY_S)
-
-
-@contextlib.contextmanager
-def engine_watched(engine: EngineProcess, watch: HangWatch, doing: str, saved_step: int | None) -> Iterator[None]:
-    """A failure while the engine is dead, or once its hang watch killed it, becomes EngineLost naming it
-    (orchestration/engine_watch.py: why the attempt fails rather than restarting the engine)."""
-    from kora_trainer.orchestration.engine_watch import engine_process_watched
-
-    with engine_process_watched(engine.proc, engine.url, engine.log_path, watch, doing, saved_step):
-        yield
 
 
 def sync_report(cfg: TrainerConfig, pushed: Pushed, version: int) -> SyncReport:
@@ -217,19 +209,19 @@ class DiffusionSteps:
         self.reward = reward_of(cfg, prompts, toy.latent_shape[0])
 
     def step(self, step: int, rollout: Callable[..., Any], trainer: LocalPolicy | DiffusionRanks,
-             engine: EngineProcess, watch: HangWatch, saved: int | None) -> tuple[Any, float]:
+             watch: EngineWatch) -> tuple[Any, float]:
         """Roll out, score, update: (StepMetrics, gen_ms)."""
-        from kora_trainer.algorithm import flow_grpo
         from kora_trainer.algorithm.lr_schedule import lr_at
-        from kora_trainer.backends.diffusion.actor import Batch
         from kora_trainer.backends.grpo_step import StepMetrics
+        from kora_trainer.algorithm import flow_grpo
+        from kora_trainer.backends.diffusion.actor import Batch
 
         s, alg = self.settings, self.cfg.algorithm
         rows = step_rows(s.seed, step, len(self.prompts.ids), s.prompts_per_step).repeat_interleave(
             s.samples_per_prompt)  # [B] a prompt's G samples adjacent
         ids = self.prompts.ids[rows]
         t0 = time.perf_counter()
-        with engine_watched(engine, watch, f"step {step}'s rollouts", saved):
+        with watch(f"step {step}'s rollouts"):
             traj = rollout(self.toy, ids, step)
         gen_ms = (time.perf_counter() - t0) * 1000
         t1 = time.perf_counter()
@@ -273,63 +265,106 @@ def trainer_of(cfg: TrainerConfig, toy: DiffusionToy, engine: EngineProcess, thr
         shutdown(None, started, temp_dir)
 
 
-def run(cfg: TrainerConfig, rec: StepRecorder, root: str | None, time_left: Callable[[], bool], run_dir: Path,
-        threads: int = 1) -> None:
-    """Start the engine and the trainer, resume, push, then per step: roll out, train, sync; checkpoint as
-    checkpoint.* says."""
-    from kora_trainer.orchestration.engine_watch import HangWatch
-    from kora_trainer.wire.diffusion_client import EngineRollout
+class FlowGRPO:
+    """The recipe (recipes/base.Recipe) of a job with a `diffusion` section."""
 
-    assert cfg.diffusion is not None
-    torch.set_num_threads(threads)
-    device = device_of(cfg)  # a GPU only at data 1 (rule diffusion-gpu-ranks): the ranks load their own CPU copies
-    toy = load_model(cfg).to(device)
-    steps = DiffusionSteps(cfg, toy, load_prompts(cfg, toy))
-    s = steps.settings
-    engine = start_engine(cfg, run_dir, threads, device)
-    watch = HangWatch(engine.proc, engine.url, cfg.rollout.engine_hang_seconds)  # a silent engine is killed: a hang
-    try:
-        with trainer_of(cfg, toy, engine, threads) as trainer:
-            def checkpoint(step: int) -> None:
-                assert root is not None
-                t0 = time.monotonic()
-                path = trainer.save(root, step)
-                rec.checkpointed(step, str(path), (time.monotonic() - t0) * 1000)
+    def __init__(self, cfg: TrainerConfig, clock: Clock, threads: int = 1):
+        assert cfg.diffusion is not None
+        self.cfg, self.diffusion, self.clock, self.threads = cfg, cfg.diffusion, clock, threads
 
-            if root:
-                info = trainer.resume(root)
-                if info is None:
-                    rec.say(f"no checkpoint under {root}: starting at step 1")
-                else:
-                    rec.resumed(info)
-            rollout = EngineRollout(engine.url, s.seed, s.num_inference_steps, s.noise_level, s.guidance_scale)
+    def make_toy(self) -> None:
+        from kora_trainer.toys.diffusion import make_diffusion_toy
 
-            def synced(version: int) -> SyncReport:
-                pushed = trainer.sync()
-                if pushed.log:
-                    rec.say(pushed.log)
-                return sync_report(cfg, pushed, version)
+        print(f"making the diffusion toy in {self.cfg.model.path} (kora make-toy --diffusion)", flush=True)
+        make_diffusion_toy(self.cfg.model.path)
 
-            with engine_watched(engine, watch, "the first push of the policy", rec.run.saved_step):
-                first = synced(rec.run.start)
-            ranks = getattr(trainer, "ranks", None)  # where each Ray rank runs (N > 1)
-            rec.started({"backend": "torch", "device": device.type, "world": cfg.parallelism.data,
-                         "engine_urls": [engine.url], **({"ranks": ranks} if ranks else {})}, 1,
-                        "diffusion-reference", "colocated", first)
-            for step in range(rec.run.start + 1, rec.steps + 1):
-                if not time_left():
-                    rec.stopped(f"time limit: stopping after step {step - 1}")
-                    break
-                metrics, gen_ms = steps.step(step, rollout, trainer, engine, watch, rec.run.saved_step)
-                with engine_watched(engine, watch, f"step {step}'s weight sync", rec.run.saved_step):
-                    report = synced(step)
-                rec.stepped(step, metrics, {"gen_ms": gen_ms, "data_position": step}, report)
-                if root and (step % cfg.checkpoint.interval == 0 or step == rec.steps):
-                    checkpoint(step)
-            if root and rec.run.rewards and rec.run.done != rec.run.saved_step:  # stopped early: keep the last step
-                checkpoint(rec.run.done)
-            if root and cfg.checkpoint.export_hf:
-                rec.exported(str(trainer.export(root, rec.run.done)), "diffusers LoRA")
-    finally:
-        watch.stop()
-        engine.stop()
+    def total_steps(self) -> int:
+        return total_steps(self.cfg)
+
+    def serving_check(self) -> ServingCheck:
+        return ServingCheck(self.diffusion.served_logp_gap_max, self.cfg.sync.served_bad_steps_to_fail,
+                            field="diffusion.servedLogpGapMax")
+
+    def control_routes(self, root: str | None) -> None:
+        return None
+
+    def train(self, rec: StepRecorder, root: str | None, run_dir: Path) -> None:
+        """Start the engine and the trainer, resume, push, then per step: roll out, train, sync; checkpoint as
+        checkpoint.* says. The engine and the ranks stop before this returns."""
+        from kora_trainer.orchestration.engine_watch import HangWatch
+
+        cfg = self.cfg
+        torch.set_num_threads(self.threads)
+        device = device_of(cfg)  # a GPU only at data 1 (rule diffusion-gpu-ranks): the ranks load their own CPU copies
+        toy = load_model(cfg).to(device)
+        steps = DiffusionSteps(cfg, toy, load_prompts(cfg, toy))
+        engine = start_engine(cfg, run_dir, self.threads, device)
+        hang = HangWatch(engine.proc, engine.url, cfg.rollout.engine_hang_seconds)  # a silent engine is killed: a hang
+        try:
+            with trainer_of(cfg, toy, engine, self.threads) as trainer:
+                watch = EngineWatch.of_process(engine, hang, rec)
+                rollout, first = self.begin(trainer, watch, rec, root, engine.url, steps.settings)
+                ranks = getattr(trainer, "ranks", None)  # where each Ray rank runs (N > 1)
+                rec.started({"backend": "torch", "device": device.type, "world": cfg.parallelism.data,
+                             "engine_urls": [engine.url], **({"ranks": ranks} if ranks else {})}, 1,
+                            "diffusion-reference", "colocated", first)
+                self.steps(steps, rollout, trainer, watch, rec, root)
+                self.finish(trainer, rec, root)
+        finally:
+            hang.stop()
+            engine.stop()
+
+    def begin(self, trainer: LocalPolicy | DiffusionRanks, watch: EngineWatch, rec: StepRecorder, root: str | None,
+              engine_url: str, s: FlowGRPOSettings) -> tuple[EngineRollout, SyncReport]:
+        """Resume from the newest good checkpoint under `root`, then the first push of the policy: the engine's
+        rollout client and that push's report."""
+        from kora_trainer.wire.diffusion_client import EngineRollout
+
+        if root:
+            info = trainer.resume(root)
+            if info is None:
+                rec.say(f"no checkpoint under {root}: starting at step 1")
+            else:
+                rec.resumed(info)
+        rollout = EngineRollout(engine_url, s.seed, s.num_inference_steps, s.noise_level, s.guidance_scale)
+        with watch("the first push of the policy"):
+            first = self.synced(trainer, rec, rec.run.start)
+        return rollout, first
+
+    def steps(self, steps: DiffusionSteps, rollout: EngineRollout, trainer: LocalPolicy | DiffusionRanks,
+              watch: EngineWatch, rec: StepRecorder, root: str | None) -> None:
+        """Per step: roll out and train (DiffusionSteps.step), update the engine's weights, save."""
+        for step in range(rec.run.start + 1, rec.steps + 1):
+            if not self.clock.fits():
+                rec.stopped(f"time limit: stopping after step {step - 1}")
+                break
+            metrics, gen_ms = steps.step(step, rollout, trainer, watch)
+            with watch(f"step {step}'s weight sync"):
+                report = self.synced(trainer, rec, step)
+            rec.stepped(step, metrics, {"gen_ms": gen_ms, "data_position": step}, report)
+            if root and (step % self.cfg.checkpoint.interval == 0 or step == rec.steps):
+                self.checkpoint(trainer, rec, root, step)
+
+    def finish(self, trainer: LocalPolicy | DiffusionRanks, rec: StepRecorder, root: str | None) -> None:
+        """A run stopped early keeps its last step; checkpoint.exportHF writes diffusers' LoRA file."""
+        if root and rec.run.rewards and rec.run.done != rec.run.saved_step:
+            self.checkpoint(trainer, rec, root, rec.run.done)
+        if root and self.cfg.checkpoint.export_hf:
+            rec.exported(str(trainer.export(root, rec.run.done)), "diffusers LoRA")
+
+    def synced(self, trainer: LocalPolicy | DiffusionRanks, rec: StepRecorder, version: int) -> SyncReport:
+        pushed = trainer.sync()
+        if pushed.log:
+            rec.say(pushed.log)
+        return sync_report(self.cfg, pushed, version)
+
+    def checkpoint(self, trainer: LocalPolicy | DiffusionRanks, rec: StepRecorder, root: str, step: int) -> None:
+        t0 = time.monotonic()
+        path = trainer.save(root, step)
+        rec.checkpointed(step, str(path), (time.monotonic() - t0) * 1000)
+
+    def close(self) -> None:
+        pass  # train stops its engine and ranks before it returns
+
+    def summarize(self, rec: StepRecorder) -> None:
+        rec.summary("colocated", "torch")
