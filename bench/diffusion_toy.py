@@ -37,8 +37,8 @@ def evaluate(toy_dir: Path, ckpt: Path | None, cfg: Any) -> float:
     from kora_trainer.checkpoint import lora_only
     from kora_trainer.lora.diffusers import apply_diffusion_lora
     from kora_trainer.lora.model import adapter_tensors
-    from kora_trainer.toys.diffusion import load_diffusion_toy
     from kora_trainer.recipes.flow_grpo import settings_of
+    from kora_trainer.toys.diffusion import load_diffusion_toy
 
     torch.set_num_threads(1)
     toy = load_diffusion_toy(toy_dir)

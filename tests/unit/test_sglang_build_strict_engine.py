@@ -15,12 +15,23 @@ import urllib.request
 
 import pytest
 
-from engine_helpers import ATOL, PROMPTS, logprob_gap, start_engine, stop_engine, trained_policy
+from engine_helpers import (
+    ATOL,
+    PROMPTS,
+    logprob_gap,
+    make_peft_adapter,
+    peft_config_dict,
+    peft_tensors,
+    start_engine,
+    stop_engine,
+    trained_policy,
+)
 from kora_trainer.config import sglang_builds as sb
 from kora_trainer.config.sections import DeploymentMode, SGLangBuild, SyncMode
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
 from kora_trainer.wire.engine_client import EngineError
+from kora_trainer.wire.serialize import serialize_named_tensors, serialize_tensor_dict
 from sglang_buildkit import MILES, STOCK, STOCK_0_5_17, call_problems, read_calls
 from tinymodel import make_tiny_model
 
@@ -76,8 +87,6 @@ def test_the_lora_route_takes_sglangs_dict_and_refuses_a_list_of_pairs(strict, m
     """SGLang's LoRA manager iterates the payload's items (0.5.17's tp_worker; a list was a 400 "'list' object has no
     attribute 'items'" on a real SGLang, issue 43): a build's strict engine refuses the list the same way, so the CPU
     tests catch a sender that sends it."""
-    from engine_helpers import make_peft_adapter, peft_config_dict, peft_tensors
-    from kora_trainer.wire.serialize import serialize_named_tensors, serialize_tensor_dict
 
     _, engine, _ = strict
     _, peft_model = make_peft_adapter(model_dir, tmp_path / "adapter", seed=3)
@@ -163,3 +172,20 @@ def test_the_miles_adapter_route_refuses_a_loaded_name_without_upsert(strict, mo
             assert "Failed to load LoRA adapter a because it is already loaded" in e.value.__cause__.message
         finally:
             t.close()
+
+
+def test_0_5_17s_lora_route_is_open_with_an_admin_key_alone_and_kora_closes_it_with_an_api_key(model_dir, tmp_path):
+    """0.5.17 serves /load_lora_adapter_from_tensors without @auth_level (a NORMAL route), so an engine with only an
+    admin key loads any caller's pickles there; kora gives such engines the job's key as their api key too
+    (sglang_builds.engines_need_api_key), which closes it. The strict engine of the build shows both."""
+    _, peft_model = make_peft_adapter(model_dir, tmp_path / "adapter", seed=4)
+    body = {"lora_name": "x", "config_dict": peft_config_dict(peft_model),
+            "serialized_named_tensors": [serialize_tensor_dict(peft_tensors(peft_model))]}
+    for keys, status in (({"KORA_ENGINE_ADMIN_API_KEY": "k"}, 200),
+                         ({"KORA_ENGINE_ADMIN_API_KEY": "k", "KORA_ENGINE_API_KEY": "k"}, 401)):
+        proc = start_engine(model_dir, tmp_path, "--max-lora-rank", "8", "--sglang-build", STOCK_0_5_17, env=keys)
+        try:
+            got, _ = post(proc.url + "/load_lora_adapter_from_tensors", body)  # no key sent
+            assert got == status, (keys, got)
+        finally:
+            stop_engine(proc)

@@ -152,3 +152,16 @@ def test_a_kuberay_job_whose_engines_land_on_another_worker_is_refused_on_the_st
     doc["spec"]["rollout"].pop("sglangBuild")
     doc["spec"]["resources"] = {"workers": 1, "gpusPerWorker": 8}  # one worker: the in-memory hand-over works
     assert [p for p in validate_job(doc)[1] if p.severity == "error"] == []
+
+
+@pytest.mark.parametrize(("build", "mode", "deployment", "needs"), [
+    ("0.5.17", "Adapter", "Colocate", True),  # its /load_lora_adapter_from_tensors has no @auth_level
+    ("0.5.17", "Merge", "Colocate", False),
+    ("0.5.23", "Adapter", "Colocate", False),  # 0.5.23 marks the tensor LoRA route ADMIN_OPTIONAL
+    (MILES, "Adapter", "Disaggregated", True),  # the adapter route over the group: no @auth_level at 94949da7
+    (MILES, "Merge", "Disaggregated", False),
+])
+def test_engines_get_the_jobs_key_as_api_key_where_a_sync_route_would_be_open(build, mode, deployment, needs):
+    doc = job(engine="sglang", sglangBuild=build)
+    doc["lora"]["syncMode"], doc["deployment"] = mode, {"mode": deployment}
+    assert sb.engines_need_api_key(TrainerConfig.model_validate(doc)) is needs

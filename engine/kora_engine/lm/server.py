@@ -219,7 +219,9 @@ class HFEngineServer:
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
         """SGLang's `decide_request_auth` for every request, before its route runs (an unknown path is a
         NORMAL route there too: with an api key set it is a 401 before it is a 404)."""
-        if not engine_auth.allowed(request.method, request.path, request.headers, self.api_key, self.admin_api_key):
+        normal = self.build.normal_routes if self.build is not None else frozenset()
+        if not engine_auth.allowed(request.method, request.path, request.headers, self.api_key, self.admin_api_key,
+                                   normal):
             return _json(engine_auth.UNAUTHORIZED, 401)
         response: web.StreamResponse = await handler(request)
         return response

@@ -172,6 +172,14 @@ def plan_for(cfg: TrainerConfig) -> RoutePlan | None:
     return route_plan(build, mode, cfg.deployment.mode, cfg.multi_lora.max_adapters > 0)
 
 
+def engines_need_api_key(cfg: TrainerConfig) -> bool:
+    """True when a route this job's sync uses is NORMAL on its build (`Build.normal_routes`: no `@auth_level`
+    there), which an engine with only an admin key serves to anyone: such engines get the job's key as their
+    api key too (SGLang then asks it on NORMAL routes, /generate included), so nothing the trainer sends is open."""
+    build, plan = effective_build(cfg), plan_for(cfg)
+    return build is not None and plan is not None and bool(set(plan.routes) & build.normal_routes)
+
+
 def same_node_problem(build: Build, plan: RoutePlan, trainer_host: str, engine_hosts: list[str]) -> str | None:
     """The stock build's Disaggregated Adapter hand-over is in memory: refused at trainer start when an engine runs
     on another node than trainer rank 0 (its node address is not theirs)."""

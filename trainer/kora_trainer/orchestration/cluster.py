@@ -31,7 +31,7 @@ from kora_trainer.config import ConfigError, TrainerConfig
 from kora_trainer.config.layout import engine_gpus
 from kora_trainer.config.placement import CPU_SHARES, STRATEGY, Placement, plan_placement
 from kora_trainer.config.ray_env import ray_home, single_node_env
-from kora_trainer.config.sglang_builds import effective_build, plan_for, same_node_problem
+from kora_trainer.config.sglang_builds import effective_build, engines_need_api_key, plan_for, same_node_problem
 from kora_trainer.orchestration.actor_group import TrainGroup
 from kora_trainer.orchestration.multi_lora_workers import AdapterRolloutWorker, MultiLoRAWorker
 from kora_trainer.orchestration.workers import EngineWorker, RolloutWorker, TrainWorker, transport_kind
@@ -99,6 +99,7 @@ class Placed:
     plan: Placement
     pg: Any
     admin_key: str  # this job's engines' admin routes: only its trainer ranks hold the key
+    api_key: str | None  # the same key as the engines' api key, where the build serves a sync route as NORMAL
     kind: str  # the ranks' transport to the engines (workers.transport_kind)
 
     def bundle(self, i: int) -> Any:
@@ -142,7 +143,7 @@ def place(cfg: TrainerConfig) -> Placed:
     admin_key = os.environ.get(ADMIN_API_KEY_ENV) or new_admin_key()
     pg = ray.util.placement_group(plan.bundles, strategy=STRATEGY)
     wait_placed(pg, plan)
-    return Placed(cfg, plan, pg, admin_key, kind)
+    return Placed(cfg, plan, pg, admin_key, admin_key if engines_need_api_key(cfg) else None, kind)
 
 
 def start_models(placed: Placed, run_dir: Path, threads: int) -> Models:
@@ -152,7 +153,7 @@ def start_models(placed: Placed, run_dir: Path, threads: int) -> Models:
     cfg, plan = placed.cfg, placed.plan
     engine_cls = ray.remote(num_cpus=CPU_SHARES["engine"], num_gpus=plan.shares.engine)(EngineWorker)
     engines: list[Any] = [engine_cls.options(scheduling_strategy=placed.bundle(plan.engine_bundle[i]))
-                          .remote(cfg, str(run_dir / "logs"), threads, i, placed.admin_key)
+                          .remote(cfg, str(run_dir / "logs"), threads, i, placed.admin_key, placed.api_key)
                           for i in range(cfg.rollout.num_engines)]
     world = len(plan.rank_bundle)
     multi = cfg.multi_lora.max_adapters > 0  # the multi-adapter workers (multi_lora_workers.py)
@@ -175,7 +176,8 @@ def start_rollout(placed: Placed, models: Models) -> Job:
     multi = cfg.multi_lora.max_adapters > 0
     # generate is no admin route; a multi-adapter job's adapters generate at once (one call each)
     rollout_cls: Any = ray.remote(num_cpus=CPU_SHARES["rollout"])(AdapterRolloutWorker if multi else RolloutWorker)
-    rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.max_adapters + 2 if multi else 1).remote(cfg, urls)
+    rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.max_adapters + 2 if multi else 1).remote(
+        cfg, urls, placed.api_key)
     route_plan = plan_for(cfg)
     if build is not None and route_plan is not None:  # the stock build's in-memory adapter hand-over: one node
         away = same_node_problem(build, route_plan, models.ranks[0]["node"],

@@ -104,8 +104,8 @@ class AdapterRolloutWorker(RolloutWorker):
     """The rollout manager with per-adapter data; its calls run concurrently (one Ray thread each), so the
     adapters generate at once and a retirement's abort reaches requests that are in flight."""
 
-    def __init__(self, cfg: Any, engine_urls: list[str]):
-        super().__init__(cfg, engine_urls)
+    def __init__(self, cfg: Any, engine_urls: list[str], api_key: str | None = None):
+        super().__init__(cfg, engine_urls, api_key)
         self.adapters = AdapterRollouts(self.rollout)
 
     def add_adapter(self, settings: AdapterSettings, position: int, version: int) -> int:

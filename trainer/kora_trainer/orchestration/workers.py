@@ -143,12 +143,12 @@ class TrainWorker:
 
 class EngineWorker:
     def __init__(self, cfg: TrainerConfig, log_dir: str, threads: int | None, index: int,
-                 admin_api_key: str | None = None):
+                 admin_api_key: str | None = None, api_key: str | None = None):
         from kora_trainer.orchestration.addresses import node_address
 
         # bound where the job's other nodes reach it (loopback on a one-node cluster); admin routes need the key
         self.engine = EngineProcess.start(cfg, Path(log_dir), threads=threads, index=index, host=node_address(),
-                                          admin_api_key=admin_api_key)
+                                          admin_api_key=admin_api_key, api_key=api_key)
         # a hung engine (stopped, or wedged with its sockets open) is killed after engineHangSeconds, so the call
         # in flight fails at once instead of waiting out its own timeout (engine_watch.py)
         self.watch = HangWatch(self.engine.proc, self.engine.url, cfg.rollout.engine_hang_seconds)
@@ -178,8 +178,8 @@ class EngineWorker:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: TrainerConfig, engine_urls: list[str]):
-        self.rollout = Rollout(cfg, engine_urls)
+    def __init__(self, cfg: TrainerConfig, engine_urls: list[str], api_key: str | None = None):
+        self.rollout = Rollout(cfg, engine_urls, api_key=api_key)  # /generate needs it where the engines have one
         heap.freeze("the rollout worker")  # its imports: out of every later full collection (heap.py)
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict[str, Any]]:

@@ -41,21 +41,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-# the policy's side of the job (backends/diffusion/actor.py, which the Ray ranks import too); tests and bench/ import them here
+# the policy's side of the job (backends/diffusion/actor.py, which the Ray ranks import too); tests, bench/ use it here
 from kora_trainer.backends.diffusion.actor import DiffusionJobError, device_of, load_model, settings_of
 from kora_trainer.recipes.base import Clock, EngineWatch, total_steps
 from kora_trainer.serving_check import ServingCheck
 
 if TYPE_CHECKING:
-    from kora_trainer.config import TrainerConfig
     from kora_trainer.backends.diffusion.actor import Batch
-    from kora_trainer.wire.diffusion_client import EngineRollout, Pushed
-    from kora_trainer.toys.diffusion import DiffusionToy
     from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings
+    from kora_trainer.config import TrainerConfig
     from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
     from kora_trainer.orchestration.engines import EngineProcess
     from kora_trainer.recorder import StepRecorder
     from kora_trainer.sync.sender import SyncReport
+    from kora_trainer.toys.diffusion import DiffusionToy
+    from kora_trainer.wire.diffusion_client import EngineRollout, Pushed
 
 ENGINE_READY_S = 180.0
 
@@ -101,8 +101,8 @@ RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images [B, C
 def reward_of(cfg: TrainerConfig, prompts: Prompts, channels: int) -> RewardFn:
     """diffusion.reward: colour (the labels are target colours, data.labelKey), or data.customRewardPath's
     `fn(images, prompts, labels) -> [B]`."""
-    from kora_trainer.config.sections import DiffusionReward
     from kora_trainer.algorithm.diffusion_rewards import colour_reward
+    from kora_trainer.config.sections import DiffusionReward
 
     assert cfg.diffusion is not None
     if cfg.diffusion.reward is DiffusionReward.COLOUR:
@@ -211,10 +211,10 @@ class DiffusionSteps:
     def step(self, step: int, rollout: Callable[..., Any], trainer: LocalPolicy | DiffusionRanks,
              watch: EngineWatch) -> tuple[Any, float]:
         """Roll out, score, update: (StepMetrics, gen_ms)."""
-        from kora_trainer.algorithm.lr_schedule import lr_at
-        from kora_trainer.backends.grpo_step import StepMetrics
         from kora_trainer.algorithm import flow_grpo
+        from kora_trainer.algorithm.lr_schedule import lr_at
         from kora_trainer.backends.diffusion.actor import Batch
+        from kora_trainer.backends.grpo_step import StepMetrics
 
         s, alg = self.settings, self.cfg.algorithm
         rows = step_rows(s.seed, step, len(self.prompts.ids), s.prompts_per_step).repeat_interleave(

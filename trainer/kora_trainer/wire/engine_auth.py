@@ -52,9 +52,13 @@ def new_admin_key() -> str:
     return secrets.token_urlsafe(32)
 
 
-def route_level(path: str) -> Level:
+def route_level(path: str, normal: frozenset[str] = frozenset()) -> Level:
+    """`normal`: routes a build serves without `@auth_level` although 0.5.23 marks them admin (Build.normal_routes:
+    0.5.17's /load_lora_adapter_from_tensors), which a strict engine of that build emulates."""
     if path.startswith(OPEN_PREFIXES):
         return Level.OPEN
+    if path in normal:
+        return Level.NORMAL
     if path in ADMIN_ROUTES or path.startswith(KORA_PREFIX):
         return Level.ADMIN
     return Level.NORMAL
@@ -89,9 +93,9 @@ def presented_key_matches(headers: Mapping[str, str], expected: str) -> bool:
 
 
 def allowed(method: str, path: str, headers: Mapping[str, str], api_key: str | None,
-            admin_api_key: str | None) -> bool:
-    """SGLang's decision for one request."""
+            admin_api_key: str | None, normal: frozenset[str] = frozenset()) -> bool:
+    """SGLang's decision for one request (`normal`: see route_level)."""
     if method == "OPTIONS":
         return True
-    expected = required_key(route_level(path), api_key, admin_api_key)
+    expected = required_key(route_level(path, normal), api_key, admin_api_key)
     return expected is None or presented_key_matches(headers, expected)
