@@ -26,6 +26,8 @@ ARG SGLANG_BUILD=0.5.23
 # docker/Dockerfile @ 01719e81: FROM lmsysorg/sglang:v0.5.19, then the sglang-miles checkout installed over it).
 ARG SGLANG_IMAGE=lmsysorg/sglang:v0.5.23-cu129
 ARG SGLANG_MILES_IMAGE=lmsysorg/sglang:v0.5.19
+# 0.5.17: the build kora has run on a GPU (torch 2.11, as the device machine has; docs/sglang_builds.md "Run for real")
+ARG SGLANG_0_5_17_IMAGE=lmsysorg/sglang:v0.5.17
 
 # Versions: constraints.txt is the one source of truth (the tests' venv installs it too; tests/unit/test_pins.py
 # fails when a version is named anywhere else). pip reads it through PIP_CONSTRAINT in every stage.
@@ -121,6 +123,8 @@ EXPOSE 8068
 
 # --- the SGLang of each build: a stage per rollout.sglangBuild value ----------------------------------------
 FROM ${SGLANG_IMAGE} AS sglang-0.5.23
+
+FROM ${SGLANG_0_5_17_IMAGE} AS sglang-0.5.17
 
 FROM ${SGLANG_MILES_IMAGE} AS sglang-sglang-miles-94949da7
 # sgl-project/sglang's sglang-miles branch at the commit kora read its routes from (config/sglang_builds.py);
