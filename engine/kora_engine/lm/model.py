@@ -41,6 +41,7 @@ from kora_engine.lm.sampling import (
     sample_rows,
 )
 from kora_trainer.hf_experts import fused_parent, fused_slot
+from kora_trainer.kernels.fold import FoldItem, GroupedFold
 from kora_trainer.wire.vision import (
     ImageInputs,
     VisionTokens,
@@ -543,8 +544,6 @@ class EngineModel:
         """`merge_lora` of pairs that stay where they are between calls (the colocated ring's slot), planned once.
         On a GPU (2-D weights, merge_fp32) each call is one replay of the fused folds captured in a CUDA graph
         (kernels/fold.GroupedFold: the kernel and numbers of `merge_lora` there); elsewhere it is `merge_lora`."""
-        from kora_trainer.kernels.fold import FoldItem, GroupedFold
-
         targets = self._merge_targets(pairs, rank)
         if not fp32 or any(t.experts or t.transposed or not self._param(t.name).is_cuda for t in targets.values()):
             return PlannedMerge(self, lambda: self._fold_pairs(targets, pairs, alpha / rank, fp32), {})

@@ -54,7 +54,7 @@ from kora_trainer.orchestration.data import Row, batches, load_rows
 from kora_trainer.orchestration.sglang_launcher import reproducible_rollouts
 from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput
-from kora_trainer.wire.vision import ImageInputs
+from kora_trainer.wire.vision import ImageInputs, image_item, images_from_bytes, prompt_ids
 
 ADAPTER_SWAP_RETRIES = 5
 CHUNKS_PER_ENGINE = 8  # a step is split into about this many calls per engine (the unit of balancing)
@@ -96,7 +96,6 @@ class Prompts:
         """(prompt ids, each prompt's images or None for a text job, each prompt's image_data or None)."""
         if not self.vl:
             return [self.tokenizer(r.prompt)["input_ids"] for r in rows], None, None
-        from kora_trainer.wire.vision import image_item, images_from_bytes, prompt_ids
 
         images: list[ImageInputs | None] = []
         ids: list[list[int]] = []

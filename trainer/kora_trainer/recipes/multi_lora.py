@@ -28,6 +28,8 @@ have finished. Events (`<run dir>/events.jsonl`): `adapter_loaded`, `adapter_ste
 
 from __future__ import annotations
 
+import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -243,9 +245,6 @@ def run(job: Job, cfg: TrainerConfig, registry: AdapterRegistry, rec: StepRecord
 
 def summary(loop: MultiLoRARun, rec: StepRecorder) -> dict[str, Any]:
     """The last line of stdout and of the event file: each adapter's steps and reward curve in this process."""
-    import json
-    import statistics
-
     states = {a.name: a for a in loop.registry.state().adapters}
     adapters = {}
     for name, curve in loop.rewards.items():

@@ -27,13 +27,14 @@ takes the same gathers and reduce-scatters (lora.py).
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from kora_trainer.backends.megatron.convert import (
     REPL,
@@ -43,8 +44,12 @@ from kora_trainer.backends.megatron.convert import (
     param_maps,
     to_megatron_shard,
 )
+from kora_trainer.backends.megatron.lora import lora_modules
+from kora_trainer.backends.megatron.moe import is_expert_module, moe_config_kwargs, moe_layer_spec
+from kora_trainer.backends.megatron.numbering import LOCAL_EXPERT, global_name, numbering
 from kora_trainer.backends.megatron.parallel import ep_rank_size, gather_tp, pp_rank_size, tp_rank_size
 from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES
+from kora_trainer.kernels.fold import fold
 
 
 def rope_theta(cfg: Any) -> float:
@@ -76,10 +81,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
     `pipeline` stages: micro-batches of any length pass between them (`variable_seq_lengths`: GRPO batches are
     padded per micro-batch), and the loss a micro-batch returns is taken as is (`calculate_per_token_loss`: the
     GRPO loss is already normalised by the minibatch's tokens)."""
-    import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
-
-    from kora_trainer.backends.megatron.moe import moe_config_kwargs
 
     check_supported(cfg)
     layout = layout_from_hf_config(cfg)
@@ -146,8 +148,6 @@ def block_spec(config: Any) -> Any:
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from kora_trainer.backends.megatron.moe import moe_layer_spec
-
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
     if config.num_moe_experts:
@@ -176,8 +176,6 @@ def swap_torch_norms(spec: Any) -> Any:
     """`spec` (a ModuleSpec tree, its submodules dataclasses, lists of them, or a module class) with every
     WrappedTorchNorm replaced by FrozenTokenNorm; other norms (Apex's, TransformerEngine's) take sequence
     parallelism themselves."""
-    import dataclasses
-
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -196,8 +194,6 @@ def swap_torch_norms(spec: Any) -> Any:
 
 def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory (*.safetensors), by HF name, on the CPU."""
-    from safetensors.torch import load_file
-
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -212,48 +208,6 @@ def base_param_name(name: str) -> str | None:
     if ".lora_A." in name or ".lora_B." in name:
         return None
     return name.replace(".base_layer.", ".")
-
-
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Numbering:
-    """How this rank's local layer and expert indices map onto the model's: its pipeline stage's layers (local ->
-    global index) and its expert-parallel share of every MoE layer's experts (a contiguous block)."""
-
-    layers: Mapping[int, int]
-    expert_offset: int = 0  # the global index of this rank's first local expert
-    local_experts: int = 0  # experts per MoE layer on this rank (0: a dense model)
-
-    def owns_expert(self, index: int) -> bool:
-        return self.local_experts == 0 or self.expert_offset <= index < self.expert_offset + self.local_experts
-
-
-def numbering(model: torch.nn.Module) -> Numbering:
-    """This rank's `Numbering` (a layer without megatron's `layer_number` keeps its own index, and a model without
-    megatron's config holds every expert: the CPU tests' stand-ins for megatron modules)."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    index = {} if layers is None else {int(name): int(getattr(layer, "layer_number", int(name) + 1)) - 1
-                                       for name, layer in layers.named_children()}
-    experts = int(getattr(getattr(model, "config", None), "num_moe_experts", None) or 0)
-    if not experts:
-        return Numbering(index)
-    rank, size = ep_rank_size()
-    return Numbering(index, rank * (experts // size), experts // size)
-
-
-def global_name(name: str, n: Numbering) -> str:
-    """A rank-local module or parameter name under its global layer and expert indices (`numbering`)."""
-    m = _LOCAL_LAYER.match(name)
-    if m is None:
-        return name
-    local = int(m.group(1))
-    name = f"decoder.layers.{n.layers.get(local, local)}.{name[m.end():]}"
-    if n.expert_offset and (e := _LOCAL_EXPERT.search(name)) is not None:
-        name = f"{name[:e.start()]}.mlp.experts.local_experts.{n.expert_offset + int(e.group(1))}.{name[e.end():]}"
-    return name
 
 
 def base_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -280,7 +234,7 @@ def stage_param_names(model: torch.nn.Module, maps: Mapping[str, Any]) -> set[st
 
     def mine(name: str) -> bool:
         if name.startswith("decoder.layers."):
-            expert = _LOCAL_EXPERT.search(name)
+            expert = LOCAL_EXPERT.search(name)
             return any(name.startswith(prefix) for prefix in layers) and (
                 expert is None or numbers.owns_expert(int(expert.group(1))))
         if name.startswith("embedding."):
@@ -298,7 +252,6 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
         from kora_trainer.hf_experts import unfuse_hf_experts
 
         state = unfuse_hf_experts(state)
-    from kora_trainer.backends.megatron.moe import is_expert_module
 
     tp_rank, tp_size = tp_rank_size()
     maps = {pm.megatron: pm for pm in param_maps(layout)}
@@ -337,9 +290,6 @@ def hf_state(model: torch.nn.Module, layout: Layout, flavour: str = "hf", merged
     A fold is local to each shard (column: W_t + s·B_t·A; row: W_t + s·B·A_t are exactly the shards of the
     full fold), computed in fp32 and rounded once (kernels.fold), before the gather.
     """
-    from kora_trainer.backends.megatron.lora import lora_modules
-    from kora_trainer.backends.megatron.moe import is_expert_module
-
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout)}
     hf_names = {pm.megatron: pm for pm in param_maps(layout, flavour)}
@@ -352,8 +302,6 @@ def param_hf_tensors(p: torch.Tensor, kind: str, hf: tuple[str, ...], lora: Any,
                      ) -> list[tuple[str, torch.Tensor]]:
     """One megatron base parameter as its HF tensors; `lora` (a wrapper or None) is folded in when enabled.
     Collective over the TP group for sharded kinds, unless `whole` (an expert's: never split by TP)."""
-    from kora_trainer.kernels.fold import fold
-
     local = p.detach()
     if lora is not None and lora.enabled:
         local = fold(local, lora.lora_A.weight.detach(), lora.lora_B.weight.detach(), lora.scaling)
