@@ -23,6 +23,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kora_trainer.backends.megatron import megatron_available
 from kora_trainer.backends.select import check_actor_layout, resolve_backend, weights_bytes
 from kora_trainer.config import ConfigError, TrainerConfig, load_config, read_hf_config
 from kora_trainer.config.flags import add_seed_flags, as_overrides, origins, seed_flag_values
@@ -66,10 +69,6 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
             nodes = parse_nodes(args.nodes)
             megatron = any(n.gpus for n in nodes)
         else:
-            import torch
-
-            from kora_trainer.backends.megatron import megatron_available
-
             nodes = [Node("local", float(os.cpu_count() or 1), torch.cuda.device_count())]
             megatron = bool(nodes[0].gpus) and megatron_available()
         job_plan = plan_job(cfg, nodes)

@@ -41,7 +41,7 @@ from kora_engine.lm.sampling import (
     sample_rows,
 )
 from kora_trainer.hf_experts import fused_parent, fused_slot
-from kora_trainer.kernels.fold import FoldItem, GroupedFold
+from kora_trainer.kernels.fold import FoldItem, GroupedFold, fold
 from kora_trainer.wire.vision import (
     ImageInputs,
     VisionTokens,
@@ -151,7 +151,7 @@ def _dtype(name: str, config_dtype: Any) -> torch.dtype:
 class EngineModel:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_loras_per_batch: int = 8,
                  max_lora_rank: int | None = None):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         self.model_path = model_path
         self.device = torch.device(device)
@@ -306,7 +306,7 @@ class EngineModel:
         """A fresh KV cache over seq [B, T] (left-padded prompts in columns < prompt_width, then generated tokens);
         logits [B, T, V] (all_logits) or [B, 1, V]; for a VL model the rope deltas [B, 1] its decode steps continue
         from (else None)."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         # per layer type: a GDN layer keeps its conv / recurrent state
         cache = DynamicCache(config=getattr(self.model, "config", None))
@@ -581,8 +581,6 @@ class EngineModel:
             if fp32 and p.is_cuda and not t.experts and not t.transposed:
                 # the fused fold (kernels/fold.py): W0 read once, W written once, fp32 accumulation rounded
                 # once; the torch expression below makes W0 and B·A in fp32 first (several passes over W)
-                from kora_trainer.kernels.fold import fold
-
                 fold(w0, a.to(p.device), b.to(p.device), scale, out=p.data)
             else:
                 p.copy_(folded(w0, a, b, scale, t, torch.float32 if fp32 else p.dtype))

@@ -109,7 +109,7 @@ def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankConte
                               vision=bool(hf.get("vision_config")))
     check_actor_layout(cfg, backend, hf.get("num_hidden_layers"), config_experts(hf))
     if backend is Backend.MEGATRON:
-        from kora_trainer.backends.megatron.backend import MegatronBackend
+        from kora_trainer.backends.megatron.backend import MegatronBackend  # noqa: PLC0415 - the megatron backend's modules (and Triton fold) only when chosen
 
         return MegatronBackend(cfg, rank=rank)
 

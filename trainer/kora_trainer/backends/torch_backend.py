@@ -47,7 +47,7 @@ class TorchBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, device: str | None = None, threads: int | None = None,
                  micro_batch_size: int = 256, max_grad_norm: float = 1.0, shared_prefix: bool = True,
                  rank: RankContext | None = None):
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         if threads:
             torch.set_num_threads(threads)

@@ -54,7 +54,7 @@ class DiffusionRankWorker:
         return rendezvous_address()
 
     def setup(self, master_address: str, master_port: int, engine_url: str) -> dict[str, Any]:
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         torch.set_num_threads(self.threads)
         init_default_group(master_address, master_port, self.rank, self.world)
@@ -104,8 +104,8 @@ class DiffusionRanks:
     save, resume, export."""
 
     def __init__(self, cfg: TrainerConfig, engine_url: str, threads: int):
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         world = cfg.parallelism.data
         here = ray.get_runtime_context().get_node_id()  # the driver's node, where the engine runs
@@ -120,7 +120,7 @@ class DiffusionRanks:
 
     def train(self, step: int, batch: Batch) -> list[list[dict[str, float]]]:
         """Each rank its rows (its share of each minibatch's prompt groups); every rank's pass stats, rank order."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         s = settings_of(self.cfg)
         shares = [ray.put(batch.rows(rank_rows(batch.ids.numel(), s.samples_per_prompt, r, self.world,
@@ -144,7 +144,7 @@ class DiffusionRanks:
         return Path(self.group.written("export", root, step))
 
     def close(self) -> None:
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         with contextlib.suppress(Exception):  # tearing down: keep going past a rank that died
             ray.get([a.close.remote() for a in self.group.actors], timeout=30)

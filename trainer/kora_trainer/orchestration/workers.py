@@ -67,7 +67,7 @@ class TrainWorker:
     def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
         """Join the trainer's process group and build the backend (torch or megatron: backends/select.py);
         returns where this rank runs (the driver prints rank 0's, `kora plan` predicts them)."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         ctx = RankContext(self.rank, self.world, master_address, master_port)
         self._backend = make_backend(self.cfg, threads=self.threads, rank=ctx if self.world > 1 else None)
@@ -145,7 +145,7 @@ class EngineWorker:
 
     def node(self) -> str:
         """The Ray node this engine runs on (an SGLang build's in-memory hand-over needs trainer rank 0's)."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         return str(ray.get_runtime_context().get_node_id())
 

@@ -20,6 +20,7 @@ from kora_trainer.orchestration.cluster import Job, shutdown, start_ray
 from kora_trainer.orchestration.data import load_rows
 from kora_trainer.orchestration.engine_watch import engine_process_watched, engines_watched
 from kora_trainer.toys.lm import make_toy
+from kora_trainer.toys.vl import make_vl_toy
 
 if TYPE_CHECKING:
     from kora_trainer.config import TrainerConfig
@@ -136,8 +137,6 @@ def total_steps(cfg: TrainerConfig) -> int:
 def make_lm_toy(cfg: TrainerConfig, threads: int) -> None:
     """The toy language model and its data at model.path: the vision-language one for a job with image prompts."""
     if cfg.data.image_key is not None:
-        from kora_trainer.toys.vl import make_vl_toy
-
         print(f"making the vision-language toy in {cfg.model.path} (kora make-toy --vl)", flush=True)
         make_vl_toy(cfg.model.path, threads=threads)
         return

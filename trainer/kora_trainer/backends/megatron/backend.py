@@ -71,7 +71,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """torch's clip_grad_norm_ for a TP-sharded, pipeline- and expert-split parameter set: shards' squares summed
     over the TP group, the experts' over the expert-parallel group, replicated parameters counted once, each stage's
     own parameters summed over the pipeline group."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False)), bool(getattr(p, "expert_parallel", False)))
              for p in params if p.grad is not None]
@@ -115,8 +115,8 @@ def checkpoint_dtype(hf_config: object) -> torch.dtype:
 class MegatronBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, dtype: torch.dtype | None = None, micro_batch_size: int = 256,
                  max_grad_norm: float = 1.0, rank: RankContext | None = None):
-        from megatron.core import parallel_state
-        from transformers import AutoConfig
+        from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+        from transformers import AutoConfig  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         if rank is not None:  # one Ray actor per rank: the default group megatron's layers talk through
             os.environ.update(rank.torch_env())
@@ -154,7 +154,7 @@ class MegatronBackend(ShuffleState):
         factors are marked (`expert_parallel`: clip_grad_norm sums them over the EP group) and summed over the
         expert-data-parallel group instead (with sequence parallelism it holds the TP peers, whose tokens differ);
         the factors the LoRA wrappers mark `sequence_parallel` are summed over the TP group as well."""
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         group = WeightUpdateGroup.wrap(parallel_state.get_data_parallel_group()) if world > 1 else None
         dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), group)

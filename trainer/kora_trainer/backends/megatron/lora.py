@@ -135,7 +135,7 @@ class _ParallelLoRA(MegatronLoRA):
         tp_rank, tp_size = _tp(base)
         # column: A replicated [r, in], B sharded like W [out/tp, r]; row: A sharded like W [r, in/tp], B replicated
         super().__init__(base, rank, alpha, dropout, a_full if self.column else a_full.chunk(tp_size, dim=1)[tp_rank])
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         sharded, dim = (self.lora_B.weight, 0) if self.column else (self.lora_A.weight, 1)
         if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard; a gated linear_fc1's
@@ -159,7 +159,7 @@ class LoRAColumnParallelLinear(_ParallelLoRA):
         out, bias = self.base_layer(x, *args, **kwargs)  # x [s, b, in] -> out [s, b, out/tp] (or gathered)
         if not self.enabled:
             return out, bias
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         a = F.linear(self.dropout(x.to(self.lora_A.weight.dtype)), self.lora_A.weight)  # [s, b, r]
         group = self.base_layer.tp_group
@@ -185,7 +185,7 @@ class LoRARowParallelLinear(_ParallelLoRA):
         out, bias = self.base_layer(x)  # x [s, b, in/tp] -> out [s, b, out] (reduced over TP)
         if not self.enabled:
             return out, bias
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         x = x.to(self.lora_A.weight.dtype)
         if isinstance(self.dropout, nn.Dropout) and self.tp_size > 1:
@@ -286,8 +286,8 @@ def module_seed(seed: int, name: str) -> int:
 def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator, gated: bool = False) -> MegatronLoRA | None:
     """The LoRA wrapper for one megatron module (None: not a kind LoRA wraps), A drawn at full size; `gated`: a
     gated MLP's linear_fc1 ([gate; up] rows)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+    from megatron.core.transformer.moe.router import TopKRouter  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     cls: type[MegatronLoRA]
     if isinstance(module, TopKRouter):

@@ -49,6 +49,7 @@ from kora_trainer.backends.megatron.moe import is_expert_module, moe_config_kwar
 from kora_trainer.backends.megatron.numbering import LOCAL_EXPERT, global_name, numbering
 from kora_trainer.backends.megatron.parallel import ep_rank_size, gather_tp, pp_rank_size, tp_rank_size
 from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES
+from kora_trainer.hf_experts import unfuse_hf_experts
 from kora_trainer.kernels.fold import fold
 
 
@@ -81,7 +82,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
     `pipeline` stages: micro-batches of any length pass between them (`variable_seq_lengths`: GRPO batches are
     padded per micro-batch), and the loss a micro-batch returns is taken as is (`calculate_per_token_loss`: the
     GRPO loss is already normalised by the minibatch's tokens)."""
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     check_supported(cfg)
     layout = layout_from_hf_config(cfg)
@@ -117,7 +118,7 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
 
     Needs `init_parallel` first (megatron's parallel_state gives the tensor-parallel group).
     """
-    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     _, tp = tp_rank_size()
     stage, stages = pp_rank_size()
@@ -140,13 +141,13 @@ def block_spec(config: Any) -> Any:
     """TransformerBlockSubmodules of this pipeline stage's layers (megatron slices its decoder block specs so): the
     local spec's dense layer, the MoE layer (moe.moe_layer_spec) where a Qwen3-MoE's `moe_layer_freq` is 1, and the
     final norm megatron gives the local spec; under sequence parallelism their torch norms are FrozenTokenNorms."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import (
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+    from megatron.core.transformer.transformer_block import (  # noqa: PLC0415 - megatron-core is optional: this module imports without it
         LayerNormImpl,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
@@ -176,8 +177,8 @@ def swap_torch_norms(spec: Any) -> Any:
     """`spec` (a ModuleSpec tree, its submodules dataclasses, lists of them, or a module class) with every
     WrappedTorchNorm replaced by FrozenTokenNorm; other norms (Apex's, TransformerEngine's) take sequence
     parallelism themselves."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     if spec is WrappedTorchNorm:
         return FrozenTokenNorm
@@ -249,8 +250,6 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
     """Copy HF tensors into the model: fused QKV / gate-up layouts, this TP rank's shards. Strict both ways.
     MoE experts may come per expert (checkpoint names) or fused (transformers-5 in-memory `gate_up_proj`)."""
     if layout.num_experts:
-        from kora_trainer.hf_experts import unfuse_hf_experts
-
         state = unfuse_hf_experts(state)
 
     tp_rank, tp_size = tp_rank_size()

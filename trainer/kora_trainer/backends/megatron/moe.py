@@ -106,7 +106,7 @@ def moe_config_kwargs(cfg: Any, dispatcher: str = "alltoall", expert: int = 1) -
 def moe_layer_spec(config: Any) -> Any:
     """The local spec's layer with `num_experts` (SequentialMLP experts, TopKRouter): what model.block_spec builds
     where `moe_layer_freq` is 1 (the dense local layer where it is 0)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")

@@ -75,7 +75,7 @@ def qkv_row_map(layout: Layout) -> torch.Tensor:
 
 def tp_group() -> WeightUpdateGroup | None:
     """megatron's tensor-parallel group as a `WeightUpdateGroup` (its own ranks), None at TP = 1."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return None
@@ -86,7 +86,7 @@ def model_parallel_group() -> WeightUpdateGroup | None:
     """The ranks that hold one copy of the model between them, as a `WeightUpdateGroup`: megatron's model-parallel
     group (TP x PP), or with expert parallelism its expert group (expertTensor x EP x PP: the experts are carved out
     of the data ranks); None when the model is not split."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     if parallel.ep_rank_size()[1] > 1:
         return WeightUpdateGroup.wrap(parallel_state.get_expert_tensor_model_pipeline_parallel_group())
@@ -99,7 +99,7 @@ def across_ranks(src: Source, model: nn.Module, experts_whole: bool = False) -> 
     """This rank's Source as the whole model's (itself when nothing is split but TP, which the sources gather):
     the expert-parallel ranks' experts joined (unless `experts_whole`: the source already gathers them, as the
     adapter's does for PEFT's grouped layout), then the pipeline stages' layers (`_joined`)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     device = next(model.parameters()).device
     if parallel.ep_rank_size()[1] > 1 and not experts_whole:
