@@ -14,10 +14,10 @@ DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
 
 def run(args: argparse.Namespace) -> int:
     # imported here so `kora validate/render` never pay for (or need) kopf and the k8s client
-    import kopf
+    import kopf  # noqa: PLC0415 - kopf and the k8s client only when the operator runs, never for `kora validate/render`
 
-    import kora_operator.handlers  # noqa: F401  (registers the handlers)
-    from kora_operator import metrics
+    import kora_operator.handlers  # noqa: F401, PLC0415 - kopf and the k8s client only when the operator runs, never for `kora validate/render`
+    from kora_operator import metrics  # noqa: PLC0415 - kopf and the k8s client only when the operator runs, never for `kora validate/render`
 
     settings = from_flags(args)  # flags over environment variables over defaults
     kopf.configure(verbose=args.verbose, log_format=kopf.LogFormat.PLAIN)

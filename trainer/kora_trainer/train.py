@@ -16,21 +16,29 @@ the final phase, or KORA_CONTROL_LINGER_S seconds (default 0) passed.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+
+from kora_trainer.backends.megatron import megatron_available
+from kora_trainer.backends.select import check_actor_layout, resolve_backend, weights_bytes
+from kora_trainer.config import ConfigError, TrainerConfig, load_config, read_hf_config
+from kora_trainer.config.flags import add_seed_flags, as_overrides, origins, seed_flag_values
+from kora_trainer.config.placement import Node, parse_nodes, plan_job
+from kora_trainer.config.start_layout import config_experts
+from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
+from kora_trainer.orchestration.sglang_launcher import installed_build_problem
 from kora_trainer.recipes import Clock, Recipe, RecipeRefused, recipe_for
-
-if TYPE_CHECKING:
-    from kora_trainer.config import TrainerConfig
-    from kora_trainer.recorder import StepRecorder
+from kora_trainer.recorder import StepRecorder
+from kora_trainer.tracking import TrackingError, open_sinks
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from kora_trainer.config.flags import add_seed_flags
-
     p = argparse.ArgumentParser(prog="python -m kora_trainer.train", description=__doc__.split("\n")[0])
     p.add_argument("--config", help="job YAML: a trainer spec or a whole LoRATrainingJob")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. lora.syncMode=Adapter "
@@ -56,23 +64,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     """`--dry-run`: config/placement.py's plan, on --nodes or on this machine (what a local run would get), then
     whether the ranks would refuse the layout at start (exit 2 with the reason and the fix)."""
-    import json
-    import os
-
-    from kora_trainer.backends.select import check_actor_layout, resolve_backend, weights_bytes
-    from kora_trainer.config import ConfigError, read_hf_config
-    from kora_trainer.config.placement import Node, parse_nodes, plan_job
-    from kora_trainer.config.start_layout import config_experts
-
     try:
         if args.nodes:  # a cluster elsewhere: assume its image has megatron-core where it has GPUs
             nodes = parse_nodes(args.nodes)
             megatron = any(n.gpus for n in nodes)
         else:
-            import torch
-
-            from kora_trainer.backends.megatron import megatron_available
-
             nodes = [Node("local", float(os.cpu_count() or 1), torch.cuda.device_count())]
             megatron = bool(nodes[0].gpus) and megatron_available()
         job_plan = plan_job(cfg, nodes)
@@ -96,9 +92,6 @@ def dry_run(cfg: TrainerConfig, args: argparse.Namespace) -> int:
 def load(args: argparse.Namespace) -> TrainerConfig | None:
     """The job's config with its overrides and seed flags (None: refused, the reason printed); nothing at
     model.path is refused unless --make-toy (the recipe makes its toy there) or --dry-run (a plan needs no model)."""
-    from kora_trainer.config import ConfigError, load_config
-    from kora_trainer.config.flags import as_overrides, origins, seed_flag_values
-
     try:
         flags = seed_flag_values(args)
         cfg, warnings = load_config(args.config, [*args.overrides, *as_overrides(flags)], origins=origins(flags))
@@ -116,8 +109,6 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
 
 def trackers(cfg: TrainerConfig, run_dir: Path) -> list[Any] | None:
     """The trackers `tracking:` turns on (TensorBoard, W&B), started; None: one cannot start (the reason printed)."""
-    from kora_trainer.tracking import TrackingError, open_sinks
-
     try:
         sinks = open_sinks(cfg.tracking, run_dir, cfg.model_dump(by_alias=True, mode="json"))
     except TrackingError as e:
@@ -140,7 +131,6 @@ def main(argv: list[str] | None = None) -> int:
     recipe = recipe_for(cfg, clock, args.threads)
     if not Path(cfg.model.path).exists():  # with --make-toy (load refused it without)
         recipe.make_toy()
-    from kora_trainer.orchestration.sglang_launcher import installed_build_problem
 
     if (installed := installed_build_problem(cfg)) is not None:  # before anything starts: the image's SGLang
         print(f"invalid kora config:\n  rollout.sglangBuild: {installed}", file=sys.stderr)
@@ -150,9 +140,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve(recipe: Recipe, cfg: TrainerConfig, args: argparse.Namespace, clock: Clock) -> int:
     """The recipe's run behind the step recorder and the control plane (which lingers for the operator after)."""
-    from kora_trainer.control_plane import ControlPlane, resolve_linger, resolve_port, resolve_token
-    from kora_trainer.recorder import StepRecorder
-
     run_dir = Path(args.run_dir or f".kora/runs/{time.strftime('%Y%m%d-%H%M%S')}")
     serving = recipe.serving_check()
     sinks = trackers(cfg, run_dir)

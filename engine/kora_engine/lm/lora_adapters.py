@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from kora_engine.lm.param_lora import ParamDelta, owns_matrices, resolve_target, rows_forward
@@ -153,8 +154,6 @@ def read_peft_dir(path: str | Path) -> tuple[dict[str, Any], list[tuple[str, tor
     config = json.loads((root / "adapter_config.json").read_text())
     st = root / "adapter_model.safetensors"
     if st.exists():
-        from safetensors.torch import load_file
-
         tensors = load_file(str(st))
     else:
         tensors = torch.load(root / "adapter_model.bin", map_location="cpu", weights_only=True)

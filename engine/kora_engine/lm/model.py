@@ -41,6 +41,7 @@ from kora_engine.lm.sampling import (
     sample_rows,
 )
 from kora_trainer.hf_experts import fused_parent, fused_slot
+from kora_trainer.kernels.fold import FoldItem, GroupedFold, fold
 from kora_trainer.wire.vision import (
     ImageInputs,
     VisionTokens,
@@ -150,7 +151,7 @@ def _dtype(name: str, config_dtype: Any) -> torch.dtype:
 class EngineModel:
     def __init__(self, model_path: str, device: str = "cpu", dtype: str = "auto", max_loras_per_batch: int = 8,
                  max_lora_rank: int | None = None):
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         self.model_path = model_path
         self.device = torch.device(device)
@@ -305,7 +306,7 @@ class EngineModel:
         """A fresh KV cache over seq [B, T] (left-padded prompts in columns < prompt_width, then generated tokens);
         logits [B, T, V] (all_logits) or [B, 1, V]; for a VL model the rope deltas [B, 1] its decode steps continue
         from (else None)."""
-        from transformers import DynamicCache
+        from transformers import DynamicCache  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         # per layer type: a GDN layer keeps its conv / recurrent state
         cache = DynamicCache(config=getattr(self.model, "config", None))
@@ -543,8 +544,6 @@ class EngineModel:
         """`merge_lora` of pairs that stay where they are between calls (the colocated ring's slot), planned once.
         On a GPU (2-D weights, merge_fp32) each call is one replay of the fused folds captured in a CUDA graph
         (kernels/fold.GroupedFold: the kernel and numbers of `merge_lora` there); elsewhere it is `merge_lora`."""
-        from kora_trainer.kernels.fold import FoldItem, GroupedFold
-
         targets = self._merge_targets(pairs, rank)
         if not fp32 or any(t.experts or t.transposed or not self._param(t.name).is_cuda for t in targets.values()):
             return PlannedMerge(self, lambda: self._fold_pairs(targets, pairs, alpha / rank, fp32), {})
@@ -582,8 +581,6 @@ class EngineModel:
             if fp32 and p.is_cuda and not t.experts and not t.transposed:
                 # the fused fold (kernels/fold.py): W0 read once, W written once, fp32 accumulation rounded
                 # once; the torch expression below makes W0 and B·A in fp32 first (several passes over W)
-                from kora_trainer.kernels.fold import fold
-
                 fold(w0, a.to(p.device), b.to(p.device), scale, out=p.data)
             else:
                 p.copy_(folded(w0, a, b, scale, t, torch.float32 if fp32 else p.dtype))

@@ -79,7 +79,7 @@ def prefix_shareable(model: nn.Module) -> bool:
 
 
 def shared_prefix_logp(model: nn.Module, p: Padded, pad_id: int, temperature: float = 1.0) -> torch.Tensor:
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     device = next(model.parameters()).device
     keys = [tuple(x) for x in p.prompts]

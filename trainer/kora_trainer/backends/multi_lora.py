@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -154,8 +155,6 @@ class MultiLoRATrainer:
             return adapter_tensors(self.backend.model)
 
     def peft_config(self, name: str) -> dict[str, Any]:
-        from pathlib import Path
-
         s = self.adapters[name].settings
         spec = self.backend.cfg.lora.model_copy(update={"rank": s.rank, "alpha": s.alpha})
         with self.slots.active(name):

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from kora_trainer.backends.data_parallel import RankContext
+from kora_trainer.backends.megatron import megatron_available
+from kora_trainer.backends.torch_backend import TorchBackend
 from kora_trainer.config import Backend, ConfigError, TrainerConfig, read_hf_config
 from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES, actor_layout_problems, config_experts, megatron_maps
 
@@ -100,8 +102,6 @@ def check_actor_layout(cfg: TrainerConfig, backend: Backend, num_layers: int | N
 def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankContext | None = None) -> PolicyBackend:
     """The training backend for this job, built where the trainer rank runs (the process with the GPU); with
     several ranks `rank` says where the trainer's process group meets."""
-    from kora_trainer.backends.megatron import megatron_available
-
     cuda = torch.cuda.is_available()
     hf = read_hf_config(cfg.model.path) or {}
     backend = resolve_backend(cfg, cuda=cuda, megatron=cuda and megatron_available(),
@@ -109,9 +109,8 @@ def make_backend(cfg: TrainerConfig, threads: int | None = None, rank: RankConte
                               vision=bool(hf.get("vision_config")))
     check_actor_layout(cfg, backend, hf.get("num_hidden_layers"), config_experts(hf))
     if backend is Backend.MEGATRON:
-        from kora_trainer.backends.megatron.backend import MegatronBackend
+        from kora_trainer.backends.megatron.backend import MegatronBackend  # noqa: PLC0415 - the megatron backend's modules (and Triton fold) only when chosen
 
         return MegatronBackend(cfg, rank=rank)
-    from kora_trainer.backends.torch_backend import TorchBackend
 
     return TorchBackend(cfg, threads=threads, rank=rank)

@@ -35,7 +35,8 @@ from kora_trainer.lora import (
     peft_config_dict,
 )
 from kora_trainer.lora.gdn import pin_gate_rows
-from kora_trainer.wire.vision import ImageInputs
+from kora_trainer.sync.sender import WeightSender
+from kora_trainer.wire.vision import ImageInputs, load_policy_model
 
 
 def _clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
@@ -46,9 +47,7 @@ class TorchBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, device: str | None = None, threads: int | None = None,
                  micro_batch_size: int = 256, max_grad_norm: float = 1.0, shared_prefix: bool = True,
                  rank: RankContext | None = None):
-        from transformers import AutoTokenizer
-
-        from kora_trainer.wire.vision import load_policy_model
+        from transformers import AutoTokenizer  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         if threads:
             torch.set_num_threads(threads)
@@ -99,8 +98,6 @@ class TorchBackend(ShuffleState):
                 list(lora_modules(self.model)))
 
     def make_sender(self, transport: Any) -> Any:
-        from kora_trainer.sync.sender import WeightSender
-
         return WeightSender(self.model, self.cfg, transport, trainer_group=self.group)  # delta-skip: MAX over ranks
 
     # ---- log-probs ----------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from typing import Any
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from kora_trainer.checkpoint.merge import merge
-    from kora_trainer.checkpoint.peft_adapter import AdapterError
+    from kora_trainer.checkpoint.merge import merge  # noqa: PLC0415 - a `kora` subcommand: numpy/safetensors load only when a merge runs
+    from kora_trainer.checkpoint.peft_adapter import AdapterError  # noqa: PLC0415 - a `kora` subcommand: numpy/safetensors load only when a merge runs
 
     try:
         report = merge(

@@ -34,7 +34,7 @@ def lora_layers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def lora_config(rank: int, alpha: float, targets: Sequence[str], init: str) -> dict[str, Any]:
     """The peft.LoraConfig diffusers stores beside the weights (what `save_lora_adapter` writes)."""
-    from peft import LoraConfig
+    from peft import LoraConfig  # noqa: PLC0415 - the diffusion stack (peft) loads on use
 
     # peft types lora_alpha as int and init as its literals; the config keeps the float alpha as given
     made: Any = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),  # type: ignore[arg-type]
@@ -45,7 +45,7 @@ def lora_config(rank: int, alpha: float, targets: Sequence[str], init: str) -> d
 
 def export_diffusers_lora(root: Path, model: nn.Module, config: Mapping[str, Any], meta: Mapping[str, Any]) -> Path:
     """Write `root/lora_adapter/` (see the module docstring); return it."""
-    from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin
+    from diffusers.loaders.lora_pipeline import SD3LoraLoaderMixin  # noqa: PLC0415 - the diffusion stack (diffusers) loads on use
 
     with swapped_in(Path(root), EXPORT_DIR) as tmp:
         layers: dict[str, nn.Module | torch.Tensor] = dict(lora_layers(model))

@@ -78,7 +78,7 @@ def capture_rng() -> dict[str, Any]:
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     try:
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy is optional here
 
         state["numpy"] = np.random.get_state()
     except ImportError:  # numpy is optional for the checkpoint itself
@@ -92,7 +92,7 @@ def restore_rng(state: Mapping[str, Any]) -> None:
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
     if "numpy" in state:
-        import numpy as np
+        import numpy as np  # noqa: PLC0415 - numpy is optional here
 
         np.random.set_state(state["numpy"])
 

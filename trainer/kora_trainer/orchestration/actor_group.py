@@ -22,12 +22,12 @@ class TrainGroup:
 
     def all(self, method: str, *args: Any) -> list[Any]:
         """`method` on every rank at once; every rank's answer, in rank order."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         return list(ray.get([getattr(a, method).remote(*args) for a in self.actors]))
 
     def first(self, method: str, *args: Any) -> Any:
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         return ray.get(getattr(self.actors[0], method).remote(*args))
 

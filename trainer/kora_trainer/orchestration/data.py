@@ -49,7 +49,7 @@ def _image_bytes(cell: Any, base: Path, where: str) -> tuple[bytes, ...]:
 
 def _columns(p: Path, keys: list[str]) -> list[list[Any]]:
     if p.suffix == ".parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # noqa: PLC0415 - pyarrow only for parquet data
 
         table = pq.read_table(p, columns=keys)
         return [table.column(k).to_pylist() for k in keys]

@@ -14,11 +14,20 @@ placed on the driver's node, the engine's: the push hands same-host handles over
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from kora_trainer.backends.diffusion.actor import DiffusionPolicy, adapted, export, load_model, make_sync, settings_of
+from kora_trainer.backends.diffusion.fsdp import load_full_adapter, rank_rows
 from kora_trainer.config.placement import CPU_SHARES
 from kora_trainer.orchestration.actor_group import TrainGroup
 from kora_trainer.orchestration.workers import rendezvous_address
+from kora_trainer.wire.group import init_default_group
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -45,12 +54,7 @@ class DiffusionRankWorker:
         return rendezvous_address()
 
     def setup(self, master_address: str, master_port: int, engine_url: str) -> dict[str, Any]:
-        import ray
-        import torch
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from kora_trainer.backends.diffusion.actor import DiffusionPolicy, adapted, load_model, make_sync
-        from kora_trainer.wire.group import init_default_group
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         torch.set_num_threads(self.threads)
         init_default_group(master_address, master_port, self.rank, self.world)
@@ -68,8 +72,6 @@ class DiffusionRankWorker:
     def _mirrored(self) -> torch.nn.Module | None:
         """The adapter gathered whole (every rank) into rank 0's unsharded copy; that copy's transformer on rank 0,
         None on the others."""
-        from kora_trainer.backends.diffusion.fsdp import load_full_adapter
-
         full = self.policy.adapter()
         if self.mirror is None:
             return None
@@ -89,14 +91,10 @@ class DiffusionRankWorker:
         return self.policy.resume(root)
 
     def export(self, root: str, step: int) -> str | None:
-        from kora_trainer.backends.diffusion.actor import export
-
         module = self._mirrored()
         return None if module is None else str(export(self.cfg, root, step, module))
 
     def close(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -106,8 +104,8 @@ class DiffusionRanks:
     save, resume, export."""
 
     def __init__(self, cfg: TrainerConfig, engine_url: str, threads: int):
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         world = cfg.parallelism.data
         here = ray.get_runtime_context().get_node_id()  # the driver's node, where the engine runs
@@ -122,10 +120,7 @@ class DiffusionRanks:
 
     def train(self, step: int, batch: Batch) -> list[list[dict[str, float]]]:
         """Each rank its rows (its share of each minibatch's prompt groups); every rank's pass stats, rank order."""
-        import ray
-
-        from kora_trainer.backends.diffusion.actor import settings_of
-        from kora_trainer.backends.diffusion.fsdp import rank_rows
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         s = settings_of(self.cfg)
         shares = [ray.put(batch.rows(rank_rows(batch.ids.numel(), s.samples_per_prompt, r, self.world,
@@ -139,8 +134,6 @@ class DiffusionRanks:
         return pushed
 
     def save(self, root: str, step: int) -> Path:
-        from pathlib import Path
-
         return Path(self.group.written("save", root, step))
 
     def resume(self, root: str) -> dict[str, Any] | None:
@@ -148,14 +141,10 @@ class DiffusionRanks:
         return info
 
     def export(self, root: str, step: int) -> Path:
-        from pathlib import Path
-
         return Path(self.group.written("export", root, step))
 
     def close(self) -> None:
-        import contextlib
-
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         with contextlib.suppress(Exception):  # tearing down: keep going past a rank that died
             ray.get([a.close.remote() for a in self.group.actors], timeout=30)

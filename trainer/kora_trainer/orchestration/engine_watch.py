@@ -42,6 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kora_trainer.wire.engine_client import EngineClient
+
 PROBE_TIMEOUT_S = 10.0  # an engine worker answers from memory (Popen.poll); a dead Ray worker errors at once
 PROBE_INTERVAL_S = 1.0  # how often a HangWatch asks /health (a fifth of engineHangSeconds when that is shorter)
 STATES = {"T": "stopped (SIGSTOP)", "t": "stopped by a tracer", "D": "in uninterruptible I/O", "R": "running",
@@ -83,8 +85,6 @@ class HangWatch:
 
     def __init__(self, proc: subprocess.Popen[bytes], url: str, hang_s: float,
                  interval_s: float = PROBE_INTERVAL_S):
-        from kora_trainer.wire.engine_client import EngineClient
-
         self.proc, self.url, self.hang_s = proc, url, hang_s
         self.interval_s = min(interval_s, hang_s / 5)
         self.client = EngineClient(url, connect_timeout=hang_s, pool_size=1)
@@ -134,7 +134,7 @@ def dead_engines(engines: list[Any], urls: list[str], settle_s: float = 0.0) -> 
     """'engine i (pid P, URL) exited with SIGKILL; log L' for each engine whose process is gone, or 'engine i
     (pid P, URL) hung: ...' for one its HangWatch killed (each worker first waits up to `settle_s` for its
     watch's word: an engine that hung just before the failure is found hung, not alive)."""
-    import ray
+    import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
     dead = []
     for i, status in enumerate([engine.status.remote(settle_s) for engine in engines]):

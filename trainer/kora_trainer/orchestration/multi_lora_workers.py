@@ -10,11 +10,15 @@ from typing import Any
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.backends.multi_lora import AdapterStepMetrics, MultiLoRATrainer
 from kora_trainer.backends.torch_backend import TorchBackend
+from kora_trainer.checkpoint.adapter_slot import adapter_root, load_slot, save_slot
+from kora_trainer.checkpoint.peft_export import export_peft
+from kora_trainer.checkpoint.precision import torch_dtype
 from kora_trainer.config import ConfigError
 from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.orchestration.adapter_rollout import AdapterRollouts
 from kora_trainer.orchestration.workers import RolloutWorker, TrainWorker
 from kora_trainer.sync.sender import SyncReport
+from kora_trainer.sync.slot_sender import SlotSender
 
 
 class MultiLoRAWorker(TrainWorker):
@@ -32,8 +36,6 @@ class MultiLoRAWorker(TrainWorker):
 
     def connect(self, engine_urls: list[str], kind: str, host: str = "127.0.0.1",
                 admin_api_key: str | None = None) -> str:
-        from kora_trainer.sync.slot_sender import SlotSender
-
         kind_made = super().connect(engine_urls, kind, host, admin_api_key)
         transport = getattr(self.sender, "transport", None)
         # the fast path plans one adapter; the slots go over the HTTP routes (selective, per adapter)
@@ -46,8 +48,6 @@ class MultiLoRAWorker(TrainWorker):
 
     def add_adapter(self, settings: AdapterSettings, root: str | None) -> dict[str, Any]:
         """Its slot (restored from its checkpoint under root when it has one): {"step", "data_position"}."""
-        from kora_trainer.checkpoint.adapter_slot import load_slot
-
         self.multi.add(settings)
         saved = load_slot(root, settings.name) if root else None
         if saved is None:
@@ -82,16 +82,10 @@ class MultiLoRAWorker(TrainWorker):
         return {n: t.detach().cpu().clone() for n, t in self.multi.adapter_named(name)}
 
     def save_adapter(self, name: str, root: str, data_position: int, meta: dict[str, Any]) -> str:
-        from kora_trainer.checkpoint.adapter_slot import save_slot
-        from kora_trainer.checkpoint.precision import torch_dtype
-
         return str(save_slot(root, name, self.multi.state(name), data_position, meta,
                              dtype=torch_dtype(self.cfg.checkpoint.dtype)))
 
     def export_adapter(self, name: str, root: str, meta: dict[str, Any]) -> str:
-        from kora_trainer.checkpoint.adapter_slot import adapter_root
-        from kora_trainer.checkpoint.peft_export import export_peft
-
         a = self.multi.adapters[name]
         s = a.settings
         info = {"format": "kora-multi-lora-adapter", "base_model": str(Path(self.cfg.model.path).resolve()),

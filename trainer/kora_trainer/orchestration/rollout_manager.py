@@ -54,7 +54,15 @@ from kora_trainer.orchestration.data import Row, batches, load_rows
 from kora_trainer.orchestration.sglang_launcher import reproducible_rollouts
 from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput
-from kora_trainer.wire.vision import ImageInputs
+from kora_trainer.wire.vision import (
+    ImageInputs,
+    VisionTokens,
+    image_item,
+    images_from_bytes,
+    is_vision_language,
+    load_image_processor,
+    prompt_ids,
+)
 
 ADAPTER_SWAP_RETRIES = 5
 CHUNKS_PER_ENGINE = 8  # a step is split into about this many calls per engine (the unit of balancing)
@@ -76,13 +84,11 @@ class Prompts:
 
     def __init__(self, model_path: str, image_key: str | None, tokenizer: Any, what: str = "data.imageKey"):
         """`image_key`: the data's image column (the job's data.imageKey, or an adapter's: `what` names it)."""
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         self.tokenizer = tokenizer
         self.vl = image_key is not None
         if self.vl:
-            from kora_trainer.wire.vision import VisionTokens, is_vision_language, load_image_processor
-
             config = AutoConfig.from_pretrained(model_path)
             if not is_vision_language(config):
                 raise ValueError(f"{what} {image_key!r} is set but model.path {model_path} is not a vision-language "
@@ -96,7 +102,6 @@ class Prompts:
         """(prompt ids, each prompt's images or None for a text job, each prompt's image_data or None)."""
         if not self.vl:
             return [self.tokenizer(r.prompt)["input_ids"] for r in rows], None, None
-        from kora_trainer.wire.vision import image_item, images_from_bytes, prompt_ids
 
         images: list[ImageInputs | None] = []
         ids: list[list[int]] = []
@@ -139,7 +144,7 @@ class Rollout:
         the engines' `--api-key` asks; `admin_api_key` would go with their admin routes, none of which
         the rollout manager calls. `chunks_per_engine` / `in_flight`: how finely a step is split and how
         many of its calls one engine may hold at once (see the module docstring)."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         if not engine_urls:
             raise ValueError("the rollout manager needs at least one engine URL")

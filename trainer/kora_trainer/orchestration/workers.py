@@ -11,15 +11,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from kora_trainer import heap
 from kora_trainer.backends.batch import RolloutBatch
+from kora_trainer.backends.data_parallel import RankContext
 from kora_trainer.backends.grpo_step import StepMetrics
-from kora_trainer.backends.select import PolicyBackend
+from kora_trainer.backends.select import PolicyBackend, make_backend
+from kora_trainer.checkpoint.precision import torch_dtype
+from kora_trainer.checkpoint.training import export_adapter, restore_training_state, save_training_state
 from kora_trainer.config import DeploymentMode, TrainerConfig
+from kora_trainer.orchestration.addresses import node_address
 from kora_trainer.orchestration.engine_watch import EngineStatus, HangWatch
 from kora_trainer.orchestration.engines import EngineProcess
 from kora_trainer.orchestration.rollout_manager import Rollout
 from kora_trainer.sync.sender import SyncReport
+from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
+from kora_trainer.wire.engine_client import EngineClient
+from kora_trainer.wire.ports import free_port
 
 
 def transport_kind(cfg: TrainerConfig) -> str:
@@ -32,9 +41,6 @@ def transport_kind(cfg: TrainerConfig) -> str:
 def rendezvous_address() -> tuple[str, int]:
     """Rank 0's: this node's address (127.0.0.1 on a one-node cluster) and a port free on it, where the trainer
     ranks' process group meets."""
-    from kora_trainer.orchestration.addresses import node_address
-    from kora_trainer.wire.ports import free_port
-
     host = node_address()
     return host, free_port(host)
 
@@ -61,10 +67,7 @@ class TrainWorker:
     def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
         """Join the trainer's process group and build the backend (torch or megatron: backends/select.py);
         returns where this rank runs (the driver prints rank 0's, `kora plan` predicts them)."""
-        import ray
-
-        from kora_trainer.backends.data_parallel import RankContext
-        from kora_trainer.backends.select import make_backend
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         ctx = RankContext(self.rank, self.world, master_address, master_port)
         self._backend = make_backend(self.cfg, threads=self.threads, rank=ctx if self.world > 1 else None)
@@ -79,12 +82,6 @@ class TrainWorker:
         `host` (its node address when engines run on other nodes) with every engine; Colocate, each rank hands its
         own engines the policy in memory. A rank with no engine sends nothing (it still takes part in the
         collective delta-skip decision). `admin_api_key`: the job's engine admin key (every sync route is admin)."""
-        import torch
-
-        from kora_trainer.sync.fast.path import with_fast_path
-        from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
-        from kora_trainer.wire.engine_client import EngineClient
-
         clients = [EngineClient(u, admin_api_key=admin_api_key) for u in engine_urls]
         transport: DistributedTransport | ColocatedTransport | None = None
         if clients and kind == "distributed":
@@ -92,6 +89,8 @@ class TrainWorker:
             transport = DistributedTransport.connect(clients, backend=backend, host=host)
         elif clients:
             transport = ColocatedTransport(clients)
+        from kora_trainer.sync.fast.path import with_fast_path  # noqa: PLC0415 - the fast path loads Triton: not on the driver
+
         self.sender = with_fast_path(self.backend.make_sender(transport), self.cfg)  # sync/fast/path.py
         heap.freeze(f"trainer rank {self.rank}")  # the backend and the sender: out of every later full collection
         return transport.kind if transport is not None else "none"
@@ -116,23 +115,16 @@ class TrainWorker:
 
     def resume(self, root: str) -> dict[str, Any] | None:
         """Restore the newest good checkpoint under root (adapter, optimizer, RNG, version)."""
-        from kora_trainer.checkpoint.training import restore_training_state
-
         resumed = restore_training_state(Path(root), self.backend)
         return resumed.as_dict() if resumed is not None else None
 
     def save_checkpoint(self, root: str, data_position: int, keep: int, meta: dict[str, Any]) -> str | None:
         """On every rank (TP shards are gathered); the path on the rank that wrote it, None on the others."""
-        from kora_trainer.checkpoint.precision import torch_dtype
-        from kora_trainer.checkpoint.training import save_training_state
-
         path = save_training_state(Path(root), self.backend, data_position=data_position, keep=keep, meta=meta,
                                    dtype=torch_dtype(self.cfg.checkpoint.dtype))
         return str(path) if path is not None else None
 
     def export_hf(self, root: str, meta: dict[str, Any]) -> str | None:
-        from kora_trainer.checkpoint.training import export_adapter
-
         path = export_adapter(Path(root), self.backend, self.cfg, meta)
         return str(path) if path is not None else None
 
@@ -144,8 +136,6 @@ class TrainWorker:
 class EngineWorker:
     def __init__(self, cfg: TrainerConfig, log_dir: str, threads: int | None, index: int,
                  admin_api_key: str | None = None, api_key: str | None = None):
-        from kora_trainer.orchestration.addresses import node_address
-
         # bound where the job's other nodes reach it (loopback on a one-node cluster); admin routes need the key
         self.engine = EngineProcess.start(cfg, Path(log_dir), threads=threads, index=index, host=node_address(),
                                           admin_api_key=admin_api_key, api_key=api_key)
@@ -155,7 +145,7 @@ class EngineWorker:
 
     def node(self) -> str:
         """The Ray node this engine runs on (an SGLang build's in-memory hand-over needs trainer rank 0's)."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         return str(ray.get_runtime_context().get_node_id())
 

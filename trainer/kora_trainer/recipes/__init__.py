@@ -23,13 +23,13 @@ def recipe_for(cfg: TrainerConfig, clock: Clock, threads: int = 1) -> Recipe:
     """The job's recipe: the only place that asks which kind of job it is. Each module is imported when chosen
     (flow_grpo imports torch and the diffusion stack; a dry run or a refused config needs neither)."""
     if cfg.diffusion is not None:
-        from kora_trainer.recipes.flow_grpo import FlowGRPO
+        from kora_trainer.recipes.flow_grpo import FlowGRPO  # noqa: PLC0415 - deliberate: each recipe loads its own stack when chosen
 
         return FlowGRPO(cfg, clock, threads)
     if cfg.multi_lora.max_adapters > 0:
-        from kora_trainer.recipes.multi_lora import MultiLoRA
+        from kora_trainer.recipes.multi_lora import MultiLoRA  # noqa: PLC0415 - deliberate: each recipe loads its own stack when chosen
 
         return MultiLoRA(cfg, clock, threads)
-    from kora_trainer.recipes.grpo import GRPO
+    from kora_trainer.recipes.grpo import GRPO  # noqa: PLC0415 - deliberate: each recipe loads its own stack when chosen
 
     return GRPO(cfg, clock, threads)

@@ -17,6 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kora_trainer.orchestration.cluster import Job, shutdown, start_ray
+from kora_trainer.orchestration.data import load_rows
+from kora_trainer.orchestration.engine_watch import engine_process_watched, engines_watched
+from kora_trainer.toys.lm import make_toy
+from kora_trainer.toys.vl import make_vl_toy
 
 if TYPE_CHECKING:
     from kora_trainer.config import TrainerConfig
@@ -94,16 +98,12 @@ class EngineWatch:
                        ) -> EngineWatch:
         """The job's engines through their Ray workers; their hang watches get rollout.engineHangSeconds to
         decide. `resume`: what a retry resumes from, when not the newest checkpoint of this attempt."""
-        from kora_trainer.orchestration.engine_watch import engines_watched
-
         return cls(rec, lambda doing, saved: engines_watched(job.engines, job.engine_urls, doing, saved,
                                                              cfg.rollout.engine_hang_seconds, resume=resume))
 
     @classmethod
     def of_process(cls, engine: EngineProcess, hang: HangWatch, rec: StepRecorder) -> EngineWatch:
         """One engine process of this driver's own (no Ray), with the HangWatch that kills it when it hangs."""
-        from kora_trainer.orchestration.engine_watch import engine_process_watched
-
         return cls(rec, lambda doing, saved: engine_process_watched(engine.proc, engine.url, engine.log_path, hang,
                                                                     doing, saved))
 
@@ -129,7 +129,6 @@ def total_steps(cfg: TrainerConfig) -> int:
     alg = cfg.algorithm
     if alg.num_steps is not None:
         return int(alg.num_steps)
-    from kora_trainer.orchestration.data import load_rows
 
     rows = len(load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key))
     return max(1, (alg.num_epochs or 1) * rows // alg.rollout_batch_size)
@@ -138,12 +137,9 @@ def total_steps(cfg: TrainerConfig) -> int:
 def make_lm_toy(cfg: TrainerConfig, threads: int) -> None:
     """The toy language model and its data at model.path: the vision-language one for a job with image prompts."""
     if cfg.data.image_key is not None:
-        from kora_trainer.toys.vl import make_vl_toy
-
         print(f"making the vision-language toy in {cfg.model.path} (kora make-toy --vl)", flush=True)
         make_vl_toy(cfg.model.path, threads=threads)
         return
-    from kora_trainer.toys.lm import make_toy
 
     print(f"making the toy model and dataset in {cfg.model.path} (kora make-toy)", flush=True)
     make_toy(cfg.model.path, threads=threads)

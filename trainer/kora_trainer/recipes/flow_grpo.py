@@ -41,10 +41,35 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kora_trainer.algorithm import flow_grpo
+from kora_trainer.algorithm.diffusion_rewards import colour_reward
+from kora_trainer.algorithm.lr_schedule import lr_at
+from kora_trainer.algorithm.rewards import load_custom
+
 # the policy's side of the job (backends/diffusion/actor.py, which the Ray ranks import too); tests, bench/ use it here
-from kora_trainer.backends.diffusion.actor import DiffusionJobError, device_of, load_model, settings_of
+from kora_trainer.backends.diffusion.actor import (
+    Batch,
+    DiffusionJobError,
+    DiffusionPolicy,
+    device_of,
+    export,
+    load_model,
+    make_sync,
+    settings_of,
+)
+from kora_trainer.backends.grpo_step import StepMetrics
+from kora_trainer.config.sections import DiffusionReward
+from kora_trainer.orchestration.cluster import shutdown, start_ray
+from kora_trainer.orchestration.data import load_rows
+from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
+from kora_trainer.orchestration.engine_watch import HangWatch
+from kora_trainer.orchestration.engines import EngineProcess
 from kora_trainer.recipes.base import Clock, EngineWatch, total_steps
 from kora_trainer.serving_check import ServingCheck
+from kora_trainer.sync.sender import SyncReport
+from kora_trainer.toys.diffusion import make_diffusion_toy
+from kora_trainer.wire.diffusion_client import EngineRollout
+from kora_trainer.wire.ports import free_port
 
 if TYPE_CHECKING:
     from kora_trainer.backends.diffusion.actor import Batch
@@ -72,8 +97,6 @@ class Prompts:
 def load_prompts(cfg: TrainerConfig, toy: DiffusionToy) -> Prompts:
     """data.path's prompts, each one the model's prompt table holds (the toy embeds prompts by table, not by a
     text encoder)."""
-    from kora_trainer.orchestration.data import load_rows
-
     rows = load_rows(cfg.data.path, cfg.data.input_key, cfg.data.label_key)
     table = {p: i for i, p in enumerate(toy.prompts)}
     unknown = sorted({str(r.prompt) for r in rows if r.prompt not in table})
@@ -101,9 +124,6 @@ RewardFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (images [B, C
 def reward_of(cfg: TrainerConfig, prompts: Prompts, channels: int) -> RewardFn:
     """diffusion.reward: colour (the labels are target colours, data.labelKey), or data.customRewardPath's
     `fn(images, prompts, labels) -> [B]`."""
-    from kora_trainer.algorithm.diffusion_rewards import colour_reward
-    from kora_trainer.config.sections import DiffusionReward
-
     assert cfg.diffusion is not None
     if cfg.diffusion.reward is DiffusionReward.COLOUR:
         bad = [lab for lab in prompts.labels if not (isinstance(lab, list) and len(lab) == channels)]
@@ -113,7 +133,6 @@ def reward_of(cfg: TrainerConfig, prompts: Prompts, channels: int) -> RewardFn:
                                     f"not {bad[0]!r}: point data.labelKey at that column (the toy's is target)")
         targets = torch.tensor(prompts.labels, dtype=torch.float32)
         return lambda images, rows: colour_reward(images, targets[rows])
-    from kora_trainer.algorithm.rewards import load_custom
 
     assert cfg.data.custom_reward_path is not None
     fn: Any = load_custom(cfg.data.custom_reward_path)
@@ -138,9 +157,6 @@ def step_rows(seed: int, step: int, n_rows: int, k: int) -> torch.Tensor:
 
 def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int, device: torch.device) -> EngineProcess:
     """The reference diffusion engine on 127.0.0.1 and `device`, stopped by pid (orchestration/engines.EngineProcess)"""
-    from kora_trainer.orchestration.engines import EngineProcess
-    from kora_trainer.wire.ports import free_port
-
     port = free_port("127.0.0.1")
     argv = [sys.executable, "-m", "kora_engine.diffusion.server", "--toy", str(Path(cfg.model.path).resolve()),
             "--port", str(port), "--num-threads", str(threads), "--device", device.type]
@@ -148,8 +164,6 @@ def start_engine(cfg: TrainerConfig, run_dir: Path, threads: int, device: torch.
 
 
 def sync_report(cfg: TrainerConfig, pushed: Pushed, version: int) -> SyncReport:
-    from kora_trainer.sync.sender import SyncReport
-
     return SyncReport(mode=str(cfg.lora.effective_sync_mode), transport="colocated", pushed=True, bytes=pushed.bytes,
                       ms=pushed.ms, adapter_version=version, checksum=None, buckets=pushed.buckets, what=pushed.what)
 
@@ -158,8 +172,6 @@ class LocalPolicy:
     """parallelism.data 1: the policy in this process (no Ray), pushed from its own transformer."""
 
     def __init__(self, cfg: TrainerConfig, toy: DiffusionToy, engine_url: str):
-        from kora_trainer.backends.diffusion.actor import DiffusionPolicy, make_sync
-
         self.cfg, self.policy, self.push = cfg, DiffusionPolicy(cfg, toy), make_sync(cfg, engine_url)
 
     def train(self, step: int, batch: Batch) -> list[list[dict[str, float]]]:
@@ -178,8 +190,6 @@ class LocalPolicy:
         return self.policy.resume(root)
 
     def export(self, root: str, step: int) -> Path:
-        from kora_trainer.backends.diffusion.actor import export
-
         return export(self.cfg, root, step, self.policy.toy.transformer)
 
     def close(self) -> None:
@@ -211,11 +221,6 @@ class DiffusionSteps:
     def step(self, step: int, rollout: Callable[..., Any], trainer: LocalPolicy | DiffusionRanks,
              watch: EngineWatch) -> tuple[Any, float]:
         """Roll out, score, update: (StepMetrics, gen_ms)."""
-        from kora_trainer.algorithm import flow_grpo
-        from kora_trainer.algorithm.lr_schedule import lr_at
-        from kora_trainer.backends.diffusion.actor import Batch
-        from kora_trainer.backends.grpo_step import StepMetrics
-
         s, alg = self.settings, self.cfg.algorithm
         rows = step_rows(s.seed, step, len(self.prompts.ids), s.prompts_per_step).repeat_interleave(
             s.samples_per_prompt)  # [B] a prompt's G samples adjacent
@@ -251,8 +256,6 @@ def trainer_of(cfg: TrainerConfig, toy: DiffusionToy, engine: EngineProcess, thr
     if cfg.parallelism.data == 1:
         yield LocalPolicy(cfg, toy, engine.url)
         return
-    from kora_trainer.orchestration.cluster import shutdown, start_ray
-    from kora_trainer.orchestration.diffusion_ranks import DiffusionRanks
 
     started, temp_dir = start_ray()
     ranks = None
@@ -273,8 +276,6 @@ class FlowGRPO:
         self.cfg, self.diffusion, self.clock, self.threads = cfg, cfg.diffusion, clock, threads
 
     def make_toy(self) -> None:
-        from kora_trainer.toys.diffusion import make_diffusion_toy
-
         print(f"making the diffusion toy in {self.cfg.model.path} (kora make-toy --diffusion)", flush=True)
         make_diffusion_toy(self.cfg.model.path)
 
@@ -291,8 +292,6 @@ class FlowGRPO:
     def train(self, rec: StepRecorder, root: str | None, run_dir: Path) -> None:
         """Start the engine and the trainer, resume, push, then per step: roll out, train, sync; checkpoint as
         checkpoint.* says. The engine and the ranks stop before this returns."""
-        from kora_trainer.orchestration.engine_watch import HangWatch
-
         cfg = self.cfg
         torch.set_num_threads(self.threads)
         device = device_of(cfg)  # a GPU only at data 1 (rule diffusion-gpu-ranks): the ranks load their own CPU copies
@@ -318,8 +317,6 @@ class FlowGRPO:
               engine_url: str, s: FlowGRPOSettings) -> tuple[EngineRollout, SyncReport]:
         """Resume from the newest good checkpoint under `root`, then the first push of the policy: the engine's
         rollout client and that push's report."""
-        from kora_trainer.wire.diffusion_client import EngineRollout
-
         if root:
             info = trainer.resume(root)
             if info is None:

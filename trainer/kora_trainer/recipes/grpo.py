@@ -78,7 +78,7 @@ class Lookahead:
 
 def resume(job: Job, cfg: TrainerConfig, root: str, rec: StepRecorder) -> None:
     """SPEC rule 8, then the newest checkpoint under root that verifies (newer refused ones are logged)."""
-    import ray
+    import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
     if cfg.checkpoint.lora_only:
         job.trainer.first("check_lora_only")
@@ -135,7 +135,7 @@ class GRPO:
 
     def steps(self, job: Job, watch: EngineWatch, rec: StepRecorder, root: str | None) -> None:
         """Per step: generate, train, update the engines' weights, save, while --time-limit leaves room."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         rollouts, last_step_s = Lookahead(job, self.cfg, rec.run.start, rec.steps), 0.0
         for step in range(rec.run.start + 1, rec.steps + 1):

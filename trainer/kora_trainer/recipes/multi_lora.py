@@ -28,6 +28,8 @@ have finished. Events (`<run dir>/events.jsonl`): `adapter_loaded`, `adapter_ste
 
 from __future__ import annotations
 
+import json
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,7 +74,7 @@ class MultiLoRARun:
             self.load(settings)
 
     def load(self, s: AdapterSettings) -> None:
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         added = False
         try:
@@ -97,7 +99,7 @@ class MultiLoRARun:
 
     def retire(self, name: str, phase: AdapterPhase) -> None:
         """Abort its requests, write its checkpoint and export, clear its slot; its untrained tail is dropped."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         t0 = time.monotonic()
         drained = self.job.trainer.all("retire_on_engines", name)[0]
@@ -122,7 +124,7 @@ class MultiLoRARun:
         self.inflight[name] = self.job.rollout.generate_adapter.options(num_returns=2).remote(name, step)
 
     def round(self) -> None:
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         for name in self.registry.active_names():
             if name not in self.inflight and name in self.steps:
@@ -182,7 +184,7 @@ class MultiLoRARun:
 
     def publish(self, name: str) -> dict[str, Any]:
         """Push adapter `name` at its step (every rank takes part: the delta-skip decision is collective)."""
-        import ray
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         reports = self.job.trainer.all("publish", name)
         feeding = [r for r in reports if r.transport not in ("none", "follower")]
@@ -243,9 +245,6 @@ def run(job: Job, cfg: TrainerConfig, registry: AdapterRegistry, rec: StepRecord
 
 def summary(loop: MultiLoRARun, rec: StepRecorder) -> dict[str, Any]:
     """The last line of stdout and of the event file: each adapter's steps and reward curve in this process."""
-    import json
-    import statistics
-
     states = {a.name: a for a in loop.registry.state().adapters}
     adapters = {}
     for name, curve in loop.rewards.items():

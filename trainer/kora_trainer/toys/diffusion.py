@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 KIND = "diffusion-toy"  # toy.json's "kind": what tells a diffusion toy from the LLM toy (kora_trainer/toys/lm.py)
 TRANSFORMER = {
@@ -88,8 +89,7 @@ def make_diffusion_toy(out_dir: str | Path, num_prompts: int = NUM_PROMPTS, seed
                        sample_size: int | None = None) -> dict[str, Any]:
     """Write the toy to `out_dir`; return what toy.json records. `shape`: the transformer's (SHAPES: the CPU toy,
     or SD3-medium's for a GPU); `sample_size`: the latent side, when not the shape's own."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from safetensors.torch import save_file
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: PLC0415 - the diffusion stack (diffusers) loads on use
 
     if shape not in SHAPES:
         raise ValueError(f"diffusion toy shape {shape!r}: one of {sorted(SHAPES)}")
@@ -131,8 +131,7 @@ def is_diffusion_toy(path: str | Path) -> bool:
 
 def load_diffusion_toy(path: str | Path) -> DiffusionToy:
     """Load a toy through diffusers' own `from_pretrained` (the same code a real SD3 checkpoint goes through)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel
-    from safetensors.torch import load_file
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel  # noqa: PLC0415 - the diffusion stack (diffusers) loads on use
 
     root = Path(path)
     if not (root / "transformer" / "config.json").is_file():

@@ -44,8 +44,8 @@ PRETRAIN = {"target": 0.2, "check_every": 5, "max_steps": 1500, "batch": 256, "l
 
 def make_tokenizer() -> Any:
     """One token per character; `tokenizer("07+45=")` -> [<bos>, 0, 7, +, 4, 5, =]."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors  # noqa: PLC0415 - tokenizers loads on use (toy making)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token=PAD))
@@ -57,7 +57,7 @@ def make_tokenizer() -> Any:
 
 
 def model_config() -> Any:
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     return Qwen3Config(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
@@ -134,8 +134,8 @@ def write_dataset(path: Path, below: int = 100) -> int:
     if path.suffix == ".jsonl":
         path.write_text("".join(json.dumps({"prompt": p, "label": label}) + "\n" for p, label in rows))
         return len(rows)
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # noqa: PLC0415 - pyarrow only for parquet data
+    import pyarrow.parquet as pq  # noqa: PLC0415 - pyarrow only for parquet data
 
     table = pa.table({"prompt": [r[0] for r in rows], "label": [r[1] for r in rows]})
     pq.write_table(table, path)
@@ -146,7 +146,7 @@ def make_toy(out_dir: str | Path, target: float | None = None, threads: int = 1,
              dataset: str = "train.parquet", **pretrain_overrides: Any) -> dict[str, Any]:
     """Write the toy model, tokenizer and dataset (`dataset`: train.parquet, or train.jsonl) to `out_dir`;
     return what toy.json records."""
-    from transformers import Qwen3ForCausalLM
+    from transformers import Qwen3ForCausalLM  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -51,8 +51,8 @@ PRETRAIN = {"target": 0.3, "check_every": 5, "max_steps": 600, "batch": 64, "lr"
 
 
 def make_tokenizer() -> Any:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415 - tokenizers loads on use (toy making)
+    from transformers import PreTrainedTokenizerFast  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     vocab = {tok: i for i, tok in enumerate(VOCAB)}
     tk = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
@@ -68,7 +68,7 @@ def make_tokenizer() -> Any:
 
 
 def make_image_processor() -> Any:
-    from transformers import Qwen2VLImageProcessorPil
+    from transformers import Qwen2VLImageProcessorPil  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     # min = max pixels: every image is resized to SIDE x SIDE, so every prompt has the same 4 image tokens
     return Qwen2VLImageProcessorPil(patch_size=8, temporal_patch_size=2, merge_size=2,
@@ -76,7 +76,7 @@ def make_image_processor() -> Any:
 
 
 def model_config() -> Any:
-    from transformers import Qwen3_5Config
+    from transformers import Qwen3_5Config  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     ids = {t: VOCAB.index(t) for t in SPECIAL}
     text = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -103,7 +103,7 @@ MOE_TEXT = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, nu
 
 
 def moe_model_config() -> Any:
-    from transformers import Qwen3_5MoeConfig
+    from transformers import Qwen3_5MoeConfig  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     dense = model_config()
     text = {k: v for k, v in dense.text_config.to_dict().items()
@@ -118,7 +118,7 @@ def moe_model_config() -> Any:
 
 def image_png(colour: int, variant: int) -> bytes:
     """A SIDE x SIDE PNG of PALETTE[colour], brightness shifted by a jitter fixed by (colour, variant)."""
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 - Pillow only for image prompts
 
     gen = torch.Generator().manual_seed(colour * 1000 + variant)
     shift = int(torch.randint(-40, 41, (1,), generator=gen))
@@ -190,8 +190,8 @@ def sampled_accuracy(model: Any, enc: _Encoder, n: int = 512, temperature: float
 
 def write_dataset(out: Path) -> int:
     """train.parquet (PNG bytes in the `image` column) and train.jsonl + images/ (paths relative to the jsonl)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    import pyarrow as pa  # noqa: PLC0415 - pyarrow only for parquet data
+    import pyarrow.parquet as pq  # noqa: PLC0415 - pyarrow only for parquet data
 
     rows = [(c, v, image_png(c, v)) for c in range(len(PALETTE)) for v in range(VARIANTS)]
     (out / "images").mkdir(exist_ok=True)
@@ -210,7 +210,7 @@ def make_vl_toy(out_dir: str | Path, target: float | None = None, threads: int =
                 **pretrain_overrides: Any) -> dict[str, Any]:
     """Write the VL toy model, tokenizer, image processor and dataset to `out_dir`; return what toy.json records.
     `moe`: the Qwen3_5MoeForConditionalGeneration variant (MOE_TEXT)."""
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3_5MoeForConditionalGeneration  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -31,7 +31,7 @@ class Sink(Protocol):
 class TensorBoardSink:
     def __init__(self, log_dir: Path):
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # noqa: PLC0415 - TensorBoard only when a job tracks there
         except ImportError as e:  # torch's module imports the tensorboard package
             raise TrackingError(f"tracking.tensorboard needs the tensorboard package ({e}): pip install "
                                 "tensorboard, or set tracking.tensorboard.enabled=false") from None
@@ -54,7 +54,7 @@ class WandbSink:
             # WANDB_MODE=online inherited from the shell (the job's spec says where the run goes)
             os.environ["WANDB_MODE"] = "offline"
         try:
-            import wandb
+            import wandb  # noqa: PLC0415 - W&B only when a job tracks there
         except ImportError:
             raise TrackingError("tracking.wandb needs the wandb package: pip install 'kora[wandb]' (the trainer "
                                 "image has it), or set tracking.wandb.enabled=false") from None

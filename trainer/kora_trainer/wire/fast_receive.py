@@ -12,6 +12,7 @@ On CPU (gloo) the same classes run sequentially without streams.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -47,7 +48,6 @@ class Streams:
         self.freed = [torch.cuda.Event() for _ in range(slots)] if self.cuda else []
 
     def on(self, stream: torch.cuda.Stream | None):  # type: ignore[no-untyped-def]
-        import contextlib
 
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 

@@ -41,7 +41,7 @@ def is_vision_language(hf_config: Any) -> bool:
 def load_policy_model(path: str, dtype: Any = "auto") -> nn.Module:
     """The model class both sides load: a VL checkpoint with its vision tower (AutoModelForImageTextToText:
     AutoModelForCausalLM would build the text-only class and drop the tower), else the causal LM."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     cls = AutoModelForImageTextToText if is_vision_language(AutoConfig.from_pretrained(path)) else AutoModelForCausalLM
     return cast(nn.Module, cls.from_pretrained(path, dtype=dtype))
@@ -55,7 +55,7 @@ def image_item(data: bytes) -> str:
 def decode_image_item(item: Any, field: str = "image_data") -> Any:
     """An `image_data` item (base64, or a `data:image/...;base64,` URL) -> a PIL RGB image; ValueError naming the
     field otherwise (a file name or URL is refused: the engine reads nothing but the request)."""
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 - Pillow only for image prompts
 
     if not isinstance(item, str):
         raise ValueError(f"{field}: an image must be a base64 string (or a data:image/...;base64 URL), "
@@ -83,7 +83,7 @@ class ImageInputs:
 
 
 def load_image_processor(path: str) -> Any:
-    from transformers import AutoImageProcessor
+    from transformers import AutoImageProcessor  # noqa: PLC0415 - transformers is heavy: loaded on use
 
     return AutoImageProcessor.from_pretrained(path)
 
@@ -94,7 +94,7 @@ def process_images(image_processor: Any, images: Sequence[Any]) -> ImageInputs:
 
 
 def images_from_bytes(image_processor: Any, files: Sequence[bytes]) -> ImageInputs:
-    from PIL import Image
+    from PIL import Image  # noqa: PLC0415 - Pillow only for image prompts
 
     return process_images(image_processor, [Image.open(io.BytesIO(f)).convert("RGB") for f in files])
 

@@ -16,6 +16,24 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from kora_trainer.algorithm.flow_grpo import Trajectory
+from kora_trainer.algorithm.lr_schedule import apply_lr
+from kora_trainer.backends.diffusion.fsdp import (
+    full_adapter,
+    full_optimizer_state,
+    load_full_adapter,
+    load_optimizer_state,
+    shard_transformer,
+)
+from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings, update
+from kora_trainer.checkpoint import lora_only
+from kora_trainer.checkpoint.diffusers_export import export_diffusers_lora, lora_config
+from kora_trainer.checkpoint.precision import torch_dtype
+from kora_trainer.lora.diffusers import apply_diffusion_lora
+from kora_trainer.lora.model import adapter_parameters, adapter_tensors
+from kora_trainer.toys.diffusion import is_diffusion_toy, load_diffusion_toy
+from kora_trainer.wire.diffusion_client import FoldedSync, LoraMergeSync
+
 if TYPE_CHECKING:
     from kora_trainer.algorithm.flow_grpo import Trajectory
     from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings
@@ -30,8 +48,6 @@ class DiffusionJobError(ValueError):
 
 def settings_of(cfg: TrainerConfig) -> FlowGRPOSettings:
     """The job's fields as the Flow-GRPO loop's knobs (the one place they meet)."""
-    from kora_trainer.backends.diffusion.train_loop import FlowGRPOSettings
-
     d, a = cfg.diffusion, cfg.algorithm
     assert d is not None
     samples = a.rollout_batch_size * a.n_samples_per_prompt
@@ -60,8 +76,6 @@ def device_of(cfg: TrainerConfig) -> torch.device:
 def load_model(cfg: TrainerConfig) -> DiffusionToy:
     """model.path as the diffusion path can load it today (a `kora make-toy --diffusion` checkpoint), checked
     against diffusion.scheduler and diffusion.resolution."""
-    from kora_trainer.toys.diffusion import is_diffusion_toy, load_diffusion_toy
-
     d = cfg.diffusion
     assert d is not None
     if not is_diffusion_toy(cfg.model.path):
@@ -90,8 +104,6 @@ def load_model(cfg: TrainerConfig) -> DiffusionToy:
 def adapted(cfg: TrainerConfig, toy: DiffusionToy) -> DiffusionToy:
     """The toy with the job's adapter on its transformer, initialised from algorithm.seed alone (every rank, and a
     copy made for pushing, gets the same factors)."""
-    from kora_trainer.lora.diffusers import apply_diffusion_lora
-
     assert cfg.diffusion is not None
     s = settings_of(cfg)
     toy.transformer.eval()  # no dropout: the re-score must see the rollout's policy
@@ -110,8 +122,6 @@ class Batch:
     adv: torch.Tensor  # [b] the whole batch's group advantages, at these rows
 
     def rows(self, rows: torch.Tensor) -> Batch:
-        from kora_trainer.algorithm.flow_grpo import Trajectory
-
         t = self.traj
         return Batch(self.ids[rows], Trajectory(latents=t.latents[rows], log_probs=t.log_probs[rows],
                                                 timesteps=t.timesteps, sigmas=t.sigmas, noise_level=t.noise_level),
@@ -122,9 +132,6 @@ class DiffusionPolicy:
     """One rank's policy and optimizer. `mesh`: the data-parallel ranks' device mesh (None: one rank, unsharded)."""
 
     def __init__(self, cfg: TrainerConfig, toy: DiffusionToy, mesh: Any = None, rank: int = 0):
-        from kora_trainer.backends.diffusion.fsdp import shard_transformer
-        from kora_trainer.lora.model import adapter_parameters
-
         self.cfg, self.toy, self.rank = cfg, adapted(cfg, toy), rank
         self.settings = settings_of(cfg)
         if mesh is not None:
@@ -134,17 +141,12 @@ class DiffusionPolicy:
     def train(self, step: int, batch: Batch) -> list[dict[str, float]]:
         """algorithm.innerEpochs passes of train_loop.update over this rank's rows at step's learning rate; each
         pass's stats (this rank's means over its rows)."""
-        from kora_trainer.algorithm.lr_schedule import apply_lr
-        from kora_trainer.backends.diffusion.train_loop import update
-
         apply_lr(self.opt, self.cfg.algorithm, step - 1)  # `step` counts from 1
         return [update(self.toy, self.settings, batch.traj, batch.ids, batch.adv, self.opt)
                 for _ in range(self.cfg.algorithm.inner_epochs)]
 
     def adapter(self) -> dict[str, torch.Tensor]:
         """The adapter's factors whole (PEFT names): a collective."""
-        from kora_trainer.backends.diffusion.fsdp import full_adapter
-
         return full_adapter(self.toy.transformer)
 
     # ---- checkpoints: LoRA-only, as the language-model path's (checkpoint/lora_only.py) -------------------------
@@ -152,10 +154,6 @@ class DiffusionPolicy:
     def save(self, root: str, step: int) -> Path | None:
         """A collective (the adapter and the optimizer state are gathered whole); rank 0 writes and returns the
         step's directory, the others None."""
-        from kora_trainer.backends.diffusion.fsdp import full_optimizer_state
-        from kora_trainer.checkpoint import lora_only
-        from kora_trainer.checkpoint.precision import torch_dtype
-
         lora_only.check_lora_only(n for n, p in self.toy.transformer.named_parameters() if p.requires_grad)
         adapter, optimizer = self.adapter(), full_optimizer_state(self.toy.transformer, self.opt)
         if self.rank != 0:
@@ -169,10 +167,6 @@ class DiffusionPolicy:
     def resume(self, root: str) -> dict[str, Any] | None:
         """The newest good checkpoint under root restored (adapter, optimizer, RNG) on this rank, whatever rank
         count wrote it; None when there is none. Every rank reads it."""
-        from kora_trainer.backends.diffusion.fsdp import load_full_adapter, load_optimizer_state
-        from kora_trainer.checkpoint import lora_only
-        from kora_trainer.lora.model import adapter_tensors
-
         ck = lora_only.load_latest(Path(root))
         if ck is None:
             return None
@@ -195,8 +189,6 @@ class DiffusionPolicy:
 def make_sync(cfg: TrainerConfig, url: str) -> Callable[[torch.nn.Module], Pushed]:
     """lora.syncMode's push to the engine at `url` of an unsharded transformer: EngineMerge the A/B pairs
     (LoraMergeSync), Merge the adapted weights folded (FoldedSync); sync.bufferSize caps a bucket."""
-    from kora_trainer.wire.diffusion_client import FoldedSync, LoraMergeSync
-
     assert cfg.diffusion is not None
     buffer, module = int(cfg.sync.buffer_size), cfg.diffusion.engine_module.value
     if cfg.lora.effective_sync_mode == "EngineMerge":
@@ -207,8 +199,6 @@ def make_sync(cfg: TrainerConfig, url: str) -> Callable[[torch.nn.Module], Pushe
 def export(cfg: TrainerConfig, root: str, step: int, transformer: torch.nn.Module) -> Path:
     """`<root>/lora_adapter/`: an unsharded transformer's adapter as diffusers' own LoRA file
     (checkpoint/diffusers_export.py)."""
-    from kora_trainer.checkpoint.diffusers_export import export_diffusers_lora, lora_config
-
     assert cfg.diffusion is not None
     s = settings_of(cfg)
     config = lora_config(cfg.lora.rank, cfg.lora.alpha, [t.value for t in cfg.diffusion.target_modules], s.lora_init)

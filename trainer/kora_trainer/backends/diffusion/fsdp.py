@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from kora_trainer.lora.model import adapter_pairs
 
@@ -24,8 +27,6 @@ from kora_trainer.lora.model import adapter_pairs
 def shard_transformer(transformer: nn.Module, mesh: Any) -> None:
     """One FSDP unit per transformer block, then the root (the embeddings and the output layers): a block's
     parameters are gathered for its forward and freed after, so a rank holds one block whole at a time."""
-    from torch.distributed.fsdp import fully_shard
-
     for block in transformer.transformer_blocks:  # type: ignore[union-attr]
         fully_shard(block, mesh=mesh)
     fully_shard(transformer, mesh=mesh)
@@ -62,8 +63,6 @@ def full_adapter(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_full_adapter(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Copy whole A/B factors (PEFT names, as full_adapter gives them) into the model: a sharded factor takes its
     own shard of the whole one (no communication: every rank holds the whole tensors)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
     with torch.no_grad():
         for pair in adapter_pairs(model):
             for name, t in pair:
@@ -78,8 +77,6 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
     """The optimizer's state whole, keyed by parameter name (torch.distributed.checkpoint's full state dict):
     the same for a sharded model on any number of ranks as for the plain one, so a checkpoint resumes at any
     rank count. Every rank must call it (it gathers the shards)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     state: dict[str, Any] = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
     return state
 
@@ -87,6 +84,4 @@ def full_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[s
 def load_optimizer_state(model: nn.Module, opt: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """full_optimizer_state's dict into `opt` (each rank keeps its own shard of it). Call it before the
     parameters have gradients: torch's loader initialises the optimizer's state with one zero step first."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     set_optimizer_state_dict(model, opt, state, options=StateDictOptions(full_state_dict=True))

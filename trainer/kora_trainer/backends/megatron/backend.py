@@ -10,14 +10,18 @@ Log-probs come from the vocab-sharded logits through megatron's vocab-parallel c
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any, cast
 
 import torch
+import torch.distributed as dist
 
 from kora_trainer.backends.batch import Padded, RolloutBatch, pad
 from kora_trainer.backends.data_parallel import DataParallel, RankContext
 from kora_trainer.backends.grpo_step import ShuffleState, StepMetrics, grpo_step
 from kora_trainer.backends.megatron.convert import layout_from_hf_config
+from kora_trainer.backends.megatron.export import hf_adapter_tensors, peft_config
 from kora_trainer.backends.megatron.lora import (
     adapter_disabled,
     adapter_parameters,
@@ -26,6 +30,7 @@ from kora_trainer.backends.megatron.lora import (
     lora_modules,
 )
 from kora_trainer.backends.megatron.model import build_gpt_model, load_hf_state, read_hf_state
+from kora_trainer.backends.megatron.moe import is_expert_module
 from kora_trainer.backends.megatron.parallel import gather_stages, init_parallel, pp_rank_size
 from kora_trainer.backends.megatron.pipeline import (
     logits_logp,
@@ -35,7 +40,9 @@ from kora_trainer.backends.megatron.pipeline import (
     pipeline_logp,
     sequence_multiple,
 )
+from kora_trainer.backends.megatron.sync import MegatronWeightSender
 from kora_trainer.backends.megatron.tp_checkpoint import TensorShards
+from kora_trainer.checkpoint.lora_only import check_lora_only
 from kora_trainer.config import TrainerConfig
 from kora_trainer.wire.group import WeightUpdateGroup
 
@@ -64,8 +71,7 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> float:
     """torch's clip_grad_norm_ for a TP-sharded, pipeline- and expert-split parameter set: shards' squares summed
     over the TP group, the experts' over the expert-parallel group, replicated parameters counted once, each stage's
     own parameters summed over the pipeline group."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     grads = [(p.grad, bool(getattr(p, "tensor_model_parallel", False)), bool(getattr(p, "expert_parallel", False)))
              for p in params if p.grad is not None]
@@ -109,10 +115,8 @@ def checkpoint_dtype(hf_config: object) -> torch.dtype:
 class MegatronBackend(ShuffleState):
     def __init__(self, cfg: TrainerConfig, dtype: torch.dtype | None = None, micro_batch_size: int = 256,
                  max_grad_norm: float = 1.0, rank: RankContext | None = None):
-        import os
-
-        from megatron.core import parallel_state
-        from transformers import AutoConfig
+        from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+        from transformers import AutoConfig  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         if rank is not None:  # one Ray actor per rank: the default group megatron's layers talk through
             os.environ.update(rank.torch_env())
@@ -150,9 +154,7 @@ class MegatronBackend(ShuffleState):
         factors are marked (`expert_parallel`: clip_grad_norm sums them over the EP group) and summed over the
         expert-data-parallel group instead (with sequence parallelism it holds the TP peers, whose tokens differ);
         the factors the LoRA wrappers mark `sequence_parallel` are summed over the TP group as well."""
-        from megatron.core import parallel_state
-
-        from kora_trainer.backends.megatron.moe import is_expert_module
+        from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         group = WeightUpdateGroup.wrap(parallel_state.get_data_parallel_group()) if world > 1 else None
         dp = DataParallel(parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size(), group)
@@ -182,17 +184,11 @@ class MegatronBackend(ShuffleState):
                 for name, m in lora_modules(self.model).items() for w in "AB"]
 
     def check_lora_only(self) -> None:
-        from kora_trainer.checkpoint.lora_only import check_lora_only
-
         check_lora_only(n for n, p in self.model.named_parameters() if p.requires_grad)
 
     def peft_export(self) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
         """(tensors, adapter_config.json, adapted module names) of the HF-PEFT export (a TP and pipeline
         collective)."""
-        from pathlib import Path
-
-        from kora_trainer.backends.megatron.export import hf_adapter_tensors, peft_config
-
         base = str(Path(self.cfg.model.path).resolve())
         tensors, modules = hf_adapter_tensors(self.model, self.layout), all_lora_modules(self.model)
         if self.stages.size > 1:  # each stage's own layers: gathered, in stage order (experts: already whole)
@@ -201,8 +197,6 @@ class MegatronBackend(ShuffleState):
         return tensors, peft_config(self.model, self.cfg.lora, base, modules), modules
 
     def make_sender(self, transport: Any) -> Any:
-        from kora_trainer.backends.megatron.sync import MegatronWeightSender
-
         return MegatronWeightSender(self.model, self.layout, self.cfg, transport, trainer_group=self.group)
 
     def _token_logp(self, p: Padded, temperature: float = 1.0) -> torch.Tensor:

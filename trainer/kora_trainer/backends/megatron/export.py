@@ -23,9 +23,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from kora_trainer.backends.megatron import parallel  # called as parallel.X(): tests put a fake rank layout there
 from kora_trainer.backends.megatron.convert import (
     PEFT_PREFIX,
     REPL,
+    TARGET_OF,
     Layout,
     adapter_from_hf,
     adapter_modules,
@@ -41,12 +43,11 @@ from kora_trainer.backends.megatron.moe import (
     load_expert_adapter,
 )
 from kora_trainer.backends.megatron.parallel import gather_tp
+from kora_trainer.checkpoint.peft_export import adapter_config, export_peft
 from kora_trainer.config import LoRASpec, TargetModule
 
 
 def _targets(model: nn.Module) -> list[TargetModule]:
-    from kora_trainer.backends.megatron.convert import TARGET_OF
-
     return sorted({TARGET_OF[name.rsplit(".", 1)[-1]] for name in lora_modules(model)}, key=str)
 
 
@@ -109,8 +110,6 @@ def peft_targets(wrapped: Iterable[str]) -> tuple[list[str], list[str]]:
 def peft_config(model: nn.Module, spec: LoRASpec, base_model: str, wrapped: Iterable[str] | None = None
                 ) -> dict[str, Any]:
     """adapter_config.json for the model's LoRA modules (`wrapped`: every pipeline stage's, when given)."""
-    from kora_trainer.checkpoint.peft_export import adapter_config
-
     modules, params = peft_targets(lora_modules(model) if wrapped is None else wrapped)
     return adapter_config(base_model=base_model, rank=spec.rank, alpha=spec.alpha, target_modules=modules,
                           dropout=spec.dropout, target_parameters=params)
@@ -119,11 +118,8 @@ def peft_config(model: nn.Module, spec: LoRASpec, base_model: str, wrapped: Iter
 def export_hf_peft(model: nn.Module, layout: Layout, spec: LoRASpec, base_model: str, root: str | Path,
                    meta: Mapping[str, Any] | None = None) -> Path | None:
     """Write `root/lora_adapter/` (HF-PEFT) from TP rank 0; other ranks take part in the gather only."""
-    from kora_trainer.backends.megatron.parallel import tp_rank_size
-    from kora_trainer.checkpoint.peft_export import export_peft
-
     tensors = hf_adapter_tensors(model, layout)
-    if tp_rank_size()[0] != 0:
+    if parallel.tp_rank_size()[0] != 0:
         return None
     return export_peft(Path(root), tensors, peft_config(model, spec, base_model),
                        {"backend": "megatron", **(meta or {})})

@@ -50,6 +50,7 @@ megatron is imported lazily: this module imports on machines without megatron-co
 from __future__ import annotations
 
 import math
+import zlib
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
@@ -57,7 +58,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kora_trainer.backends.megatron.numbering import global_name, numbering
+from kora_trainer.backends.megatron.parallel import gather_experts, gather_stages
 from kora_trainer.config import LoRASpec, SyncMode, TargetModule
+from kora_trainer.kernels.fold import fold
 from kora_trainer.lora import model as hf_lora
 from kora_trainer.lora.params import DelegatesToBase
 
@@ -111,8 +115,6 @@ class MegatronLoRA(nn.Module):
     @torch.no_grad()
     def folded_weight(self) -> torch.Tensor:
         """This rank's shard of W + (alpha/r)·B·A (fp32, rounded once): the shard of the full fold."""
-        from kora_trainer.kernels.fold import fold
-
         return fold(cast(torch.Tensor, self.base_layer.weight), self.lora_A.weight, self.lora_B.weight, self.scaling)
 
     def extra_repr(self) -> str:
@@ -133,7 +135,7 @@ class _ParallelLoRA(MegatronLoRA):
         tp_rank, tp_size = _tp(base)
         # column: A replicated [r, in], B sharded like W [out/tp, r]; row: A sharded like W [r, in/tp], B replicated
         super().__init__(base, rank, alpha, dropout, a_full if self.column else a_full.chunk(tp_size, dim=1)[tp_rank])
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         sharded, dim = (self.lora_B.weight, 0) if self.column else (self.lora_A.weight, 1)
         if self.tp_size > 1:  # so megatron's grad-norm and checkpointing treat it as a shard; a gated linear_fc1's
@@ -157,7 +159,7 @@ class LoRAColumnParallelLinear(_ParallelLoRA):
         out, bias = self.base_layer(x, *args, **kwargs)  # x [s, b, in] -> out [s, b, out/tp] (or gathered)
         if not self.enabled:
             return out, bias
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         a = F.linear(self.dropout(x.to(self.lora_A.weight.dtype)), self.lora_A.weight)  # [s, b, r]
         group = self.base_layer.tp_group
@@ -183,7 +185,7 @@ class LoRARowParallelLinear(_ParallelLoRA):
         out, bias = self.base_layer(x)  # x [s, b, in/tp] -> out [s, b, out] (reduced over TP)
         if not self.enabled:
             return out, bias
-        from megatron.core import tensor_parallel
+        from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         x = x.to(self.lora_A.weight.dtype)
         if isinstance(self.dropout, nn.Dropout) and self.tp_size > 1:
@@ -249,7 +251,6 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
     if TargetModule.ROUTER in spec.target_modules and spec.effective_sync_mode is not SyncMode.ADAPTER:
         raise ValueError("lora.targetModules contains router, which requires lora.syncMode Adapter (SPEC rule 5: "
                          "Merge and EngineMerge fold plain linear layers only)")
-    from kora_trainer.backends.megatron.model import global_name, numbering
 
     leaves = {SUPPORTED[TargetModule(t)] for t in spec.target_modules}
     numbers = numbering(model)
@@ -279,16 +280,14 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int = 0) -> list[str]:
 
 def module_seed(seed: int, name: str) -> int:
     """The LoRA init seed of one wrapped module (its global name): distinct per module, the same on every rank."""
-    import zlib
-
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
 def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator, gated: bool = False) -> MegatronLoRA | None:
     """The LoRA wrapper for one megatron module (None: not a kind LoRA wraps), A drawn at full size; `gated`: a
     gated MLP's linear_fc1 ([gate; up] rows)."""
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+    from megatron.core.transformer.moe.router import TopKRouter  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     cls: type[MegatronLoRA]
     if isinstance(module, TopKRouter):
@@ -308,8 +307,6 @@ def _wrap(module: nn.Module, spec: LoRASpec, gen: torch.Generator, gated: bool =
 
 def lora_modules(model: nn.Module) -> dict[str, MegatronLoRA]:
     """This stage's LoRA wrappers by GLOBAL module name (`decoder.layers.{global index}.…`), in model order."""
-    from kora_trainer.backends.megatron.model import global_name, numbering
-
     numbers = numbering(model)
     return {global_name(name, numbers): m for name, m in hf_lora.lora_modules(model, MegatronLoRA).items()}
 
@@ -317,8 +314,6 @@ def lora_modules(model: nn.Module) -> dict[str, MegatronLoRA]:
 def all_lora_modules(model: nn.Module) -> list[str]:
     """Every LoRA module name of the whole model: this rank's, then the other expert-parallel ranks' experts, then
     the other pipeline stages' (each once; a collective of those groups)."""
-    from kora_trainer.backends.megatron.parallel import gather_experts, gather_stages
-
     names = list(lora_modules(model))
     for gather in (gather_experts, gather_stages):
         names = list(dict.fromkeys(n for part in gather(names) for n in cast(list[str], part)))

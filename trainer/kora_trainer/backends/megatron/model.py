@@ -27,13 +27,14 @@ takes the same gathers and reduce-scatters (lora.py).
 
 from __future__ import annotations
 
-import re
+import dataclasses
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from kora_trainer.backends.megatron.convert import (
     REPL,
@@ -43,8 +44,13 @@ from kora_trainer.backends.megatron.convert import (
     param_maps,
     to_megatron_shard,
 )
+from kora_trainer.backends.megatron.lora import lora_modules
+from kora_trainer.backends.megatron.moe import is_expert_module, moe_config_kwargs, moe_layer_spec
+from kora_trainer.backends.megatron.numbering import LOCAL_EXPERT, global_name, numbering
 from kora_trainer.backends.megatron.parallel import ep_rank_size, gather_tp, pp_rank_size, tp_rank_size
 from kora_trainer.config.start_layout import MEGATRON_MODEL_TYPES
+from kora_trainer.hf_experts import unfuse_hf_experts
+from kora_trainer.kernels.fold import fold
 
 
 def rope_theta(cfg: Any) -> float:
@@ -76,10 +82,7 @@ def transformer_config(cfg: Any, dtype: torch.dtype = torch.bfloat16, tensor: in
     `pipeline` stages: micro-batches of any length pass between them (`variable_seq_lengths`: GRPO batches are
     padded per micro-batch), and the loss a micro-batch returns is taken as is (`calculate_per_token_loss`: the
     GRPO loss is already normalised by the minibatch's tokens)."""
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    from kora_trainer.backends.megatron.moe import moe_config_kwargs
+    from megatron.core.transformer import TransformerConfig  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     check_supported(cfg)
     layout = layout_from_hf_config(cfg)
@@ -115,7 +118,7 @@ def build_gpt_model(cfg: Any, dtype: torch.dtype = torch.bfloat16, init: bool = 
 
     Needs `init_parallel` first (megatron's parallel_state gives the tensor-parallel group).
     """
-    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt import GPTModel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     _, tp = tp_rank_size()
     stage, stages = pp_rank_size()
@@ -138,15 +141,13 @@ def block_spec(config: Any) -> Any:
     """TransformerBlockSubmodules of this pipeline stage's layers (megatron slices its decoder block specs so): the
     local spec's dense layer, the MoE layer (moe.moe_layer_spec) where a Qwen3-MoE's `moe_layer_freq` is 1, and the
     final norm megatron gives the local spec; under sequence parallelism their torch norms are FrozenTokenNorms."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import (
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+    from megatron.core.transformer.transformer_block import (  # noqa: PLC0415 - megatron-core is optional: this module imports without it
         LayerNormImpl,
         TransformerBlockSubmodules,
         get_num_layers_to_build,
     )
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-
-    from kora_trainer.backends.megatron.moe import moe_layer_spec
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     dense = get_gpt_layer_local_spec(qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
     offset, count = get_transformer_layer_offset(config), get_num_layers_to_build(config)
@@ -176,10 +177,8 @@ def swap_torch_norms(spec: Any) -> Any:
     """`spec` (a ModuleSpec tree, its submodules dataclasses, lists of them, or a module class) with every
     WrappedTorchNorm replaced by FrozenTokenNorm; other norms (Apex's, TransformerEngine's) take sequence
     parallelism themselves."""
-    import dataclasses
-
-    from megatron.core.transformer.spec_utils import ModuleSpec
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     if spec is WrappedTorchNorm:
         return FrozenTokenNorm
@@ -196,8 +195,6 @@ def swap_torch_norms(spec: Any) -> Any:
 
 def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
     """Every tensor of an HF checkpoint directory (*.safetensors), by HF name, on the CPU."""
-    from safetensors.torch import load_file
-
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -212,48 +209,6 @@ def base_param_name(name: str) -> str | None:
     if ".lora_A." in name or ".lora_B." in name:
         return None
     return name.replace(".base_layer.", ".")
-
-
-_LOCAL_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Numbering:
-    """How this rank's local layer and expert indices map onto the model's: its pipeline stage's layers (local ->
-    global index) and its expert-parallel share of every MoE layer's experts (a contiguous block)."""
-
-    layers: Mapping[int, int]
-    expert_offset: int = 0  # the global index of this rank's first local expert
-    local_experts: int = 0  # experts per MoE layer on this rank (0: a dense model)
-
-    def owns_expert(self, index: int) -> bool:
-        return self.local_experts == 0 or self.expert_offset <= index < self.expert_offset + self.local_experts
-
-
-def numbering(model: torch.nn.Module) -> Numbering:
-    """This rank's `Numbering` (a layer without megatron's `layer_number` keeps its own index, and a model without
-    megatron's config holds every expert: the CPU tests' stand-ins for megatron modules)."""
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    index = {} if layers is None else {int(name): int(getattr(layer, "layer_number", int(name) + 1)) - 1
-                                       for name, layer in layers.named_children()}
-    experts = int(getattr(getattr(model, "config", None), "num_moe_experts", None) or 0)
-    if not experts:
-        return Numbering(index)
-    rank, size = ep_rank_size()
-    return Numbering(index, rank * (experts // size), experts // size)
-
-
-def global_name(name: str, n: Numbering) -> str:
-    """A rank-local module or parameter name under its global layer and expert indices (`numbering`)."""
-    m = _LOCAL_LAYER.match(name)
-    if m is None:
-        return name
-    local = int(m.group(1))
-    name = f"decoder.layers.{n.layers.get(local, local)}.{name[m.end():]}"
-    if n.expert_offset and (e := _LOCAL_EXPERT.search(name)) is not None:
-        name = f"{name[:e.start()]}.mlp.experts.local_experts.{n.expert_offset + int(e.group(1))}.{name[e.end():]}"
-    return name
 
 
 def base_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -280,7 +235,7 @@ def stage_param_names(model: torch.nn.Module, maps: Mapping[str, Any]) -> set[st
 
     def mine(name: str) -> bool:
         if name.startswith("decoder.layers."):
-            expert = _LOCAL_EXPERT.search(name)
+            expert = LOCAL_EXPERT.search(name)
             return any(name.startswith(prefix) for prefix in layers) and (
                 expert is None or numbers.owns_expert(int(expert.group(1))))
         if name.startswith("embedding."):
@@ -295,10 +250,7 @@ def load_hf_state(model: torch.nn.Module, state: Mapping[str, torch.Tensor], lay
     """Copy HF tensors into the model: fused QKV / gate-up layouts, this TP rank's shards. Strict both ways.
     MoE experts may come per expert (checkpoint names) or fused (transformers-5 in-memory `gate_up_proj`)."""
     if layout.num_experts:
-        from kora_trainer.hf_experts import unfuse_hf_experts
-
         state = unfuse_hf_experts(state)
-    from kora_trainer.backends.megatron.moe import is_expert_module
 
     tp_rank, tp_size = tp_rank_size()
     maps = {pm.megatron: pm for pm in param_maps(layout)}
@@ -337,9 +289,6 @@ def hf_state(model: torch.nn.Module, layout: Layout, flavour: str = "hf", merged
     A fold is local to each shard (column: W_t + s·B_t·A; row: W_t + s·B·A_t are exactly the shards of the
     full fold), computed in fp32 and rounded once (kernels.fold), before the gather.
     """
-    from kora_trainer.backends.megatron.lora import lora_modules
-    from kora_trainer.backends.megatron.moe import is_expert_module
-
     wrapped = {f"{name}.weight": m for name, m in lora_modules(model).items()} if merged else {}
     maps = {pm.megatron: pm for pm in param_maps(layout)}
     hf_names = {pm.megatron: pm for pm in param_maps(layout, flavour)}
@@ -352,8 +301,6 @@ def param_hf_tensors(p: torch.Tensor, kind: str, hf: tuple[str, ...], lora: Any,
                      ) -> list[tuple[str, torch.Tensor]]:
     """One megatron base parameter as its HF tensors; `lora` (a wrapper or None) is folded in when enabled.
     Collective over the TP group for sharded kinds, unless `whole` (an expert's: never split by TP)."""
-    from kora_trainer.kernels.fold import fold
-
     local = p.detach()
     if lora is not None and lora.enabled:
         local = fold(local, lora.lora_A.weight.detach(), lora.lora_B.weight.detach(), lora.scaling)

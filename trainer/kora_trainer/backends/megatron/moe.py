@@ -46,7 +46,11 @@ from typing import Any, cast
 
 import torch
 
+from kora_trainer.backends.megatron import parallel  # called as parallel.X(): tests put a fake rank layout there
 from kora_trainer.backends.megatron.convert import PEFT_PREFIX, Layout, moe_layer_indices
+from kora_trainer.backends.megatron.lora import lora_modules
+from kora_trainer.backends.megatron.numbering import numbering
+from kora_trainer.backends.megatron.parallel import gather_experts
 from kora_trainer.lora.grouped import group_expert_factors, split_expert_factors
 
 MOE_MODEL_TYPES = ("qwen3_moe",)
@@ -102,7 +106,7 @@ def moe_config_kwargs(cfg: Any, dispatcher: str = "alltoall", expert: int = 1) -
 def moe_layer_spec(config: Any) -> Any:
     """The local spec's layer with `num_experts` (SequentialMLP experts, TopKRouter): what model.block_spec builds
     where `moe_layer_freq` is 1 (the dense local layer where it is 0)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     return get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
                                     qk_layernorm=config.qk_layernorm, normalization="RMSNorm")
@@ -124,9 +128,6 @@ def is_expert_module(name: str) -> bool:
 def expert_lora_groups(model: torch.nn.Module, layout: Layout) -> dict[tuple[int, str], list[Any | None]]:
     """(MoE layer, fused HF parameter) -> the E expert LoRA wrappers in expert order: this rank's own, None where
     another expert-parallel rank holds the expert."""
-    from kora_trainer.backends.megatron.lora import lora_modules
-    from kora_trainer.backends.megatron.model import numbering
-
     mods = lora_modules(model)
     owns = numbering(model).owns_expert
     out: dict[tuple[int, str], list[Any | None]] = {}
@@ -149,12 +150,10 @@ def expert_factors(model: torch.nn.Module, layout: Layout) -> dict[tuple[int, st
                                                                                              torch.Tensor]]]:
     """(MoE layer, fused HF parameter) -> every expert's (A, B), in expert order: under expert parallelism each
     rank's own, gathered over the expert-parallel group (a collective of it; on this rank's device)."""
-    from kora_trainer.backends.megatron.parallel import ep_rank_size, gather_experts
-
     groups = expert_lora_groups(model, layout)
     own = {(key, e): (m.lora_A.weight.detach(), m.lora_B.weight.detach())
            for key, ms in groups.items() for e, m in enumerate(ms) if m is not None}
-    if ep_rank_size()[1] > 1:
+    if parallel.ep_rank_size()[1] > 1:
         device = next(model.parameters()).device
         for part in gather_experts({k: (a.cpu(), b.cpu()) for k, (a, b) in own.items()}):
             own.update({k: (a.to(device), b.to(device)) for k, (a, b) in cast(dict[Any, Any], part).items()

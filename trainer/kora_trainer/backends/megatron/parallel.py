@@ -17,17 +17,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kora_trainer.wire.ports import free_port
+
 
 def init_parallel(tensor: int = 1, seed: int = 0, backend: str | None = None, pipeline: int = 1,
                   expert: int = 1) -> None:
     """Join (or create) the default process group (NCCL with a GPU, else gloo), then initialise megatron's
     model-parallel groups and RNG."""
-    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core import parallel_state, tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if not dist.is_initialized():
-        from kora_trainer.wire.ports import free_port
-
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -50,7 +50,7 @@ def init_parallel(tensor: int = 1, seed: int = 0, backend: str | None = None, pi
 
 
 def destroy_parallel() -> None:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -58,14 +58,14 @@ def destroy_parallel() -> None:
 
 
 def tp_rank_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
 def gather_tp(t: torch.Tensor) -> list[torch.Tensor]:
     """Every TP rank's copy of a sharded tensor, in rank order (the local tensor alone when TP = 1)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     size = parallel_state.get_tensor_model_parallel_world_size()
     if size == 1:
@@ -76,7 +76,7 @@ def gather_tp(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def pp_rank_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     return (parallel_state.get_pipeline_model_parallel_rank(),
             parallel_state.get_pipeline_model_parallel_world_size())
@@ -91,7 +91,7 @@ def from_last_stage(t: torch.Tensor | None, shape: tuple[int, ...], dtype: torch
                     device: torch.device) -> torch.Tensor:
     """The last pipeline stage's tensor `t` on every stage (`t` is ignored elsewhere; `shape` and `dtype` say
     what arrives). One broadcast over this rank's pipeline group."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     rank, size = pp_rank_size()
     if size == 1:
@@ -115,19 +115,19 @@ def _gather_objects(obj: object, size: int, group: Callable[[], Any]) -> list[ob
 
 def gather_stages(obj: object) -> list[object]:
     """Every pipeline stage's `obj`, in stage order, on every stage ([obj] with one stage)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     return _gather_objects(obj, pp_rank_size()[1], parallel_state.get_pipeline_model_parallel_group)
 
 
 def ep_rank_size() -> tuple[int, int]:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     return (parallel_state.get_expert_model_parallel_rank(), parallel_state.get_expert_model_parallel_world_size())
 
 
 def gather_experts(obj: object) -> list[object]:
     """Every expert-parallel rank's `obj`, in EP rank order ([obj] without expert parallelism)."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     return _gather_objects(obj, ep_rank_size()[1], parallel_state.get_expert_model_parallel_group)

@@ -53,7 +53,7 @@ def padded_to(ids: torch.Tensor, multiple: int, pad_id: int = 0) -> torch.Tensor
 def logits_logp(logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Vocab-sharded logits [B, L, V/tp] of `ids` [B, L] -> [B, L-1] log p(token t+1 | tokens <= t), reduced over
     the TP group's vocab shards (the full [tokens, vocab] logits are never gathered)."""
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     # vocab_parallel_cross_entropy works in place on its input: hand it its own fp32 copy
     shifted = logits[:, :-1].to(torch.float32, copy=True)  # [B, L-1, V/tp]
@@ -67,7 +67,7 @@ def run_pipeline(model: torch.nn.Module, p: Padded, mbs: list[torch.Tensor], pad
                  loss_of: MicroLoss | None = None) -> list[torch.Tensor]:
     """Forward (and, given `loss_of`, backward) micro-batches `mbs` (sample indices into `p`) through the stages.
     Returns each micro-batch's [b, R] response log-probs on the last stage, [] on the others."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel import get_forward_backward_func  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     if not mbs:
         return []

@@ -32,8 +32,10 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from kora_trainer.backends.megatron import parallel  # called as parallel.X(): tests put a fake rank layout there
 from kora_trainer.backends.megatron.convert import (
     FC1,
     PEFT_PREFIX,
@@ -45,14 +47,17 @@ from kora_trainer.backends.megatron.convert import (
     column_parallel,
     from_megatron_shards,
     param_maps,
+    split_qkv,
 )
-from kora_trainer.backends.megatron.lora import all_lora_modules, lora_modules
+from kora_trainer.backends.megatron.export import _targets, hf_adapter_tensors, peft_config
+from kora_trainer.backends.megatron.lora import adapter_parameters, all_lora_modules, lora_modules
 from kora_trainer.backends.megatron.model import base_parameters, param_hf_tensors
 from kora_trainer.backends.megatron.moe import is_expert_module
 from kora_trainer.backends.megatron.parallel import pp_rank_size
 from kora_trainer.sync.fast.plan import Entry, FoldEntry, GatherSpec, PlainEntry
 from kora_trainer.sync.sender import WeightSender, follower
 from kora_trainer.sync.sources import Source
+from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
 from kora_trainer.wire.group import WeightUpdateGroup
 
 Named = tuple[str, torch.Tensor]
@@ -60,8 +65,6 @@ Named = tuple[str, torch.Tensor]
 
 def qkv_row_map(layout: Layout) -> torch.Tensor:
     """[ng·(h/ng+2)·d] int32: the row of cat(q, k, v) (HF) that each row of megatron's fused QKV becomes."""
-    from kora_trainer.backends.megatron.convert import split_qkv
-
     rows = layout.num_kv_heads * (layout.heads_per_group + 2) * layout.head_dim
     q, k, v = split_qkv(torch.arange(rows), layout)  # fused row ids in HF order
     order = torch.cat([q, k, v])
@@ -72,7 +75,7 @@ def qkv_row_map(layout: Layout) -> torch.Tensor:
 
 def tp_group() -> WeightUpdateGroup | None:
     """megatron's tensor-parallel group as a `WeightUpdateGroup` (its own ranks), None at TP = 1."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     if parallel_state.get_tensor_model_parallel_world_size() == 1:
         return None
@@ -83,11 +86,9 @@ def model_parallel_group() -> WeightUpdateGroup | None:
     """The ranks that hold one copy of the model between them, as a `WeightUpdateGroup`: megatron's model-parallel
     group (TP x PP), or with expert parallelism its expert group (expertTensor x EP x PP: the experts are carved out
     of the data ranks); None when the model is not split."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
-    from kora_trainer.backends.megatron.parallel import ep_rank_size
-
-    if ep_rank_size()[1] > 1:
+    if parallel.ep_rank_size()[1] > 1:
         return WeightUpdateGroup.wrap(parallel_state.get_expert_tensor_model_pipeline_parallel_group())
     if _tp_size() == 1 and pp_rank_size()[1] == 1:
         return None
@@ -98,12 +99,10 @@ def across_ranks(src: Source, model: nn.Module, experts_whole: bool = False) -> 
     """This rank's Source as the whole model's (itself when nothing is split but TP, which the sources gather):
     the expert-parallel ranks' experts joined (unless `experts_whole`: the source already gathers them, as the
     adapter's does for PEFT's grouped layout), then the pipeline stages' layers (`_joined`)."""
-    from megatron.core import parallel_state
-
-    from kora_trainer.backends.megatron.parallel import ep_rank_size
+    from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
     device = next(model.parameters()).device
-    if ep_rank_size()[1] > 1 and not experts_whole:
+    if parallel.ep_rank_size()[1] > 1 and not experts_whole:
         src = _joined(src, parallel_state.get_expert_model_parallel_group(), device)
     if pp_rank_size()[1] > 1:
         src = _joined(src, parallel_state.get_pipeline_model_parallel_group(), device)
@@ -117,8 +116,6 @@ def _joined(src: Source, group: Any, device: torch.device) -> Source:
     each tensor broadcast from its owner. A member reads the replicas it holds too: its source's own collectives
     (the TP gather) need every rank that holds a name to ask for it, and under tensor x expert parallelism the
     members of `group` can be one another's TP peers."""
-    import torch.distributed as dist
-
     plan = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in g] for g in src.groups]
     plans: list[Any] = [None] * group.size()
     dist.all_gather_object(plans, plan, group=group)
@@ -149,9 +146,7 @@ def _joined(src: Source, group: Any, device: torch.device) -> Source:
 
 
 def _tp_size() -> int:
-    from kora_trainer.backends.megatron.parallel import tp_rank_size
-
-    return tp_rank_size()[1]
+    return parallel.tp_rank_size()[1]
 
 
 def _local_layout(layout: Layout, tp: int) -> Layout:
@@ -213,8 +208,6 @@ def merge_entries(model: nn.Module, layout: Layout, merged: bool = True, flavour
 def adapter_specs(model: nn.Module, layout: Layout, flavour: str = "hf") -> list[GatherSpec]:
     """Every HF-PEFT adapter tensor as rows of a megatron LoRA parameter, pairs adjacent. Under TP the rows index
     the full factor (the TP ranks' shards concatenated along `GatherSpec.split`)."""
-    from kora_trainer.backends.megatron.export import _targets
-
     tp = _tp_size()
     mapping = adapter_modules(layout, _targets(model), flavour)
     qkv_rows = None
@@ -282,8 +275,6 @@ def megatron_source(model: nn.Module, layout: Layout, merged: bool, flavour: str
 
 def megatron_adapter_source(model: nn.Module, layout: Layout, flavour: str = "hf") -> Source:
     """The adapter under HF-PEFT names, each lora_A/lora_B pair one group (never split)."""
-    from kora_trainer.backends.megatron.export import hf_adapter_tensors
-
     first = hf_adapter_tensors(model, layout, flavour)  # shapes for the plan (values re-read per push)
     pairs: dict[str, list[Named]] = {}
     for n, t in first.items():
@@ -313,8 +304,6 @@ class MegatronWeightSender(WeightSender):
         super().__init__(model, cfg, transport, trainer_group, verify)
 
     def make_adapter_config(self) -> dict[str, Any]:
-        from kora_trainer.backends.megatron.export import peft_config
-
         return peft_config(self.model, self.cfg.lora, self.cfg.model.path, all_lora_modules(self.model))
 
     def adapter_named(self) -> list[Named]:
@@ -347,8 +336,6 @@ class MegatronWeightSender(WeightSender):
             raise NotImplementedError("MoE models: expert tensors and adapters go through the HTTP path")
 
     def fast_adapter_params(self) -> list[nn.Parameter]:
-        from kora_trainer.backends.megatron.lora import adapter_parameters
-
         return list(adapter_parameters(self.model))
 
     def fast_merge_entries(self) -> list[Entry]:
@@ -365,8 +352,6 @@ def _tp_transport(tp: WeightUpdateGroup, transport: Any) -> Any:
     this: one MAX all-reduce of [tp] transport kinds). The HTTP sources all-gather the shards, so every TP rank
     holds the whole policy while a push runs: Colocate lets each rank feed the engines beside it; over the
     weight-update group one rank (TP rank 0) broadcasts."""
-    from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
-
     kinds = [DistributedTransport.kind, ColocatedTransport.kind]
     mine = getattr(transport, "kind", None)
     if transport is not None and mine not in kinds:

@@ -81,7 +81,7 @@ class TensorShards:
     @classmethod
     def of(cls, params: list[torch.nn.Parameter]) -> TensorShards | None:
         """None at TP = 1, one stage and no expert parallelism: the checkpoint is this rank's state as it is."""
-        from megatron.core import parallel_state
+        from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
 
         size = parallel_state.get_tensor_model_parallel_world_size()
         stages = parallel_state.get_pipeline_model_parallel_world_size()
