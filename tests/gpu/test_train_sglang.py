@@ -14,6 +14,7 @@ Run on the device: `source hack/gpu_sglang_env.sh && python -m pytest -m sglang 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import statistics
@@ -87,13 +88,20 @@ def test_real_sglang_serves_the_policy_every_step_and_the_reward_rises(toy, tmp_
     assert len(gaps) == STEPS, "the serving check must run on every step"
     bound = summary.get("served_logp_gap_max_bound", 0.25)
     assert max(gaps) < bound, f"PolicyServed broke: engine vs trainer log-prob gap {max(gaps)} >= {bound}"
+    # the serving check's resolution: what an engine one push behind would have shown at each step
+    stale = sorted(s["stale_logp_gap_max"] for s in steps if s.get("stale_logp_gap_max") is not None)
     rewards = [s["reward_mean"] for s in steps]
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     calls = engine_calls(run)
     bad = [c for c in calls if not 200 <= c[2] < 300]
     assert calls and not bad, f"SGLang answered {len(bad)} of {len(calls)} requests with an error: {bad[:5]}"
+    (run.run_dir.parent / f"curve-{mode}.json").write_text(json.dumps({"reward": rewards, "gap": gaps,
+                                                                        "stale_gap": [s.get("stale_logp_gap_max")
+                                                                                      for s in steps]}))
     report(test="train_sglang", mode=mode, steps=STEPS, reward_first10=round(first, 4), reward_last10=round(last, 4),
            gap_mean=statistics.mean(gaps), gap_p99=sorted(gaps)[max(0, round(0.99 * len(gaps)) - 1)],
-           gap_max=max(gaps), sync_ms_p50=summary["sync_ms_p50"], wall_s=summary["wall_s"],
+           gap_max=max(gaps), stale_gap_min=stale[0] if stale else None,
+           stale_gap_p50=statistics.median(stale) if stale else None, sync_ms_p50=summary["sync_ms_p50"],
+           wall_s=summary["wall_s"],
            routes=sorted({r for _, r, _ in calls}), notes=run.notes()[:2])
     assert last > first, f"the reward did not rise: first 10 steps {first:.3f}, last 10 {last:.3f}"

@@ -131,3 +131,17 @@ def test_kl_to_base_is_measured_without_changing_the_update(model_dir):
     sampled = [x for lp in lps for x in lp]
     assert abs(on.entropy - (-sum(sampled) / len(sampled))) < 1e-5 and on.entropy > 0
     assert on.ppo_kl != 0.0  # two inner epochs: the second pass runs on an updated policy
+
+
+def test_the_stale_gap_is_how_far_the_update_moved_the_sampled_tokens(model_dir):
+    """stale_logp_gap_max is the serving check's resolution: after a step that moved the policy, an engine still on
+    the old version would show this gap, far above the correct engine's (the rollout's own log-probs)."""
+    b = backend(model_dir, **{"algorithm.lr": "0.05"})
+    lps = b.logprobs([PROMPT] * 2, [GOOD, BAD])
+    m = b.train_step(RolloutBatch([PROMPT] * 2, [GOOD, BAD], lps, [1.0, 0.0], 2, weight_versions=["0", "0"]))
+    after = b.logprobs([PROMPT] * 2, [GOOD, BAD])
+    moved = max(abs(x - y) for new, old in zip(after, lps, strict=True) for x, y in zip(new, old, strict=True))
+    assert m.rollout_logp_gap_max < 1e-5 < m.stale_logp_gap_max
+    assert m.stale_logp_gap_max == pytest.approx(moved, rel=1e-4)
+    late = b.train_step(RolloutBatch([PROMPT] * 2, [GOOD, BAD], lps, [1.0, 0.0], 2, weight_versions=["0", "0"]))
+    assert late.stale_logp_gap_max is None  # rollouts of an older version: no gap to compare

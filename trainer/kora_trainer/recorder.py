@@ -177,7 +177,7 @@ class StepRecorder:
         if report.note:
             self.say(f"sync: {report.note}")
         keys = ("reward_mean", "loss", "clip_frac", "train_ms", "dp_allreduce_ms", "logprob_ms", "tokens",
-                "samples", "response_len", "rollout_version_lag", "rollout_logp_gap_max", "lr")
+                "samples", "response_len", "rollout_version_lag", "rollout_logp_gap_max", "stale_logp_gap_max", "lr")
         self.event("step", step=step, total=self.steps, gen_ms=rstats["gen_ms"], sync=report.as_dict(),
                    **{k: getattr(metrics, k) for k in keys})
         if self.serving is not None:  # last: a PolicyNotServed leaves the step recorded

@@ -63,6 +63,10 @@ class StepMetrics:
     # because the tokens were drawn from that very distribution (no full-vocabulary logits kept)
     entropy: float = 0.0
     lr: float = 0.0
+    # max |trainer after this step's update - engine| on the sampled tokens of each rank's first micro-batch: the gap
+    # the serving check would see from an engine that stayed one version behind. A serving threshold above it cannot
+    # tell a stale engine from a fresh one (None: off-policy rollouts, or pipeline stages)
+    stale_logp_gap_max: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -276,8 +280,23 @@ def grpo_step(owner: StepOwner, batch: RolloutBatch, token_logp: TokenLogp,
                            times)
     # the optimizer's kernels are still queued: the step's time includes them, and the push that follows (which
     # waits for them before it reads the adapter) does not
+    stale = stale_gap(owner, x, token_logp) if on_policy else None
     times.settled()
-    return step_metrics(owner, batch, x, sums.over_ranks(owner), updates, on_policy, lag, lr, times)
+    metrics = step_metrics(owner, batch, x, sums.over_ranks(owner), updates, on_policy, lag, lr, times)
+    return replace(metrics, stale_logp_gap_max=stale)
+
+
+def stale_gap(owner: StepOwner, x: StepInputs, token_logp: TokenLogp) -> float | None:
+    """The updated policy's log-probs of one micro-batch (this rank's first) against the engine's: how far one
+    step moved the sampled tokens, so what an engine that missed this push would show next step. One no-grad
+    forward of one micro-batch. Not measured across pipeline stages (only the last one holds log-probs)."""
+    if owner.stages.size > 1:
+        return None
+    mb = owner.dp.share(torch.arange(len(x.adv)))[:owner.micro_batch_size]
+    mbd = mb.to(owner.device)
+    with torch.no_grad():
+        gap = (token_logp(x.p.select(mb), x.temperature) - x.old[mbd]).abs() * x.mask[mbd]
+    return owner.dp.max(float(gap.max()) if len(mb) else 0.0)
 
 
 def step_metrics(owner: StepOwner, batch: RolloutBatch, x: StepInputs, sums: MetricSums, updates: int,

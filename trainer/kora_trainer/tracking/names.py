@@ -31,6 +31,7 @@ FIELDS: dict[str, str] = {
     "rollout/version_lag": "rollout_version_lag",
     "rollout/logp_gap_max": "rollout_logp_gap_max",  # None (left out) for rollouts of an older policy: async
     "rollout/logp_gap_mean": "rollout_logp_gap_mean",
+    "rollout/stale_logp_gap_max": "stale_logp_gap_max",  # what an engine one push behind would show (grpo_step.py)
 }
 KL_TAG = "actor/kl_loss"  # only where measured: algorithm.klCoef > 0 or tracking.klToBase
 
