@@ -4,8 +4,9 @@ grouped layout at each slot's own rank) and the router's adapter, beside the att
 What a user relies on: two adapters of different ranks train on one tiny MoE base, each moving its own expert and
 router factors; each one's HF-PEFT export (`target_parameters` as the single-adapter path writes it) loads in
 peft 0.21 and gives kora's logits; an adapter trained beside another ends bit-identical to the same adapter trained
-alone (its own RNG stream and AdamW); and (`full`) the reference engine serves both adapters as the trainer holds
-them after kora's Adapter-mode push (SlotSender, in-memory transport).
+alone (its own RNG stream and AdamW), and a slot restored from its state goes on bit for bit; the reference engine
+serves both adapters in one batch as the trainer holds them after kora's Adapter-mode push (SlotSender, in-memory
+transport; over the weight-update group: tests/e2e/test_multi_lora_moe.py, `full`).
 
 Tolerance TOL = 1e-5 on logits / log-probs (fp32; peft forms W + s·B·A as kora does, the engine on row subsets).
 Tiny model: 3 layers (layer 1 dense), hidden 64, 8 experts top-2, moe_intermediate 24, vocab 16; job rank 4.
@@ -29,6 +30,7 @@ from kora_trainer.sync.slot_sender import SlotSender
 from kora_trainer.sync.transport import ColocatedTransport
 from tinymodel import make_tiny_moe_model
 
+pytestmark = pytest.mark.timeout(180)  # the engine test starts a process
 TOL = 1e-5
 EXPERTS, R = 8, 4
 TARGETS = "[linear_qkv, linear_fc1, linear_fc2, router]"
@@ -152,7 +154,6 @@ def gap(outs, logprobs) -> float:
                for x, y in zip(o.output_logprobs, row, strict=True))
 
 
-@pytest.mark.full
 def test_the_engine_serves_both_moe_adapters_as_trained(both, moe_dir, tmp_path):
     """kora's Adapter-mode push of each slot (base once, then each adapter under its name) to the reference engine:
     each adapter's greedy continuations carry the trainer's log-probs."""
