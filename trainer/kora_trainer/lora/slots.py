@@ -9,7 +9,10 @@ alone on the base — gradients land in the slot's Parameters and stay there whi
 `active`, the adapters are off: the model is the base.
 
 Every view `lora/model.py` gives (adapter_pairs, adapter_tensors, peft_config_dict) reads the active slot.
-Dense linear targets only: fused-expert / router parameters (LoRAParam) are refused at construction.
+MoE expert and router adapters (`LoRAParam`, PEFT's `target_parameters`) swap the same way: a fused-expert
+parameter [E, out, in] holds one (A_e, B_e) per expert (per-expert, as miles #1794 defaults to) in PEFT's grouped
+layout at the slot's rank — lora_A [E·r, in], lora_B [out, r·E] (lora/grouped.py) — and the router a plain
+A [r, in], B [out, r]; neither draws dropout (a ParamWrapper has none), so only dense slots use the RNG stream.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import torch
 from torch import nn
 
 from kora_trainer.lora.layer import LoRALinear
-from kora_trainer.lora.model import lora_modules
+from kora_trainer.lora.model import LORA_KINDS, lora_modules
 from kora_trainer.lora.params import LoRAParam
+
+Wrapped = LoRALinear | LoRAParam
 
 
 @dataclass
@@ -32,7 +37,8 @@ class Slot:
     name: str
     rank: int
     alpha: float
-    factors: dict[str, tuple[nn.Parameter, nn.Parameter]]  # module name -> (A [r, in], B [out, r])
+    # module name -> (A [r, in], B [out, r]); a fused-expert parameter's grouped (A [E·r, in], B [out, r·E])
+    factors: dict[str, tuple[nn.Parameter, nn.Parameter]]
     rng: torch.Tensor  # its CPU RNG state while it is not active
 
     @property
@@ -43,14 +49,8 @@ class Slot:
 
 class AdapterSlots:
     def __init__(self, model: nn.Module):
-        wrapped = lora_modules(model)
-        params = [n for n, m in wrapped.items() if isinstance(m, LoRAParam)]
-        if params:
-            raise ValueError(f"multi-LoRA trains dense linear targets only so far, and {params[:3]} are MoE expert / "
-                             "router parameters: remove router and the expert linears (linear_fc1 / linear_fc2 on an "
-                             "MoE model) from lora.targetModules, or set multiLora.maxAdapters to 0")
         self.model = model
-        self.modules: dict[str, LoRALinear] = {n: m for n, m in wrapped.items() if isinstance(m, LoRALinear)}
+        self.modules: dict[str, Wrapped] = lora_modules(model, LORA_KINDS)
         self.max_rank = max(m.rank for m in self.modules.values())
         self.slots: dict[str, Slot] = {}
         self.current: str | None = None
@@ -66,10 +66,11 @@ class AdapterSlots:
         gen = torch.Generator().manual_seed(seed)
         factors = {}
         for mod_name, m in self.modules.items():
-            ref = m.base_layer.weight
-            a = torch.empty(rank, m.in_features, dtype=ref.dtype)
+            ref = m.lora_A.weight  # the job-rank factor the wrapper was built with: the slot's device and dtype
+            groups, in_f, out_f = _shape(m)
+            a = torch.empty(rank * groups, in_f, dtype=ref.dtype)
             _kaiming_uniform(a, gen)
-            b = torch.zeros(m.out_features, rank, dtype=ref.dtype)
+            b = torch.zeros(out_f, rank * groups, dtype=ref.dtype)
             factors[mod_name] = (nn.Parameter(a.to(ref.device)), nn.Parameter(b.to(ref.device)))
         slot = Slot(name, rank, alpha, factors, torch.Generator().manual_seed(seed + 1).get_state())
         self.slots[name] = slot
@@ -104,6 +105,15 @@ class AdapterSlots:
     def _off(self) -> None:
         for m in self.modules.values():
             m.enabled = False
+
+
+def _shape(m: Wrapped) -> tuple[int, int, int]:
+    """(factor groups, in, out): a fused-expert parameter [E, out, in] has one (A_e, B_e) per expert; a dense
+    linear or a 2-D router weight one pair."""
+    if isinstance(m, LoRAParam):
+        out_f, in_f = m.target().shape[-2:]
+        return max(m.experts, 1), in_f, out_f
+    return 1, m.in_features, m.out_features
 
 
 def _kaiming_uniform(t: torch.Tensor, gen: torch.Generator) -> None:
