@@ -390,17 +390,25 @@ class WeightSender:
         return sum(t.numel() * t.element_size() for _, t in named)
 
     def _replace_adapter(self, name: str, config: dict[str, Any], wv: str) -> Any:
-        # SGLang refuses to load a name that is loaded: replacing = unload, then load. Before our
-        # first push the engine may still hold the name from an earlier trainer (a restart).
+        # SGLang refuses to load a name that is loaded: replacing = unload, then load. The first push only loads
+        # (an unload of a name the engine never had is a 400 in SGLang's access log); should the engine still
+        # hold the name from an earlier trainer (a restart), its refusal says so and the name is replaced.
         first = name not in self._loaded
 
-        def replace_adapter(c: EngineClient, payload: str) -> dict[str, Any]:
-            try:
+        def load(c: EngineClient, payload: str) -> dict[str, Any]:
+            if not first:
                 c.unload_lora_adapter(name)
+                return c.load_lora_adapter_from_tensors(name, config, payload)
+            try:
+                return c.load_lora_adapter_from_tensors(name, config, payload)
             except EngineError as e:
-                if not (first and "does not exist" in e.message):
+                if "already" not in e.message:
                     raise
-            out = c.load_lora_adapter_from_tensors(name, config, payload)
+            c.unload_lora_adapter(name)
+            return c.load_lora_adapter_from_tensors(name, config, payload)
+
+        def replace_adapter(c: EngineClient, payload: str) -> dict[str, Any]:
+            out = load(c, payload)
             # SGLang's tensor route takes no version: label the new adapter's rollouts ourselves, after
             # the load (a request in between shows the older version: a lag, never a false "current").
             # The engine's one version serves one adapter only: multi-LoRA tags its rollouts itself.
