@@ -41,7 +41,8 @@ def trainer(model_dir, dp: int = 1) -> MultiLoRATrainer:
     overrides = [f"model.path={model_dir}", "data.path=unused.parquet", "lora.rank=4", "lora.alpha=8",
                  "lora.dropout=0.0", "lora.syncMode=Adapter", "algorithm.lr=0.02", "algorithm.klCoef=0.05",
                  f"algorithm.rolloutBatchSize={GROUPS}", f"algorithm.nSamplesPerPrompt={G}",
-                 f"algorithm.globalBatchSize={GROUPS * G}", f"parallelism.data={dp}", "multiLora.maxAdapters=2", "rollout.engine=hf"]
+                 f"algorithm.globalBatchSize={GROUPS * G}", f"parallelism.data={dp}", "multiLora.maxAdapters=2",
+                 "rollout.engine=hf"]
     cfg, _ = load_config(None, overrides)
     # micro-batches of 3 cut across the groups: units and the whole batch split differently
     return MultiLoRATrainer(TorchBackend(cfg, device="cpu", threads=1, micro_batch_size=3))
@@ -108,7 +109,10 @@ def test_a_retired_adapter_drops_its_partial_batch_and_overshoot_is_refused(mode
         t.train({"a": b})  # 2 + 4 groups > its 4
     with pytest.raises(ValueError, match="whole groups"):
         t.train({"a": b.rows(0, G - 1)})
-    t.remove("a")  # retired mid-batch: its slot, optimizer and the two groups' gradients go
+    t.drop_pending("a")  # its generation aborted: the batch starts again, clean
+    assert t.pending("a") == 0 and all(p.grad is None for p in t.adapters["a"].slot.params)
+    assert t.train({"a": b.rows(0, 3 * G)}) == [] and t.pending("a") == 3 * G
+    t.remove("a")  # retired mid-batch: its slot, optimizer and the three groups' gradients go
     t.add(settings(t, "a", None))  # the name registered again: a fresh slot, nothing pending
     fresh = trainer(model_dir)
     fresh.add(settings(fresh, "a", None))
@@ -145,6 +149,11 @@ class ThreadGroup:
         self._reduce(t, lambda x, d: torch.amax(x, d))
 
 
+def fed(t: MultiLoRATrainer, step: int, done: dict[int, list], r: int) -> None:
+    """One rank's train calls: its batch in calls of 1, 1 and 2 groups."""
+    done[r] = stream(t, "a", batch(t, "a", step), [1, 1, 2])
+
+
 def test_units_at_data_2_end_where_the_whole_batch_at_data_1_ends(model_dir):
     """Each rank its share of every unit (a unit = 1 group of 4 samples: 2 per rank), the slot's gradients summed
     over the two ranks only when the batch is in."""
@@ -158,12 +167,7 @@ def test_units_at_data_2_end_where_the_whole_batch_at_data_1_ends(model_dir):
     for step in (1, 2):
         ref = one.train({"a": batch(one, "a", step)})
         done: dict[int, list] = {}
-
-        def rank(r: int, step: int = step) -> None:
-            t = ranks[r]
-            done[r] = stream(t, "a", batch(t, "a", step), [1, 1, 2])
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+        threads = [threading.Thread(target=fed, args=(ranks[r], step, done, r)) for r in range(2)]
         for th in threads:
             th.start()
         for th in threads:

@@ -110,6 +110,12 @@ class MultiLoRATrainer:
     def names(self) -> list[str]:
         return list(self.adapters)
 
+    def drop_pending(self, name: str) -> None:
+        """Forget adapter `name`'s partly accumulated batch (its generation was aborted): gradients and sums."""
+        a = self.adapters[name]
+        a.pending = None
+        a.optimizer.zero_grad(set_to_none=True)
+
     def pending(self, name: str) -> int:
         """Samples of adapter `name`'s current batch already in its slot's gradients (0 at a step boundary)."""
         p = self.adapters[name].pending

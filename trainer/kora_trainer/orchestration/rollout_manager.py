@@ -43,8 +43,10 @@ import hashlib
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, cast
 
 from kora_trainer.algorithm.rewards import RewardFn, Sample, reward_fn
@@ -225,11 +227,13 @@ class Rollout:
     # ---- spreading a step over the engines ---------------------------------------------------------------
 
     def _chunks(self, ids: list[list[int]], params: list[dict[str, Any]], g: int, engines: int,
-                image_data: list[list[str]] | None = None) -> list[_Chunk]:
+                image_data: list[list[str]] | None = None, most: int | None = None) -> list[_Chunk]:
         """The step's prompts in consecutive runs, about `chunks_per_engine` per engine (one call per engine when
-        there is one: nothing to balance, and the engine batches the whole step); `image_data`: per prompt."""
+        there is one: nothing to balance, and the engine batches the whole step), each at most `most` prompts
+        when given; `image_data`: per prompt."""
         n_prompts = len(ids) // g
         per = -(-n_prompts // (engines * self.chunks_per_engine)) if engines > 1 else n_prompts
+        per = min(per, most) if most else per
         return [_Chunk(ids[p * g:(p + per) * g], params[p * g:(p + per) * g],
                        None if image_data is None else [image_data[k // g] for k in range(p * g, (p + per) * g)
                                                         if k < len(ids)])
@@ -243,19 +247,24 @@ class Rollout:
 
     def spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int,
                lora_path: str | None = None, rid_prefix: str | None = None,
-               image_data: list[list[str]] | None = None) -> tuple[list[GenerateOutput], dict[str, str]]:
+               image_data: list[list[str]] | None = None, chunk_prompts: int | None = None,
+               on_chunk: Callable[[int, list[GenerateOutput]], None] | None = None,
+               ) -> tuple[list[GenerateOutput], dict[str, str]]:
         """Every request answered, in order. Each call goes to the healthy engine holding the fewest requests
         that has room (`in_flight` calls); an engine that fails /health or a call is out for the step and its
         calls go to the others; a refused request (4xx) or no engine left fails the step. `lora_path`: the
         adapter (default: the job's, kora-policy in Adapter mode); `rid_prefix`: request ids
         `<rid_prefix><uuid>` (multi-LoRA: `<adapter>::`, so one adapter's requests abort by prefix); `image_data`:
-        each prompt's images as SGLang's image_data items (wire/vision.py), for a VL model."""
+        each prompt's images as SGLang's image_data items (wire/vision.py), for a VL model. `chunk_prompts`: at
+        most this many prompts a call; `on_chunk(first prompt, outputs)`: told of each call's answers as they come
+        (on the calling thread), so whole groups can move on before the step is done (multi-LoRA streaming)."""
         lora_path = lora_path or self.lora_path
         down = self._health()
         alive = [e for e in range(len(self.clients)) if e not in down]
         if not alive:
             raise RolloutError(self._none_left(step, down))
-        chunks = self._chunks(ids, params, g, len(alive), image_data)
+        chunks = self._chunks(ids, params, g, len(alive), image_data, chunk_prompts)
+        starts = list(accumulate((len(c.ids) // g for c in chunks), initial=0))  # each chunk's first prompt
         results: list[list[GenerateOutput] | None] = [None] * len(chunks)
         queue = deque(range(len(chunks)))
         running: dict[Future[list[GenerateOutput]], tuple[int, int]] = {}  # call -> (chunk, engine)
@@ -299,6 +308,8 @@ class Rollout:
                     load.queued += n
                 else:
                     load.served[e] += n
+                    if on_chunk is not None:
+                        on_chunk(starts[c], results[c] or [])
         return [out for chunk in results if chunk is not None for out in chunk], {
             self.urls[e]: why for e, why in sorted(down.items())}
 
