@@ -124,6 +124,26 @@ def test_groups_stream_into_training_and_each_adapter_steps_when_its_batch_is_in
 
 
 @pytest.mark.slow
+@pytest.mark.full
+def test_streamed_groups_with_async_generation_lag_one_version(toy_dir, tmp_path):
+    """deployment.async with streaming: an adapter's next batch starts when the last unit of its current one is
+    in, so its units come from one version behind; every batch still steps once, whole."""
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 3},
+                {"name": "even", "rank": 8, "numSteps": 2, "seed": 7, "streamGroups": 2,
+                 "data": {**EVEN, "path": data}}]
+    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters, checkpoint={"path": None},
+                                                      deployment={"async": True}))
+    wait_all([run])
+    summary = run.summary()["adapters"]
+    assert {n: (a["phase"], a["steps"]) for n, a in summary.items()} == {"odd": ("Succeeded", 3),
+                                                                          "even": ("Succeeded", 2)}
+    steps = run.events("adapter_step")
+    assert all(e["samples"] == 32 and e["rollout_version_lag"] <= 1 for e in steps), steps
+    assert any(e["rollout_version_lag"] == 1 for e in steps)
+
+
+@pytest.mark.slow
 def test_colocated_adapters_are_served_as_trained(toy_dir, tmp_path):
     """Colocate: each adapter reaches the engine in memory (unload + load of its name, no version on that route):
     every step's rollouts are tagged with the adapter's own current version and served as the trainer holds it."""

@@ -5,7 +5,6 @@ the rollout manager's spread is a stand-in answering its calls last first."""
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,10 +27,10 @@ class Engines:
 
     def __init__(self, abort_prompt: int | None = None, seeded: bool = False):
         self.abort_prompt, self.calls, self.seeded = abort_prompt, [], seeded
-        self.started = threading.Event()
 
-    def spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int, *,
-               chunk_prompts: int | None, on_chunk: Any, **_: Any) -> tuple[list[GenerateOutput], dict[str, str]]:
+    def spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int, *, on_chunk: Any,
+               chunk_prompts: int | None = None, **kw: Any) -> tuple[list[GenerateOutput], dict[str, str]]:
+        self.in_flight = kw.get("in_flight")
         n = len(ids) // g
         chunk_prompts = chunk_prompts or n  # the whole step in one call, as on one engine
         firsts = list(range(0, n, chunk_prompts))
@@ -63,6 +62,7 @@ def test_units_come_in_prompt_order_whatever_order_the_calls_finish():
     engines = Engines()
     got = list(rollouts(engines, groups=5, stream_groups=2).units("a", 1))
     assert engines.calls == [2, 2, 1]  # a call per unit: a unit moves on as soon as its own samples are in
+    assert engines.in_flight == 5  # all at once: the engine batches them together
     assert [len(b) for b, _ in got] == [4, 4, 2] and [s["groups"] for _, s in got] == [2, 2, 1]
     assert [s["last"] for _, s in got] == [False, False, True]
     assert [p[0] for b, _ in got for p in b.prompt_ids] == [10, 10, 11, 11, 12, 12, 13, 13, 14, 14]
@@ -75,7 +75,7 @@ def test_a_run_claiming_exact_resume_keeps_the_calls_of_a_whole_step():
     are cut as for a whole step (one on one engine) and the units of a call move on together."""
     engines = Engines(seeded=True)
     got = list(rollouts(engines, groups=5, stream_groups=2).units("a", 1))
-    assert engines.calls == [5] and [len(b) for b, _ in got] == [4, 4, 2]
+    assert engines.calls == [5] and engines.in_flight is None and [len(b) for b, _ in got] == [4, 4, 2]
     assert [s["last"] for _, s in got] == [False, False, True]
 
 

@@ -42,6 +42,11 @@ from kora_trainer.orchestration.workers import transport_kind
 from kora_trainer.sync.slot_sender import rid_prefix
 from kora_trainer.wire.engine_client import GenerateOutput
 
+# threads and connections for this many calls to one engine at once (all adapters): a streamed batch goes out as
+# calls of streamGroups prompts, all at once, so that the engine batches across units and adapters as it batched
+# whole batches
+UNIT_CALLS_PER_ENGINE = 32
+
 
 @dataclass
 class _Adapter:
@@ -103,10 +108,13 @@ class AdapterRollouts:
         answers: queue.SimpleQueue[tuple[int, list[GenerateOutput]] | BaseException | dict[str, str]] = \
             queue.SimpleQueue()
 
+        # a call per unit, all out at once; a run claiming exact resume keeps a whole step's calls (module doc)
+        unit_calls = {} if r.seeded else {"chunk_prompts": s.stream_groups, "in_flight": len(prompts)}
+
         def spread() -> None:  # on its own thread: the calls' answers reach this generator as they come
             try:
                 answers.put(r.spread(step, ids, params, g, lora_path=name, rid_prefix=rid_prefix(name),
-                                     image_data=image_data, chunk_prompts=None if r.seeded else s.stream_groups,
+                                     image_data=image_data, **unit_calls,
                                      on_chunk=lambda first, outs: answers.put((first, outs)))[1])
             except BaseException as e:  # handed to the consumer, which raises it
                 answers.put(e)

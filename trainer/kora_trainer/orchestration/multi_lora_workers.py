@@ -16,14 +16,10 @@ from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.checkpoint.precision import torch_dtype
 from kora_trainer.config import ConfigError
 from kora_trainer.config.adapter_runs import AdapterSettings
-from kora_trainer.orchestration.adapter_rollout import AdapterRollouts
+from kora_trainer.orchestration.adapter_rollout import UNIT_CALLS_PER_ENGINE, AdapterRollouts
 from kora_trainer.orchestration.workers import RolloutWorker, TrainWorker
 from kora_trainer.sync.sender import SyncReport
 from kora_trainer.sync.slot_sender import SlotSender
-
-# calls one engine may hold at once for the adapters' rollouts: a batch streams as calls of streamGroups prompts, and
-# sending them all lets the engine batch across units and adapters as it batched whole batches
-ADAPTER_IN_FLIGHT = 32
 
 
 class MultiLoRAWorker(TrainWorker):
@@ -107,7 +103,7 @@ class AdapterRolloutWorker(RolloutWorker):
     adapters generate at once and a retirement's abort reaches requests that are in flight."""
 
     def __init__(self, cfg: Any, engine_urls: list[str], api_key: str | None = None):
-        super().__init__(cfg, engine_urls, api_key, in_flight=ADAPTER_IN_FLIGHT)
+        super().__init__(cfg, engine_urls, api_key, calls_per_engine=UNIT_CALLS_PER_ENGINE)
         self.adapters = AdapterRollouts(self.rollout)
 
     def add_adapter(self, settings: AdapterSettings, position: int, version: int) -> int:

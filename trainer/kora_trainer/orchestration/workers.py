@@ -24,7 +24,7 @@ from kora_trainer.config import DeploymentMode, TrainerConfig
 from kora_trainer.orchestration.addresses import node_address
 from kora_trainer.orchestration.engine_watch import EngineStatus, HangWatch
 from kora_trainer.orchestration.engines import EngineProcess
-from kora_trainer.orchestration.rollout_manager import IN_FLIGHT, Rollout
+from kora_trainer.orchestration.rollout_manager import Rollout
 from kora_trainer.sync.sender import SyncReport
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport
 from kora_trainer.wire.engine_client import EngineClient
@@ -169,9 +169,9 @@ class EngineWorker:
 
 class RolloutWorker:
     def __init__(self, cfg: TrainerConfig, engine_urls: list[str], api_key: str | None = None,
-                 in_flight: int = IN_FLIGHT):
+                 calls_per_engine: int | None = None):
         # /generate needs api_key where the engines have one
-        self.rollout = Rollout(cfg, engine_urls, api_key=api_key, in_flight=in_flight)
+        self.rollout = Rollout(cfg, engine_urls, api_key=api_key, calls_per_engine=calls_per_engine)
         heap.freeze("the rollout worker")  # its imports: out of every later full collection (heap.py)
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict[str, Any]]:
