@@ -99,6 +99,7 @@ def test_two_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same(toy_
 
 
 @pytest.mark.slow
+@pytest.mark.full
 def test_groups_stream_into_training_and_each_adapter_steps_when_its_batch_is_in(toy_dir, tmp_path):
     """Streaming (no exact-resume claim: no checkpoint.path, so each unit is its own engine call): an adapter's
     units come back as they are answered and train across several train calls (`train_calls`), its optimizer
@@ -146,16 +147,19 @@ def test_streamed_groups_with_async_generation_lag_one_version(toy_dir, tmp_path
 @pytest.mark.slow
 def test_colocated_adapters_are_served_as_trained(toy_dir, tmp_path):
     """Colocate: each adapter reaches the engine in memory (unload + load of its name, no version on that route):
-    every step's rollouts are tagged with the adapter's own current version and served as the trainer holds it."""
+    every step's rollouts are tagged with the adapter's own current version and served as the trainer holds it.
+    No checkpoint.path (no exact-resume claim), so each batch streams as a call per group, units training as
+    they come, each step taking its whole batch."""
     data = str(toy_dir / "train.parquet")
     adapters = [{"name": "odd", "rank": 16, "numSteps": 3},
                 {"name": "even", "rank": 8, "numSteps": 3, "seed": 7, "data": {**EVEN, "path": data}}]
-    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters,
+    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters, checkpoint={"path": None},
                                                       deployment={"mode": "Colocate", "async": False}))
     wait_all([run])
     assert {n: a["steps"] for n, a in run.summary()["adapters"].items()} == {"odd": 3, "even": 3}
     steps = run.events("adapter_step")
     assert len(steps) == 6 and {e["sync"]["what"] for e in steps} == {"adapter"}
+    assert all(e["samples"] == 32 and 1 <= e["train_calls"] <= 8 for e in steps), steps
     for e in steps:
         assert e["rollout_version_lag"] == 0 and e["rollout_logp_gap_max"] is not None, e
         assert e["rollout_logp_gap_max"] <= GAP_MAX, e
