@@ -69,5 +69,6 @@ def validate_adapter(
         job.spec, name=name, rank=a.rank,
         rollout_batch_size=a.rollout_batch_size or algo.rollout_batch_size,
         n_samples_per_prompt=a.n_samples_per_prompt or algo.n_samples_per_prompt,
+        stream_groups=a.stream_groups,
     )
     return adapter, problems

@@ -99,18 +99,67 @@ def test_two_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same(toy_
 
 
 @pytest.mark.slow
+@pytest.mark.full
+def test_groups_stream_into_training_and_each_adapter_steps_when_its_batch_is_in(toy_dir, tmp_path):
+    """Streaming (no exact-resume claim: no checkpoint.path, so each unit is its own engine call): an adapter's
+    units come back as they are answered and train across several train calls (`train_calls`), its optimizer
+    stepping once per batch with all of its samples, served as trained (tests/unit/test_multi_lora_stream.py
+    shows units and the whole batch give the same update)."""
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 3},
+                {"name": "even", "rank": 8, "numSteps": 2, "seed": 7, "rolloutBatchSize": 16, "streamGroups": 4,
+                 "data": {**EVEN, "path": data}}]
+    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters, checkpoint={"path": None}))
+    wait_all([run])
+    summary = run.summary()["adapters"]
+    assert {n: (a["phase"], a["steps"]) for n, a in summary.items()} == {"odd": ("Succeeded", 3),
+                                                                          "even": ("Succeeded", 2)}
+    steps = run.events("adapter_step")
+    assert {e["adapter"]: e["samples"] for e in steps} == {"odd": 32, "even": 64}
+    assert [e["step"] for e in steps if e["adapter"] == "odd"] == [1, 2, 3]
+    for e in steps:
+        assert e["rollout_version_lag"] == 0 and e["rollout_logp_gap_max"] is not None
+        assert e["rollout_logp_gap_max"] <= GAP_MAX, e
+        assert 1 <= e["train_calls"] <= (8 if e["adapter"] == "odd" else 4), e
+    assert max(e["train_calls"] for e in steps) > 1, "every batch came in one call: nothing streamed"
+
+
+@pytest.mark.slow
+@pytest.mark.full
+def test_streamed_groups_with_async_generation_lag_one_version(toy_dir, tmp_path):
+    """deployment.async with streaming: an adapter's next batch starts when the last unit of its current one is
+    in, so its units come from one version behind; every batch still steps once, whole."""
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 3},
+                {"name": "even", "rank": 8, "numSteps": 2, "seed": 7, "streamGroups": 2,
+                 "data": {**EVEN, "path": data}}]
+    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters, checkpoint={"path": None},
+                                                      deployment={"async": True}))
+    wait_all([run])
+    summary = run.summary()["adapters"]
+    assert {n: (a["phase"], a["steps"]) for n, a in summary.items()} == {"odd": ("Succeeded", 3),
+                                                                          "even": ("Succeeded", 2)}
+    steps = run.events("adapter_step")
+    assert all(e["samples"] == 32 and e["rollout_version_lag"] <= 1 for e in steps), steps
+    assert any(e["rollout_version_lag"] == 1 for e in steps)
+
+
+@pytest.mark.slow
 def test_colocated_adapters_are_served_as_trained(toy_dir, tmp_path):
     """Colocate: each adapter reaches the engine in memory (unload + load of its name, no version on that route):
-    every step's rollouts are tagged with the adapter's own current version and served as the trainer holds it."""
+    every step's rollouts are tagged with the adapter's own current version and served as the trainer holds it.
+    No checkpoint.path (no exact-resume claim), so each batch streams as a call per group, units training as
+    they come, each step taking its whole batch."""
     data = str(toy_dir / "train.parquet")
     adapters = [{"name": "odd", "rank": 16, "numSteps": 3},
                 {"name": "even", "rank": 8, "numSteps": 3, "seed": 7, "data": {**EVEN, "path": data}}]
-    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters,
+    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters, checkpoint={"path": None},
                                                       deployment={"mode": "Colocate", "async": False}))
     wait_all([run])
     assert {n: a["steps"] for n, a in run.summary()["adapters"].items()} == {"odd": 3, "even": 3}
     steps = run.events("adapter_step")
     assert len(steps) == 6 and {e["sync"]["what"] for e in steps} == {"adapter"}
+    assert all(e["samples"] == 32 and 1 <= e["train_calls"] <= 8 for e in steps), steps
     for e in steps:
         assert e["rollout_version_lag"] == 0 and e["rollout_logp_gap_max"] is not None, e
         assert e["rollout_logp_gap_max"] <= GAP_MAX, e

@@ -215,6 +215,23 @@ def test_rule9_groups_must_split_evenly_across_dp():
     assert adapter_problems(job.spec, name="a", rank=8, rollout_batch_size=8, n_samples_per_prompt=2) == []
 
 
+def test_stream_groups_must_be_whole_dp_splits():
+    """streamGroups: units of whole DP splits (8 ranks, 2 samples a group: 4 groups a split), at start and on a
+    LoRAAdapter, naming the field and a fix."""
+    job = _multi_job(dp=8)
+    found = adapter_problems(job.spec, name="a", rank=8, rollout_batch_size=8, n_samples_per_prompt=2, stream_groups=6)
+    assert [(p.rule, p.field) for p in found] == [("adapter-stream-groups", "streamGroups")]
+    assert "multiple of 4" in found[0].message and "use e.g. 4" in found[0].message
+    assert adapter_problems(job.spec, name="a", rank=8, rollout_batch_size=8, n_samples_per_prompt=2,
+                            stream_groups=4) == []
+    _, problems = validate_adapter(adapter_doc(nSamplesPerPrompt=2, rolloutBatchSize=8, streamGroups=3),
+                                   _multi_job(dp=8))
+    assert "adapter-stream-groups" in [p.rule for p in problems]
+    found = errors(_start_job([start_adapter("a", streamGroups=2), start_adapter("b", nSamplesPerPrompt=1,
+                                                                                   streamGroups=1)]))
+    assert [(p.rule, p.field) for p in found] == [("adapter-stream-groups", "multiLora.adapters[1].streamGroups")]
+
+
 def test_adapter_on_a_single_adapter_job_is_rejected():
     job, _ = validate_job(valid_job())
     _, problems = validate_adapter(adapter_doc(), job)

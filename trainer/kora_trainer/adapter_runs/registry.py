@@ -77,7 +77,8 @@ class AdapterRegistry:
         alg = self.cfg.algorithm
         problems = adapter_problems(self.cfg, name=name, rank=config.rank,
                                     rollout_batch_size=config.rollout_batch_size or alg.rollout_batch_size,
-                                    n_samples_per_prompt=config.n_samples_per_prompt or alg.n_samples_per_prompt)
+                                    n_samples_per_prompt=config.n_samples_per_prompt or alg.n_samples_per_prompt,
+                                    stream_groups=config.stream_groups)
         if name in (POLICY_ADAPTER, "state"):  # the single-adapter jobs' engine adapter; a route of the API
             raise RegistryError(400, f"name {name} is reserved: pick another name")
         if problems:

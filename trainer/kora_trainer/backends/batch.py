@@ -29,6 +29,24 @@ class RolloutBatch:
     def __len__(self) -> int:
         return len(self.prompt_ids)
 
+    def rows(self, lo: int, hi: int) -> RolloutBatch:
+        """Samples lo..hi-1 (whole groups, when lo and hi are multiples of group_size)."""
+        return RolloutBatch(self.prompt_ids[lo:hi], self.response_ids[lo:hi], self.rollout_logprobs[lo:hi],
+                            self.rewards[lo:hi], self.group_size, self.weight_versions[lo:hi], self.images[lo:hi])
+
+    @staticmethod
+    def joined(parts: list[RolloutBatch]) -> RolloutBatch:
+        """Batches of one group size, one after the other."""
+        out = RolloutBatch([], [], [], [], parts[0].group_size)
+        for b in parts:
+            out.prompt_ids += b.prompt_ids
+            out.response_ids += b.response_ids
+            out.rollout_logprobs += b.rollout_logprobs
+            out.rewards += b.rewards
+            out.weight_versions += b.weight_versions
+            out.images += b.images
+        return out
+
 
 @dataclass
 class Padded:

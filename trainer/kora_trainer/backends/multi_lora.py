@@ -1,19 +1,24 @@
 """Multi-LoRA training on the torch backend: adapter slots (lora/slots.py) on the backend's one frozen base, each
 with its own AdamW, step count, gradient clipping and version.
 
-A train call takes whole adapter batches (rolloutBatchSize prompt groups of nSamplesPerPrompt each, from one
-adapter): each is accumulated into its slot's gradients micro-batch by micro-batch — every sample with weight
-1 / the adapter's global batch (algorithm/grpo.py `num_samples`), a constant known in advance — and the slot's
-optimizer steps when its batch is full. The adapters in one call never touch each other's Parameters, RNG or
-optimizer, so an adapter trained beside others gets the update it would get alone (tests/e2e/test_multi_lora.py
-measures it). With data parallelism each rank takes its share of every adapter batch and the slot's gradients
-are summed over the ranks before its step (config rule 9 makes the shares even).
+A train call takes, per adapter, whole prompt groups of its batch (rolloutBatchSize groups of nSamplesPerPrompt
+samples): its whole batch, or the next units of it as generation completes them (the recipe streams them in units
+of the adapter's streamGroups, a multiple of the fewest groups whose samples split evenly over the DP ranks). Each
+unit is accumulated into the slot's gradients micro-batch by micro-batch — every sample with weight 1 / the
+adapter's global batch (algorithm/grpo.py `num_samples`), a constant known in advance, so the sum over the units
+is the gradient of the whole batch — and the gradients stay in the slot across train calls until the batch is in;
+then the slot's own optimizer steps, exactly once per batch (a batch that would overshoot is refused). Group
+advantages are per group, so a unit of whole groups needs nothing from the rest of its batch. Removing an adapter
+drops a partly accumulated batch with its slot. The adapters in one call never touch each other's Parameters, RNG
+or optimizer, so an adapter trained beside others gets the update it would get alone (tests/e2e/test_multi_lora.py
+measures it; tests/unit/test_multi_lora_stream.py: units vs the whole batch). With data parallelism each rank
+takes its share of every unit and the slot's gradients are summed over the ranks before its step (config rule 9
+makes the shares even).
 """
-
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +61,31 @@ class AdapterStepMetrics:
 
 
 @dataclass
+class _Pending:
+    """An adapter's step in progress: the units of its batch already accumulated into its slot's gradients, and
+    their metric sums (this rank's; summed over the ranks when it steps)."""
+
+    samples: int = 0
+    loss: float = 0.0
+    kl: float = 0.0
+    clip_frac: float = 0.0
+    gap_max: float = 0.0
+    on_policy: bool = True  # every unit's rollouts came from the adapter's current version
+    kl_measured: bool = False
+    served: list[int] = field(default_factory=list)  # the versions the engines claimed
+    rewards: list[float] = field(default_factory=list)
+    response_tokens: float = 0.0
+    entropy: tuple[float, float] = (0.0, 0.0)  # -sum(logp * mask), sum(mask)
+    ms: float = 0.0
+
+
+@dataclass
 class _Adapter:
     settings: AdapterSettings
     slot: Slot
     optimizer: torch.optim.Optimizer
     step: int = 0
+    pending: _Pending | None = None  # its batch's units in so far (None: at a step boundary)
 
 
 class MultiLoRATrainer:
@@ -77,35 +102,63 @@ class MultiLoRATrainer:
         self.adapters[settings.name] = _Adapter(settings, slot, opt)
 
     def remove(self, name: str) -> None:
-        """Its slot cleared: factors, optimizer state and any gradient it held are dropped."""
+        """Its slot cleared: factors, optimizer state, its partly accumulated batch and any gradient it held are
+        dropped."""
         self.adapters.pop(name)
         self.slots.remove(name)
 
     def names(self) -> list[str]:
         return list(self.adapters)
 
+    def drop_pending(self, name: str) -> None:
+        """Forget adapter `name`'s partly accumulated batch (its generation was aborted): gradients and sums."""
+        a = self.adapters[name]
+        a.pending = None
+        a.optimizer.zero_grad(set_to_none=True)
+
+    def pending(self, name: str) -> int:
+        """Samples of adapter `name`'s current batch already in its slot's gradients (0 at a step boundary)."""
+        p = self.adapters[name].pending
+        return p.samples if p is not None else 0
+
     # ---- training --------------------------------------------------------------------------------------
 
     def train(self, batches: dict[str, RolloutBatch]) -> list[AdapterStepMetrics]:
-        """One optimizer step for each adapter whose whole batch is given."""
-        return [self._train_one(self.adapters[name], batch) for name, batch in batches.items()]
+        """Accumulate each adapter's samples (whole prompt groups: its whole batch, or the next units of it) into
+        its slot; an adapter steps exactly when its batch (rolloutBatchSize groups) is in. Returns one entry per
+        adapter that stepped. A batch is cut into the adapter's units (streamGroups groups) and each unit runs on
+        its own, so the result depends on the order of the units, not on how they were grouped into calls."""
+        out = []
+        for name, batch in batches.items():
+            a = self.adapters[name]
+            s = a.settings
+            done = self.pending(name)
+            if len(batch) % batch.group_size or done + len(batch) > s.global_batch_size:
+                raise ValueError(f"adapter {name}: {len(batch)} samples after {done} do not fit its batch of "
+                                 f"rolloutBatchSize x nSamplesPerPrompt = {s.global_batch_size} in whole groups")
+            for lo in range(0, len(batch), s.unit_samples):
+                self._accumulate(a, batch.rows(lo, lo + s.unit_samples))
+                if self.pending(name) == s.global_batch_size:
+                    out.append(self._step(a))
+        return out
 
-    def _train_one(self, a: _Adapter, batch: RolloutBatch) -> AdapterStepMetrics:
+    def _accumulate(self, a: _Adapter, batch: RolloutBatch) -> None:
+        """Whole prompt groups of adapter `a`'s batch into its slot's gradients, each sample weighted 1 / its
+        global batch (the scaling it gets training its whole batch at once)."""
         t0 = time.monotonic()
         b, s = self.backend, a.settings
         alg = b.cfg.algorithm
-        if len(batch) != s.global_batch_size:
-            raise ValueError(f"adapter {s.name}: a train batch of {len(batch)} samples, not its "
-                             f"rolloutBatchSize x nSamplesPerPrompt = {s.global_batch_size}")
+        if a.pending is None:
+            a.pending = _Pending()
+            a.optimizer.zero_grad(set_to_none=True)
+        acc = a.pending
         p = pad(batch.prompt_ids, batch.response_ids, batch.rollout_logprobs, b.pad_id, batch.images)
         mask = p.response_mask.to(b.device)  # [B, R]
-        adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(b.device)  # [B]
+        adv = group_advantages(torch.tensor(batch.rewards), batch.group_size).to(b.device)  # [B]: per group
         temperature = alg.temperature if alg.temperature > 0 else 1.0
         served = [int(v) for v in batch.weight_versions if v is not None and v.isdigit()]
         on_policy = bool(served) and len(served) == len(batch) and all(v == a.step for v in served)
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
-        gap_max = 0.0
-        with self.slots.active(s.name) as slot:
+        with self.slots.active(s.name):
             with torch.no_grad():
                 old = p.rollout_logp.to(b.device) if temperature == 1.0 else b._token_logp(p, temperature)
                 ref = None
@@ -113,38 +166,52 @@ class MultiLoRATrainer:
                     with adapter_disabled(b.model):
                         ref = b._token_logp(p, temperature)
             b.model.train()  # LoRA dropout on (from the slot's own RNG stream)
-            a.optimizer.zero_grad(set_to_none=True)
             for mb in b.dp.share(torch.arange(len(batch))).split(b.micro_batch_size):
                 mbd = mb.to(b.device)
                 logp = b._token_logp(p.select(mb), temperature)  # [b, R]
                 out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
                                 None if ref is None else ref[mbd], alg.kl_coef, num_samples=s.global_batch_size)
                 out.loss.backward()
-                share = len(mb) / s.global_batch_size
-                sums["loss"] += out.pg_loss
-                sums["kl"] += out.kl
-                sums["clip_frac"] += out.clip_frac * share
+                acc.loss += out.pg_loss
+                acc.kl += out.kl
+                acc.clip_frac += out.clip_frac * len(mb) / s.global_batch_size
                 if on_policy:
                     gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
-                    gap_max = max(gap_max, float(gap.max()))
+                    acc.gap_max = max(acc.gap_max, float(gap.max()))
             b.model.eval()
+        acc.samples += len(batch)
+        acc.on_policy = acc.on_policy and on_policy
+        acc.kl_measured = ref is not None
+        acc.served += served
+        acc.rewards += batch.rewards
+        acc.response_tokens += float(p.response_mask.sum())
+        acc.entropy = (acc.entropy[0] - float((old * mask).sum()), acc.entropy[1] + float(mask.sum()))
+        acc.ms += (time.monotonic() - t0) * 1000
+
+    def _step(self, a: _Adapter) -> AdapterStepMetrics:
+        """Its batch is in: the slot's gradients summed over the ranks, clipped, and its own AdamW steps."""
+        t0 = time.monotonic()
+        b, s, acc = self.backend, a.settings, a.pending
+        assert acc is not None and acc.samples == s.global_batch_size
+        with self.slots.active(s.name) as slot:
             b.dp.allreduce_grads(slot.params)
             grad_norm = _clip_grad_norm(slot.params, b.max_grad_norm)
             a.optimizer.step()
             a.optimizer.zero_grad(set_to_none=True)
         a.step += 1
-        loss, kl, clip_frac = b.dp.sum([sums["loss"], sums["kl"], sums["clip_frac"]])
-        rewards = torch.tensor(batch.rewards)
+        a.pending = None
+        loss, kl, clip_frac = b.dp.sum([acc.loss, acc.kl, acc.clip_frac])
+        rewards = torch.tensor(acc.rewards)
         return AdapterStepMetrics(
-            name=s.name, step=a.step, reward_mean=float(torch.tensor(batch.rewards).mean()), samples=len(batch),
+            name=s.name, step=a.step, reward_mean=float(rewards.mean()), samples=acc.samples,
             loss=loss, clip_frac=clip_frac, kl=kl, grad_norm=grad_norm,
-            response_len=float(p.response_mask.sum() / len(batch)),
-            rollout_logp_gap_max=b.dp.max(gap_max) if on_policy else None,
-            rollout_version_lag=a.step - 1 - min(served) if served else 0,
-            train_ms=round((time.monotonic() - t0) * 1000, 1),
+            response_len=acc.response_tokens / acc.samples,
+            rollout_logp_gap_max=b.dp.max(acc.gap_max) if acc.on_policy else None,
+            rollout_version_lag=a.step - 1 - min(acc.served) if acc.served else 0,
+            train_ms=round(acc.ms + (time.monotonic() - t0) * 1000, 1),
             reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0, reward_min=float(rewards.min()),
-            reward_max=float(rewards.max()), kl_measured=ref is not None,
-            entropy=float(-(old * mask).sum() / mask.sum().clamp(min=1.0)),
+            reward_max=float(rewards.max()), kl_measured=acc.kl_measured,
+            entropy=acc.entropy[0] / max(acc.entropy[1], 1.0),
             lr=float(a.optimizer.param_groups[0]["lr"]))
 
     # ---- what leaves the trainer: the adapter's tensors and its PEFT config --------------------------------

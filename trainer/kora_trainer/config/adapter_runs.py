@@ -24,6 +24,7 @@ from typing import Annotated
 from pydantic import Field
 
 from kora_trainer.config.base import CamelModel
+from kora_trainer.config.rules import min_groups_per_dp_split
 from kora_trainer.config.sections import ADAPTER_NAME, AdapterRunConfig, DataSpec
 from kora_trainer.config.status import CheckpointProgress, ServingCheckProgress, SyncProgress
 from kora_trainer.config.trainer import TrainerConfig
@@ -118,11 +119,17 @@ class AdapterSettings(CamelModel):
     num_steps: Annotated[int, Field(ge=1)] | None
     num_epochs: Annotated[int, Field(ge=1)] | None
     seed: int
+    stream_groups: Annotated[int, Field(ge=1)] = 1  # groups per unit into training, at most rolloutBatchSize
 
     @property
     def global_batch_size(self) -> int:
         """Samples per optimizer step of this adapter (its gradient is scaled by 1 / this)."""
         return self.rollout_batch_size * self.n_samples_per_prompt
+
+    @property
+    def unit_samples(self) -> int:
+        """Samples per unit of streaming into training (the last unit of a batch may be smaller)."""
+        return self.stream_groups * self.n_samples_per_prompt
 
     def steps_for(self, rows: int) -> int:
         """Its numSteps, or numEpochs (default 1) x rows // rolloutBatchSize when unset."""
@@ -133,10 +140,13 @@ class AdapterSettings(CamelModel):
 
 def resolve(cfg: TrainerConfig, name: str, config: AdapterRunConfig, slot: int) -> AdapterSettings:
     alg = cfg.algorithm
+    rollout_batch_size = config.rollout_batch_size or alg.rollout_batch_size
+    n_samples_per_prompt = config.n_samples_per_prompt or alg.n_samples_per_prompt
+    fewest = min_groups_per_dp_split(n_samples_per_prompt, cfg.parallelism.data)
     return AdapterSettings(
         name=name, slot=slot, rank=config.rank, alpha=config.alpha if config.alpha is not None else cfg.lora.alpha,
         lr=config.lr if config.lr is not None else alg.lr,
-        rollout_batch_size=config.rollout_batch_size or alg.rollout_batch_size,
-        n_samples_per_prompt=config.n_samples_per_prompt or alg.n_samples_per_prompt,
+        rollout_batch_size=rollout_batch_size, n_samples_per_prompt=n_samples_per_prompt,
         data=config.data, num_steps=config.num_steps, num_epochs=config.num_epochs,
-        seed=config.seed if config.seed is not None else alg.seed)
+        seed=config.seed if config.seed is not None else alg.seed,
+        stream_groups=min(config.stream_groups or fewest, rollout_batch_size))

@@ -506,6 +506,7 @@ def adapter_problems(
     rollout_batch_size: int,
     n_samples_per_prompt: int,
     origin: AdapterOrigin | None = None,
+    stream_groups: int | None = None,
 ) -> list[Problem]:
     """SPEC rule 9: may this adapter join this multi-LoRA job?"""
     problems: list[Problem] = []
@@ -527,6 +528,11 @@ def adapter_problems(
             f"{label}: {key('rolloutBatchSize')} {rollout_batch_size} must be a multiple of "
             f"{groups} (the fewest prompt groups whose samples split evenly across {dp} "
             f"data-parallel ranks): use e.g. {groups * max(1, rollout_batch_size // groups)}"))
+    if stream_groups is not None and stream_groups % groups:
+        problems.append(Problem("adapter-stream-groups", "streamGroups",
+            f"{label}: {key('streamGroups')} {stream_groups} must be a multiple of {groups} (the fewest prompt "
+            f"groups whose samples split evenly across {dp} data-parallel ranks): use e.g. "
+            f"{groups * max(1, stream_groups // groups)}, or leave it unset for {groups}"))
     cap = cfg.multi_lora.max_adapter_global_batch_size or 4 * cfg.algorithm.effective_global_batch_size
     gbs = rollout_batch_size * n_samples_per_prompt
     if gbs > cap:
@@ -570,7 +576,8 @@ def start_adapter_problems(cfg: TrainerConfig, origins: Sequence[AdapterOrigin] 
     for i, (a, origin) in enumerate(zip(adapters, at, strict=True)):
         found = adapter_problems(cfg, name=a.name, rank=a.rank, origin=origin,
                                  rollout_batch_size=a.rollout_batch_size or alg.rollout_batch_size,
-                                 n_samples_per_prompt=a.n_samples_per_prompt or alg.n_samples_per_prompt)
+                                 n_samples_per_prompt=a.n_samples_per_prompt or alg.n_samples_per_prompt,
+                                 stream_groups=a.stream_groups)
         problems += [replace(p, field=f"multiLora.adapters[{i}].{p.field}") for p in found]
         if origin.save is not None:
             problems += _save_problems(cfg, i, a.name, origin)

@@ -418,6 +418,11 @@ class AdapterRunConfig(CamelModel):
     """Or after this many passes over its data (default 1): numEpochs x rows // rolloutBatchSize steps."""
     seed: Seed | None = None
     """Seed of its LoRA init, data order and sampling; default the job's algorithm.seed."""
+    stream_groups: Annotated[int, Field(ge=1, le=MAX_ROLLOUT_BATCH)] | None = None
+    """Prompt groups per unit of streaming into training: its completed groups enter training in units of this
+    many, gradients accumulate across units, and its optimizer steps when its rolloutBatchSize groups are in.
+    A multiple of the fewest groups whose samples split evenly over the trainer's DP ranks, which is the
+    default; rolloutBatchSize (or more) trains the whole batch in one call."""
 
     @model_validator(mode="after")
     def _one_length(self) -> AdapterRunConfig:

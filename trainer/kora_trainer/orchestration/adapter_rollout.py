@@ -12,11 +12,21 @@ group route publishes each version with its tag); with the in-memory route (Colo
 the version the driver last published before the request was sent — a request racing a publish is tagged with the
 older one, a lag, never a false "current".
 
-A batch any of whose requests was aborted (its adapter is retiring) comes back as None: its tail is dropped.
+Streaming: an adapter's batch comes back in units of its streamGroups prompt groups (`units`, a generator the
+driver reads as a Ray streaming call), each yielded, scored, as soon as its samples are in, in prompt order. The
+batch goes out as calls of at most streamGroups prompts, all at once (the engine batches them together), so a unit
+moves on when its own requests are answered — except where the run claims exact resume (reproducible rollouts:
+checkpoint.path set, deployment.async off): there the calls stay as the rollout manager cuts a whole step (one per
+engine when there is one), because which of an adapter's calls an engine batches together would otherwise depend on
+timing, and the reference engine's forward is not batch-invariant at fp32 rounding; the units of a call then move on
+together. A unit any of whose requests was aborted (its adapter is retiring) comes back as None and ends the batch:
+its tail is dropped.
 """
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,6 +40,12 @@ from kora_trainer.orchestration.data import Row, batches, load_rows
 from kora_trainer.orchestration.rollout_manager import Prompts, Rollout
 from kora_trainer.orchestration.workers import transport_kind
 from kora_trainer.sync.slot_sender import rid_prefix
+from kora_trainer.wire.engine_client import GenerateOutput
+
+# threads and connections for this many calls to one engine at once (all adapters): a streamed batch goes out as
+# calls of streamGroups prompts, all at once, so that the engine batches across units and adapters as it batched
+# whole batches
+UNIT_CALLS_PER_ENGINE = 32
 
 
 @dataclass
@@ -75,8 +91,11 @@ class AdapterRollouts:
     def position(self, name: str) -> int:
         return self.adapters[name].position
 
-    def generate(self, name: str, step: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
-        """Adapter `name`'s batch for its step `step` (None: aborted, it is retiring)."""
+    def units(self, name: str, step: int) -> Iterator[tuple[RolloutBatch | None, dict[str, Any]]]:
+        """Adapter `name`'s batch for its step `step`, yielded in units of its streamGroups prompt groups as their
+        samples come back, in prompt order (so what the trainer sums, and in which order, does not depend on
+        which call finished first); the stats of each say `last` on the batch's last unit. (None, stats): its
+        requests were aborted (it is retiring) and the rest of the batch is dropped."""
         t0 = time.monotonic()
         a = self.adapters[name]
         s, r = a.settings, self.rollout
@@ -86,13 +105,41 @@ class AdapterRollouts:
         prompts, images, image_data = a.prompts.build(rows)  # a VL adapter's placeholders expanded
         g = s.n_samples_per_prompt
         ids, params = r.requests(prompts, g, s.seed, step)
-        outs, out_engines = r.spread(step, ids, params, g, lora_path=name, rid_prefix=rid_prefix(name),
-                                     image_data=image_data)
-        stats = {"adapter": name, "gen_ms": round((time.monotonic() - t0) * 1000, 1), "data_position": a.position,
-                 "engines_out": out_engines}
-        if any((o.finish_reason or {}).get("type") == "abort" for o in outs):
-            return None, {**stats, "aborted": True}
-        engine = [o.weight_version if self.engine_tags else None for o in outs]
-        tags: list[str | None] = [v if v is not None and v.isdigit() else str(version) for v in engine]
-        batch = r.scored(rows, prompts, outs, g, a.reward, tags, images)
-        return batch, stats
+        answers: queue.SimpleQueue[tuple[int, list[GenerateOutput]] | BaseException | dict[str, str]] = \
+            queue.SimpleQueue()
+
+        # a call per unit, all out at once; a run claiming exact resume keeps a whole step's calls (module doc)
+        unit_calls = {} if r.seeded else {"chunk_prompts": s.stream_groups, "in_flight": len(prompts)}
+
+        def spread() -> None:  # on its own thread: the calls' answers reach this generator as they come
+            try:
+                answers.put(r.spread(step, ids, params, g, lora_path=name, rid_prefix=rid_prefix(name),
+                                     image_data=image_data, **unit_calls,
+                                     on_chunk=lambda first, outs: answers.put((first, outs)))[1])
+            except BaseException as e:  # handed to the consumer, which raises it
+                answers.put(e)
+
+        threading.Thread(target=spread, name=f"generate-{name}", daemon=True).start()
+        outs: list[GenerateOutput | None] = [None] * len(ids)
+        engines_out: dict[str, str] | None = None
+        for lo in range(0, len(prompts), s.stream_groups):
+            hi = min(lo + s.stream_groups, len(prompts))
+            last = hi == len(prompts)
+            while any(o is None for o in outs[lo * g:hi * g]) or (last and engines_out is None):
+                got = answers.get()
+                if isinstance(got, BaseException):
+                    raise got
+                if isinstance(got, dict):
+                    engines_out = got
+                else:
+                    outs[got[0] * g:got[0] * g + len(got[1])] = got[1]
+            unit = [o for o in outs[lo * g:hi * g] if o is not None]
+            stats = {"adapter": name, "gen_ms": round((time.monotonic() - t0) * 1000, 1), "data_position": a.position,
+                     "groups": hi - lo, "last": last, "engines_out": engines_out or {}}
+            if any((o.finish_reason or {}).get("type") == "abort" for o in unit):
+                yield None, {**stats, "aborted": True}
+                return
+            engine = [o.weight_version if self.engine_tags else None for o in unit]
+            tags: list[str | None] = [v if v is not None and v.isdigit() else str(version) for v in engine]
+            yield r.scored(rows[lo:hi], prompts[lo:hi], unit, g, a.reward, tags,
+                           None if images is None else images[lo:hi]), stats

@@ -4,6 +4,7 @@ recipes/multi_lora.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from kora_trainer.checkpoint.peft_export import export_peft
 from kora_trainer.checkpoint.precision import torch_dtype
 from kora_trainer.config import ConfigError
 from kora_trainer.config.adapter_runs import AdapterSettings
-from kora_trainer.orchestration.adapter_rollout import AdapterRollouts
+from kora_trainer.orchestration.adapter_rollout import UNIT_CALLS_PER_ENGINE, AdapterRollouts
 from kora_trainer.orchestration.workers import RolloutWorker, TrainWorker
 from kora_trainer.sync.sender import SyncReport
 from kora_trainer.sync.slot_sender import SlotSender
@@ -62,6 +63,9 @@ class MultiLoRAWorker(TrainWorker):
     def train_adapters(self, batches: dict[str, RolloutBatch]) -> list[AdapterStepMetrics]:
         return self.multi.train(batches)
 
+    def drop_adapter_batch(self, name: str) -> None:
+        self.multi.drop_pending(name)
+
     def publish(self, name: str) -> SyncReport:
         """Push adapter `name` at its step (its version)."""
         config = self.multi.peft_config(name)
@@ -99,7 +103,7 @@ class AdapterRolloutWorker(RolloutWorker):
     adapters generate at once and a retirement's abort reaches requests that are in flight."""
 
     def __init__(self, cfg: Any, engine_urls: list[str], api_key: str | None = None):
-        super().__init__(cfg, engine_urls, api_key)
+        super().__init__(cfg, engine_urls, api_key, calls_per_engine=UNIT_CALLS_PER_ENGINE)
         self.adapters = AdapterRollouts(self.rollout)
 
     def add_adapter(self, settings: AdapterSettings, position: int, version: int) -> int:
@@ -111,5 +115,6 @@ class AdapterRolloutWorker(RolloutWorker):
     def published(self, name: str, version: int) -> None:
         self.adapters.published(name, version)
 
-    def generate_adapter(self, name: str, step: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
-        return self.adapters.generate(name, step)
+    def generate_adapter_units(self, name: str, step: int) -> Iterator[tuple[RolloutBatch | None, dict[str, Any]]]:
+        """Its batch in units as they complete (AdapterRollouts.units); call with num_returns="streaming"."""
+        yield from self.adapters.units(name, step)

@@ -43,8 +43,10 @@ import hashlib
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any, cast
 
 from kora_trainer.algorithm.rewards import RewardFn, Sample, reward_fn
@@ -139,11 +141,12 @@ class Rollout:
     def __init__(self, cfg: TrainerConfig, engine_urls: list[str], timeout_s: float = 600.0,
                  admin_api_key: str | None = None, api_key: str | None = None,
                  health_timeout_s: float = HEALTH_TIMEOUT_S, chunks_per_engine: int = CHUNKS_PER_ENGINE,
-                 in_flight: int = IN_FLIGHT):
+                 in_flight: int = IN_FLIGHT, calls_per_engine: int | None = None):
         """`engine_urls`: the job's engines (nothing is contacted here). `api_key` goes with /generate, as
         the engines' `--api-key` asks; `admin_api_key` would go with their admin routes, none of which
         the rollout manager calls. `chunks_per_engine` / `in_flight`: how finely a step is split and how
-        many of its calls one engine may hold at once (see the module docstring)."""
+        many of its calls one engine may hold at once (see the module docstring); `calls_per_engine`: threads and
+        connections for that many calls to one engine at once, from all steps in progress (default in_flight)."""
         from transformers import AutoTokenizer  # noqa: PLC0415 - transformers is heavy: loaded on use
 
         if not engine_urls:
@@ -157,13 +160,14 @@ class Rollout:
         self.reward = reward_fn(cfg.data)
         self.urls = list(engine_urls)
         self.clients = [EngineClient(u, api_key=api_key, admin_api_key=admin_api_key, timeout=timeout_s,
-                                     pool_size=max(in_flight, 1) + 1) for u in engine_urls]
+                                     pool_size=max(in_flight, calls_per_engine or 1, 1) + 1) for u in engine_urls]
         self.lora_path = POLICY_ADAPTER if cfg.lora.effective_sync_mode is SyncMode.ADAPTER else None
         self.seeded = reproducible_rollouts(cfg)  # per-sample sampling_seed (see the module docstring)
         self.timeout_s, self.health_timeout_s = timeout_s, health_timeout_s
         self.chunks_per_engine, self.in_flight = max(chunks_per_engine, 1), max(in_flight, 1)
         self.load = _Load([0] * len(self.clients), [0] * len(self.clients))
-        self._pool = ThreadPoolExecutor(len(self.clients) * (self.in_flight + 1), thread_name_prefix="rollout")
+        self._pool = ThreadPoolExecutor(len(self.clients) * (max(self.in_flight, calls_per_engine or 1) + 1),
+                                        thread_name_prefix="rollout")
 
     def skip_to(self, position: int) -> int:
         """Fast-forward the prompt iterator to `position` batches taken (a checkpoint's data position)."""
@@ -225,11 +229,13 @@ class Rollout:
     # ---- spreading a step over the engines ---------------------------------------------------------------
 
     def _chunks(self, ids: list[list[int]], params: list[dict[str, Any]], g: int, engines: int,
-                image_data: list[list[str]] | None = None) -> list[_Chunk]:
+                image_data: list[list[str]] | None = None, most: int | None = None) -> list[_Chunk]:
         """The step's prompts in consecutive runs, about `chunks_per_engine` per engine (one call per engine when
-        there is one: nothing to balance, and the engine batches the whole step); `image_data`: per prompt."""
+        there is one: nothing to balance, and the engine batches the whole step), each at most `most` prompts
+        when given; `image_data`: per prompt."""
         n_prompts = len(ids) // g
         per = -(-n_prompts // (engines * self.chunks_per_engine)) if engines > 1 else n_prompts
+        per = min(per, most) if most else per
         return [_Chunk(ids[p * g:(p + per) * g], params[p * g:(p + per) * g],
                        None if image_data is None else [image_data[k // g] for k in range(p * g, (p + per) * g)
                                                         if k < len(ids)])
@@ -243,19 +249,25 @@ class Rollout:
 
     def spread(self, step: int, ids: list[list[int]], params: list[dict[str, Any]], g: int,
                lora_path: str | None = None, rid_prefix: str | None = None,
-               image_data: list[list[str]] | None = None) -> tuple[list[GenerateOutput], dict[str, str]]:
+               image_data: list[list[str]] | None = None, chunk_prompts: int | None = None,
+               on_chunk: Callable[[int, list[GenerateOutput]], None] | None = None, in_flight: int | None = None,
+               ) -> tuple[list[GenerateOutput], dict[str, str]]:
         """Every request answered, in order. Each call goes to the healthy engine holding the fewest requests
         that has room (`in_flight` calls); an engine that fails /health or a call is out for the step and its
         calls go to the others; a refused request (4xx) or no engine left fails the step. `lora_path`: the
         adapter (default: the job's, kora-policy in Adapter mode); `rid_prefix`: request ids
         `<rid_prefix><uuid>` (multi-LoRA: `<adapter>::`, so one adapter's requests abort by prefix); `image_data`:
-        each prompt's images as SGLang's image_data items (wire/vision.py), for a VL model."""
+        each prompt's images as SGLang's image_data items (wire/vision.py), for a VL model. `chunk_prompts`: at
+        most this many prompts a call; `on_chunk(first prompt, outputs)`: told of each call's answers as they come
+        (on the calling thread), so whole groups can move on before the step is done (multi-LoRA streaming);
+        `in_flight`: calls of this step one engine may hold at once (default the manager's)."""
         lora_path = lora_path or self.lora_path
         down = self._health()
         alive = [e for e in range(len(self.clients)) if e not in down]
         if not alive:
             raise RolloutError(self._none_left(step, down))
-        chunks = self._chunks(ids, params, g, len(alive), image_data)
+        chunks = self._chunks(ids, params, g, len(alive), image_data, chunk_prompts)
+        starts = list(accumulate((len(c.ids) // g for c in chunks), initial=0))  # each chunk's first prompt
         results: list[list[GenerateOutput] | None] = [None] * len(chunks)
         queue = deque(range(len(chunks)))
         running: dict[Future[list[GenerateOutput]], tuple[int, int]] = {}  # call -> (chunk, engine)
@@ -265,7 +277,7 @@ class Rollout:
         deadline = time.monotonic() + self.timeout_s * len(self.clients) + self.health_timeout_s
         while queue or running:
             while queue:
-                room = [e for e in alive if calls[e] < self.in_flight]
+                room = [e for e in alive if calls[e] < (in_flight or self.in_flight)]
                 if not room:
                     break
                 e = min(room, key=lambda i: (load.outstanding[i], i))
@@ -299,6 +311,8 @@ class Rollout:
                     load.queued += n
                 else:
                     load.served[e] += n
+                    if on_chunk is not None:
+                        on_chunk(starts[c], results[c] or [])
         return [out for chunk in results if chunk is not None for out in chunk], {
             self.urls[e]: why for e, why in sorted(down.items())}
 

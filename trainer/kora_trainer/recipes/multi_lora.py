@@ -4,12 +4,15 @@ data, reward, batch shape, optimizer and step count.
 The loop, top to bottom: the adapters a previous attempt held come back from `adapters/registry.json` (each
 from its own checkpoint), those listed in multiLora.adapters are registered, the base is pushed once; then per
 round: reconcile (retire what the registry says — DELETE or its numSteps reached — and load what was
-registered), keep one generation in flight per adapter, train the batches that are ready — waiting at most
-multiLora.maxCoalesceWaitSeconds after the first one for the others, so a small adapter never waits for a big
-one — and push only the adapters that stepped (selective sync), each at its own version. With deployment.async
-an adapter's next batch is generated while its current one trains, so its rollouts lag its policy by one
-version (the clipped ratio against the engine's own log-probs corrects for it); without, each batch comes from
-the version just pushed, and the adapters overlap each other's generation and training instead. An adapter's
+registered) before anything is generated, keep one generation in flight per loaded adapter, its batch streamed
+back in units of its streamGroups prompt groups as they complete, train the units that are ready — waiting at
+most multiLora.maxCoalesceWaitSeconds after the first one for the other adapters', so a small adapter never waits
+for a big one — with gradients accumulating in each adapter's slot across train calls until its batch is in, and
+push only the adapters that stepped (selective sync), each at its own version. Progress (groups in, step, data
+position, registry state) is committed only after a train call returned. With deployment.async an adapter's next
+batch is generated while the end of its current one trains, so its rollouts lag its policy by one version (the
+clipped ratio against the engine's own log-probs corrects for it); without, each batch comes from the version just
+pushed, and the adapters overlap each other's generation and training instead. An adapter's
 checkpoint is written every checkpoint.interval of its steps and when it retires, with its HF-PEFT export.
 
 The serving check, per adapter (serving_check.py): each on-policy step of an adapter compares the engines' log-probs
@@ -37,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from kora_trainer.adapter_runs.api import AdapterRunsAPI
 from kora_trainer.adapter_runs.registry import AdapterRegistry, RegistryError
+from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config.adapter_runs import AdapterPhase, AdapterSettings
 from kora_trainer.orchestration.cluster import launch
 from kora_trainer.recipes.base import Clock, EngineWatch, RayJob, RecipeRefused, make_lm_toy
@@ -59,9 +63,11 @@ class MultiLoRARun:
     registry: AdapterRegistry
     rec: StepRecorder
     root: str | None
-    inflight: dict[str, list[Any]] = field(default_factory=dict)  # adapter -> [batch ref, stats ref]
+    inflight: dict[str, Any] = field(default_factory=dict)  # adapter -> its batch's units (a Ray generator)
     steps: dict[str, int] = field(default_factory=dict)  # adapter -> its optimizer steps
-    positions: dict[str, int] = field(default_factory=dict)  # adapter -> batches its data has yielded
+    positions: dict[str, int] = field(default_factory=dict)  # adapter -> batches its steps have consumed
+    groups: dict[str, int] = field(default_factory=dict)  # adapter -> groups of its current batch trained so far
+    calls: dict[str, int] = field(default_factory=dict)  # adapter -> train calls its current batch took so far
     rewards: dict[str, list[float]] = field(default_factory=dict)  # adapter -> its reward curve (this process)
     checks: dict[str, ServingCheck] = field(default_factory=dict)  # adapter -> its serving check
 
@@ -98,7 +104,8 @@ class MultiLoRARun:
                      + (f", resumed at step {got['step']}" if got["step"] else ""))
 
     def retire(self, name: str, phase: AdapterPhase) -> None:
-        """Abort its requests, write its checkpoint and export, clear its slot; its untrained tail is dropped."""
+        """Abort its requests, write its checkpoint and export (its last step's: a partly trained batch is not in
+        it), clear its slot; its untrained tail and the gradients of a partly trained batch are dropped."""
         import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         t0 = time.monotonic()
@@ -112,54 +119,90 @@ class MultiLoRARun:
         ray.get(self.job.rollout.remove_adapter.remote(name))
         step = self.steps.pop(name)
         self.positions.pop(name, None)
+        partial = self.groups.pop(name, 0)  # its partly trained batch went with its slot
+        self.calls.pop(name, None)
         why = "its numSteps reached" if phase is AdapterPhase.SUCCEEDED else "deleted"
         self.registry.finished(name, phase, f"{why} at step {step}", export)
         self.rec.event("adapter_retired", adapter=name, phase=str(phase), step=step, export=export,
+                       groups_dropped=partial,
                        in_flight_left=drained["in_flight_left"], ms=round((time.monotonic() - t0) * 1000, 1))
         self.rec.say(f"adapter {name}: {phase} at step {step}" + (f", exported to {export}" if export else ""))
 
     # ---- a round: generate, train what is ready, push what stepped ------------------------------------------
 
     def issue(self, name: str, step: int) -> None:
-        self.inflight[name] = self.job.rollout.generate_adapter.options(num_returns=2).remote(name, step)
+        """Its batch for `step`, streamed: a Ray generator of its units (AdapterRollouts.units)."""
+        self.inflight[name] = self.job.rollout.generate_adapter_units.options(num_returns="streaming").remote(
+            name, step)
 
     def round(self) -> None:
-        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
-
-        for name in self.registry.active_names():
+        for name in self.registry.active_names():  # reconcile ran first: only loaded adapters generate
             if name not in self.inflight and name in self.steps:
                 self.issue(name, self.steps[name] + 1)
         if not self.inflight:
             return
-        refs = {name: pair[0] for name, pair in self.inflight.items()}
-        ready, _ = ray.wait(list(refs.values()), num_returns=1, timeout=GENERATE_TIMEOUT_S)
+        units = self.collect()
+        batches = {name: RolloutBatch.joined([b for b, _ in got]) for name, got in units.items() if got}
+        if batches:
+            self.train(batches, {name: got[-1][1] for name, got in units.items() if got})
+
+    def collect(self) -> dict[str, list[tuple[Any, dict[str, Any]]]]:
+        """The units generation has completed: wait for the first, then at most maxCoalesceWaitSeconds for the
+        other adapters' (so a small adapter never waits for a big one), and take every unit each has ready."""
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
+
+        gens = dict(self.inflight)
+        ready, _ = ray.wait(list(gens.values()), num_returns=1, timeout=GENERATE_TIMEOUT_S)
         if not ready:
-            raise RuntimeError(f"no adapter batch generated within {GENERATE_TIMEOUT_S:.0f}s: {sorted(refs)}")
-        rest = [r for r in refs.values() if r not in ready]
+            raise RuntimeError(f"no adapter's groups generated within {GENERATE_TIMEOUT_S:.0f}s: {sorted(gens)}")
+        rest = [g for g in gens.values() if g not in ready]
         if rest:  # the others get a bounded moment to join this train call
             more, _ = ray.wait(rest, num_returns=len(rest), timeout=self.cfg.multi_lora.max_coalesce_wait_seconds)
             ready += more
-        batches, stats = {}, {}
-        for name, ref in refs.items():
-            if ref not in ready:
-                continue
-            batch, stat = ray.get(self.inflight.pop(name))
-            self.positions[name] = stat["data_position"]
-            if batch is not None:  # None: aborted (retiring)
-                batches[name], stats[name] = batch, stat
-                if self.cfg.deployment.async_:  # its next batch generates while this one trains: one version behind
+        return {name: self.drain(name, gen) for name, gen in gens.items() if gen in ready}
+
+    def drain(self, name: str, gen: Any) -> list[tuple[Any, dict[str, Any]]]:
+        """Adapter `name`'s units that are ready now, in order. Its last unit ends its generation (with
+        deployment.async its next batch starts at once, one version behind); an aborted one (it is retiring)
+        drops its whole batch, the part already in its slot too (a later batch starts clean)."""
+        import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
+
+        got: list[tuple[Any, dict[str, Any]]] = []
+        while True:
+            batch, stat = ray.get(next(gen))
+            if batch is None:
+                self.inflight.pop(name, None)
+                if self.groups.get(name):
+                    self.job.trainer.all("drop_adapter_batch", name)
+                    self.groups[name] = self.calls[name] = 0
+                return []
+            got.append((batch, stat))
+            if stat["last"]:
+                self.inflight.pop(name, None)
+                if self.cfg.deployment.async_:  # its next batch generates while this one trains
                     self.issue(name, self.steps[name] + 2)
-        if batches:
-            self.train(batches, stats)
+                return got
+            more, _ = ray.wait([gen], num_returns=1, timeout=0)
+            if not more:
+                return got
 
     def train(self, batches: dict[str, Any], stats: dict[str, dict[str, Any]]) -> None:
+        """One train call over the adapters' units; what it did is committed only once it returned: the groups
+        in (`groups`), and for an adapter that stepped its step, data position, registry state, push and
+        checkpoint."""
         measured: list[tuple[ServingCheck, dict[str, Any]]] = []
-        for m in self.job.trainer.all("train_adapters", batches)[0]:
+        stepped = self.job.trainer.all("train_adapters", batches)[0]
+        for name, batch in batches.items():
+            self.groups[name] = self.groups.get(name, 0) + len(batch) // batch.group_size
+            self.calls[name] = self.calls.get(name, 0) + 1
+        for m in stepped:
             self.steps[m.name] = m.step
+            self.positions[m.name] = stats[m.name]["data_position"]
+            calls, self.calls[m.name], self.groups[m.name] = self.calls[m.name], 0, 0
             self.rewards[m.name].append(m.reward_mean)
             self.registry.stepped(m.name, m.step, m.reward_mean)
             report = self.publish(m.name)
-            self.rec.adapter_stepped(m.as_dict(), stats[m.name]["gen_ms"], report)
+            self.rec.adapter_stepped({**m.as_dict(), "train_calls": calls}, stats[m.name]["gen_ms"], report)
             interval = self.cfg.checkpoint.interval
             if self.root and m.step % interval == 0:
                 self.save(m.name)
