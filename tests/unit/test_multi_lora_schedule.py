@@ -18,7 +18,9 @@ from kora_trainer.backends.torch_backend import TorchBackend
 from kora_trainer.checkpoint.adapter_slot import load_slot, save_slot
 from kora_trainer.config import TrainerConfig, adapter_problems, load_config
 from kora_trainer.config.adapter_runs import resolve
+from kora_trainer.config.load import read_hf_config
 from kora_trainer.config.sections import AdapterRunConfig
+from kora_trainer.config.slot_memory import slot_elements
 from tinymodel import make_tiny_model
 
 PROMPT = [1, 4, 5, 13, 6, 7, 14]
@@ -104,3 +106,12 @@ def test_an_adapters_schedule_is_checked_against_its_own_numbers(model_dir):
         return [p.rule for p in adapter_problems(cfg, name="x", rank=2, rollout_batch_size=1,
                                                  n_samples_per_prompt=2, config=c)]
     assert ids(low) == ["adapter-min-lr"] and ids(warm) == ["adapter-lr-warmup-steps"] and ids(ok) == []
+
+
+def test_auto_counts_the_elements_a_slot_really_holds(model_dir):
+    """multiLora.maxAdapters auto's arithmetic (config/slot_memory.py, from config.json) against a slot the trainer
+    made: the same factor elements at lora.rank."""
+    cfg = job(model_dir)
+    multi = trainer(cfg, {"a": {"rank": 4}})
+    held = sum(p.numel() for p in multi.slots.slots["a"].params)
+    assert slot_elements(read_hf_config(str(model_dir)) or {}, cfg) == held > 0
