@@ -60,8 +60,6 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     "lr-decay-steps": {"algorithm.lrDecayStyle": "cosine"},
     "min-lr": {"algorithm.lr": 1e-4, "algorithm.minLr": 2e-4},
     "lr-warmup-steps": {"algorithm.lrDecayStyle": "linear", "algorithm.numSteps": 100, "algorithm.lrWarmupSteps": 100},
-    "lr-schedule-multi-lora": {"lora.syncMode": "Adapter", "rollout.sglangBuild": "sglang-miles-94949da7",
-                               "multiLora.maxAdapters": 2, "algorithm.lrWarmupSteps": 10},
     # the named SGLang build (valid_job's engine is sglang by default: build 0.5.23)
     "build-engine-merge": {"lora.syncMode": "EngineMerge"},
     "build-multi-lora": {"lora.syncMode": "Adapter", "multiLora.maxAdapters": 2},

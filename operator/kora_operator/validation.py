@@ -56,7 +56,7 @@ def validate_adapter(
         return adapter, []
     a, algo = adapter.spec, job.spec.algorithm
     problems = []
-    if job.spec.multi_lora.max_adapters == 0:
+    if not job.spec.multi_lora.on:
         problems.append(Problem("adapter-needs-multi-lora", "spec.jobName",
             f"LoRAAdapter {adapter.metadata.get('name')}: LoRATrainingJob {a.job_name} has "
             f"multiLora.maxAdapters 0 and serves no adapters: set its multiLora.maxAdapters > 0"))
@@ -70,5 +70,6 @@ def validate_adapter(
         rollout_batch_size=a.rollout_batch_size or algo.rollout_batch_size,
         n_samples_per_prompt=a.n_samples_per_prompt or algo.n_samples_per_prompt,
         stream_groups=a.stream_groups,
+        config=a,
     )
     return adapter, problems

@@ -182,3 +182,26 @@ def test_unknown_fields_are_rejected(crds, namespace):
     doc = set_path(valid_job("typo"), "lora.syncmode", "Adapter")
     res = apply(crds, doc, namespace)
     assert res.returncode != 0 and "syncmode" in res.stderr
+
+
+MULTI = {"lora.syncMode": "Adapter", "rollout.sglangBuild": "sglang-miles-94949da7"}
+
+
+@pytest.mark.parametrize(("value", "ok"), [(0, True), (4, True), ("auto", True), (257, False), ("many", False),
+                                           (-1, False)])
+def test_max_adapters_takes_a_count_or_auto(crds, namespace, value, ok):
+    """multiLora.maxAdapters is int-or-string (issue 44 item 5): an integer manifest stays valid, `auto` is taken
+    (and turns multi-LoRA on for the rules that read it: a Merge job with auto is refused as one with 2), anything
+    else is refused with the field's message; kora validate agrees."""
+    doc = valid_job(f"slots-{str(value).replace('-', 'm')}")
+    for path, v in ({**MULTI, "multiLora.maxAdapters": value} if value else {}).items():
+        doc = set_path(doc, path, v)
+    res = crds.kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", check=False,
+                       input=yaml.safe_dump(doc))
+    assert (res.returncode == 0) is ok, res.stderr
+    assert bool(validate_job(doc)[1]) is not ok and (ok or "maxAdapters must be 0 to 256" in res.stderr)
+    if value == "auto":  # auto counts as on: the multi-lora-needs-adapter rule sees it
+        doc = set_path(doc, "lora.syncMode", "Merge")
+        res = crds.kubectl("create", "-n", namespace, "--dry-run=server", "-f", "-", check=False,
+                           input=yaml.safe_dump(doc))
+        assert res.returncode != 0 and "requires lora.syncMode Adapter" in " ".join(res.stderr.split())

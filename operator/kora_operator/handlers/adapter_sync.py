@@ -64,7 +64,7 @@ def sync_job_adapters(ctx: Context, ns: str, name: str, view: JobView, poll: boo
     to `view`, the job and its trainer as that reconcile left them. A `poll` of a job without adapter slots
     (multiLora.maxAdapters 0) stops here: an adapter naming it fails rule 9 at its first reconcile, and nothing a
     poll sees changes that. Which adapters name the job: ctx.adapters (the adapters' watch), else a LIST."""
-    if poll and not int(((view.body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0):
+    if poll and (((view.body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0) == 0:
         return
     try:
         adapters = ctx.adapters.of_job(ns, name) if ctx.adapters is not None else [

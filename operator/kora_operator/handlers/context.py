@@ -116,7 +116,7 @@ def trainer_url(ctx: Context, body: Mapping[str, Any]) -> str | None:
 
 def adapter_state(ctx: Context, body: Mapping[str, Any], url: str) -> tuple[AdapterRunsState | None, str | None]:
     """GET /adapter_runs/state of a multi-adapter job's trainer: (the state, None) or (None, why not)."""
-    if not int(((body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0):
+    if (((body.get("spec") or {}).get("multiLora") or {}).get("maxAdapters") or 0) == 0:  # an int, or auto
         return None, "the job is not a multi-adapter one (multiLora.maxAdapters is 0)"
     client = AdapterRuns(url, ctx.tokens.for_job(str(body["metadata"]["uid"])), ctx.settings.http_timeout)
     try:

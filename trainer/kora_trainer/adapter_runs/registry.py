@@ -34,7 +34,7 @@ from kora_trainer.config.adapter_runs import (
     resolve,
 )
 from kora_trainer.config.load import read_hf_config
-from kora_trainer.config.sections import POLICY_ADAPTER, AdapterRunConfig
+from kora_trainer.config.sections import AUTO, MAX_SLOTS, POLICY_ADAPTER, AdapterRunConfig
 from kora_trainer.config.status import CheckpointProgress, ServingCheckProgress, SyncProgress, rfc3339
 
 
@@ -67,7 +67,21 @@ class AdapterRegistry:
 
     @property
     def max_adapters(self) -> int:
-        return self.cfg.multi_lora.max_adapters
+        """The slots; maxAdapters auto counts as the most there may be until `size` sets what memory holds."""
+        ml = self.cfg.multi_lora
+        return MAX_SLOTS if ml.max_adapters == AUTO else ml.slots
+
+    def size(self, cfg: TrainerConfig) -> None:
+        """The job's config with maxAdapters auto sized at start (orchestration/slot_sizing.py); refused when the
+        adapters registered so far already hold a slot past that count."""
+        with self._lock:
+            held = sorted(r.state["slot"] for r in self._runs.values() if r.state["slot"] is not None)
+            n = cfg.multi_lora.slots
+            if held and held[-1] >= n:
+                raise RegistryError(409, f"multiLora.maxAdapters auto sized {n} slot(s) from memory, and the "
+                                         f"adapters registered hold {len(held)} (slots up to {held[-1]}): list "
+                                         "fewer adapters, or set multiLora.maxAdapters to a number")
+            self.cfg = cfg
 
     # ---- the API's side --------------------------------------------------------------------------------
 
@@ -78,7 +92,7 @@ class AdapterRegistry:
         problems = adapter_problems(self.cfg, name=name, rank=config.rank,
                                     rollout_batch_size=config.rollout_batch_size or alg.rollout_batch_size,
                                     n_samples_per_prompt=config.n_samples_per_prompt or alg.n_samples_per_prompt,
-                                    stream_groups=config.stream_groups)
+                                    stream_groups=config.stream_groups, config=config)
         if name in (POLICY_ADAPTER, "state"):  # the single-adapter jobs' engine adapter; a route of the API
             raise RegistryError(400, f"name {name} is reserved: pick another name")
         if problems:

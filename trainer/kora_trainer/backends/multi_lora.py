@@ -25,9 +25,11 @@ from typing import Any
 import torch
 
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
+from kora_trainer.algorithm.lr_schedule import apply_lr
 from kora_trainer.backends.batch import RolloutBatch, pad
 from kora_trainer.backends.torch_backend import TorchBackend, _clip_grad_norm
 from kora_trainer.config.adapter_runs import AdapterSettings
+from kora_trainer.config.sections import AlgorithmSpec, LrDecayStyle
 from kora_trainer.lora.model import adapter_disabled, adapter_tensors, peft_config_dict
 from kora_trainer.lora.slots import AdapterSlots, Slot
 
@@ -86,6 +88,9 @@ class _Adapter:
     optimizer: torch.optim.Optimizer
     step: int = 0
     pending: _Pending | None = None  # its batch's units in so far (None: at a step boundary)
+    # its learning-rate schedule (the job's AlgorithmSpec with its own rate, style and step count): set once its
+    # step count is known (schedule_adapter), or from its checkpoint
+    schedule: AlgorithmSpec | None = None
 
 
 class MultiLoRATrainer:
@@ -120,6 +125,13 @@ class MultiLoRATrainer:
         """Samples of adapter `name`'s current batch already in its slot's gradients (0 at a step boundary)."""
         p = self.adapters[name].pending
         return p.samples if p is not None else 0
+    def schedule_adapter(self, name: str, num_steps: int) -> dict[str, Any]:
+        """Its schedule over its own `num_steps` (known once its data is read), unless its checkpoint brought the
+        one it started with: a resumed adapter goes on along the same curve. Returns the schedule's fields."""
+        a = self.adapters[name]
+        if a.schedule is None:
+            a.schedule = a.settings.schedule(self.backend.cfg.algorithm, num_steps)
+        return _schedule_fields(a.schedule)
 
     # ---- training --------------------------------------------------------------------------------------
 
@@ -196,6 +208,7 @@ class MultiLoRATrainer:
         with self.slots.active(s.name) as slot:
             b.dp.allreduce_grads(slot.params)
             grad_norm = _clip_grad_norm(slot.params, b.max_grad_norm)
+            _set_lr(a)
             a.optimizer.step()
             a.optimizer.zero_grad(set_to_none=True)
         a.step += 1
@@ -238,7 +251,8 @@ class MultiLoRATrainer:
     def state(self, name: str) -> dict[str, Any]:
         a = self.adapters[name]
         return {"tensors": {n: t.detach().cpu().clone() for n, t in self.adapter_named(name)},
-                "optimizer": a.optimizer.state_dict(), "step": a.step, "rng": a.slot.rng.clone()}
+                "optimizer": a.optimizer.state_dict(), "step": a.step, "rng": a.slot.rng.clone(),
+                "schedule": None if a.schedule is None else _schedule_fields(a.schedule)}
 
     def load_state(self, name: str, state: dict[str, Any]) -> None:
         a = self.adapters[name]
@@ -247,3 +261,22 @@ class MultiLoRATrainer:
                 t.copy_(state["tensors"][n])
         a.optimizer.load_state_dict(state["optimizer"])
         a.step, a.slot.rng = int(state["step"]), state["rng"]
+        if state.get("schedule") is not None:  # a checkpoint from before schedules: set by schedule_adapter
+            saved = state["schedule"]
+            a.schedule = self.backend.cfg.algorithm.model_copy(
+                update={**saved, "lr_decay_style": LrDecayStyle(saved["lr_decay_style"])})
+
+
+def _set_lr(a: _Adapter) -> None:
+    """Its own step count picks its rate (a pure function of the step: resume-exact)."""
+    if a.schedule is None:
+        raise RuntimeError(f"adapter {a.settings.name} has no schedule: schedule_adapter comes before its training")
+    apply_lr(a.optimizer, a.schedule, a.step)
+
+
+_SCHEDULE_FIELDS = ("lr", "lr_decay_style", "min_lr", "lr_warmup_steps", "lr_decay_steps", "num_steps")
+
+
+def _schedule_fields(alg: AlgorithmSpec) -> dict[str, Any]:
+    """What of an AlgorithmSpec lr_schedule.py reads: the schedule an adapter's checkpoint carries."""
+    return {f: str(v) if f == "lr_decay_style" else v for f, v in alg.model_dump(include=set(_SCHEDULE_FIELDS)).items()}

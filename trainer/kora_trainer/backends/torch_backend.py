@@ -64,7 +64,7 @@ class TorchBackend(ShuffleState):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.wrapped = apply_lora(self.model, cfg.lora)
         # GDN b/a gate adapters the engine build cannot serve are pinned to zero (lora/gdn.py): trained = served
-        served_as = SyncMode.ADAPTER if cfg.multi_lora.max_adapters else cfg.lora.effective_sync_mode
+        served_as = SyncMode.ADAPTER if cfg.multi_lora.on else cfg.lora.effective_sync_mode
         self.gate_pinned = pin_gate_rows(self.model) \
             if gdn_gate_mask_needed(served_as, engine_lora_limits().gdn_gate_adapters) else []
         self.model.eval()

@@ -19,13 +19,13 @@ Imports nothing heavy: the operator reads it too.
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 from pydantic import Field
 
 from kora_trainer.config.base import CamelModel
 from kora_trainer.config.rules import min_groups_per_dp_split
-from kora_trainer.config.sections import ADAPTER_NAME, AdapterRunConfig, DataSpec
+from kora_trainer.config.sections import ADAPTER_NAME, AdapterRunConfig, AlgorithmSpec, DataSpec, LrDecayStyle
 from kora_trainer.config.status import CheckpointProgress, ServingCheckProgress, SyncProgress
 from kora_trainer.config.trainer import TrainerConfig
 
@@ -120,6 +120,18 @@ class AdapterSettings(CamelModel):
     num_epochs: Annotated[int, Field(ge=1)] | None
     seed: int
     stream_groups: Annotated[int, Field(ge=1)] = 1  # groups per unit into training, at most rolloutBatchSize
+    lr_decay_style: LrDecayStyle = LrDecayStyle.CONSTANT
+    min_lr: float = 0.0
+    lr_warmup_steps: Annotated[int, Field(ge=0)] = 0
+    lr_decay_steps: Annotated[int, Field(ge=1)] | None = None  # None: its step count
+
+    def schedule(self, alg: AlgorithmSpec, num_steps: int) -> AlgorithmSpec:
+        """The job's AlgorithmSpec with this adapter's rate and schedule, decaying over its own `num_steps` unless
+        it (or the job) sets lrDecaySteps: what algorithm/lr_schedule.py reads for its steps."""
+        return alg.model_copy(update={
+            "lr": self.lr, "lr_decay_style": self.lr_decay_style, "min_lr": self.min_lr,
+            "lr_warmup_steps": self.lr_warmup_steps, "lr_decay_steps": self.lr_decay_steps or num_steps,
+            "num_steps": num_steps})
 
     @property
     def global_batch_size(self) -> int:
@@ -149,4 +161,15 @@ def resolve(cfg: TrainerConfig, name: str, config: AdapterRunConfig, slot: int) 
         rollout_batch_size=rollout_batch_size, n_samples_per_prompt=n_samples_per_prompt,
         data=config.data, num_steps=config.num_steps, num_epochs=config.num_epochs,
         seed=config.seed if config.seed is not None else alg.seed,
-        stream_groups=min(config.stream_groups or fewest, rollout_batch_size))
+        stream_groups=min(config.stream_groups or fewest, rollout_batch_size),
+        lr_decay_style=_default(config.lr_decay_style, alg.lr_decay_style),
+        min_lr=_default(config.min_lr, alg.min_lr), lr_warmup_steps=_default(config.lr_warmup_steps,
+                                                                             alg.lr_warmup_steps),
+        lr_decay_steps=_default(config.lr_decay_steps, alg.lr_decay_steps))
+
+
+_T = TypeVar("_T")
+
+
+def _default(value: _T | None, job: _T) -> _T:
+    return job if value is None else value

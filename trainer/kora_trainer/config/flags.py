@@ -23,12 +23,18 @@ from pydantic import ValidationError
 
 from kora_trainer.config.load import ConfigError
 from kora_trainer.config.rules import AdapterOrigin
-from kora_trainer.config.sections import ADAPTER_NAME, DiffusionTarget, NamedAdapterRun, TargetModule
+from kora_trainer.config.sections import ADAPTER_NAME, AUTO, DiffusionTarget, NamedAdapterRun, TargetModule
 
 MODE_FLAGS_EXCLUSIVE = (
     "--lora-merge-mode and --lora-adapter-mode are mutually exclusive: pass only one of them "
     "(in a kora config: set lora.syncMode to Merge or Adapter)"
 )
+
+
+def slots_or_auto(value: str) -> int | str:
+    """--multi-lora-n-adapters N or auto (miles #3261: slots sized from memory)."""
+    return value if value == AUTO else int(value)
+
 
 # flag -> (dotted field, type); store_true flags map to a fixed value below
 _VALUED: dict[str, tuple[str, Any]] = {
@@ -67,7 +73,7 @@ _VALUED: dict[str, tuple[str, Any]] = {
     "--seed": ("algorithm.seed", int),
     "--save": ("checkpoint.path", str),
     "--save-interval": ("checkpoint.interval", int),
-    "--multi-lora-n-adapters": ("multiLora.maxAdapters", int),
+    "--multi-lora-n-adapters": ("multiLora.maxAdapters", slots_or_auto),
     "--multi-lora-max-adapter-global-batch-size": ("multiLora.maxAdapterGlobalBatchSize", int),
     "--multi-lora-max-coalesce-wait-s": ("multiLora.maxCoalesceWaitSeconds", float),
     # the diffusion seed's (miles-diffusion): they set fields of the job's diffusion section
@@ -181,13 +187,16 @@ def origins(values: dict[str, Any]) -> tuple[AdapterOrigin, ...]:
 # ---- --multi-lora-adapter NAME PATH: the seed's adapter.yaml --------------------------------------------------------
 
 ADAPTERS = "multiLora.adapters"
-# adapter.yaml key -> the NamedAdapterRun field it sets (dotted, camelCase); lr and seed are kora's (default: the
-# job's). `save`, the seed's per-adapter save directory, sets nothing: it must be where kora writes the adapter.
+# adapter.yaml key -> the NamedAdapterRun field it sets (dotted, camelCase); lr, seed and the schedule keys (the
+# Megatron flags' spellings, as --lr-decay-style etc.) are kora's (default: the job's). `save`, the seed's
+# per-adapter save directory, sets nothing: it must be where kora writes the adapter.
 ADAPTER_YAML_KEYS: dict[str, str] = {
     "rank": "rank", "alpha": "alpha", "rollout_batch_size": "rolloutBatchSize",
     "n_samples_per_prompt": "nSamplesPerPrompt", "data": "data.path", "input_key": "data.inputKey",
     "label_key": "data.labelKey", "rm_type": "data.rewardType", "custom_rm_path": "data.customRewardPath",
     "num_step": "numSteps", "num_epoch": "numEpochs", "lr": "lr", "seed": "seed",
+    "lr_decay_style": "lrDecayStyle", "min_lr": "minLr", "lr_warmup_iters": "lrWarmupSteps",
+    "lr_decay_iters": "lrDecaySteps",
 }
 _PATH_KEYS = ("data", "save")  # relative paths: from the adapter.yaml's directory
 # NamedAdapterRun field -> the file's key: how messages about a flag's adapter spell its keys

@@ -32,6 +32,7 @@ from kora_trainer.config.layout import (
 from kora_trainer.config.load import ConfigError, read_hf_config
 from kora_trainer.config.sections import Engine
 from kora_trainer.config.sglang_builds import effective_build, plan_for, same_node_problem
+from kora_trainer.config.slot_memory import plan_lines
 from kora_trainer.config.start_layout import planned_start_problems
 from kora_trainer.config.trainer import TrainerConfig
 
@@ -172,6 +173,7 @@ class JobPlan:
     # what the trainer would refuse at start (config/start_layout.py): the plan shows where it would run, and this
     # says that it would not, so a sample that plans is not taken for one that trains
     start_refusals: list[str] = field(default_factory=list)
+    slots: list[str] = field(default_factory=list)  # multiLora.maxAdapters auto: the per-slot arithmetic
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -194,6 +196,7 @@ class JobPlan:
                        f"{', '.join(self.weight_update_group)}")
         if self.sync:
             out.append(f"  sync: {self.sync}")
+        out += [f"  {line}" for line in self.slots]
         out += [f"  REFUSED at start by the trainer: {line}" for line in self.start_refusals]
         return out
 
@@ -222,9 +225,9 @@ def plan_job(cfg: TrainerConfig, nodes: list[Node], check_build: bool = True) ->
         f"engine {e.index} rank {1 + e.index * span + t}" for e in engines for t in range(span)]
     routes = plan_for(cfg)
     sync = routes.note if routes is not None else "kora's routes (the reference engine with its extensions)"
+    hf = read_hf_config(cfg.model.path)
     plan = JobPlan(len(ranks), ranks, engines, "colocated" if placement.colocated else "distributed", group, nodes,
-                   sync, planned_start_problems(cfg, read_hf_config(cfg.model.path),
-                                                          any(n.gpus for n in nodes)))
+                   sync, planned_start_problems(cfg, hf, any(n.gpus for n in nodes)), plan_lines(cfg, hf))
     if check_build and (away := build_node_problem(cfg, plan)):
         raise ConfigError([away])
     return plan

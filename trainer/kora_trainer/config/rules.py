@@ -19,6 +19,8 @@ from typing import Any, Literal
 from kora_trainer.config import sglang_builds as sb
 from kora_trainer.config.layout import FIX_DATA_SEARCH, PARALLEL_MESSAGE, parallel_problems
 from kora_trainer.config.sections import (
+    AUTO,
+    AdapterRunConfig,
     CheckpointDType,
     DeploymentMode,
     Engine,
@@ -117,6 +119,9 @@ def _build_refused(c: TrainerConfig, mode: SyncMode | None = None) -> str | None
 # A diffusion job (docs/diffusion.md): what its path runs today. The seed's own rule (--lora-ipc-weight-sync needs
 # --colocate) holds for both its modes here: the weights go by same-host handles (update_weights_from_tensor).
 _CONSTANT_LR = "(!has(self.algorithm.lrDecayStyle) || self.algorithm.lrDecayStyle == 'constant')"
+# multiLora.maxAdapters is an int or 'auto' (config/sections.py SlotCount): on = auto or > 0
+_ML_ON = "(type(self.multiLora.maxAdapters) == string || self.multiLora.maxAdapters > 0)"
+_ML_OFF = "(type(self.multiLora.maxAdapters) == int && self.multiLora.maxAdapters == 0)"
 _NOT_DATA = ("tensor", "pipeline", "context", "expert", "expert_tensor")  # the parallelism a diffusion job refuses
 _P_ONE = " && ".join(f"{_P}.{f} == 1" for f in ("tensor", "pipeline", "context", "expert", "expertTensor"))
 _DIFFUSION_RULES: tuple[tuple[str, str, str, Callable[[TrainerConfig], bool], str], ...] = (
@@ -293,25 +298,25 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         "multi-lora-needs-adapter", "multiLora.maxAdapters",
         "multiLora.maxAdapters > 0 serves several adapters on one base, which requires "
         "lora.syncMode Adapter: set lora.syncMode to Adapter, or multiLora.maxAdapters to 0",
-        lambda c: c.multi_lora.max_adapters > 0 and not _adapter(c),
-        f"self.multiLora.maxAdapters == 0 || {_ADAPTER}",
+        lambda c: c.multi_lora.on and not _adapter(c),
+        f"{_ML_OFF} || {_ADAPTER}",
     ),
     SpecRule(
         "multi-lora-images", "data.imageKey",
         "data.imageKey is not read by a multi-adapter job (each adapter rolls out its own data): set data.imageKey on "
         "each adapter that has images (its LoRAAdapter's spec.data.imageKey, or multiLora.adapters[].data.imageKey), "
         "or set multiLora.maxAdapters to 0",
-        lambda c: c.multi_lora.max_adapters > 0 and c.data.image_key is not None,
-        "self.multiLora.maxAdapters == 0 || !has(self.data.imageKey)",
+        lambda c: c.multi_lora.on and c.data.image_key is not None,
+        f"{_ML_OFF} || !has(self.data.imageKey)",
     ),
     # the learning-rate schedule (algorithm/lr_schedule.py)
-    SpecRule(
+    SpecRule(  # a multi-adapter job decays each adapter over its own step count (adapter_schedule_problems)
         "lr-decay-steps", "algorithm.lrDecaySteps",
         "algorithm.lrDecayStyle linear or cosine needs the step its decay ends at: set algorithm.lrDecaySteps "
         "(or algorithm.numSteps, its default), or set lrDecayStyle constant",
         lambda c: c.algorithm.lr_decay_style is not LrDecayStyle.CONSTANT and c.algorithm.num_steps is None
-        and c.algorithm.lr_decay_steps is None,
-        f"{_CONSTANT_LR} || has(self.algorithm.numSteps) || has(self.algorithm.lrDecaySteps)",
+        and c.algorithm.lr_decay_steps is None and not c.multi_lora.on,
+        f"{_CONSTANT_LR} || has(self.algorithm.numSteps) || has(self.algorithm.lrDecaySteps) || {_ML_ON}",
     ),
     SpecRule(
         "min-lr", "algorithm.minLr",
@@ -330,16 +335,6 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         "(has(self.algorithm.lrDecaySteps) ? self.algorithm.lrDecaySteps : (has(self.algorithm.numSteps) ? "
         "self.algorithm.numSteps : self.algorithm.lrWarmupSteps + 1))",
     ),
-    SpecRule(
-        "lr-schedule-multi-lora", "algorithm.lrDecayStyle",
-        "a multi-adapter job trains each adapter at its own constant rate (its LoRAAdapter's lr; a schedule per "
-        "adapter is not built): set algorithm.lrDecayStyle constant and algorithm.lrWarmupSteps 0, or "
-        "multiLora.maxAdapters 0",
-        lambda c: c.multi_lora.max_adapters > 0 and (c.algorithm.lr_decay_style is not LrDecayStyle.CONSTANT
-                                                     or c.algorithm.lr_warmup_steps > 0),
-        f"self.multiLora.maxAdapters == 0 || ({_CONSTANT_LR} && (!has(self.algorithm.lrWarmupSteps) || "
-        "self.algorithm.lrWarmupSteps == 0))",
-    ),
     # the named SGLang build (config/sglang_builds.py's table): what it has no route for
     SpecRule(
         "build-engine-merge", "lora.syncMode",
@@ -355,8 +350,8 @@ SPEC_RULES: tuple[SpecRule, ...] = (
         "build-multi-lora", "multiLora.maxAdapters",
         "multiLora.maxAdapters > 0 needs abort by request-id prefix, which the named SGLang build lacks: set "
         f"rollout.sglangBuild to {SGLangBuild.MILES_94949DA7.value}, or multiLora.maxAdapters to 0",
-        lambda c: c.multi_lora.max_adapters > 0 and _build_refused(c, SyncMode.ADAPTER) is not None,
-        f"!({_BUILD} in {_NO_PREFIX_BUILDS} && {_ADAPTER} && self.multiLora.maxAdapters > 0)",
+        lambda c: c.multi_lora.on and _build_refused(c, SyncMode.ADAPTER) is not None,
+        f"!({_BUILD} in {_NO_PREFIX_BUILDS} && {_ADAPTER} && {_ML_ON})",
         explain=lambda c: _build_refused(c) or "",
         cel_message=cel_format(sb.MULTI_LORA_REFUSED, [_BUILD]),
     ),
@@ -507,8 +502,9 @@ def adapter_problems(
     n_samples_per_prompt: int,
     origin: AdapterOrigin | None = None,
     stream_groups: int | None = None,
+    config: AdapterRunConfig | None = None,
 ) -> list[Problem]:
-    """SPEC rule 9: may this adapter join this multi-LoRA job?"""
+    """SPEC rule 9: may this adapter join this multi-LoRA job? `config`, when given: its schedule too."""
     problems: list[Problem] = []
     dp = cfg.parallelism.data
     at = origin or AdapterOrigin(f"LoRAAdapter {name}")
@@ -540,6 +536,33 @@ def adapter_problems(
             f"{label}: {key('rolloutBatchSize')} x {key('nSamplesPerPrompt')} = {gbs} exceeds the "
             f"job's cap {cap} (multiLora.maxAdapterGlobalBatchSize, default 4 x "
             f"algorithm.globalBatchSize): lower the adapter's batch or raise the cap"))
+    if config is not None:
+        problems += adapter_schedule_problems(cfg, config, label, key)
+    return problems
+
+
+def adapter_schedule_problems(cfg: TrainerConfig, a: AdapterRunConfig, label: str,
+                              key: Callable[[str], str] = str) -> list[Problem]:
+    """An adapter's own learning-rate schedule (its fields, else the job's algorithm ones): the single-adapter
+    rules min-lr and lr-warmup-steps on its numbers. Its decay ends at its lrDecaySteps, else the job's, else its
+    own step count; with numEpochs that count is known once its data is read, and a warmup as long as it simply
+    ends where the decay does."""
+    alg = cfg.algorithm
+    lr = a.lr if a.lr is not None else alg.lr
+    min_lr = a.min_lr if a.min_lr is not None else alg.min_lr
+    warmup = a.lr_warmup_steps if a.lr_warmup_steps is not None else alg.lr_warmup_steps
+    style = a.lr_decay_style or alg.lr_decay_style
+    decay = a.lr_decay_steps or alg.lr_decay_steps or a.num_steps
+    problems: list[Problem] = []
+    if min_lr > lr:
+        problems.append(Problem("adapter-min-lr", "minLr",
+            f"{label}: {key('minLr')} {min_lr:g} (default the job's algorithm.minLr) is above its {key('lr')} "
+            f"{lr:g}, so its decay would raise the rate: set its {key('minLr')} at most its {key('lr')}"))
+    if style is not LrDecayStyle.CONSTANT and decay is not None and warmup >= decay:
+        problems.append(Problem("adapter-lr-warmup-steps", "lrWarmupSteps",
+            f"{label}: {key('lrWarmupSteps')} {warmup} (default the job's algorithm.lrWarmupSteps) must end before "
+            f"its decay does (step {decay}: its {key('lrDecaySteps')}, else the job's, else its "
+            f"{key('numSteps')}): lower its {key('lrWarmupSteps')} or raise its {key('lrDecaySteps')}"))
     return problems
 
 
@@ -557,7 +580,7 @@ def start_adapter_problems(cfg: TrainerConfig, origins: Sequence[AdapterOrigin] 
         problems.append(Problem("start-adapters-need-slots", "multiLora.maxAdapters",
             f"multiLora.adapters lists {n} adapter{'s' if n > 1 else ''} and multiLora.maxAdapters is 0 "
             f"(multi-LoRA off, no slots): set multiLora.maxAdapters to {n} or more, or remove multiLora.adapters"))
-    elif n > slots:
+    elif slots != AUTO and n > int(slots):  # auto: sized at start, refused there when too few
         problems.append(Problem("start-adapters-fit", "multiLora.maxAdapters",
             f"multiLora.adapters lists {n} adapters and multiLora.maxAdapters is {slots} (each adapter holds a slot "
             f"while it trains): raise multiLora.maxAdapters to {n}, or list fewer adapters and register the rest "
@@ -574,7 +597,7 @@ def start_adapter_problems(cfg: TrainerConfig, origins: Sequence[AdapterOrigin] 
                 f"unique: rename or remove the repeats"))
     alg = cfg.algorithm
     for i, (a, origin) in enumerate(zip(adapters, at, strict=True)):
-        found = adapter_problems(cfg, name=a.name, rank=a.rank, origin=origin,
+        found = adapter_problems(cfg, name=a.name, rank=a.rank, origin=origin, config=a,
                                  rollout_batch_size=a.rollout_batch_size or alg.rollout_batch_size,
                                  n_samples_per_prompt=a.n_samples_per_prompt or alg.n_samples_per_prompt,
                                  stream_groups=a.stream_groups)

@@ -8,9 +8,9 @@ across fields live in `rules.py`, which also turns them into the CRD's CEL valid
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, WithJsonSchema, model_validator
 
 from kora_trainer.config.base import CamelModel
 from kora_trainer.config.quantity import ByteQuantity
@@ -423,6 +423,16 @@ class AdapterRunConfig(CamelModel):
     many, gradients accumulate across units, and its optimizer steps when its rolloutBatchSize groups are in.
     A multiple of the fewest groups whose samples split evenly over the trainer's DP ranks, which is the
     default; rolloutBatchSize (or more) trains the whole batch in one call."""
+    # its own learning-rate schedule (algorithm/lr_schedule.py), counted in its own optimizer steps
+    lr_decay_style: LrDecayStyle | None = None
+    """constant, linear or cosine; default the job's algorithm.lrDecayStyle."""
+    min_lr: Annotated[float, Field(ge=0, le=1.0)] | None = None
+    """The rate its decay ends at (at most its lr); default the job's algorithm.minLr."""
+    lr_warmup_steps: Annotated[int, Field(ge=0, le=MAX_STEPS)] | None = None
+    """Its steps of linear warmup; default the job's algorithm.lrWarmupSteps."""
+    lr_decay_steps: Annotated[int, Field(ge=1, le=MAX_STEPS)] | None = None
+    """Its step at which the decay reaches minLr; default the job's algorithm.lrDecaySteps, else its own step
+    count (numSteps, or numEpochs x rows // rolloutBatchSize)."""
 
     @model_validator(mode="after")
     def _one_length(self) -> AdapterRunConfig:
@@ -444,6 +454,28 @@ class NamedAdapterRun(AdapterRunConfig):
         return AdapterRunConfig.model_validate(self.model_dump(exclude={"name"}))
 
 
+MAX_SLOTS = 256
+AUTO = "auto"
+
+
+def _slot_count(value: int | str) -> int | str:
+    if isinstance(value, int) and not 0 <= value <= MAX_SLOTS:
+        raise ValueError(f"must be 0 to {MAX_SLOTS}, or {AUTO}")
+    return value
+
+
+# An int-or-string in the CRD (existing integer manifests stay valid); the CEL rule bounds both forms.
+SlotCount = Annotated[
+    int | Literal["auto"],
+    AfterValidator(_slot_count),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"}, {"type": "string"}],
+                    "x-kubernetes-validations": [{
+                        "rule": f"type(self) == string ? self == '{AUTO}' : (self >= 0 && self <= {MAX_SLOTS})",
+                        "message": f"maxAdapters must be 0 to {MAX_SLOTS} slots, or {AUTO} (sized from the free "
+                                   "memory at start)"}]}),
+]
+
+
 class MultiLoRASpec(CamelModel):
     """Multi-adapter service: many adapters, one base; LoRAAdapter objects register them."""
 
@@ -452,12 +484,27 @@ class MultiLoRASpec(CamelModel):
     service that idles until adapters are registered (LoRAAdapter objects, POST /adapter_runs) and runs until
     the job is deleted."""
 
-    max_adapters: Annotated[int, Field(ge=0, le=256)] = 0
-    """Adapter slots; 0 turns multi-LoRA off, > 0 makes the job a multi-adapter service."""
+    max_adapters: SlotCount = 0
+    """Adapter slots; 0 turns multi-LoRA off, > 0 makes the job a multi-adapter service. `auto` (miles'
+    `--multi-lora-n-adapters auto`): as many as the trainer's and the engines' free memory hold at the job's rank,
+    sized when the job starts (config/slot_memory.py; the trainer prints the arithmetic, `kora plan` the per-slot
+    bytes)."""
     max_adapter_global_batch_size: Annotated[int, Field(ge=1)] | None = None
     """Largest samples-per-step an adapter may ask for; default 4 x algorithm.globalBatchSize."""
     max_coalesce_wait_seconds: Annotated[float, Field(gt=0)] = 5.0
     """How long a non-empty train batch waits for more adapters' groups before it trains anyway."""
+
+    @property
+    def on(self) -> bool:
+        """A multi-adapter job: maxAdapters > 0 or auto."""
+        return self.max_adapters == AUTO or int(self.max_adapters) > 0
+
+    @property
+    def slots(self) -> int:
+        """The slot count (auto is sized at start, before anything reads this: orchestration/slot_sizing.py)."""
+        if isinstance(self.max_adapters, str):
+            raise ValueError("multiLora.maxAdapters auto is sized when the job starts; nothing reads it before")
+        return self.max_adapters
 
 
 class ModelSpec(CamelModel):

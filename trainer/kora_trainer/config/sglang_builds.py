@@ -169,7 +169,7 @@ def plan_for(cfg: TrainerConfig) -> RoutePlan | None:
     if build is None:
         return None
     mode = cfg.lora.effective_sync_mode
-    return route_plan(build, mode, cfg.deployment.mode, cfg.multi_lora.max_adapters > 0)
+    return route_plan(build, mode, cfg.deployment.mode, cfg.multi_lora.on)
 
 
 def engines_need_api_key(cfg: TrainerConfig) -> bool:

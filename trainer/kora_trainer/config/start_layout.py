@@ -50,7 +50,7 @@ def actor_layout_problems(cfg: TrainerConfig, backend: Backend, num_layers: int 
                         "tensor, pipeline and expert parallelism so far (context parallelism and expertTensor > 1 "
                         "are not launched yet): set them to 1 and spread the GPUs over parallelism.tensor, "
                         "parallelism.pipeline, parallelism.expert and parallelism.data")
-    if cfg.multi_lora.max_adapters > 0 and backend is Backend.MEGATRON:
+    if cfg.multi_lora.on and backend is Backend.MEGATRON:
         problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters}: multi-LoRA trains on the torch backend "
                         "so far (adapter slots on an HF model), not megatron: set backend: torch")
     return problems

@@ -156,7 +156,7 @@ def start_models(placed: Placed, run_dir: Path, threads: int) -> Models:
                           .remote(cfg, str(run_dir / "logs"), threads, i, placed.admin_key, placed.api_key)
                           for i in range(cfg.rollout.num_engines)]
     world = len(plan.rank_bundle)
-    multi = cfg.multi_lora.max_adapters > 0  # the multi-adapter workers (multi_lora_workers.py)
+    multi = cfg.multi_lora.on  # the multi-adapter workers (multi_lora_workers.py)
     rank_cls = ray.remote(num_cpus=CPU_SHARES["trainer"], num_gpus=plan.shares.trainer)(
         MultiLoRAWorker if multi else TrainWorker)
     trainer = TrainGroup([rank_cls.options(scheduling_strategy=placed.bundle(plan.rank_bundle[r]))
@@ -173,10 +173,10 @@ def start_rollout(placed: Placed, models: Models) -> Job:
     cfg, plan, engines = placed.cfg, placed.plan, models.engines
     build = effective_build(cfg)
     urls = ray.get([e.url.remote() for e in engines])
-    multi = cfg.multi_lora.max_adapters > 0
+    multi = cfg.multi_lora.on
     # generate is no admin route; a multi-adapter job's adapters generate at once (one call each)
     rollout_cls: Any = ray.remote(num_cpus=CPU_SHARES["rollout"])(AdapterRolloutWorker if multi else RolloutWorker)
-    rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.max_adapters + 2 if multi else 1).remote(
+    rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.slots + 2 if multi else 1).remote(
         cfg, urls, placed.api_key)
     route_plan = plan_for(cfg)
     if build is not None and route_plan is not None:  # the stock build's in-memory adapter hand-over: one node

@@ -57,6 +57,10 @@ class MultiLoRAWorker(TrainWorker):
         self.multi.load_state(settings.name, state)
         return {"step": int(state["step"]), "data_position": position}
 
+    def schedule_adapter(self, name: str, num_steps: int) -> dict[str, Any]:
+        """Its learning-rate schedule over its own step count (kept from its checkpoint on a resume)."""
+        return self.multi.schedule_adapter(name, num_steps)
+
     def remove_adapter(self, name: str) -> None:
         self.multi.remove(name)
 

@@ -89,7 +89,7 @@ def sync_mode(config: TrainerConfig) -> SyncMode:
 
 
 def lora_enabled(config: TrainerConfig) -> bool:
-    return sync_mode(config) == SyncMode.ADAPTER or config.multi_lora.max_adapters > 0
+    return sync_mode(config) == SyncMode.ADAPTER or config.multi_lora.on
 
 
 def sglang_target_modules(config: TrainerConfig) -> list[str]:
@@ -106,7 +106,7 @@ def reproducible_rollouts(config: TrainerConfig) -> bool:
 
 def max_loras_per_batch(config: TrainerConfig) -> int:
     """Adapters per batch, base-only requests counting as one (SGLang's definition)."""
-    return (config.multi_lora.max_adapters or 1) + 1
+    return (config.multi_lora.slots or 1) + 1
 
 
 def sglang_build_problem(build: Build, installed: str | None = None) -> str | None:

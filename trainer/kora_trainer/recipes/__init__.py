@@ -26,7 +26,7 @@ def recipe_for(cfg: TrainerConfig, clock: Clock, threads: int = 1) -> Recipe:
         from kora_trainer.recipes.flow_grpo import FlowGRPO  # noqa: PLC0415 - deliberate: each recipe loads its own stack when chosen
 
         return FlowGRPO(cfg, clock, threads)
-    if cfg.multi_lora.max_adapters > 0:
+    if cfg.multi_lora.on:
         from kora_trainer.recipes.multi_lora import MultiLoRA  # noqa: PLC0415 - deliberate: each recipe loads its own stack when chosen
 
         return MultiLoRA(cfg, clock, threads)

@@ -42,7 +42,9 @@ from kora_trainer.adapter_runs.api import AdapterRunsAPI
 from kora_trainer.adapter_runs.registry import AdapterRegistry, RegistryError
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config.adapter_runs import AdapterPhase, AdapterSettings
-from kora_trainer.orchestration.cluster import launch
+from kora_trainer.config.sections import AUTO
+from kora_trainer.orchestration.cluster import place, start_models, start_rollout
+from kora_trainer.orchestration.slot_sizing import size_slots
 from kora_trainer.recipes.base import Clock, EngineWatch, RayJob, RecipeRefused, make_lm_toy
 from kora_trainer.serving_check import ServingCheck
 
@@ -97,10 +99,15 @@ class MultiLoRARun:
         self.rewards.setdefault(s.name, [])
         report = self.publish(s.name)
         num_steps = s.steps_for(rows)
+        lr = self.job.trainer.all("schedule_adapter", s.name, num_steps)[0]
         self.registry.loaded(s.name, num_steps, got["step"])
         self.rec.event("adapter_loaded", adapter=s.name, slot=s.slot, rank=s.rank, step=got["step"],
-                       num_steps=num_steps, rows=rows, sync=report)
-        self.rec.say(f"adapter {s.name}: slot {s.slot}, rank {s.rank}, {num_steps} steps"
+                       num_steps=num_steps, rows=rows, sync=report, schedule=lr)
+        shape = "" if lr["lr_decay_style"] == "constant" else (
+            f" to {lr['min_lr']:g} at step {lr['lr_decay_steps']}")
+        warmup = f" after {lr['lr_warmup_steps']} warmup steps" if lr["lr_warmup_steps"] else ""
+        self.rec.say(f"adapter {s.name}: slot {s.slot}, rank {s.rank}, {num_steps} steps, lr {lr['lr']:g} "
+                     f"{lr['lr_decay_style']}{shape}{warmup}"
                      + (f", resumed at step {got['step']}" if got["step"] else ""))
 
     def retire(self, name: str, phase: AdapterPhase) -> None:
@@ -332,7 +339,19 @@ class MultiLoRA:
     def train(self, rec: StepRecorder, root: str | None, run_dir: Path) -> None:
         assert self.registry is not None, "control_routes makes the registry"
         self.ray.connect()
-        job = self.ray.job = launch(self.cfg, run_dir, threads=self.threads)  # placement, models, rollout manager
+        placed = place(self.cfg)  # the placement group, ready
+        if self.cfg.multi_lora.max_adapters == AUTO:  # before the engines start: their LoRA pool is sized at launch
+            placed, lines = size_slots(placed)
+            rec.event("slots_sized", max_adapters=placed.cfg.multi_lora.max_adapters, arithmetic=lines)
+            for line in lines:
+                rec.say(line)
+            try:
+                self.registry.size(placed.cfg)
+            except RegistryError as e:
+                raise RecipeRefused(e.message) from e
+            self.cfg = placed.cfg
+        models = start_models(placed, run_dir, self.threads)  # the engines, and the trainer's ranks loading the model
+        job = self.ray.job = start_rollout(placed, models)  # the rollout manager; each rank's transport to its engines
         self.loop = run(job, self.cfg, self.registry, rec, root, self.clock)
 
     def close(self) -> None:
