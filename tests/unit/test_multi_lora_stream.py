@@ -49,7 +49,8 @@ def trainer(model_dir, dp: int = 1) -> MultiLoRATrainer:
 
 
 def settings(t: MultiLoRATrainer, name: str, stream_groups: int | None) -> AdapterSettings:
-    config = AdapterRunConfig(rank=4, seed=3, data=DataSpec(path="unused.parquet"), stream_groups=stream_groups)
+    config = AdapterRunConfig(rank=4, seed=3, data=DataSpec(path="unused.parquet"), stream_groups=stream_groups,
+                             num_steps=10)
     return resolve(t.backend.cfg, name, config, slot=len(t.adapters))
 
 

@@ -104,7 +104,11 @@ class MultiLoRATrainer:
     def add(self, settings: AdapterSettings) -> None:
         slot = self.slots.add(settings.name, settings.rank, settings.alpha, settings.seed)
         opt = torch.optim.AdamW(slot.params, lr=settings.lr, weight_decay=0.0)
-        self.adapters[settings.name] = _Adapter(settings, slot, opt)
+        # numSteps known: its schedule now; numEpochs: once its data is read (schedule_adapter). A checkpoint's
+        # schedule replaces either (load_state)
+        schedule = None if settings.num_steps is None else settings.schedule(self.backend.cfg.algorithm,
+                                                                              settings.num_steps)
+        self.adapters[settings.name] = _Adapter(settings, slot, opt, schedule=schedule)
 
     def remove(self, name: str) -> None:
         """Its slot cleared: factors, optimizer state, its partly accumulated batch and any gradient it held are
