@@ -103,7 +103,7 @@ def _adapter(c: TrainerConfig) -> bool:
 # sglang_builds.effective_build in CEL: rollout.sglangBuild, else the pin for engine sglang, else none ('')
 _BUILD = (f"(has(self.rollout.sglangBuild) ? self.rollout.sglangBuild : "
           f"(self.rollout.engine == 'sglang' ? '{sb.DEFAULT_BUILD.value}' : ''))")
-# the builds with no route for an adapter over the weight-update group (route_plan refuses their Disaggregated multi-LoRA)
+# the builds without an adapter route over the weight-update group (route_plan refuses their Disaggregated multi-LoRA)
 _NO_GROUP_ADAPTER_BUILDS = [b.name.value for b in sb.BUILDS.values() if not b.adapter_over_group]
 
 

@@ -43,6 +43,7 @@ fast-forwards a fresh manager to a checkpoint's position on resume.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import uuid
@@ -353,10 +354,9 @@ class Rollout:
         while held:
             for e, rids in held.items():
                 for rid in rids:
-                    try:
+                    # an engine that cannot answer fails its call, which then returns anyway
+                    with contextlib.suppress(EngineError):
                         self.clients[e].abort_request(rid)
-                    except EngineError:
-                        pass  # an engine that cannot answer fails its call, which then returns anyway
             if time.monotonic() - t0 > wait_s:
                 break
             # polling this manager's own registry, bounded by wait_s: an abort that reached the engine before
