@@ -19,7 +19,8 @@ def valid_job(name: str = "job", **spec_overrides: Any) -> dict[str, Any]:
             "metadata": {"name": name}, "spec": spec}
 
 
-# multi-LoRA on engine sglang needs a build with abort by request-id prefix (config/sglang_builds.py)
+# multi-LoRA on engine sglang: any build in Colocate, the sglang-miles build also Disaggregated (its adapter route
+# over the weight-update group: config/sglang_builds.py); the tests that use this want either deployment
 MULTI_LORA_BUILD = {"sglangBuild": "sglang-miles-94949da7"}
 
 
@@ -62,7 +63,7 @@ VIOLATIONS: dict[str, dict[str, Any]] = {
     "lr-warmup-steps": {"algorithm.lrDecayStyle": "linear", "algorithm.numSteps": 100, "algorithm.lrWarmupSteps": 100},
     # the named SGLang build (valid_job's engine is sglang by default: build 0.5.23)
     "build-engine-merge": {"lora.syncMode": "EngineMerge"},
-    "build-multi-lora": {"lora.syncMode": "Adapter", "multiLora.maxAdapters": 2},
+    "build-multi-lora": {"lora.syncMode": "Adapter", "multiLora.maxAdapters": 2, "deployment.mode": "Disaggregated"},
     "ray-runtime-address": {"runtime.kind": "Ray"},
     "expert-parallel-divides": {"parallelism.expert": 2},
     # valid_job runs on 1 worker x 8 GPUs

@@ -9,12 +9,16 @@ is broadcasting the bucket then), `/update_weights_from_distributed:1` inside th
 answering one): the two hangs orchestration/engine_watch.py's HangWatch must catch. A hang first writes
 `HANG_MARK` to the engine's stderr (its log), so a test can time it. The chaos tests use these to land a fault
 exactly mid-generate or mid-sync, which a signal from outside cannot time on a 60 ms call (tests/chaoskit.py).
+`KORA_ENGINE_FAULT_HOLD_ADAPTER=odd:2` holds the second and later /generate calls carrying adapter `odd` after
+admission (tracked in flight, so `/abort_request` reaches them) until each of their requests is aborted, or
+HOLD_MAX_S passed: a retire then lands mid-generate for certain (tests/e2e/test_multi_lora_stock_build.py).
 Like `KORA_ENGINE_FAULT_DROP_ADAPTER` (adapter_registry.py) they are never set in production; unset, nothing is
 counted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import sys
@@ -28,6 +32,9 @@ EXIT_AT_ENV = "KORA_ENGINE_FAULT_EXIT_AT"
 HANG_AT_ENV = "KORA_ENGINE_FAULT_HANG_AT"
 HANGS = ("stop", "wedge")
 HANG_MARK = "kora engine fault: hanging"
+HOLD_ADAPTER_ENV = "KORA_ENGINE_FAULT_HOLD_ADAPTER"
+HOLD_MARK = "kora engine fault: holding"
+HOLD_MAX_S = 120.0
 
 
 def parse_exit_at(spec: str | None, env: str = EXIT_AT_ENV) -> tuple[str, int] | None:
@@ -82,3 +89,33 @@ class ExitAt:
                     threading.Event().wait()
         response: web.StreamResponse = await handler(request)
         return response
+
+
+class HoldAdapter:
+    """`KORA_ENGINE_FAULT_HOLD_ADAPTER=name:n`: the n-th and later /generate calls with adapter `name` wait,
+    admitted, until every one of their requests is aborted (or HOLD_MAX_S)."""
+
+    def __init__(self, spec: str | None = None):
+        spec = spec if spec is not None else os.environ.get(HOLD_ADAPTER_ENV)
+        self.target: tuple[str, int] | None = None
+        if spec:
+            name, _, n = spec.rpartition(":")
+            if not name or not n.isdigit() or int(n) < 1:
+                raise ValueError(f"{HOLD_ADAPTER_ENV}={spec!r}: expected 'adapter:n' with n >= 1, e.g. odd:2")
+            self.target = name, int(n)
+        self.calls = 0
+
+    async def hold(self, requests: list[Any]) -> None:
+        """`requests`: the call's GenRequests (their `adapter` resolved, `aborted` set by /abort_request)."""
+        if self.target is None:
+            return
+        name, n = self.target
+        if not any(r.adapter is not None and r.adapter.name == name for r in requests):
+            return
+        self.calls += 1
+        if self.calls < n:
+            return
+        print(f"{HOLD_MARK} /generate call {self.calls} of adapter {name} until aborted", file=sys.stderr, flush=True)
+        deadline = asyncio.get_running_loop().time() + HOLD_MAX_S
+        while not all(r.aborted for r in requests) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)  # the test-only hold, bounded by HOLD_MAX_S

@@ -49,7 +49,7 @@ def test_the_toy_trains_on_the_strict_engine_of_each_build(toy_dir, tmp_path, bu
 USE_MERGE, USE_MILES = "use lora.syncMode Merge", f"set rollout.sglangBuild to {MILES}"
 REFUSED = [(STOCK, ["lora.syncMode=EngineMerge"], USE_MERGE),
            (MILES, ["lora.syncMode=EngineMerge", "deployment.mode=Colocate"], USE_MERGE),
-           (STOCK, ["lora.syncMode=Adapter", "multiLora.maxAdapters=2"], USE_MILES)]
+           (STOCK, ["lora.syncMode=Adapter", "multiLora.maxAdapters=2", "deployment.mode=Disaggregated"], USE_MILES)]
 
 
 @pytest.mark.parametrize(("build", "overrides", "fix"), REFUSED, ids=["stock-EngineMerge", "miles-EngineMerge",

@@ -53,7 +53,7 @@ def service(cluster, ns, head, control_port, tmp_path, name, max_adapters=2, **s
     """A running multi-adapter job (service mode: no adapters at start); yields a reader of its trainer's state."""
     doc = ray_job_doc(name, tmp_path / name, head.dashboard_url, {"mode": "multi", "num_steps": 4, "step_seconds": 0.3},
                       lora={"rank": 8, "syncMode": "Adapter"}, multiLora={"maxAdapters": max_adapters}, **spec)
-    # multi-LoRA needs abort by rid prefix: on engine sglang (valid_job's) only the sglang-miles build has it
+    # the sglang-miles build carries multi-LoRA in either deployment (a stock build only Colocate: sglang_builds.py)
     doc["spec"].setdefault("rollout", {}).setdefault("sglangBuild", "sglang-miles-94949da7")
     with applied(cluster, doc, ns) as uid:
         wait_for(lambda: job_status(cluster, name, ns).get("phase") == "Running", timeout=WAIT,

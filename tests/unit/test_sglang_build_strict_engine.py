@@ -27,12 +27,14 @@ from engine_helpers import (
     stop_engine,
     trained_policy,
 )
+from kora_engine.faults import HOLD_ADAPTER_ENV, HOLD_MARK
 from kora_trainer.config import sglang_builds as sb
 from kora_trainer.config.sections import DeploymentMode, SGLangBuild, SyncMode
 from kora_trainer.sync.sender import POLICY_ADAPTER, WeightSender
 from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
 from kora_trainer.wire.engine_client import EngineError
 from kora_trainer.wire.serialize import serialize_named_tensors, serialize_tensor_dict
+from localcluster import wait_for
 from sglang_buildkit import MILES, STOCK, STOCK_0_5_17, call_problems, read_calls
 from tinymodel import make_tiny_model
 
@@ -47,8 +49,9 @@ def strict(request, model_dir, tmp_path_factory):
     """(build name, engine, its call record) for one strict engine per build."""
     logs = tmp_path_factory.mktemp(f"strict-{request.param}")
     record = logs / "calls.jsonl"
+    # the adapter named `held` waits in /generate until aborted (faults.py): the abort test's request in flight
     proc = start_engine(model_dir, logs, "--max-lora-rank", "8", "--sglang-build", request.param,
-                        env={"KORA_ENGINE_RECORD": str(record)})
+                        env={"KORA_ENGINE_RECORD": str(record), HOLD_ADAPTER_ENV: "held:1"})
     yield request.param, proc, record
     stop_engine(proc)
 
@@ -193,6 +196,36 @@ def test_the_miles_adapter_route_refuses_a_loaded_name_without_upsert(strict, mo
             assert "Failed to load LoRA adapter a because it is already loaded" in e.value.__cause__.message
         finally:
             t.close()
+
+
+def test_a_build_without_prefix_abort_refuses_it_and_aborts_each_rid_exactly(strict, model_dir, tmp_path):
+    """A stock build's AbortReq has no `prefix` (0.5.17 IO:1906; the real build ignores the key and aborts nothing):
+    its strict engine answers the prefix form 400 naming the build, while the exact-rid abort (what the rollout
+    manager sends on a retire) ends the request in flight, aborted, as on every build. sglang-miles takes both."""
+    build, engine, _ = strict
+    _, peft_model = make_peft_adapter(model_dir, tmp_path / "adapter", seed=5)
+    body = {"lora_name": "held", "config_dict": peft_config_dict(peft_model),
+            "serialized_named_tensors": [serialize_tensor_dict(peft_tensors(peft_model))]}
+    assert post(engine.url + "/load_lora_adapter_from_tensors", body)[0] == 200
+    marks = engine.log.read_text().count(HOLD_MARK)
+    rids = ["held::a", "held::b"]
+    with engine.client() as client:
+        try:
+            fut = client.submit(client.generate, PROMPTS[:2], {"max_new_tokens": 4}, lora_path="held", rid=rids)
+            wait_for(lambda: engine.log.read_text().count(HOLD_MARK) > marks, timeout=30.0, interval=0.05,
+                     what="the held /generate admitted")
+            status, answer = post(engine.url + "/abort_request", {"rid": "held::", "prefix": True})
+            if build == MILES:
+                assert status == 200
+            else:
+                assert status == 400 and f"sglang {build} has no AbortReq.prefix" in answer["error"]["message"]
+                assert not fut.done()  # nothing was aborted
+                for rid in rids:
+                    assert post(engine.url + "/abort_request", {"rid": rid}) == (200, None)
+            outs = fut.result(timeout=30)
+        finally:
+            client.unload_lora_adapter("held")
+    assert [o.finish_reason["type"] for o in outs] == ["abort", "abort"] and all(not o.output_ids for o in outs)
 
 
 def test_0_5_17s_lora_route_is_open_with_an_admin_key_alone_and_kora_closes_it_with_an_api_key(model_dir, tmp_path):

@@ -52,8 +52,27 @@ def test_the_table_is_what_each_build_can_carry():
     for b, d in itertools.product((stock, miles), (dis, colo)):
         assert sb.route_plan(b, SyncMode.ENGINE_MERGE, d, False).refused  # no SGLang build folds lora pairs
         assert sb.route_plan(b, SyncMode.MERGE, d, False).refused is None
-    assert sb.route_plan(stock, SyncMode.ADAPTER, dis, True).refused  # no abort by rid prefix
     assert sb.route_plan(miles, SyncMode.ADAPTER, dis, True).refused is None
+
+
+@pytest.mark.parametrize("build", [SGLangBuild.STOCK_0_5_17, SGLangBuild.STOCK_0_5_23])
+def test_multi_lora_on_a_stock_build_runs_colocated_aborting_each_rid_and_is_refused_disaggregated(build):
+    """A stock build has no AbortReq.prefix, no upsert and no adapter route over the group: Colocate publishes
+    each adapter by unload + load in memory and a retire aborts each request by its exact rid (the rollout
+    manager's registry); Disaggregated is refused naming the field and the fix."""
+    b = sb.BUILDS[build]
+    assert not b.abort_prefix and not b.adapter_over_group
+    colo = sb.route_plan(b, SyncMode.ADAPTER, DeploymentMode.COLOCATE, True)
+    assert colo.refused is None and "/abort_request" in colo.routes and "/unload_lora_adapter" in colo.routes
+    assert "/load_lora_adapter_from_tensors" in colo.routes and sb.ADAPTER_OVER_GROUP not in colo.routes
+    assert len(set(colo.routes)) == len(colo.routes) and "by its exact rid" in colo.note
+    refused = sb.route_plan(b, SyncMode.ADAPTER, DeploymentMode.DISAGGREGATED, True).refused
+    assert refused is not None and f"sglang {build.value} does not have" in refused
+    for part in ("multiLora.maxAdapters", "deployment.mode Disaggregated", "set deployment.mode Colocate",
+                 f"set rollout.sglangBuild to {MILES}"):
+        assert part in refused, (part, refused)
+    miles = sb.route_plan(sb.BUILDS[SGLangBuild.MILES_94949DA7], SyncMode.ADAPTER, DeploymentMode.COLOCATE, True)
+    assert "exact rid" not in miles.note  # the prefix abort is the build's own
 
 
 def test_engine_sglang_means_the_pinned_build_and_engine_hf_means_kora_unless_a_build_is_named():
@@ -71,11 +90,13 @@ def test_refusals_at_the_door_name_the_build_and_the_fix():
     (p,) = errors({**engine_merge, "rollout": {"engine": "hf", "sglangBuild": MILES}})  # its strict mode does not
     assert f"sglang {MILES} does not have" in p.message
 
-    multi = {**job(), "multiLora": {"maxAdapters": 2}}
+    multi = {**job(), "multiLora": {"maxAdapters": 2}, "deployment": {"mode": "Disaggregated"}}
     (p,) = errors(multi)
     assert (p.rule, p.field) == ("build-multi-lora", "multiLora.maxAdapters")
-    assert f"set rollout.sglangBuild to {MILES}" in p.message
+    assert f"set rollout.sglangBuild to {MILES}" in p.message and "set deployment.mode Colocate" in p.message
     assert errors({**multi, "rollout": {"sglangBuild": MILES}}) == []
+    for build in ("0.5.23", "0.5.17"):  # in memory, each rid aborted exactly
+        assert errors({**multi, "deployment": {"mode": "Colocate"}, "rollout": {"sglangBuild": build}}) == []
     assert errors(job()) == [] and errors({**job(), "deployment": {"mode": "Colocate"}}) == []
 
 

@@ -98,7 +98,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from kora_engine.faults import ExitAt
+from kora_engine.faults import ExitAt, HoldAdapter
 from kora_engine.lm import request_bodies as rq
 from kora_engine.lm import strict
 from kora_engine.lm.adapter_registry import AdapterRegistry
@@ -164,6 +164,7 @@ class HFEngineServer:
         self._running.set()
         self._held = 0  # /generate calls waiting for /continue_generation (GET /kora/state)
         self.exit_at = ExitAt()  # test-only fault knob (faults.py); inert unless its env var is set
+        self.hold = HoldAdapter()  # test-only, as exit_at
         self.record = CallRecord()  # test-only record of every call (record.py); inert unless its env var is set
 
     # ---- app, auth --------------------------------------------------------------------------
@@ -283,6 +284,7 @@ class HFEngineServer:
                     for r in parsed.requests:
                         if r.adapter is not None:
                             r.adapter = self.adapters.resolve(r.adapter.name)
+                await self.hold.hold(parsed.requests)  # test-only (faults.py): inert unless its env var is set
                 results = await self._run(self.batcher.generate, parsed.requests)
         except ValueError as e:
             return _json(rq.value_error_body(str(e)), 400)
@@ -544,8 +546,13 @@ class HFEngineServer:
 
     async def abort_request(self, request: web.Request) -> web.Response:
         """SGLang's `/abort_request` (HS `abort_request`, IO `AbortReq`) with sglang-miles' `prefix` (#30912):
-        200 with an empty body whether or not anything matched (inflight.py)."""
-        b = await self._body(request, rq.AbortReq)
+        200 with an empty body whether or not anything matched (inflight.py). A build's strict engine refuses the
+        prefix form where the build has none (strict.abort_refusal)."""
+        raw = await self._json_body(request)
+        refused = strict.abort_refusal(self.build, raw)
+        if refused is not None:
+            return _json(rq.value_error_body(refused), 400)
+        b = rq.parse(rq.AbortReq, strict.request_body(self.build, request.path, raw))
         self.inflight.abort(b.rid, b.prefix, b.abort_all)
         return web.Response(status=200)
 

@@ -7,7 +7,10 @@ What the build is comes from config/sglang_builds.py (the one table). In strict 
 - request keys the build's structs do not have are dropped before parsing, as SGLang ignores unknown keys:
   kora's EngineMerge fields (a lora_A/lora_B push then loads them as weights and fails, as it would there), kora's
   byte ranges and bucket fields (the adapter route takes the whole adapter in one call, one broadcast per tensor),
-  sglang-miles' `prefix` on a stock build (its abort matches one rid exactly);
+  sglang-miles' `prefix: false` on a stock build;
+- `/abort_request` with `prefix: true` on a build without it (a stock one) is a 400 naming the build: the real
+  build ignores the key and matches the rid exactly, which for a prefix like `<adapter>::` aborts nothing, silently;
+  refused here so a test catches a sender relying on it (the exact-rid abort is served as SGLang serves it);
 - responses carry the build's keys only: no `checksum` and no `weight_version` on the weight and LoRA routes, no
   `kora_engine` in /model_info; /generate reports the server's weight version (per-adapter versions are kora's);
 - sglang-miles' `/load_lora_adapter_from_distributed` refuses a name already loaded unless `upsert` is true
@@ -38,6 +41,15 @@ def request_body(build: Build | None, path: str, body: Any) -> Any:
         return body
     dropped = build.dropped_fields(path)
     return {k: v for k, v in body.items() if k not in dropped} if dropped else body
+
+
+def abort_refusal(build: Build | None, body: Any) -> str | None:
+    """Why the build's strict engine refuses this /abort_request body (see the module docstring), or None."""
+    if build is None or build.abort_prefix or not isinstance(body, dict) or body.get("prefix") is not True:
+        return None
+    return (f"sglang {build.name.value} has no AbortReq.prefix (sglang-miles #30912): its /abort_request matches one "
+            f"rid exactly, so {body.get('rid')!r} as a prefix would abort nothing (the real build ignores the key); "
+            "abort each request by its own rid")
 
 
 def response_body(build: Build | None, body: dict[str, Any], keys: frozenset[str] = KORA_RESPONSE_KEYS

@@ -105,7 +105,8 @@ def _adapter(c: TrainerConfig) -> bool:
 # sglang_builds.effective_build in CEL: rollout.sglangBuild, else the pin for engine sglang, else none ('')
 _BUILD = (f"(has(self.rollout.sglangBuild) ? self.rollout.sglangBuild : "
           f"(self.rollout.engine == 'sglang' ? '{sb.DEFAULT_BUILD.value}' : ''))")
-_NO_PREFIX_BUILDS = [b.name.value for b in sb.BUILDS.values() if not b.abort_prefix]
+# the builds without an adapter route over the weight-update group (route_plan refuses their Disaggregated multi-LoRA)
+_NO_GROUP_ADAPTER_BUILDS = [b.name.value for b in sb.BUILDS.values() if not b.adapter_over_group]
 
 
 def _build_refused(c: TrainerConfig, mode: SyncMode | None = None) -> str | None:
@@ -348,10 +349,12 @@ SPEC_RULES: tuple[SpecRule, ...] = (
     ),
     SpecRule(
         "build-multi-lora", "multiLora.maxAdapters",
-        "multiLora.maxAdapters > 0 needs abort by request-id prefix, which the named SGLang build lacks: set "
-        f"rollout.sglangBuild to {SGLangBuild.MILES_94949DA7.value}, or multiLora.maxAdapters to 0",
+        "multiLora.maxAdapters > 0 with deployment.mode Disaggregated needs an adapter route over the weight-update "
+        "group, which the named SGLang build lacks: set deployment.mode Colocate, rollout.sglangBuild to "
+        f"{SGLangBuild.MILES_94949DA7.value}, or multiLora.maxAdapters to 0",
         lambda c: c.multi_lora.on and _build_refused(c, SyncMode.ADAPTER) is not None,
-        f"!({_BUILD} in {_NO_PREFIX_BUILDS} && {_ADAPTER} && {_ML_ON})",
+        f"!({_BUILD} in {_NO_GROUP_ADAPTER_BUILDS} && {_ADAPTER} && {_ML_ON} && "
+        "self.deployment.mode == 'Disaggregated')",
         explain=lambda c: _build_refused(c) or "",
         cel_message=cel_format(sb.MULTI_LORA_REFUSED, [_BUILD]),
     ),

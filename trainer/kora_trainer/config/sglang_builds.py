@@ -18,6 +18,19 @@ A build is the set of HTTP routes and request fields its server has. Sources (re
   `_version.py` has `commit_id = None`), read 2026-12-06 (docs/sglang_builds.md has the lines). Its
   `/load_lora_adapter_from_tensors` has no `@auth_level`: a NORMAL route, open unless the engine has an api key.
 
+Multi-LoRA on a stock build (0.5.17's source; 0.5.23 the same per ../shared/SGLANG_API.md §3 and its abort): its
+`AbortReq` has no `prefix` (IO:1906) and its tokenizer manager forwards an abort only for a rid it tracks
+(tokenizer_manager.py:1930, `abort_request`: an unknown rid returns with one tokenizer worker), so `{"rid":
+"<name>::"}` aborts nothing; a rid it tracks it aborts exactly. So the rollout manager, which mints each request's
+rid, keeps the rids in flight per adapter (orchestration/inflight_rids.py) and a retire aborts each one exactly.
+Its `/unload_lora_adapter` unregisters the name (new requests for it get a 400) and then WAITS until every request
+holding the adapter ended (tokenizer_control_mixin.py:565 `_unload_lora_adapter_locked`, lora_registry.py:186
+`wait_for_unload`), under the LoRA update lock that every load and unload takes: unaborted, a retire's unload would
+hold every other adapter's publish until the retired adapter's generation ran out. No upsert
+(`LoadLoRAAdapterFromTensorsReqInput`, IO:2145; a loaded name is refused, lora_registry.py:243), hence unload +
+load per publish; no route carries an adapter over the weight-update group (sglang-miles only), so a
+Disaggregated multi-adapter job is refused there.
+
 What a build lacks is refused before anything starts (`build_problems`), with the fix; what it can do another
 way is done that way and said so in `RoutePlan.note` (the sync line the trainer prints).
 """
@@ -131,9 +144,10 @@ ENGINE_MERGE_REFUSED = (
     "lora_merge), which sglang %s does not have (rollout.sglangBuild %s, the default for rollout.engine sglang is "
     f"{DEFAULT_BUILD.value}): use lora.syncMode Merge, or rollout.engine hf without rollout.sglangBuild")
 MULTI_LORA_REFUSED = (
-    "multiLora.maxAdapters > 0 retires an adapter by aborting its requests by request-id prefix (sglang-miles "
-    "#30912), which sglang %s does not have (its /abort_request matches one rid exactly): set rollout.sglangBuild "
-    f"to {SGLangBuild.MILES_94949DA7.value}, or set multiLora.maxAdapters to 0")
+    "multiLora.maxAdapters > 0 with deployment.mode Disaggregated publishes each adapter over the weight-update "
+    f"group ({ADAPTER_OVER_GROUP}, sglang-miles #27268), which sglang %s does not have: set deployment.mode "
+    "Colocate (each adapter in memory through /load_lora_adapter_from_tensors), set rollout.sglangBuild to "
+    f"{SGLangBuild.MILES_94949DA7.value}, or set multiLora.maxAdapters to 0")
 
 
 def route_plan(build: Build, mode: SyncMode, deployment: DeploymentMode, multi_lora: bool) -> RoutePlan:
@@ -147,18 +161,22 @@ def route_plan(build: Build, mode: SyncMode, deployment: DeploymentMode, multi_l
         how = "/update_weights_from_tensor (in memory)" if colocated else \
             "/update_weights_from_distributed (one broadcast per tensor, load_format null)"
         return RoutePlan(base, f"merged weights through {how} [sglang {name}]")
-    if multi_lora and not build.abort_prefix:
+    if multi_lora and not colocated and not build.adapter_over_group:
         return RoutePlan((), "", refused=MULTI_LORA_REFUSED % name)
-    abort = ("/abort_request", "/unload_lora_adapter") if multi_lora else ()  # retire: abort by prefix, unload
+    abort = ("/abort_request", "/unload_lora_adapter") if multi_lora else ()  # retire: abort its requests, unload
+    tensors = tuple(dict.fromkeys((*_ADAPTER_TENSORS, *abort)))  # the in-memory publish unloads already
+    # a build without AbortReq.prefix: the rollout manager aborts each of the adapter's rids exactly
+    by_rid = "; a retire aborts each of the adapter's requests by its exact rid" \
+        if multi_lora and not build.abort_prefix else ""
     if colocated:
-        return RoutePlan((*base, *_ADAPTER_TENSORS, *abort),
+        return RoutePlan((*base, *tensors),
                          f"adapter through /unload_lora_adapter + /load_lora_adapter_from_tensors (in memory), "
-                         f"version by /update_weight_version [sglang {name}]")
+                         f"version by /update_weight_version{by_rid} [sglang {name}]")
     if build.adapter_over_group:
         return RoutePlan((*base, ADAPTER_OVER_GROUP, "/update_weight_version", *abort),
                          f"adapter through {ADAPTER_OVER_GROUP} (upsert, one broadcast per tensor), version by "
                          f"/update_weight_version [sglang {name}]")
-    return RoutePlan((*base, *_ADAPTER_TENSORS, *abort),
+    return RoutePlan((*base, *tensors),
                      f"adapter through /load_lora_adapter_from_tensors on the trainer's node (sglang {name} has no "
                      f"{ADAPTER_OVER_GROUP}); base through /update_weights_from_distributed [sglang {name}]")
 

@@ -174,10 +174,11 @@ def start_rollout(placed: Placed, models: Models) -> Job:
     build = effective_build(cfg)
     urls = ray.get([e.url.remote() for e in engines])
     multi = cfg.multi_lora.on
-    # generate is no admin route; a multi-adapter job's adapters generate at once (one call each)
+    # generate is no admin route; a multi-adapter job's adapters generate at once (one call each), and its retire
+    # aborts an adapter's requests from the rollout manager, which alone knows their rids (an admin route)
     rollout_cls: Any = ray.remote(num_cpus=CPU_SHARES["rollout"])(AdapterRolloutWorker if multi else RolloutWorker)
     rollout = rollout_cls.options(max_concurrency=cfg.multi_lora.slots + 2 if multi else 1).remote(
-        cfg, urls, placed.api_key)
+        cfg, urls, placed.api_key, placed.admin_key if multi else None)
     route_plan = plan_for(cfg)
     if build is not None and route_plan is not None:  # the stock build's in-memory adapter hand-over: one node
         away = same_node_problem(build, route_plan, models.ranks[0]["node"],

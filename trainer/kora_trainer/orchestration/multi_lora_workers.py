@@ -19,7 +19,7 @@ from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.orchestration.adapter_rollout import UNIT_CALLS_PER_ENGINE, AdapterRollouts
 from kora_trainer.orchestration.workers import RolloutWorker, TrainWorker
 from kora_trainer.sync.sender import SyncReport
-from kora_trainer.sync.slot_sender import SlotSender
+from kora_trainer.sync.slot_sender import SlotSender, rid_prefix
 
 
 class MultiLoRAWorker(TrainWorker):
@@ -106,12 +106,22 @@ class AdapterRolloutWorker(RolloutWorker):
     """The rollout manager with per-adapter data; its calls run concurrently (one Ray thread each), so the
     adapters generate at once and a retirement's abort reaches requests that are in flight."""
 
-    def __init__(self, cfg: Any, engine_urls: list[str], api_key: str | None = None):
-        super().__init__(cfg, engine_urls, api_key, calls_per_engine=UNIT_CALLS_PER_ENGINE)
+    def __init__(self, cfg: Any, engine_urls: list[str], api_key: str | None = None,
+                 admin_api_key: str | None = None):
+        super().__init__(cfg, engine_urls, api_key, admin_api_key, calls_per_engine=UNIT_CALLS_PER_ENGINE)
         self.adapters = AdapterRollouts(self.rollout)
 
     def add_adapter(self, settings: AdapterSettings, position: int, version: int) -> int:
+        self.rollout.rids.open(rid_prefix(settings.name))  # a name retired before may be registered again
         return self.adapters.add(settings, position, version)
+
+    def abort_adapter(self, name: str) -> dict[str, Any]:
+        """Abort adapter `name`'s requests in flight, each by its exact rid, and send no more of them (its
+        generation in flight returns aborted), before the trainer unloads it (SlotSender.retire): a stock build
+        (0.5.17, 0.5.23) has no abort by rid prefix, and its unload would otherwise wait for those requests to run
+        out, holding every other adapter's load and unload behind its LoRA update lock (config/sglang_builds.py's
+        docstring has the lines). Runs beside the generation (the actor's max_concurrency)."""
+        return self.rollout.abort_prefix(rid_prefix(name))
 
     def remove_adapter(self, name: str) -> None:
         self.adapters.remove(name)

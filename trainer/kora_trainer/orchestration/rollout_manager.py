@@ -20,6 +20,10 @@ with EngineLost (engine_watch.py says why that, and not carrying on with fewer e
 `stats["engine_requests"]` says how many requests each engine answered, `stats["engines_out"]` which were taken
 out; `load` shows the step in progress (per engine: requests in flight, answered; requests not yet sent).
 
+Request ids with a prefix (multi-LoRA: `<adapter>::<uuid>`) are held in `rids` while their call runs, so
+`abort_prefix` can abort one adapter's requests by their exact rids on a build that cannot abort by prefix
+(inflight_rids.py).
+
 Every sample is its own request: the prompt repeated, a prompt's samples adjacent (the GRPO group
 layout). SGLang's `n` is not used, because the `n` samples of one request share its `sampling_seed` and
 would be the same draw.
@@ -39,6 +43,7 @@ fast-forwards a fresh manager to a checkpoint's position on resume.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 import uuid
@@ -53,6 +58,7 @@ from kora_trainer.algorithm.rewards import RewardFn, Sample, reward_fn
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.config import SyncMode, TrainerConfig
 from kora_trainer.orchestration.data import Row, batches, load_rows
+from kora_trainer.orchestration.inflight_rids import InFlightRids
 from kora_trainer.orchestration.sglang_launcher import reproducible_rollouts
 from kora_trainer.sync.sender import POLICY_ADAPTER
 from kora_trainer.wire.engine_client import EngineClient, EngineError, GenerateOutput
@@ -68,6 +74,8 @@ from kora_trainer.wire.vision import (
 
 ADAPTER_SWAP_RETRIES = 5
 CHUNKS_PER_ENGINE = 8  # a step is split into about this many calls per engine (the unit of balancing)
+ABORT_WAIT_S = 30.0  # abort_prefix: how long it waits for the aborted calls to return
+ABORT_REPEAT_S = 0.1  # abort_prefix: a call sent but not yet admitted missed its abort; it is sent again this often
 IN_FLIGHT = 4  # calls one engine may hold at once: half its share, so the rest goes to whoever frees first
 HEALTH_TIMEOUT_S = 30.0  # above the engines' own 20 s probe (SGLANG_HEALTH_CHECK_TIMEOUT)
 SEED_MASK = 0x7FFF_FFFF  # 31 bits: SGLang keeps request seeds in an int32 tensor
@@ -168,6 +176,7 @@ class Rollout:
         self.load = _Load([0] * len(self.clients), [0] * len(self.clients))
         self._pool = ThreadPoolExecutor(len(self.clients) * (max(self.in_flight, calls_per_engine or 1) + 1),
                                         thread_name_prefix="rollout")
+        self.rids = InFlightRids()  # prefixed rids per call in flight, for abort_prefix
 
     def skip_to(self, position: int) -> int:
         """Fast-forward the prompt iterator to `position` batches taken (a checkpoint's data position)."""
@@ -256,7 +265,7 @@ class Rollout:
         that has room (`in_flight` calls); an engine that fails /health or a call is out for the step and its
         calls go to the others; a refused request (4xx) or no engine left fails the step. `lora_path`: the
         adapter (default: the job's, kora-policy in Adapter mode); `rid_prefix`: request ids
-        `<rid_prefix><uuid>` (multi-LoRA: `<adapter>::`, so one adapter's requests abort by prefix); `image_data`:
+        `<rid_prefix><uuid>` (multi-LoRA: `<adapter>::`, so a retire finds them: abort_prefix); `image_data`:
         each prompt's images as SGLang's image_data items (wire/vision.py), for a VL model. `chunk_prompts`: at
         most this many prompts a call; `on_chunk(first prompt, outputs)`: told of each call's answers as they come
         (on the calling thread), so whole groups can move on before the step is done (multi-LoRA streaming);
@@ -286,8 +295,7 @@ class Rollout:
                 calls[e] += 1
                 load.outstanding[e] += n
                 load.queued -= n
-                running[self._pool.submit(self._generate, self.clients[e], chunks[c], lora_path,
-                                          rid_prefix)] = (c, e)
+                running[self._pool.submit(self._generate, e, chunks[c], lora_path, rid_prefix)] = (c, e)
             done, _ = wait(running, timeout=max(0.0, deadline - time.monotonic()), return_when=FIRST_COMPLETED)
             if not done:
                 raise RolloutError(f"step {step}: {len(running)} /generate calls unanswered after "
@@ -320,23 +328,67 @@ class Rollout:
         why = "; ".join(f"{self.urls[e]}: {reason}" for e, reason in sorted(down.items()))
         return f"step {step}: no rollout engine left ({why})"
 
-    def _generate(self, client: EngineClient, chunk: _Chunk, lora_path: str | None,
+    def _generate(self, e: int, chunk: _Chunk, lora_path: str | None,
                   rid_prefix: str | None) -> list[GenerateOutput]:
-        """One engine's share. A colocated Adapter-mode sync replaces the adapter by unload + load (SGLang
-        has no replace); a request that lands in between is refused, so retry a few times (bounded)."""
-        rids = None if rid_prefix is None else [f"{rid_prefix}{uuid.uuid4().hex}" for _ in chunk.ids]
+        """One engine's share; with `rid_prefix`, its rids held in `rids` while the call runs (a closed prefix:
+        answered aborted without being sent)."""
+        if rid_prefix is None:
+            return self._call(self.clients[e], chunk, lora_path, None, None)
+        rids = [f"{rid_prefix}{uuid.uuid4().hex}" for _ in chunk.ids]
+        with self.rids.sent(rid_prefix, e, rids) as ok:
+            if not ok:
+                return [not_sent(rid_prefix) for _ in chunk.ids]
+            return self._call(self.clients[e], chunk, lora_path, rids, rid_prefix)
+
+    def _call(self, client: EngineClient, chunk: _Chunk, lora_path: str | None, rids: list[str] | None,
+              rid_prefix: str | None) -> list[GenerateOutput]:
+        """A colocated Adapter-mode sync replaces the adapter by unload + load (SGLang has no replace); a request
+        that lands in between is refused, so retry a few times (bounded) — unless its prefix was closed meanwhile
+        (the adapter retired and unloaded: answered aborted)."""
         for attempt in range(ADAPTER_SWAP_RETRIES + 1):
             try:
                 return client.generate(chunk.ids, chunk.params, lora_path=lora_path, rid=rids,
                                        image_data=chunk.images)
             except EngineError as e:
                 swapping = lora_path is not None and lora_path in e.message and e.status == 400
+                if swapping and rid_prefix is not None and self.rids.is_closed(rid_prefix):
+                    return [not_sent(rid_prefix) for _ in chunk.ids]
                 if not swapping or attempt == ADAPTER_SWAP_RETRIES:
                     raise
                 time.sleep(0.05 * (attempt + 1))
         raise AssertionError("unreachable")
 
+    def abort_prefix(self, prefix: str, wait_s: float = ABORT_WAIT_S) -> dict[str, Any]:
+        """Abort every request whose rid starts with `prefix`, each by its exact rid on the engine it went to
+        (every build has that abort; a stock one has no prefix form), and send no more of them; waits (bounded)
+        until every such call returned. {"aborted": rids aborted, "in_flight_left": per engine URL, "ms"}."""
+        t0 = time.monotonic()
+        held = self.rids.close(prefix)
+        aborted = sum(len(r) for r in held.values())
+        while held:
+            for e, rids in held.items():
+                for rid in rids:
+                    # an engine that cannot answer fails its call, which then returns anyway
+                    with contextlib.suppress(EngineError):
+                        self.clients[e].abort_request(rid)
+            if time.monotonic() - t0 > wait_s:
+                break
+            # polling this manager's own registry, bounded by wait_s: an abort that reached the engine before
+            # its /generate did was dropped there (a rid it did not yet track), so those still held get it again
+            time.sleep(ABORT_REPEAT_S)
+            held = self.rids.held(prefix)
+        return {"aborted": aborted, "in_flight_left": {u: len(held.get(e, [])) for e, u in enumerate(self.urls)},
+                "ms": round((time.monotonic() - t0) * 1000, 1)}
+
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         for c in self.clients:
             c.close()
+
+
+def not_sent(rid_prefix: str) -> GenerateOutput:
+    """The answer of a request not sent because its rid prefix was closed (its adapter is retiring): aborted,
+    as SGLang answers a request aborted before it ran."""
+    reason = {"type": "abort", "message": f"not sent: {rid_prefix} is retiring", "status_code": None,
+              "err_type": None}
+    return GenerateOutput(None, [], [], reason, None, 0, {"finish_reason": reason})

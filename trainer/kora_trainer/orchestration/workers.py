@@ -169,9 +169,11 @@ class EngineWorker:
 
 class RolloutWorker:
     def __init__(self, cfg: TrainerConfig, engine_urls: list[str], api_key: str | None = None,
-                 calls_per_engine: int | None = None):
-        # /generate needs api_key where the engines have one
-        self.rollout = Rollout(cfg, engine_urls, api_key=api_key, calls_per_engine=calls_per_engine)
+                 admin_api_key: str | None = None, calls_per_engine: int | None = None):
+        # /generate needs the api key where the engines have one; the admin key only a multi-adapter job's rollout
+        # manager gets, for the /abort_request of a retiring adapter's requests (AdapterRolloutWorker.abort_adapter)
+        self.rollout = Rollout(cfg, engine_urls, api_key=api_key, admin_api_key=admin_api_key,
+                               calls_per_engine=calls_per_engine)
         heap.freeze("the rollout worker")  # its imports: out of every later full collection (heap.py)
 
     def generate(self, step: int) -> tuple[RolloutBatch, dict[str, Any]]:

@@ -116,6 +116,9 @@ class MultiLoRARun:
         import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import
 
         t0 = time.monotonic()
+        # its requests aborted by exact rid from the rollout manager (every build; stock ones have no prefix abort),
+        # so the unload that follows does not wait for its generation to run out
+        aborted = ray.get(self.job.rollout.abort_adapter.remote(name))
         drained = self.job.trainer.all("retire_on_engines", name)[0]
         self.inflight.pop(name, None)  # its generation returns aborted (or finished): dropped either way
         export = None
@@ -131,7 +134,7 @@ class MultiLoRARun:
         why = "its numSteps reached" if phase is AdapterPhase.SUCCEEDED else "deleted"
         self.registry.finished(name, phase, f"{why} at step {step}", export)
         self.rec.event("adapter_retired", adapter=name, phase=str(phase), step=step, export=export,
-                       groups_dropped=partial,
+                       groups_dropped=partial, aborted=aborted,
                        in_flight_left=drained["in_flight_left"], ms=round((time.monotonic() - t0) * 1000, 1))
         self.rec.say(f"adapter {name}: {phase} at step {step}" + (f", exported to {export}" if export else ""))
 

@@ -8,9 +8,11 @@ name, tagged `version`, while the other adapters keep generating) or in memory (
 the rollout manager tags those rollouts with the version it knows). Adapters that did not step are not pushed,
 so their versions stay where they were. Delta-skip is per adapter (its own tracker), decided over every rank.
 
-`retire(name)` aborts the adapter's requests on every engine by its request-id prefix `<name>::` (sglang-miles
-#30912's spelling), waits (bounded) until no engine holds one where the engine can say (the reference engine's
-GET /kora/state), and unloads it.
+`retire(name)` comes after the rollout manager aborted the adapter's requests by their exact rids
+(AdapterRolloutWorker.abort_adapter: every build); where the build also aborts by request-id prefix `<name>::`
+(sglang-miles #30912's spelling, and kora's reference engine) it sends that too, waits (bounded) until no engine
+holds one where the engine can say (the reference engine's GET /kora/state), and unloads it. A stock build's unload
+itself waits for the adapter's requests still running (config/sglang_builds.py's docstring).
 """
 
 from __future__ import annotations
@@ -78,10 +80,13 @@ class SlotSender(WeightSender):
                           checksum=checksum.hexdigest() if self.transport is not None else None)
 
     def retire(self, name: str, wait_s: float = RETIRE_WAIT_S) -> dict[str, Any]:
-        """Abort its requests everywhere, wait for none in flight (bounded, where the engine reports it), unload."""
+        """Abort its requests by prefix where the build can, wait for none in flight (bounded, where the engine
+        reports it), unload. A build without the prefix abort is not sent it (it would abort nothing: the rid is no
+        request's); the rollout manager has aborted each rid exactly before this."""
         t0 = time.monotonic()
-        for c in self.clients:
-            c.abort_request(rid_prefix(name), prefix=True)
+        if self.build is None or self.build.abort_prefix:
+            for c in self.clients:
+                c.abort_request(rid_prefix(name), prefix=True)
         # only kora's reference engine can say what is still in flight (GET /kora/state); an SGLang build cannot, and
         # is not asked (a route it lacks): its unload itself waits for the adapter's requests to finish
         left = {c.base_url: self._wait_drained(c, name, t0 + wait_s) if self.build is None else None
