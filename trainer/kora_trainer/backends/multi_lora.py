@@ -13,18 +13,23 @@ are summed over the ranks before its step (config rule 9 makes the shares even).
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
 from kora_trainer.backends.batch import RolloutBatch, pad
+from kora_trainer.backends.data_parallel import DataParallel
+from kora_trainer.backends.grpo_step import ForwardBackward, one_by_one
+from kora_trainer.backends.multi_lora_api import SlotBackend
 from kora_trainer.backends.torch_backend import TorchBackend, _clip_grad_norm
 from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.lora.model import adapter_disabled, adapter_tensors, peft_config_dict
 from kora_trainer.lora.slots import AdapterSlots, Slot
+from kora_trainer.sync.slot_sender import SlotSender
 
 
 @dataclass(frozen=True)
@@ -64,10 +69,35 @@ class _Adapter:
 
 
 class MultiLoRATrainer:
+    """The torch backend's slot trainer (backends/multi_lora_api.MultiLoRA). The megatron one
+    (backends/megatron/multi_lora.py) runs this same step and swaps what differs through the hooks below: the
+    slots, the forward/backward of the micro-batches, the gradient clip, the adapter switched off, the slot's
+    data-parallel view, and the gathered views that leave the trainer."""
+
     def __init__(self, backend: TorchBackend):
-        self.backend = backend
+        self.backend: SlotBackend = backend
         self.slots = AdapterSlots(backend.model)
         self.adapters: dict[str, _Adapter] = {}
+
+    # ---- the hooks a backend swaps ----------------------------------------------------------------------
+
+    def _forward_backward(self) -> ForwardBackward:
+        return one_by_one(self.backend._token_logp)
+
+    def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        return _clip_grad_norm(params, max_norm)
+
+    def _adapter_off(self) -> AbstractContextManager[None]:
+        return adapter_disabled(self.backend.model)
+
+    def _data_parallel(self, slot: Slot) -> DataParallel:
+        """The group the slot's gradients are summed over."""
+        return self.backend.dp
+
+    def make_sender(self, transport: Any) -> SlotSender:
+        """The push of the base once and of each adapter by name (sync/slot_sender.py)."""
+        b = cast(TorchBackend, self.backend)
+        return SlotSender(b.model, b.cfg, transport, trainer_group=b.group)
 
     # ---- slots ----------------------------------------------------------------------------------------
 
@@ -78,11 +108,21 @@ class MultiLoRATrainer:
 
     def remove(self, name: str) -> None:
         """Its slot cleared: factors, optimizer state and any gradient it held are dropped."""
-        self.adapters.pop(name)
+        self.adapters.pop(name).optimizer.state.clear()
         self.slots.remove(name)
 
     def names(self) -> list[str]:
         return list(self.adapters)
+
+    def step(self, name: str) -> int:
+        return self.adapters[name].step
+
+    def settings(self, name: str) -> AdapterSettings:
+        return self.adapters[name].settings
+
+    def active(self, name: str) -> AbstractContextManager[Slot]:
+        """The model runs adapter `name` inside the block (what a push of it reads)."""
+        return self.slots.active(name)
 
     # ---- training --------------------------------------------------------------------------------------
 
@@ -103,43 +143,45 @@ class MultiLoRATrainer:
         temperature = alg.temperature if alg.temperature > 0 else 1.0
         served = [int(v) for v in batch.weight_versions if v is not None and v.isdigit()]
         on_policy = bool(served) and len(served) == len(batch) and all(v == a.step for v in served)
-        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0}
-        gap_max = 0.0
+        sums = {"loss": 0.0, "clip_frac": 0.0, "kl": 0.0, "gap": 0.0}
         with self.slots.active(s.name) as slot:
             with torch.no_grad():
                 old = p.rollout_logp.to(b.device) if temperature == 1.0 else b._token_logp(p, temperature)
                 ref = None
                 if alg.kl_coef > 0:
-                    with adapter_disabled(b.model):
+                    with self._adapter_off():
                         ref = b._token_logp(p, temperature)
+            dp = self._data_parallel(slot)
             b.model.train()  # LoRA dropout on (from the slot's own RNG stream)
             a.optimizer.zero_grad(set_to_none=True)
-            for mb in b.dp.share(torch.arange(len(batch))).split(b.micro_batch_size):
+
+            def loss_of(mb: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
                 mbd = mb.to(b.device)
-                logp = b._token_logp(p.select(mb), temperature)  # [b, R]
                 out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
                                 None if ref is None else ref[mbd], alg.kl_coef, num_samples=s.global_batch_size)
-                out.loss.backward()
-                share = len(mb) / s.global_batch_size
                 sums["loss"] += out.pg_loss
                 sums["kl"] += out.kl
-                sums["clip_frac"] += out.clip_frac * share
+                sums["clip_frac"] += out.clip_frac * len(mb) / s.global_batch_size
                 if on_policy:
-                    gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
-                    gap_max = max(gap_max, float(gap.max()))
+                    sums["gap"] = max(sums["gap"], float(((logp.detach() - old[mbd]).abs() * mask[mbd]).max()))
+                return out.loss
+
+            mbs = list(dp.share(torch.arange(len(batch))).split(b.micro_batch_size))
+            self._forward_backward()(p, mbs, temperature, loss_of)
             b.model.eval()
-            b.dp.allreduce_grads(slot.params)
-            grad_norm = _clip_grad_norm(slot.params, b.max_grad_norm)
+            dp.allreduce_grads(slot.params)
+            grad_norm = self._clip(slot.params, b.max_grad_norm)
             a.optimizer.step()
             a.optimizer.zero_grad(set_to_none=True)
         a.step += 1
-        loss, kl, clip_frac = b.dp.sum([sums["loss"], sums["kl"], sums["clip_frac"]])
+        # with pipeline stages only the last computes losses: summed over the stages too
+        loss, kl, clip_frac = b.stages.sum(dp.sum([sums["loss"], sums["kl"], sums["clip_frac"]]))
         rewards = torch.tensor(batch.rewards)
         return AdapterStepMetrics(
             name=s.name, step=a.step, reward_mean=float(torch.tensor(batch.rewards).mean()), samples=len(batch),
             loss=loss, clip_frac=clip_frac, kl=kl, grad_norm=grad_norm,
             response_len=float(p.response_mask.sum() / len(batch)),
-            rollout_logp_gap_max=b.dp.max(gap_max) if on_policy else None,
+            rollout_logp_gap_max=b.stages.max(dp.max(sums["gap"])) if on_policy else None,
             rollout_version_lag=a.step - 1 - min(served) if served else 0,
             train_ms=round((time.monotonic() - t0) * 1000, 1),
             reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0, reward_min=float(rewards.min()),
