@@ -23,7 +23,7 @@ import torch
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
 from kora_trainer.backends.batch import RolloutBatch, pad
 from kora_trainer.backends.data_parallel import DataParallel
-from kora_trainer.backends.grpo_step import ForwardBackward, one_by_one
+from kora_trainer.backends.grpo_step import ForwardBackward, MicroLoss, one_by_one
 from kora_trainer.backends.multi_lora_api import SlotBackend
 from kora_trainer.backends.torch_backend import TorchBackend, _clip_grad_norm
 from kora_trainer.config.adapter_runs import AdapterSettings
@@ -155,19 +155,8 @@ class MultiLoRATrainer:
             b.model.train()  # LoRA dropout on (from the slot's own RNG stream)
             a.optimizer.zero_grad(set_to_none=True)
 
-            def loss_of(mb: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
-                mbd = mb.to(b.device)
-                out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
-                                None if ref is None else ref[mbd], alg.kl_coef, num_samples=s.global_batch_size)
-                sums["loss"] += out.pg_loss
-                sums["kl"] += out.kl
-                sums["clip_frac"] += out.clip_frac * len(mb) / s.global_batch_size
-                if on_policy:
-                    sums["gap"] = max(sums["gap"], float(((logp.detach() - old[mbd]).abs() * mask[mbd]).max()))
-                return out.loss
-
             mbs = list(dp.share(torch.arange(len(batch))).split(b.micro_batch_size))
-            self._forward_backward()(p, mbs, temperature, loss_of)
+            self._forward_backward()(p, mbs, temperature, self._loss_of(s, old, adv, mask, ref, sums, on_policy))
             b.model.eval()
             dp.allreduce_grads(slot.params)
             grad_norm = self._clip(slot.params, b.max_grad_norm)
@@ -188,6 +177,24 @@ class MultiLoRATrainer:
             reward_max=float(rewards.max()), kl_measured=ref is not None,
             entropy=float(-(old * mask).sum() / mask.sum().clamp(min=1.0)),
             lr=float(a.optimizer.param_groups[0]["lr"]))
+
+    def _loss_of(self, s: AdapterSettings, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                 ref: torch.Tensor | None, sums: dict[str, float], on_policy: bool) -> MicroLoss:
+        """The loss of a micro-batch (its sample indices, its [b, R] log-probs), every sample weighted 1 / the
+        adapter's global batch; its statistics (and, on-policy, its trainer-vs-engine gap) added to `sums`."""
+        alg, device = self.backend.cfg.algorithm, self.backend.device
+
+        def loss_of(mb: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+            mbd = mb.to(device)
+            out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
+                            None if ref is None else ref[mbd], alg.kl_coef, num_samples=s.global_batch_size)
+            sums["loss"] += out.pg_loss
+            sums["kl"] += out.kl
+            sums["clip_frac"] += out.clip_frac * len(mb) / s.global_batch_size
+            if on_policy:
+                sums["gap"] = max(sums["gap"], float(((logp.detach() - old[mbd]).abs() * mask[mbd]).max()))
+            return out.loss
+        return loss_of
 
     # ---- what leaves the trainer: the adapter's tensors and its PEFT config --------------------------------
 

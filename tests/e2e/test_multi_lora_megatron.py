@@ -1,0 +1,68 @@
+"""Multi-LoRA on the megatron backend through the real trainer (`python -m kora_trainer.train`, Ray, the reference
+engine): two adapters of different ranks, rewards and step counts on the toy, split over 2 rank actors (data 2,
+tensor 2), megatron-core on the CPU in the rank actors alone (tests/megatron_cpu.py, through
+tests/megatron_cpu_site/sitecustomize.py, as tests/e2e/test_train_model_parallel_cpu.py runs it).
+
+What a user would notice: the job the torch backend runs (tests/e2e/test_multi_lora.py) runs on megatron — each
+adapter Succeeded at its numSteps, every step's rollouts served by its own adapter at its own version as the ranks
+hold it (the engine-vs-trainer gap under GAP_MAX, megatron's bound), each push moving only the adapter that stepped,
+its checkpoint and HF-PEFT export written once (global rank 0) with its own rank; and the adapter trained beside
+the other ends exactly (bit for bit) as the same adapter trained alone at the same split.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from test_multi_lora import EVEN, factors, job_file
+
+from kora_trainer.backends.megatron import megatron_available
+from trainkit import E2E, REPO, TrainRun, wait_all
+
+pytestmark = [pytest.mark.slow, pytest.mark.full, pytest.mark.timeout(1200),
+              pytest.mark.skipif(not megatron_available(), reason="needs megatron-core (the test group installs it)"),
+              pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for CUDA; tests/gpu covers GPUs")]
+SITE = Path(__file__).resolve().parents[1] / "megatron_cpu_site"
+GAP_MAX = 1e-3  # as the single-adapter megatron runs (tests/model_parallel_runs.py)
+
+
+def megatron_cpu_env() -> dict[str, str]:
+    path = os.pathsep.join([str(SITE), str(E2E), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])
+    return {"KORA_TEST_MEGATRON_CPU": "1", "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.parametrize("split", [{"data": 2}, {"tensor": 2}], ids=["data2", "tensor2"])
+def test_megatron_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same(toy_dir, tmp_path, split):
+    data = str(toy_dir / "train.parquet")
+    a = {"name": "odd", "rank": 16, "numSteps": 3}
+    b = {"name": "even", "rank": 8, "numSteps": 2, "seed": 7, "data": {**EVEN, "path": data}}
+    over = {"backend": "megatron", "parallelism": split}
+    both = TrainRun(toy_dir, tmp_path / "both", env=megatron_cpu_env(),
+                    config=job_file(toy_dir, tmp_path / "both", [a, b], **over))
+    alone = TrainRun(toy_dir, tmp_path / "alone", env=megatron_cpu_env(),
+                     config=job_file(toy_dir, tmp_path / "alone", [a], max_adapters=1, **over))
+    wait_all([both, alone], timeout_s=900)
+    start = both.events("start")[0]
+    assert start["world"] == 2
+    summary = both.summary()["adapters"]
+    assert summary["odd"]["phase"] == "Succeeded" and summary["odd"]["steps"] == 3
+    assert summary["even"]["phase"] == "Succeeded" and summary["even"]["steps"] == 2
+    steps = both.events("adapter_step")
+    for e in steps:
+        assert e["rollout_version_lag"] == 0 and e["rollout_logp_gap_max"] is not None, e
+        assert e["rollout_logp_gap_max"] <= GAP_MAX, e
+        assert e["sync"]["pushed"] and e["sync"]["adapter_version"] == e["step"], e
+    pushed = {name: {e["sync"]["bytes"] for e in steps if e["adapter"] == name} for name in ("odd", "even")}
+    assert pushed["even"].pop() * 2 == pushed["odd"].pop()  # selective: each push its own adapter's tensors
+    config = json.loads((tmp_path / "both" / "ckpt" / "adapters" / "even" / "lora_adapter" /
+                         "adapter_config.json").read_text())
+    assert config["r"] == 8
+    beside, by_itself = factors(tmp_path / "both" / "ckpt", "odd"), factors(tmp_path / "alone" / "ckpt", "odd")
+    assert beside.keys() == by_itself.keys()
+    assert any(k.endswith("lora_B.weight") and beside[k].abs().max() > 0 for k in beside)
+    assert all(bool((beside[k] == by_itself[k]).all()) for k in beside)
+    assert alone.summary()["adapters"]["odd"]["reward_curve"] == summary["odd"]["reward_curve"]
