@@ -35,17 +35,18 @@ def megatron_cpu_env() -> dict[str, str]:
     return {"KORA_TEST_MEGATRON_CPU": "1", "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.mark.parametrize("split", [{"data": 2}, {"tensor": 2}], ids=["data2", "tensor2"])
+@pytest.mark.parametrize("split", ["parallelism.data=2", "parallelism.tensor=2"], ids=["data2", "tensor2"])
 def test_megatron_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same(toy_dir, tmp_path, split):
     data = str(toy_dir / "train.parquet")
     a = {"name": "odd", "rank": 16, "numSteps": 3}
     b = {"name": "even", "rank": 8, "numSteps": 2, "seed": 7, "data": {**EVEN, "path": data}}
-    over = {"backend": "megatron", "parallelism": split}
-    both = TrainRun(toy_dir, tmp_path / "both", env=megatron_cpu_env(),
-                    config=job_file(toy_dir, tmp_path / "both", [a, b], **over))
-    alone = TrainRun(toy_dir, tmp_path / "alone", env=megatron_cpu_env(),
-                     config=job_file(toy_dir, tmp_path / "alone", [a], max_adapters=1, **over))
-    wait_all([both, alone], timeout_s=900)
+    # one after the other: two Ray clusters of 2 megatron ranks each starting at once overload a 2-core machine
+    both = TrainRun(toy_dir, tmp_path / "both", "backend=megatron", split, env=megatron_cpu_env(),
+                    config=job_file(toy_dir, tmp_path / "both", [a, b]))
+    wait_all([both], timeout_s=900)
+    alone = TrainRun(toy_dir, tmp_path / "alone", "backend=megatron", split, env=megatron_cpu_env(),
+                     config=job_file(toy_dir, tmp_path / "alone", [a], max_adapters=1))
+    wait_all([alone], timeout_s=900)
     start = both.events("start")[0]
     assert start["world"] == 2
     summary = both.summary()["adapters"]

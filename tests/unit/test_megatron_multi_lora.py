@@ -113,6 +113,9 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out: str, layout:
         run = res[kind] = {"init": {n: dict(beside.adapter_named(n)) for n in ("a", "b")}}
         run["steps"] = train(beside, ["a", "b"])
         run["after"] = {n: dict(beside.adapter_named(n)) for n in ("a", "b")}
+        a = beside.adapters["a"]  # this rank's AdamW moments of a, against a's factors on this rank
+        run["adam"] = (sum(v.numel() for st in a.optimizer.state.values() for k, v in st.items() if k == "exp_avg"),
+                       sum(p.numel() for p in a.slot.params))
         state = run["state"] = beside.state("a")
         beside.remove("a")
         beside.add(settings("a"))  # the retired name again: a fresh slot
@@ -127,6 +130,11 @@ def run_rank(rank: int, world: int, port: int, model_dir: str, out: str, layout:
         alone.add(settings("a"))
         run["alone"] = train(alone, ["a"])
         run["alone_after"] = dict(alone.adapter_named("a"))
+        alone.remove("a")
+        whole = MegatronMultiLoRATrainer(mg, shard_optimizer=False)  # every rank the slot's whole AdamW state
+        whole.add(settings("a"))
+        run["whole"] = train(whole, ["a"])
+        run["whole_after"] = dict(whole.adapter_named("a"))
     torch.save(res, f"{out}.{rank}")
     destroy_parallel()
 
@@ -148,7 +156,7 @@ def root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny(root) -> Path:
-    return make_tiny_model(root / "tiny", layers=4)
+    return make_tiny_model(root / "tiny", layers=2)
 
 
 def _max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -180,7 +188,7 @@ def torch_run(model_dir: Path, init: dict, steps: list[dict]) -> tuple[list[dict
     return got, {n: {k: t.clone() for k, t in trainer.adapter_named(n)} for n in ("a", "b")}
 
 
-def check_slots(ranks: list[dict], kind: str) -> None:
+def check_slots(ranks: list[dict], kind: str, data: int = 1) -> None:
     """Independence, every rank alike, retire and register again, the state loaded back (each rank's own run)."""
     run = ranks[0][kind]
     for r in ranks[1:]:
@@ -188,6 +196,13 @@ def check_slots(ranks: list[dict], kind: str) -> None:
     # independence: a beside b is a alone, bit for bit, every step and at the end
     assert [s["a"] for s in run["steps"]] == [s["a"] for s in run["alone"]]
     assert _max_diff(run["after"]["a"], run["alone_after"]) == 0.0
+    # its AdamW state split over the data-parallel ranks, and the same update as a whole AdamW's, bit for bit
+    for rank, r in enumerate(ranks):
+        held, factors = r[kind]["adam"]
+        share = -(-factors // data)  # each data-parallel rank's range, the last one what is left
+        assert held == min(share, factors - (rank % data) * share), (rank, held, factors)
+    assert [s["a"] for s in run["whole"]] == [s["a"] for s in run["alone"]]
+    assert _max_diff(run["whole_after"], run["alone_after"]) == 0.0
     moved = [n for n, t in run["after"]["a"].items() if n.endswith("lora_B.weight") and t.abs().max() > 0]
     assert moved, "the adapter never moved: the test would prove nothing"
     assert _max_diff(run["after"]["b"], run["init"]["b"]) > 0  # b trained too, on its own
@@ -206,7 +221,7 @@ def check_slots(ranks: list[dict], kind: str) -> None:
 
 def test_two_adapters_at_data_2_end_as_each_alone_and_as_the_torch_backend(root, tiny):
     ranks = _run(root, tiny, (1, 1, 2), "data2")
-    check_slots(ranks, "row")
+    check_slots(ranks, "row", data=2)
     # the torch backend, same base, init and batches
     row = ranks[0]["row"]
     got, after = torch_run(tiny, row["init"], row["steps"])
@@ -291,7 +306,7 @@ def sync_rank(rank: int, world: int, port: int, model_dir: str, out: str, url: s
 @pytest.mark.full  # an engine and two ranks: over a minute on the shared CI machine
 @pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 1)], ids=["tensor2", "pipeline2"])
 def test_engines_serve_each_slot_by_name_as_two_ranks_hold_it(tmp_path, layout):
-    model_dir = make_tiny_model(tmp_path / "tiny", layers=4)
+    model_dir = make_tiny_model(tmp_path / "tiny", layers=2)
     out = tmp_path / "sync.pt"
     with served_engine(model_dir, tmp_path) as (engine, _):
         run_ranks("test_megatron_multi_lora", "sync_rank", 2, free_port(), str(model_dir), str(out), engine.url,

@@ -90,6 +90,10 @@ class MultiLoRATrainer:
     def _adapter_off(self) -> AbstractContextManager[None]:
         return adapter_disabled(self.backend.model)
 
+    def _optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        """A slot's own optimizer (its state replicated on the data-parallel ranks)."""
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
     def _data_parallel(self, slot: Slot) -> DataParallel:
         """The group the slot's gradients are summed over."""
         return self.backend.dp
@@ -103,7 +107,7 @@ class MultiLoRATrainer:
 
     def add(self, settings: AdapterSettings) -> None:
         slot = self.slots.add(settings.name, settings.rank, settings.alpha, settings.seed)
-        opt = torch.optim.AdamW(slot.params, lr=settings.lr, weight_decay=0.0)
+        opt = self._optimizer(slot.params, settings.lr)
         self.adapters[settings.name] = _Adapter(settings, slot, opt)
 
     def remove(self, name: str) -> None:

@@ -17,13 +17,16 @@ losses: the metrics are summed over the stages), the TP/PP-aware gradient-norm c
 summed over the data-parallel group (its sequence-parallel factors over the TP group too) before its own AdamW
 steps.
 
-Optimizer: one `torch.optim.AdamW` per slot, its state replicated on the data-parallel ranks (sharded over TP as
-the factors are). megatron-core's `DistributedOptimizer` (the state sharded over DP) does not fit a slot: it is
-built on megatron's `DistributedDataParallel`, which lays the module's trainable parameters into one contiguous
-grad buffer and hooks them at construction, while a slot's Parameters are swapped in and out of the same
-modules per train call (and come and go at runtime); one DDP + DistributedOptimizer per slot would need a model
-copy per slot. A LoRA slot's AdamW state is 2 x its factors (a rank-16 adapter of an 8B model: ~0.3 GB in fp32),
-small next to the frozen base every rank holds, so replicating it costs little; sharding it is not built.
+Optimizer: one AdamW per slot, its state split over the data-parallel ranks at data > 1 (`ShardedAdamW`,
+backends/sharded_adamw.py: ZeRO stage 1 on the slot's flat parameters, bit-identical to a whole-slot AdamW) and
+over TP as the factors are. Not megatron-core's own machinery: its `DistributedOptimizer` is built on megatron's
+`DistributedDataParallel`, which lays a module's trainable parameters into one contiguous grad buffer and hooks them
+at construction, while a slot's Parameters are swapped in and out of the same modules per train call and come and
+go at runtime (one DDP per slot would need a model copy per slot); its `LayerWiseDistributedOptimizer` (what miles
+runs per slot; "experimental" in megatron-core 0.16.1) splits whole parameters over the ranks and all-gathers them
+after the step as ShardedAdamW does, but through megatron's optimizer stack (OptimizerConfig, process-group
+collections, `main_grad`, its own clip) and its dist-checkpointing state dict, where a slot's checkpoint is torch's
+AdamW layout (tp_checkpoint.py gathers it over TP and the stages).
 
 What leaves the trainer is gathered over TP, the pipeline stages and expert parallelism, as the single-adapter
 megatron export does: `adapter_named` gives HF-PEFT names (export.py), `state` the slot's factors and AdamW
@@ -61,6 +64,7 @@ from kora_trainer.backends.megatron.pipeline import pipeline_forward_backward
 from kora_trainer.backends.megatron.sync import MegatronWeightSender
 from kora_trainer.backends.megatron.tp_checkpoint import TensorShards
 from kora_trainer.backends.multi_lora import MultiLoRATrainer
+from kora_trainer.backends.sharded_adamw import ShardedAdamW
 from kora_trainer.checkpoint.lora_only import select_state
 from kora_trainer.lora.slots import AdapterSlots, Slot
 from kora_trainer.sync.sender import SyncReport
@@ -147,10 +151,12 @@ class MegatronSlotSender(SlotSender, MegatronWeightSender):
 class MegatronMultiLoRATrainer(MultiLoRATrainer):
     """The slot trainer (backends/multi_lora_api.MultiLoRA) on a MegatronBackend; every call on every rank."""
 
-    def __init__(self, backend: MegatronBackend):  # not super().__init__: that one wraps an HF model
+    def __init__(self, backend: MegatronBackend, shard_optimizer: bool = True):
+        # not super().__init__: that one wraps an HF model
         self.backend = self.mg = backend
         self.slots = MegatronAdapterSlots(backend.model)
         self.adapters = {}
+        self.shard_optimizer = shard_optimizer  # False: every data-parallel rank holds the slot's whole AdamW state
 
     # ---- the hooks of the shared step ------------------------------------------------------------------
 
@@ -163,6 +169,13 @@ class MegatronMultiLoRATrainer(MultiLoRATrainer):
 
     def _adapter_off(self) -> AbstractContextManager[None]:
         return adapter_disabled(self.mg.model)
+
+    def _optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        """At data > 1 the slot's AdamW state split over the data-parallel ranks (sharded_adamw.py)."""
+        dp = self.mg.dp
+        if self.shard_optimizer and dp.size > 1 and dp.group is not None:
+            return ShardedAdamW(params, lr, dp)
+        return super()._optimizer(params, lr)
 
     def _data_parallel(self, slot: Slot) -> DataParallel:
         """The backend's groups with the slot's own factors as the sequence-parallel ones (summed over TP too)."""
