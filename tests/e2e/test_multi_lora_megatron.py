@@ -44,9 +44,11 @@ def test_megatron_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same
     both = TrainRun(toy_dir, tmp_path / "both", "backend=megatron", split, env=megatron_cpu_env(),
                     config=job_file(toy_dir, tmp_path / "both", [a, b]))
     wait_all([both], timeout_s=900)
+    assert both.proc.returncode == 0, both.output[-4000:]
     alone = TrainRun(toy_dir, tmp_path / "alone", "backend=megatron", split, env=megatron_cpu_env(),
                      config=job_file(toy_dir, tmp_path / "alone", [a], max_adapters=1))
     wait_all([alone], timeout_s=900)
+    assert alone.proc.returncode == 0, alone.output[-4000:]
     start = both.events("start")[0]
     assert start["world"] == 2
     summary = both.summary()["adapters"]
