@@ -50,8 +50,8 @@ STEPS = 3
 METRICS = ("loss", "kl", "grad_norm", "clip_frac")
 # measured (docs/multi_lora.md), 3 steps: the torch backend vs megatron at data 2, losses within 1.8e-7 (absolute: the
 # first step's is 0 by construction), KL and grad norms 2.0e-6 relative, adapters 1.0e-6; tensor 2 x pipeline 2 vs one
-# process (sequence parallelism's sums in another order), metrics within 2.4e-5 relative (b's smallest loss, 0.028:
-# 6.6e-7 absolute), adapters 4.4e-5 for a (lr 0.01) and 6.1e-4 for one element of b's (lr 0.03: AdamW turns a
+# process (sequence parallelism's sums in another order), metrics within 4.4e-5 relative (the small losses), adapters
+# 5.5e-6; on a 4-layer model 2.4e-5 and 4.4e-5 for a (lr 0.01), 6.1e-4 for one element of b's (lr 0.03: AdamW turns a
 # near-zero gradient's rounding into a share of a whole lr-sized step)
 TORCH_LOSS, TORCH_REL, TORCH_ATOL = 1e-5, 1e-4, 2e-5
 SPLIT_REL, SPLIT_ATOL = 1e-4, 2e-3
