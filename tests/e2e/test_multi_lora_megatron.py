@@ -6,14 +6,16 @@ tests/megatron_cpu_site/sitecustomize.py, as tests/e2e/test_train_model_parallel
 What a user would notice: the job the torch backend runs (tests/e2e/test_multi_lora.py) runs on megatron — each
 adapter Succeeded at its numSteps, every step's rollouts served by its own adapter at its own version as the ranks
 hold it (the engine-vs-trainer gap under GAP_MAX, megatron's bound), each push moving only the adapter that stepped,
-its checkpoint and HF-PEFT export written once (global rank 0) with its own rank; and the adapter trained beside
-the other ends exactly (bit for bit) as the same adapter trained alone at the same split.
+its checkpoint and HF-PEFT export written once (global rank 0) with its own rank; the adapter trained beside
+the other ends exactly (bit for bit) as the same adapter trained alone at the same split; and a job killed at
+tensor 2 after the adapters' first checkpoints resumes each from its own (split back over the TP ranks).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -69,3 +71,30 @@ def test_megatron_adapters_train_side_by_side_and_an_adapter_alone_ends_the_same
     assert any(k.endswith("lora_B.weight") and beside[k].abs().max() > 0 for k in beside)
     assert all(bool((beside[k] == by_itself[k]).all()) for k in beside)
     assert alone.summary()["adapters"]["odd"]["reward_curve"] == summary["odd"]["reward_curve"]
+
+
+def test_a_restarted_megatron_job_resumes_every_adapter_from_its_split_checkpoint(toy_dir, tmp_path):
+    """Tensor 2: killed after each adapter's first checkpoint (the slot's factors and AdamW state gathered over the TP
+    ranks, written once), the job started again brings both adapters back (each rank its own shards) at their
+    checkpointed steps, serves them as trained (the gap at every resumed step) and ends each at its numSteps."""
+    data = str(toy_dir / "train.parquet")
+    adapters = [{"name": "odd", "rank": 16, "numSteps": 6},
+                {"name": "even", "rank": 8, "numSteps": 6, "seed": 7, "data": {**EVEN, "path": data}}]
+    job = job_file(toy_dir, tmp_path / "crash", adapters, checkpoint={"interval": 2})
+    first = TrainRun(toy_dir, tmp_path / "crash", "backend=megatron", "parallelism.tensor=2", env=megatron_cpu_env(),
+                     config=job)
+    deadline = time.monotonic() + 600
+    while not {e["adapter"] for e in first.events("adapter_checkpoint")} >= {"odd", "even"}:
+        assert first.running() and time.monotonic() < deadline, first.output[-3000:]
+        time.sleep(0.1)
+    first.kill()  # a crash: the registry file and the checkpoints are what is left
+    saved = {e["adapter"]: e["step"] for e in first.events("adapter_checkpoint")}
+    again = TrainRun(toy_dir, tmp_path / "crash-2", "backend=megatron", "parallelism.tensor=2",
+                     env=megatron_cpu_env(), config=job)
+    wait_all([again], timeout_s=900)
+    assert again.proc.returncode == 0, again.output[-4000:]
+    resumed = {e["adapter"]: e["step"] for e in again.events("adapter_loaded")}
+    assert set(resumed) == {"odd", "even"} and all(2 <= resumed[n] <= saved[n] + 2 for n in resumed), (resumed, saved)
+    for e in again.events("adapter_step"):
+        assert e["rollout_logp_gap_max"] is not None and e["rollout_logp_gap_max"] <= GAP_MAX, e
+    assert {n: a["step"] for n, a in again.summary()["adapters"].items()} == {"odd": 6, "even": 6}
