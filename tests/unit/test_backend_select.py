@@ -153,15 +153,22 @@ def test_make_backend_builds_the_torch_backend_on_cpu(tmp_path):
     assert set(tensors) == set(names) and config["r"] == 2 and modules
 
 
-def test_multi_lora_on_megatron_is_refused_at_start_with_the_fix():
+def test_multi_lora_on_megatron_starts_and_its_moe_targets_are_refused_with_the_fix():
     from kora_trainer.backends.select import check_actor_layout
     from kora_trainer.config import Backend, ConfigError, TrainerConfig
 
-    cfg = TrainerConfig.model_validate({"model": {"path": "/m"}, "lora": {"rank": 8, "syncMode": "Adapter"},
-                                        "data": {"path": "/d.jsonl"}, "multiLora": {"maxAdapters": 2}})
-    with pytest.raises(ConfigError, match=r"multi-LoRA trains on the torch backend so far.*set backend: torch"):
-        check_actor_layout(cfg, Backend.MEGATRON)
+    cfg = TrainerConfig.model_validate({"model": {"path": "/m"}, "data": {"path": "/d.jsonl"},
+                                        "lora": {"rank": 8, "syncMode": "Adapter", "targetModules": [
+                                            "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
+                                        "multiLora": {"maxAdapters": 2}})
+    check_actor_layout(cfg, Backend.MEGATRON)
     check_actor_layout(cfg, Backend.TORCH)
+    check_actor_layout(cfg, Backend.MEGATRON, num_experts=0)
+    with pytest.raises(ConfigError, match=r"lora.targetModules \['linear_fc1', 'linear_fc2'\] on an MoE model.*"
+                                          r"remove linear_fc1, linear_fc2 from lora.targetModules"):
+        check_actor_layout(cfg, Backend.MEGATRON, num_experts=8)
+    attention = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"target_modules": ["linear_qkv"]})})
+    check_actor_layout(attention, Backend.MEGATRON, num_experts=8)  # the attention's adapters: dense linears
 
 
 def test_auto_keeps_a_model_megatron_does_not_map_on_torch_and_megatron_refuses_it():

@@ -18,20 +18,25 @@ makes the shares even).
 from __future__ import annotations
 
 import time
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from kora_trainer.algorithm.grpo import group_advantages, grpo_loss
 from kora_trainer.algorithm.lr_schedule import apply_lr
 from kora_trainer.backends.batch import RolloutBatch, pad
+from kora_trainer.backends.data_parallel import DataParallel
+from kora_trainer.backends.grpo_step import ForwardBackward, MicroLoss, one_by_one
+from kora_trainer.backends.multi_lora_api import SlotBackend
 from kora_trainer.backends.torch_backend import TorchBackend, _clip_grad_norm
 from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.config.sections import AlgorithmSpec, LrDecayStyle
 from kora_trainer.lora.model import adapter_disabled, adapter_tensors, peft_config_dict
 from kora_trainer.lora.slots import AdapterSlots, Slot
+from kora_trainer.sync.slot_sender import SlotSender
 
 
 @dataclass(frozen=True)
@@ -94,16 +99,45 @@ class _Adapter:
 
 
 class MultiLoRATrainer:
+    """The torch backend's slot trainer (backends/multi_lora_api.MultiLoRA). The megatron one
+    (backends/megatron/multi_lora.py) runs this same step and swaps what differs through the hooks below: the
+    slots, the forward/backward of the micro-batches, the gradient clip, the adapter switched off, the slot's
+    data-parallel view, and the gathered views that leave the trainer."""
+
     def __init__(self, backend: TorchBackend):
-        self.backend = backend
+        self.backend: SlotBackend = backend
         self.slots = AdapterSlots(backend.model)
         self.adapters: dict[str, _Adapter] = {}
+
+    # ---- the hooks a backend swaps ----------------------------------------------------------------------
+
+    def _forward_backward(self) -> ForwardBackward:
+        return one_by_one(self.backend._token_logp)
+
+    def _clip(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        return _clip_grad_norm(params, max_norm)
+
+    def _adapter_off(self) -> AbstractContextManager[None]:
+        return adapter_disabled(self.backend.model)
+
+    def _optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        """A slot's own optimizer (its state replicated on the data-parallel ranks)."""
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def _data_parallel(self, slot: Slot) -> DataParallel:
+        """The group the slot's gradients are summed over."""
+        return self.backend.dp
+
+    def make_sender(self, transport: Any) -> SlotSender:
+        """The push of the base once and of each adapter by name (sync/slot_sender.py)."""
+        b = cast(TorchBackend, self.backend)
+        return SlotSender(b.model, b.cfg, transport, trainer_group=b.group)
 
     # ---- slots ----------------------------------------------------------------------------------------
 
     def add(self, settings: AdapterSettings) -> None:
         slot = self.slots.add(settings.name, settings.rank, settings.alpha, settings.seed)
-        opt = torch.optim.AdamW(slot.params, lr=settings.lr, weight_decay=0.0)
+        opt = self._optimizer(slot.params, settings.lr)
         # numSteps known: its schedule now; numEpochs: once its data is read (schedule_adapter). A checkpoint's
         # schedule replaces either (load_state)
         schedule = None if settings.num_steps is None else settings.schedule(self.backend.cfg.algorithm,
@@ -113,7 +147,7 @@ class MultiLoRATrainer:
     def remove(self, name: str) -> None:
         """Its slot cleared: factors, optimizer state, its partly accumulated batch and any gradient it held are
         dropped."""
-        self.adapters.pop(name)
+        self.adapters.pop(name).optimizer.state.clear()
         self.slots.remove(name)
 
     def names(self) -> list[str]:
@@ -129,13 +163,24 @@ class MultiLoRATrainer:
         """Samples of adapter `name`'s current batch already in its slot's gradients (0 at a step boundary)."""
         p = self.adapters[name].pending
         return p.samples if p is not None else 0
+
     def schedule_adapter(self, name: str, num_steps: int) -> dict[str, Any]:
         """Its schedule over its own `num_steps` (known once its data is read), unless its checkpoint brought the
         one it started with: a resumed adapter goes on along the same curve. Returns the schedule's fields."""
         a = self.adapters[name]
         if a.schedule is None:
             a.schedule = a.settings.schedule(self.backend.cfg.algorithm, num_steps)
-        return _schedule_fields(a.schedule)
+        return schedule_fields(a.schedule)
+
+    def step(self, name: str) -> int:
+        return self.adapters[name].step
+
+    def settings(self, name: str) -> AdapterSettings:
+        return self.adapters[name].settings
+
+    def active(self, name: str) -> AbstractContextManager[Slot]:
+        """The model runs adapter `name` inside the block (what a push of it reads)."""
+        return self.slots.active(name)
 
     # ---- training --------------------------------------------------------------------------------------
 
@@ -174,26 +219,18 @@ class MultiLoRATrainer:
         temperature = alg.temperature if alg.temperature > 0 else 1.0
         served = [int(v) for v in batch.weight_versions if v is not None and v.isdigit()]
         on_policy = bool(served) and len(served) == len(batch) and all(v == a.step for v in served)
-        with self.slots.active(s.name):
+        with self.slots.active(s.name) as slot:
             with torch.no_grad():
                 old = p.rollout_logp.to(b.device) if temperature == 1.0 else b._token_logp(p, temperature)
                 ref = None
                 if alg.kl_coef > 0:
-                    with adapter_disabled(b.model):
+                    with self._adapter_off():
                         ref = b._token_logp(p, temperature)
+            dp = self._data_parallel(slot)
             b.model.train()  # LoRA dropout on (from the slot's own RNG stream)
-            for mb in b.dp.share(torch.arange(len(batch))).split(b.micro_batch_size):
-                mbd = mb.to(b.device)
-                logp = b._token_logp(p.select(mb), temperature)  # [b, R]
-                out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
-                                None if ref is None else ref[mbd], alg.kl_coef, num_samples=s.global_batch_size)
-                out.loss.backward()
-                acc.loss += out.pg_loss
-                acc.kl += out.kl
-                acc.clip_frac += out.clip_frac * len(mb) / s.global_batch_size
-                if on_policy:
-                    gap = (logp.detach() - old[mbd]).abs() * mask[mbd]
-                    acc.gap_max = max(acc.gap_max, float(gap.max()))
+            b.model.train()  # LoRA dropout on (from the slot's own RNG stream)
+            mbs = list(dp.share(torch.arange(len(batch))).split(b.micro_batch_size))
+            self._forward_backward()(p, mbs, temperature, self._loss_of(s, old, adv, mask, ref, acc, on_policy))
             b.model.eval()
         acc.samples += len(batch)
         acc.on_policy = acc.on_policy and on_policy
@@ -210,26 +247,47 @@ class MultiLoRATrainer:
         b, s, acc = self.backend, a.settings, a.pending
         assert acc is not None and acc.samples == s.global_batch_size
         with self.slots.active(s.name) as slot:
-            b.dp.allreduce_grads(slot.params)
-            grad_norm = _clip_grad_norm(slot.params, b.max_grad_norm)
+            dp = self._data_parallel(slot)
+            dp.allreduce_grads(slot.params)
+            grad_norm = self._clip(slot.params, b.max_grad_norm)
             _set_lr(a)
             a.optimizer.step()
             a.optimizer.zero_grad(set_to_none=True)
         a.step += 1
         a.pending = None
-        loss, kl, clip_frac = b.dp.sum([acc.loss, acc.kl, acc.clip_frac])
+        # with pipeline stages only the last computes losses: summed over the stages too
+        loss, kl, clip_frac = b.stages.sum(dp.sum([acc.loss, acc.kl, acc.clip_frac]))
+        acc.gap_max = b.stages.max(dp.max(acc.gap_max))
         rewards = torch.tensor(acc.rewards)
         return AdapterStepMetrics(
             name=s.name, step=a.step, reward_mean=float(rewards.mean()), samples=acc.samples,
             loss=loss, clip_frac=clip_frac, kl=kl, grad_norm=grad_norm,
             response_len=acc.response_tokens / acc.samples,
-            rollout_logp_gap_max=b.dp.max(acc.gap_max) if acc.on_policy else None,
+            rollout_logp_gap_max=acc.gap_max if acc.on_policy else None,
             rollout_version_lag=a.step - 1 - min(acc.served) if acc.served else 0,
             train_ms=round(acc.ms + (time.monotonic() - t0) * 1000, 1),
             reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0, reward_min=float(rewards.min()),
             reward_max=float(rewards.max()), kl_measured=acc.kl_measured,
             entropy=acc.entropy[0] / max(acc.entropy[1], 1.0),
             lr=float(a.optimizer.param_groups[0]["lr"]))
+
+    def _loss_of(self, s: AdapterSettings, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                 ref: torch.Tensor | None, acc: _Pending, on_policy: bool) -> MicroLoss:
+        """The loss of a micro-batch (its sample indices, its [b, R] log-probs), every sample weighted 1 / the
+        adapter's global batch; its statistics (and, on-policy, its trainer-vs-engine gap) added to `acc`."""
+        alg, device = self.backend.cfg.algorithm, self.backend.device
+
+        def loss_of(mb: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+            mbd = mb.to(device)
+            out = grpo_loss(logp, old[mbd], adv[mbd], mask[mbd], alg.clip_eps,
+                            None if ref is None else ref[mbd], alg.kl_coef, num_samples=s.global_batch_size)
+            acc.loss += out.pg_loss
+            acc.kl += out.kl
+            acc.clip_frac += out.clip_frac * len(mb) / s.global_batch_size
+            if on_policy:
+                acc.gap_max = max(acc.gap_max, float(((logp.detach() - old[mbd]).abs() * mask[mbd]).max()))
+            return out.loss
+        return loss_of
 
     # ---- what leaves the trainer: the adapter's tensors and its PEFT config --------------------------------
 
@@ -256,7 +314,7 @@ class MultiLoRATrainer:
         a = self.adapters[name]
         return {"tensors": {n: t.detach().cpu().clone() for n, t in self.adapter_named(name)},
                 "optimizer": a.optimizer.state_dict(), "step": a.step, "rng": a.slot.rng.clone(),
-                "schedule": None if a.schedule is None else _schedule_fields(a.schedule)}
+                "schedule": None if a.schedule is None else schedule_fields(a.schedule)}
 
     def load_state(self, name: str, state: dict[str, Any]) -> None:
         a = self.adapters[name]
@@ -265,6 +323,10 @@ class MultiLoRATrainer:
                 t.copy_(state["tensors"][n])
         a.optimizer.load_state_dict(state["optimizer"])
         a.step, a.slot.rng = int(state["step"]), state["rng"]
+        self._restore_schedule(a, state)
+
+    def _restore_schedule(self, a: _Adapter, state: dict[str, Any]) -> None:
+        """The schedule its checkpoint carries (a resumed adapter goes on along the curve it started on)."""
         if state.get("schedule") is not None:  # a checkpoint from before schedules: set by schedule_adapter
             saved = state["schedule"]
             a.schedule = self.backend.cfg.algorithm.model_copy(
@@ -281,6 +343,6 @@ def _set_lr(a: _Adapter) -> None:
 _SCHEDULE_FIELDS = ("lr", "lr_decay_style", "min_lr", "lr_warmup_steps", "lr_decay_steps", "num_steps")
 
 
-def _schedule_fields(alg: AlgorithmSpec) -> dict[str, Any]:
+def schedule_fields(alg: AlgorithmSpec) -> dict[str, Any]:
     """What of an AlgorithmSpec lr_schedule.py reads: the schedule an adapter's checkpoint carries."""
     return {f: str(v) if f == "lr_decay_style" else v for f, v in alg.model_dump(include=set(_SCHEDULE_FIELDS)).items()}

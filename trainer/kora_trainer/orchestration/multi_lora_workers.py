@@ -10,6 +10,7 @@ from typing import Any
 
 from kora_trainer.backends.batch import RolloutBatch
 from kora_trainer.backends.multi_lora import AdapterStepMetrics, MultiLoRATrainer
+from kora_trainer.backends.multi_lora_api import MultiLoRA
 from kora_trainer.backends.torch_backend import TorchBackend
 from kora_trainer.checkpoint.adapter_slot import adapter_root, load_slot, save_slot
 from kora_trainer.checkpoint.peft_export import export_peft
@@ -19,28 +20,24 @@ from kora_trainer.config.adapter_runs import AdapterSettings
 from kora_trainer.orchestration.adapter_rollout import UNIT_CALLS_PER_ENGINE, AdapterRollouts
 from kora_trainer.orchestration.workers import RolloutWorker, TrainWorker
 from kora_trainer.sync.sender import SyncReport
-from kora_trainer.sync.slot_sender import SlotSender, rid_prefix
+from kora_trainer.sync.slot_sender import rid_prefix
 
 
 class MultiLoRAWorker(TrainWorker):
     """One trainer rank holding every adapter's slot; every call is made on every rank (collectives)."""
 
-    multi: MultiLoRATrainer
+    multi: MultiLoRA
 
     def setup(self, master_address: str, master_port: int) -> dict[str, Any]:
         info = super().setup(master_address, master_port)
-        if not isinstance(self.backend, TorchBackend):
-            raise ConfigError([f"multiLora.maxAdapters {self.cfg.multi_lora.max_adapters}: multi-LoRA trains on the "
-                               f"torch backend so far, not {type(self.backend).__name__}: set backend: torch"])
-        self.multi = MultiLoRATrainer(self.backend)
+        self.multi = multi_lora_trainer(self.backend)
         return info
 
     def connect(self, engine_urls: list[str], kind: str, host: str = "127.0.0.1",
                 admin_api_key: str | None = None) -> str:
         kind_made = super().connect(engine_urls, kind, host, admin_api_key)
-        transport = getattr(self.sender, "transport", None)
         # the fast path plans one adapter; the slots go over the HTTP routes (selective, per adapter)
-        self.sender = SlotSender(self.multi.backend.model, self.cfg, transport, trainer_group=self.multi.backend.group)
+        self.sender = self.multi.make_sender(getattr(self.sender, "transport", None))
         return kind_made
 
     def push_base(self) -> SyncReport:
@@ -73,9 +70,8 @@ class MultiLoRAWorker(TrainWorker):
     def publish(self, name: str) -> SyncReport:
         """Push adapter `name` at its step (its version)."""
         config = self.multi.peft_config(name)
-        step = self.multi.adapters[name].step
-        with self.multi.slots.active(name):
-            report: SyncReport = self.sender.publish(name, step, config)
+        with self.multi.active(name):
+            report: SyncReport = self.sender.publish(name, self.multi.step(name), config)
         return report
 
     def retire_on_engines(self, name: str) -> dict[str, Any]:
@@ -89,17 +85,36 @@ class MultiLoRAWorker(TrainWorker):
         """Its factors (CPU copies), for tests and tools comparing adapters."""
         return {n: t.detach().cpu().clone() for n, t in self.multi.adapter_named(name)}
 
-    def save_adapter(self, name: str, root: str, data_position: int, meta: dict[str, Any]) -> str:
-        return str(save_slot(root, name, self.multi.state(name), data_position, meta,
-                             dtype=torch_dtype(self.cfg.checkpoint.dtype)))
+    def save_adapter(self, name: str, root: str, data_position: int, meta: dict[str, Any]) -> str | None:
+        """On every rank (megatron gathers the slot's shards); the path on the rank that wrote, None elsewhere."""
+        state = self.multi.state(name)
+        if not self.backend.checkpoint_writer:
+            return None
+        return str(save_slot(root, name, state, data_position, meta, dtype=torch_dtype(self.cfg.checkpoint.dtype)))
 
-    def export_adapter(self, name: str, root: str, meta: dict[str, Any]) -> str:
-        a = self.multi.adapters[name]
-        s = a.settings
+    def export_adapter(self, name: str, root: str, meta: dict[str, Any]) -> str | None:
+        """Its HF-PEFT export, on every rank as `save_adapter`."""
+        s = self.multi.settings(name)
+        tensors, config = dict(self.multi.adapter_named(name)), self.multi.peft_config(name)
+        if not self.backend.checkpoint_writer:
+            return None
         info = {"format": "kora-multi-lora-adapter", "base_model": str(Path(self.cfg.model.path).resolve()),
-                "name": name, "step": a.step, "rank": s.rank, "alpha": s.alpha, "sync_mode": "Adapter", **meta}
-        return str(export_peft(adapter_root(root, name), dict(self.multi.adapter_named(name)),
-                               self.multi.peft_config(name), info))
+                "name": name, "step": self.multi.step(name), "rank": s.rank, "alpha": s.alpha,
+                "sync_mode": "Adapter", "backend": type(self.backend).__name__, **meta}
+        return str(export_peft(adapter_root(root, name), tensors, config, info))
+
+
+def multi_lora_trainer(backend: Any) -> MultiLoRA:
+    """The slot trainer (backends/multi_lora_api.MultiLoRA) for the backend this rank built."""
+    if isinstance(backend, TorchBackend):
+        return MultiLoRATrainer(backend)
+    from kora_trainer.backends.megatron.backend import MegatronBackend  # noqa: PLC0415 - the megatron backend's modules only when chosen
+    from kora_trainer.backends.megatron.multi_lora import MegatronMultiLoRATrainer  # noqa: PLC0415 - the megatron backend's modules only when chosen
+
+    if isinstance(backend, MegatronBackend):
+        return MegatronMultiLoRATrainer(backend)
+    raise ConfigError([f"multiLora.maxAdapters {backend.cfg.multi_lora.max_adapters}: no adapter slots on the "
+                       f"{type(backend).__name__}: set backend: torch or backend: megatron"])
 
 
 class AdapterRolloutWorker(RolloutWorker):

@@ -124,7 +124,7 @@ class MultiLoRARun:
         export = None
         if self.root:
             self.save(name)
-            export = self.job.trainer.first("export_adapter", name, self.root, {"phase": str(phase)})
+            export = self.job.trainer.written("export_adapter", name, self.root, {"phase": str(phase)})
         self.job.trainer.all("remove_adapter", name)
         ray.get(self.job.rollout.remove_adapter.remote(name))
         step = self.steps.pop(name)
@@ -250,7 +250,7 @@ class MultiLoRARun:
     def save(self, name: str) -> None:
         t0 = time.monotonic()
         meta = {"base_model": self.cfg.model.path, "sync_mode": "Adapter"}
-        path = self.job.trainer.first("save_adapter", name, self.root, self.positions.get(name, 0), meta)
+        path = self.job.trainer.written("save_adapter", name, self.root, self.positions.get(name, 0), meta)
         self.registry.checkpointed(name, path, self.steps[name])
         self.rec.adapter_checkpointed(name, self.steps[name], path, (time.monotonic() - t0) * 1000)
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kora_trainer.lora import adapter_tensors
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.sender import RunningChecksum, SyncReport, WeightSender
 from kora_trainer.wire.engine_client import EngineClient, EngineError
@@ -61,7 +60,7 @@ class SlotSender(WeightSender):
         """Push adapter `name` at `version` (or skip it, collectively). Its slot must be active."""
         t0 = time.perf_counter()
         tracker = self.trackers.setdefault(name, DeltaTracker())
-        adapter = adapter_tensors(self.model)
+        adapter = self.adapter_named()  # this rank's tensors of the active slot (its shards on megatron)
         first = not tracker.ever_pushed
         push, delta = should_push(tracker, adapter, self.threshold, self.trainer_group)
         if not push:
