@@ -76,7 +76,7 @@ def settings(name: str):
     a = name == "a"
     return AdapterSettings(name=name, slot=0 if a else 1, rank=4 if a else 2, alpha=8.0 if a else 2.0,
                            lr=0.01 if a else 0.03, rollout_batch_size=2, n_samples_per_prompt=4,
-                           data={"path": "unused.parquet"}, num_steps=None, num_epochs=None, seed=1 if a else 7)
+                           data={"path": "unused.parquet"}, num_steps=STEPS, num_epochs=None, seed=1 if a else 7)
 
 
 def train(trainer, names: list[str], steps: int = STEPS) -> list[dict]:
