@@ -3,7 +3,7 @@ two adapters of different ranks with per-expert adapters on the fused experts an
 Adapter mode over the weight-update group. Every step's rollouts are served by the adapter at its own version as the
 trainer holds it (engine-vs-trainer log-prob gap at fp32 rounding: an expert or router factor the engine missed
 would leave a gap of its size), and each adapter ends Succeeded with an HF-PEFT export naming the experts and the
-routers in `target_parameters`. (peft loading each export with kora's logits: tests/unit/test_multi_lora_moe.py.)
+routers in `target_parameters`. (peft loading each export with kora's logits: tests/unit/test_multi_lora_moe_slots.py.)
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ would type it, sizes its slots from the host's free memory and trains two adapte
 own step count; killed after both have a
 checkpoint, the job started again resumes both and ends bit-identical to the uninterrupted job (async off, as the
 single-adapter resume test: with async on, the step after a restart generates from a newer version).
-The scheduler's arithmetic and its checkpoint round trip are CI-size in tests/unit/test_multi_lora_schedule.py."""
+The scheduler's arithmetic and its checkpoint round trip are CI-size in tests/unit/test_multi_lora_schedule_state.py."""
 
 from __future__ import annotations
 
