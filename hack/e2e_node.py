@@ -26,11 +26,14 @@ tests/e2e/test_e2e_node.py drives.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +41,7 @@ from typing import Any
 
 import images
 import localnode
+import nettrace
 from localcluster import LocalCluster, provide_binaries, read_versions, wait_for
 from ociimage import ImageFile, write_oci_archive
 
@@ -53,6 +57,7 @@ KUBERAY_NAMESPACE = "kuberay-system"
 KUBERAY_LABELS = {"app.kubernetes.io/name": "kuberay-operator", "app.kubernetes.io/instance": "kuberay-operator"}
 RAY_USER = 1000  # builders/rayjob.py RUN_AS: the Ray pods' uid, which must write the hostPath volume
 FINAL = ("Succeeded", "Failed")
+COMPONENT_LABEL = "kora.dev/component"  # builders/meta.py: the submitter pod is ray-submitter
 
 
 def log(msg: str) -> None:
@@ -280,9 +285,68 @@ class E2ENode:
         self.cluster = None
 
 
+class PodTrace:
+    """hack/nettrace.py over the head pod: strace attaches to every process of the pod's containers as soon as the
+    first one runs (a thread polls /proc every 0.2 s for processes in the pod's cgroup) and follows their children,
+    so `ray start`, GCS, raylet, the dashboard and the trainer's driver and actors are traced. What runs in the
+    first ~0.2 s of the container (the shell that execs `ray start`) may be missed. Our bridge (10.213.0.0/16) and
+    the Service network (10.0.0.0/24) count as local."""
+
+    ALLOW = ("10.213.0.0/16", "10.0.0.0/24")
+
+    def __init__(self, e: E2ENode, out: Path) -> None:
+        self.e, self.out = e, out
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.pod = ""
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._attach, daemon=True)
+        self.thread.start()
+
+    def _pids(self, uid: str) -> list[int]:
+        mark = "pod" + uid
+        found = []
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                try:
+                    if mark in (d / "cgroup").read_text():
+                        found.append(int(d.name))
+                except OSError:
+                    continue
+        return sorted(found)
+
+    def _attach(self) -> None:
+        while not self.stop_event.is_set():
+            out = self.e.kubectl("get", "pods", "-n", NAMESPACE, "-l", "ray.io/node-type=head", "-o", "json",
+                                 check=False).stdout
+            items = json.loads(out)["items"] if out else []
+            pids = self._pids(items[0]["metadata"]["uid"]) if items else []
+            pids = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes()[:6] not in (b"/pause",)]
+            if pids:
+                self.pod = items[0]["metadata"]["name"]
+                argv = [nettrace.strace_path(), "-f", "-qq", "-Y", "-y", "-s", "256", "-e",
+                        f"trace={nettrace.SYSCALLS}", "-o", str(self.out)]
+                for pid in pids:
+                    argv += ["-p", str(pid)]
+                self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                log(f"nettrace: strace attached to {self.pod} (pids {pids})")
+                return
+            time.sleep(0.2)
+
+    def stop(self) -> nettrace.Trace | None:
+        self.stop_event.set()
+        self.thread.join(timeout=30)
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # strace detaches from the tracees and exits
+            self.proc.wait(timeout=60)
+        nets = [ipaddress.ip_network(a) for a in self.ALLOW]
+        return nettrace.parse(self.out.read_text(errors="replace"), nets)
+
+
 def submitter_logs(e: E2ENode) -> str:
     """The Ray job's driver output: KubeRay's submitter pod follows it (`ray job submit` tails the logs)."""
-    return e.kubectl("logs", "-n", NAMESPACE, "-l", "ray.io/originated-from-crd=RayJob",
+    return e.kubectl("logs", "-n", NAMESPACE, "-l", f"{COMPONENT_LABEL}=ray-submitter",
                      "--tail=-1", "--prefix", check=False).stdout
 
 
@@ -296,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
         e.timed("KubeRay operator", e.install_kuberay)
         e.timed("helm install kora", lambda: e.install_kora(built["operator"]["image"]))
         e.timed("toy + volume", e.make_volume)
+        trace = PodTrace(e, e.state_dir / "head-pod.strace") if args.nettrace else None
         e.apply_job(args.steps, args.interval)
         t_job = time.monotonic()
         e.wait(900, until=lambda st: st.get("phase") == "Running")
@@ -307,6 +372,11 @@ def run(args: argparse.Namespace) -> int:
             e.kill_head()
         st = e.wait(args.timeout)
         e.timings["job"] = round(time.monotonic() - t_job, 1)
+        if trace is not None:
+            got = trace.stop()
+            log(f"nettrace over {trace.pod}: " + (got.report() if got else "strace never attached"))
+            if got is None or got.foreign:
+                st = {**st, "phase": "Failed (nettrace)"}
         print(e.kubectl("get", "ltj", "-n", NAMESPACE).stdout, flush=True)
         print(e.kubectl("describe", "ltj", JOB, "-n", NAMESPACE).stdout, flush=True)
         progress = [ln for ln in submitter_logs(e).splitlines() if " step " in ln or "resumed from" in ln]
@@ -335,6 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kill-head", action="store_true", help="delete the head pod after the first checkpoint")
     ap.add_argument("--timeout", type=float, default=1200, help="seconds to wait for the job once it runs")
     ap.add_argument("--keep", action="store_true", help="leave the cluster running at the end")
+    ap.add_argument("--nettrace", action="store_true", help="trace the head pod's network calls (hack/nettrace.py); "
+                    "fail on a destination off our bridge and Service network")
     ap.add_argument("--pods-out", help="write `kubectl get pods -o wide -A` (taken while the job runs) here")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:

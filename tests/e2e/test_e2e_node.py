@@ -42,9 +42,13 @@ def ran(tmp_path_factory) -> Iterator[dict]:
         e.apply_job(STEPS, INTERVAL)
         e.wait(900, until=lambda st: st.get("phase") == "Running")
         pods = e.pods_wide()
+        # while the job's pods all exist: the pods and the NetworkPolicies, to hold the policies' selectors to them
+        snapshot = {kind: json.loads(e.kubectl("get", kind, "-A", "-o", "json").stdout)["items"]
+                    for kind in ("pods", "networkpolicies", "namespaces")}
         killed, ckpt = e.kill_head()
         final = e.wait(1800)
-        yield {"e": e, "final": final, "pods": pods, "killed": killed, "ckpt": ckpt, "built": built}
+        yield {"e": e, "final": final, "pods": pods, "killed": killed, "ckpt": ckpt, "built": built,
+               "snapshot": snapshot}
     finally:
         e.down()
         assert localnode.leftovers(e.state_dir) == []
@@ -60,6 +64,36 @@ def test_our_images_run_as_pods_on_the_node(ran):
     assert ran["built"]["operator"]["image"] in by_image
     assert e2e_node.kuberay_image_name() in by_image
     assert ran["built"]["trainer-cpu"]["image"] in by_image  # the head pod (retried) or the submitter
+
+
+def _selects(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def _peer_pods(peer: dict, snap: dict) -> list[str]:
+    ns_ok = {n["metadata"]["name"] for n in snap["namespaces"]
+             if _selects(peer.get("namespaceSelector") or {}, n["metadata"].get("labels") or {})}
+    return [p["metadata"]["name"] for p in snap["pods"] if p["metadata"]["namespace"] in ns_ok
+            and _selects(peer.get("podSelector") or {}, p["metadata"].get("labels") or {})]
+
+
+def test_the_network_policies_select_the_real_pods(ran):
+    """The bridge CNI enforces no NetworkPolicy (README): what can be checked here is that each policy's selectors
+    pick the pods they mean on a real node — the job's own pods (head, submitter), our operator's pod on the
+    control-plane port, KubeRay's operator pod on the dashboard port — and the chart's policy the operator pod."""
+    snap = ran["snapshot"]
+    policies = {p["metadata"]["name"]: p for p in snap["networkpolicies"]}
+    job = policies[f"{e2e_node.JOB}-network-policy"]["spec"]
+    own = {p["metadata"]["name"] for p in snap["pods"] if _selects(job["podSelector"], p["metadata"]["labels"])}
+    assert any("-head-" in n for n in own), own
+    by_port = {(r.get("ports") or [{}])[0].get("port"): _peer_pods(r["from"][0], snap) for r in job["ingress"]}
+    assert by_port[None] and set(by_port[None]) == own  # the job's pods reach each other on every port
+    assert [n for n in by_port[8068] if n.startswith("kora-")], by_port  # the operator: control plane only
+    assert [n for n in by_port[8265] if n.startswith("kuberay-operator-")], by_port  # KubeRay: dashboard only
+    chart = policies["kora"]["spec"]
+    assert [p["metadata"]["name"] for p in snap["pods"]
+            if p["metadata"]["namespace"] == e2e_node.KORA_NAMESPACE
+            and _selects(chart["podSelector"], p["metadata"]["labels"])], chart
 
 
 def test_the_job_succeeds_with_the_runtime_ray_conditions_and_events(ran):
