@@ -107,7 +107,7 @@ def test_the_job_succeeds_with_the_runtime_ray_conditions_and_events(ran):
     for reason in ("PolicyServed", "WeightsSynced", "Checkpointed"):
         assert reason in desc, desc
     table = e.kubectl("get", "ltj", "-n", e2e_node.NAMESPACE).stdout
-    assert re.search(rf"{e2e_node.JOB}\s+Succeeded", table), table
+    assert re.search(rf"{e2e_node.JOB}\s+Merge\s+Succeeded\s+{STEPS}\s", table), table  # NAME MODE PHASE STEP
 
 
 def test_a_killed_head_pod_is_retried_and_resumes_from_its_checkpoint(ran):
