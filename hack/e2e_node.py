@@ -263,7 +263,10 @@ class E2ENode:
         return pod, ckpt
 
     def pods_wide(self) -> str:
-        return self.kubectl("get", "pods", "-o", "wide", "-A").stdout
+        """`kubectl get pods -o wide -A`, and each pod's image (-o wide shows none)."""
+        images = "custom-columns=NAMESPACE:.metadata.namespace,NAME:.metadata.name,IMAGE:.spec.containers[*].image"
+        return self.kubectl("get", "pods", "-o", "wide", "-A").stdout + "\n" + \
+            self.kubectl("get", "pods", "-A", "-o", images).stdout
 
     def dump(self) -> None:
         """What to look at when it went wrong."""

@@ -79,8 +79,10 @@ def _destination(call: str) -> tuple[str, str] | None:
 
 
 def _classify(addr: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
-    ip = ipaddress.ip_address(addr.rsplit(":", 1)[0])
-    if ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped and ip.ipv4_mapped.is_loopback):
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(addr.rsplit(":", 1)[0])
+    if ip.version == 6 and ip.ipv4_mapped:  # ::ffff:a.b.c.d (a dual-stack socket, as Ray's) is a.b.c.d
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
         return "loopback"
     return "allowed" if any(ip in net for net in allow) else "foreign"
 
