@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -163,7 +164,7 @@ def strace_path() -> str:
 
 
 def run_traced(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-               allow: list[str] = (), timeout: float = 600, keep: Path | None = None) -> tuple[Trace, str]:
+               allow: Sequence[str] = (), timeout: float = 600, keep: Path | None = None) -> tuple[Trace, str]:
     """Run cmd under strace; returns (trace, the command's stdout+stderr)."""
     with tempfile.TemporaryDirectory(prefix="kora-nettrace-") as tmp:
         out = keep or Path(tmp) / "trace.txt"

@@ -162,7 +162,8 @@ def test_the_worker_group_is_sized_from_resources_and_ray_counts_its_gpus():
     assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == (
         "gpu-workers", 2, 2, 2)
     assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    assert group["rayStartParams"] == {"num-gpus": "8", "node-ip-address": "$KORA_POD_IP"}  # strings: KubeRay's rayStartParams is map[string]string
+    # strings: KubeRay's rayStartParams is map[string]string
+    assert group["rayStartParams"] == {"num-gpus": "8", "node-ip-address": "$KORA_POD_IP"}
     # the head runs the driver: no GPU in its pod, and Ray places no GPU actor on it
     assert head["rayStartParams"]["num-gpus"] == "0"
     assert "nvidia.com/gpu" not in container(head["template"])["resources"]["limits"]
