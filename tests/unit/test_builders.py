@@ -162,20 +162,10 @@ def test_the_worker_group_is_sized_from_resources_and_ray_counts_its_gpus():
     assert (group["groupName"], group["replicas"], group["minReplicas"], group["maxReplicas"]) == (
         "gpu-workers", 2, 2, 2)
     assert container(group["template"])["resources"]["limits"]["nvidia.com/gpu"] == "8"
-    # strings: KubeRay's rayStartParams is map[string]string
-    assert group["rayStartParams"] == {"num-gpus": "8", "node-ip-address": "$KORA_POD_IP"}
+    assert group["rayStartParams"] == {"num-gpus": "8"}  # strings: KubeRay's rayStartParams is map[string]string
     # the head runs the driver: no GPU in its pod, and Ray places no GPU actor on it
     assert head["rayStartParams"]["num-gpus"] == "0"
     assert "nvidia.com/gpu" not in container(head["template"])["resources"]["limits"]
-
-
-def test_every_ray_pod_starts_ray_on_its_pod_ip():
-    """Ray without --node-ip-address finds its address by a UDP connect to 8.8.8.8:53: the only foreign destination
-    hack/nettrace.py found over the real node's head pod (issue 41). The pod's IP, from the downward API, instead."""
-    for _, group in pods(build_ray_job(job(valid_job("ip", resources={"workers": 1, "gpusPerWorker": 8})))):
-        assert group["rayStartParams"]["node-ip-address"] == "$KORA_POD_IP"
-        env = {e["name"]: e for e in container(group["template"])["env"]}
-        assert env["KORA_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
 def test_every_ray_pod_gets_the_nccl_environment():

@@ -56,13 +56,6 @@ WORKDIR = "/workspace"  # the trainer image's WORKDIR (Dockerfile)
 WRITABLE = {"tmp": "/tmp", "home": IMAGE_RAY_HOME, "workdir": WORKDIR}
 
 
-# The pod's IP for `ray start --node-ip-address`: without it Ray finds its address by a UDP connect to 8.8.8.8:53 (a
-# route lookup, no packet sent; hack/nettrace.py over the real node's head pod counted it as the only foreign
-# destination) and needs a default route to do it. KubeRay runs rayStartParams in a shell, so $KORA_POD_IP expands.
-POD_IP_ENV = "KORA_POD_IP"
-NODE_IP_PARAM = {"node-ip-address": f"${POD_IP_ENV}"}
-
-
 def _env(job: LoRATrainingJob, head: bool) -> list[dict[str, Any]]:
     env = {
         "HOME": IMAGE_RAY_HOME,  # the emptyDir holding Ray's bootstrap config, whatever the image says
@@ -80,9 +73,7 @@ def _env(job: LoRATrainingJob, head: bool) -> list[dict[str, Any]]:
     # the engines' admin key, from the job's Secret: the driver sends it (orchestration/cluster.py), the
     # engines on every pod demand it; the Secret is made before the RayJob
     key = {"secretKeyRef": {"name": engine_key_secret_name(str(job.metadata["name"])), "key": ENGINE_KEY_KEY}}
-    pod_ip = {"fieldRef": {"fieldPath": "status.podIP"}}
-    return [{"name": k, "value": v} for k, v in env.items()] + [{"name": ENGINE_ADMIN_KEY_ENV, "valueFrom": key},
-                                                                {"name": POD_IP_ENV, "valueFrom": pod_ip}]
+    return [{"name": k, "value": v} for k, v in env.items()] + [{"name": ENGINE_ADMIN_KEY_ENV, "valueFrom": key}]
 
 
 def _writable() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -170,7 +161,7 @@ def _head(job: LoRATrainingJob) -> dict[str, Any]:
     return {
         # num-gpus said, not left to KubeRay's reading of the container limits: Ray's GPUs are what the fit
         # rule counted (rayStartParams values are strings)
-        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(gpus), **NODE_IP_PARAM},
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": str(gpus)},
         "template": _pod(job, "ray-head", container, head=True),
     }
 
@@ -185,7 +176,7 @@ def _workers(job: LoRATrainingJob) -> list[dict[str, Any]]:
         "replicas": res.workers,
         "minReplicas": res.workers,
         "maxReplicas": res.workers,
-        "rayStartParams": {"num-gpus": str(res.gpus_per_worker), **NODE_IP_PARAM},
+        "rayStartParams": {"num-gpus": str(res.gpus_per_worker)},
         "template": _pod(job, "ray-worker", container, head=False),
     }]
 
