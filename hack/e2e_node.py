@@ -320,20 +320,30 @@ class PodTrace:
                     continue
         return sorted(found)
 
+    @staticmethod
+    def _cmdline(pid: int) -> bytes:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            return b""
+
     def _attach(self) -> None:
         while not self.stop_event.is_set():
             out = self.e.kubectl("get", "pods", "-n", NAMESPACE, "-l", "ray.io/node-type=head", "-o", "json",
                                  check=False).stdout
             items = json.loads(out)["items"] if out else []
             pids = self._pids(items[0]["metadata"]["uid"]) if items else []
-            pids = [p for p in pids if Path(f"/proc/{p}/cmdline").read_bytes()[:6] not in (b"/pause",)]
+            # the container's own command (`bash -lc '...; ray start --head ...'`): not the pause process, nor a
+            # `runc init` on its way to exec it (attached to, strace saw nothing once: the pid was gone)
+            pids = [p for p in pids if b"ray start" in self._cmdline(p)]
             if pids:
                 self.pod = items[0]["metadata"]["name"]
                 argv = [nettrace.strace_path(), "-f", "-qq", "-Y", "-y", "-s", "256", "-e",
                         f"trace={nettrace.SYSCALLS}", "-o", str(self.out)]
                 for pid in pids:
                     argv += ["-p", str(pid)]
-                self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                with self.out.with_suffix(".log").open("wb") as err:  # strace's own complaints (attach failures)
+                    self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err)
                 log(f"nettrace: strace attached to {self.pod} (pids {pids})")
                 return
             time.sleep(0.2)
@@ -381,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
         if trace is not None:
             got = trace.stop()
             log(f"nettrace over {trace.pod}: " + (got.report() if got else "strace never attached"))
-            if got is None or got.foreign:
+            if got is None or got.foreign or not got.counts:  # nothing traced is no evidence
                 st = {**st, "phase": "Failed (nettrace)"}
         print(e.kubectl("get", "ltj", "-n", NAMESPACE).stdout, flush=True)
         print(e.kubectl("describe", "ltj", JOB, "-n", NAMESPACE).stdout, flush=True)
