@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kora-installed
 
-.PHONY: images chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-full test-unit e2e-kind lint manifests manifests-check testbin cluster-up node-up cluster-down clean
+.PHONY: images chaos demo demo-multi multi-lora-curves bench-multi-lora nettrace setup test test-full test-unit e2e-kind e2e-node lint manifests manifests-check testbin cluster-up node-up cluster-down clean
 
 # constraints.txt: the pinned versions, the same the images install (tests/unit/test_pins.py holds them together)
 $(STAMP): pyproject.toml constraints.txt
@@ -51,6 +51,9 @@ nettrace: setup testbin  ## `make demo` under strace: every network destination 
 
 images: setup  ## the operator and CPU trainer images from the Dockerfile, with buildah (root; no Docker): .kora/images/*.tar
 	$(PY) hack/images.py
+
+e2e-node: setup testbin  ## our images on a real node of ours: helm install charts/kora, KubeRay as a pod, the toy job to Succeeded (root; hack/e2e_node.py)
+	$(PY) hack/e2e_node.py
 
 e2e-kind: setup  ## kind + KubeRay (Helm) + our images + charts/kora; the toy job to Succeeded. Skips without Docker/kind
 	$(PY) hack/e2e_kind.py

@@ -17,6 +17,11 @@ sends are not DNS questions. Every foreign DNS socket is reported with the names
 torch's c10d TCPStore client makes one loopback reverse lookup per connection (it names its peer with
 getnameinfo without NI_NUMERICHOST, and the peer it connected to is the IPv4-mapped ::ffff:127.0.0.1,
 which /etc/hosts does not list); torch offers no switch for it.
+
+A UDP socket connected to port 53 that sends nothing is counted apart too, as `udp-route-probe`: connect() on a UDP
+socket only asks the kernel for a route (no datagram leaves), which is how Ray finds its node IP (a connect to
+8.8.8.8:53, then getsockname). The socket must be seen made as SOCK_DGRAM (strace -y names its inode) and no
+sendto/sendmsg/sendmmsg on it seen; a write() on it is not traced (glibc's resolver and Ray send with sendto/sendmmsg).
 """
 
 from __future__ import annotations
@@ -30,10 +35,13 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SYSCALLS = "connect,sendto,sendmsg,sendmmsg,execve,clone,clone3,fork,vfork"
+SYSCALLS = "socket,connect,sendto,sendmsg,sendmmsg,execve,clone,clone3,fork,vfork"
+# a UDP socket as strace -y shows its creation: its inode, to tell a route probe from a DNS socket (see parse)
+_DGRAM = re.compile(r"^socket\(AF_INET6?, SOCK_DGRAM\b[^)]*\)\s+=\s+\d+<(socket:\[\d+\])>")
 _PID = re.compile(r"^(\d+)(?:<([^>]*)>)?\s+(.*)$")
 _EXEC = re.compile(r'^execve\("[^"]*", \[(.*?)\]')
 _CHILD = re.compile(r"^(?:clone3?|v?fork)\(.*\)\s+=\s+(\d+)")
@@ -79,8 +87,10 @@ def _destination(call: str) -> tuple[str, str] | None:
 
 
 def _classify(addr: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network]) -> str:
-    ip = ipaddress.ip_address(addr.rsplit(":", 1)[0])
-    if ip.is_loopback or (ip.version == 6 and ip.ipv4_mapped and ip.ipv4_mapped.is_loopback):
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(addr.rsplit(":", 1)[0])
+    if ip.version == 6 and ip.ipv4_mapped:  # ::ffff:a.b.c.d (a dual-stack socket, as Ray's) is a.b.c.d
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
         return "loopback"
     return "allowed" if any(ip in net for net in allow) else "foreign"
 
@@ -112,6 +122,7 @@ def parse(text: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network],
     names: dict[int, str] = {}
     # resolver socket -> (pid, process, resolver address, the names it asked); judged once the trace is read
     dns: dict[object, tuple[int, str, str, list[str]]] = {}
+    dgram: set[str] = set()  # the inodes of UDP sockets
     for raw in text.splitlines():
         m = _PID.match(raw)
         if m is None:
@@ -122,6 +133,9 @@ def parse(text: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network],
             continue
         if child := _CHILD.match(call):
             names.setdefault(int(child.group(1)), names.get(pid, comm))
+            continue
+        if dg := _DGRAM.match(call):
+            dgram.add(dg.group(1))
             continue
         if not call.startswith(("connect(", "sendto(", "sendmsg(", "sendmmsg(")):
             continue
@@ -144,9 +158,11 @@ def parse(text: str, allow: list[ipaddress.IPv4Network | ipaddress.IPv6Network],
         trace.counts[kind] += 1
         if kind == "foreign":
             trace.foreign.append((pid, f"{comm}: {names.get(pid, '?')}", addr))
-    for pid, proc, addr, asked in dns.values():
+    for key, (pid, proc, addr, asked) in dns.items():
         if asked and all(_is_loopback_ptr(n) for n in asked):
             trace.counts["loopback-ptr"] += 1
+        elif not asked and key in dgram:
+            trace.counts["udp-route-probe"] += 1
         else:
             trace.counts["foreign"] += 1
             trace.foreign.append((pid, proc, f"{addr} (DNS: {', '.join(asked) or 'no query seen'})"))
@@ -161,7 +177,7 @@ def strace_path() -> str:
 
 
 def run_traced(cmd: list[str], *, env: dict[str, str] | None = None, cwd: str | Path | None = None,
-               allow: list[str] = (), timeout: float = 600, keep: Path | None = None) -> tuple[Trace, str]:
+               allow: Sequence[str] = (), timeout: float = 600, keep: Path | None = None) -> tuple[Trace, str]:
     """Run cmd under strace; returns (trace, the command's stdout+stderr)."""
     with tempfile.TemporaryDirectory(prefix="kora-nettrace-") as tmp:
         out = keep or Path(tmp) / "trace.txt"

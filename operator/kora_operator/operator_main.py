@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from collections.abc import Mapping
 from typing import Any
 
 from kora_operator.settings import add_flags, from_flags
 
 DEFAULT_LIVENESS = "http://0.0.0.0:8080/healthz"
+
+
+def own_identity(environ: Mapping[str, str] = os.environ) -> str | None:
+    """kopf's identity for this operator: the pod's name where it runs in one (the chart sets POD_NAME; kopf itself
+    reads only POD_ID), else None (kopf's own user@host). kopf's fallback asks getpass.getuser(), which raises
+    KeyError in a pod whose uid has no /etc/passwd entry: the operator image runs as 65532 and has none (found on
+    the real node, issue 41)."""
+    return environ.get("POD_ID") or environ.get("POD_NAME") or None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         standalone=True,  # one replica (the chart's Deployment uses Recreate): no peering objects
         liveness_endpoint=args.liveness or None,
         memo=kopf.Memo(settings=settings),
+        identity=own_identity(),  # type: ignore[arg-type]  # kopf's Identity is a NewType of str
     )
     return 0
 

@@ -66,6 +66,8 @@ def test_rendered_deployment_is_locked_down(helm):
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    # readiness too: `helm install --wait` passed on a crash-looping operator without it (issue 41, the real node)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert "--liveness=http://0.0.0.0:8080/healthz" in c["args"] and "--metrics-port=9090" in c["args"]
     assert {d["kind"] for d in docs} >= {"CustomResourceDefinition", "ServiceAccount", "ClusterRole",
                                           "ClusterRoleBinding", "Deployment", "Service", "NetworkPolicy"}

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from kora_operator.api.job import LoRATrainingJob
 from kora_operator.conditions import MAX_MESSAGE, Cond, get_condition, set_condition, transitions, truncate
 from kora_operator.reasons import ConditionType, EventType, Reason
 from kora_operator.runtimes.base import next_status
-from kora_operator.runtimes.kuberay import observe
+from kora_operator.runtimes.kuberay import align_ray_job, observe
+from specs import valid_job
 
 T0, T1, T2 = "2026-01-01T00:00:00Z", "2026-01-01T00:01:00Z", "2026-01-01T00:02:00Z"
 
@@ -54,6 +56,9 @@ RAY = "demo-ray"
     ("Initializing", "", False, "Provisioning", {"ClusterReady": "ClusterProvisioning"}),
     ("Running", "PENDING", False, "Provisioning", {"ClusterReady": "ClusterReady", "Training": "TrainerPending"}),
     ("Running", "RUNNING", False, "Running", {"ClusterReady": "ClusterReady", "Training": "TrainerRunning"}),
+    # the Ray job ended, KubeRay not yet Complete (its submitter pod still ending): no step back to Provisioning
+    ("Running", "SUCCEEDED", False, "Running", {"ClusterReady": "ClusterReady", "Training": "TrainerRunning"}),
+    ("Running", "FAILED", False, "Running", {"ClusterReady": "ClusterReady", "Training": "TrainerRunning"}),
     ("Complete", "SUCCEEDED", False, "Succeeded", {"Complete": "Succeeded", "Training": "Succeeded"}),
     ("Complete", "FAILED", False, "Failed", {"Failed": "TrainerFailed"}),
     ("Complete", "STOPPED", False, "Failed", {"Failed": "TrainerStopped"}),
@@ -110,3 +115,28 @@ def test_next_status_is_stable_when_nothing_changed():
     a = next_status({}, observe(RAY, ray, False), ray, ray_name=RAY, generation=1, now=T0)
     b = next_status(a, observe(RAY, ray, False), ray, ray_name=RAY, generation=1, now=T1)
     assert a == b
+
+
+class _RecordingKube:
+    def __init__(self) -> None:
+        self.patches: list[dict] = []
+        self.events: list[tuple] = []
+
+    def patch_ray_job(self, ns: str, name: str, patch: dict) -> None:
+        self.patches.append(patch)
+
+    def event(self, body, kind, reason, message) -> None:
+        self.events.append((kind, reason, message))
+
+
+def test_a_rayjob_kuberay_wrote_back_without_its_zero_fields_is_not_patched():
+    """KubeRay updates the RayJob from its Go struct (omitempty): suspend false and a 0 TTL come back absent. The real
+    node showed `set suspend=False on RayJob` twice per job; absent is the zero value, nothing to align."""
+    job = LoRATrainingJob.model_validate(valid_job("z", ttlSecondsAfterFinished=0, backoffLimit=2))
+    kube = _RecordingKube()
+    ray = {"metadata": {"namespace": "ns", "name": "z-ray"}, "spec": {"backoffLimit": 2}}
+    align_ray_job(kube, {}, job, ray)  # type: ignore[arg-type]
+    assert kube.patches == [] and kube.events == []
+    ray["spec"] = {"backoffLimit": 1}  # a real difference is still patched
+    align_ray_job(kube, {}, job, ray)  # type: ignore[arg-type]
+    assert kube.patches == [{"spec": {"backoffLimit": 2}}]

@@ -39,6 +39,32 @@ def test_allowed_networks_count_apart():
     assert trace.foreign == [] and trace.counts == {"allowed": 1}
 
 
+def test_an_ipv4_mapped_address_is_judged_as_its_ipv4_address():
+    """Ray's sockets are dual-stack: on the real node its head pod reached its own IP as ::ffff:10.213.0.5, which
+    counted foreign against the allowed 10.213.0.0/16 (issue 41)."""
+    mapped = ('100<raylet> connect(6, {sa_family=AF_INET6, sin6_port=htons(6379), sin6_flowinfo=htonl(0), '
+              'inet_pton(AF_INET6, "::ffff:{ip}", &sin6_addr), sin6_scope_id=0}, 28) = 0')
+    allow = [ipaddress.ip_network("10.213.0.0/16")]
+    assert parse(mapped.replace("{ip}", "10.213.0.5"), allow).counts == {"allowed": 1}
+    assert parse(mapped.replace("{ip}", "192.0.2.2"), allow).foreign[0][2] == "::ffff:192.0.2.2:6379"
+
+
+def test_a_udp_socket_connected_to_port_53_that_sends_nothing_is_a_route_probe():
+    """Ray's node-IP discovery: a UDP connect() to 8.8.8.8:53 and getsockname, no datagram (the real node's head pod,
+    issue 41). The same socket sending a query, or a socket of unknown type, is still foreign."""
+    made = "300<ray> socket(AF_INET, SOCK_DGRAM|SOCK_CLOEXEC, IPPROTO_IP) = 7<socket:[555]>"
+    conn = ('300<ray> connect(7<socket:[555]>, {sa_family=AF_INET, sin_port=htons(53), '
+            'sin_addr=inet_addr("8.8.8.8")}, 16) = 0')
+    probe = parse("\n".join([made, conn]), [])
+    assert probe.foreign == [] and probe.counts == {"udp-route-probe": 1}
+    sent = parse("\n".join([made, conn, '300<ray> sendto(7<socket:[555]>, "\\1\\2", 2, 0, NULL, 0) = 2']), [])
+    assert [d for _, _, d in sent.foreign] == ["8.8.8.8:53 (DNS: (not a DNS query))"]
+    unknown = parse(conn, [])  # its socket() not seen: not assumed UDP
+    assert len(unknown.foreign) == 1 and "no query seen" in unknown.foreign[0][2]
+    tcp = "300<ray> socket(AF_INET, SOCK_STREAM|SOCK_CLOEXEC, IPPROTO_IP) = 7<socket:[555]>"
+    assert len(parse("\n".join([tcp, conn]), []).foreign) == 1
+
+
 def test_dns_is_foreign_unless_every_query_is_a_loopback_reverse_lookup():
     # as strace prints them: the PTR query for 1.0.0.127.in-addr.arpa, and an A query for metadata.google.internal
     ptr = ('200<python> sendto(9, "\\246\\203\\1\\0\\0\\1\\0\\0\\0\\0\\0\\0\\0011\\0010\\0010\\003127'

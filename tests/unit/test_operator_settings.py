@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from kora_cli.main import build_parser
+from kora_operator.operator_main import own_identity
 from kora_operator.settings import Settings, add_flags, env_name, from_flags
 
 
@@ -66,3 +67,11 @@ def test_kora_operator_takes_the_settings_flags_beside_its_own():
     assert (args.namespace, args.liveness, args.metrics_port, args.verbose) == (["team-a"], "", 0, True)
     s = from_flags(args, {})
     assert s.poll_interval == 10.0 and s.ray_control_ports == (8068, 8068) and s.linger_s == 30
+
+
+def test_the_operator_names_itself_by_its_pod_not_by_a_passwd_lookup():
+    """kopf's default identity calls getpass.getuser(), a KeyError in the operator image (uid 65532, no passwd
+    entry): the real node's crash loop (issue 41). The chart's POD_NAME (or kopf's POD_ID) names it instead."""
+    assert own_identity({"POD_NAME": "kora-6cc5-x"}) == "kora-6cc5-x"
+    assert own_identity({"POD_ID": "a", "POD_NAME": "b"}) == "a"
+    assert own_identity({}) is None  # outside a pod: kopf's user@host

@@ -27,6 +27,7 @@ from kora_operator.runtimes.base import Advanced, Observation, Operator, Step, n
 from kora_operator.settings import Settings
 
 RETRY_DELAY = 5.0  # seconds kopf waits before retrying after transient API trouble
+OMITTED_AS_ZERO = {"suspend": False, "ttlSecondsAfterFinished": 0}  # RayJob fields KubeRay drops when zero
 SHUT_DOWN = "the trainer ended; KubeRay shuts the Ray cluster down after spec.ttlSecondsAfterFinished"
 
 
@@ -81,7 +82,9 @@ def align_ray_job(kube: Kube, body: dict[str, Any], job: LoRATrainingJob, ray: d
         # Kueue admits a queued RayJob by unsuspending it itself; resuming it here would jump the queue
         want.pop("suspend")
     have = ray.get("spec") or {}
-    patch = {k: v for k, v in want.items() if have.get(k) != v}
+    # KubeRay writes the RayJob back without its zero values (Go's omitempty): an absent suspend is false, an
+    # absent TTL 0; read as a difference they made a patch and an UpdatedRayJob event per reconcile (real node)
+    patch = {k: v for k, v in want.items() if have.get(k, OMITTED_AS_ZERO.get(k)) != v}
     if not patch:
         return
     meta = ray["metadata"]
@@ -187,10 +190,18 @@ def _underway(ray_name: str, ray: Mapping[str, Any]) -> Observation:
 
 def _running(ray: Mapping[str, Any], cluster: str) -> Observation:
     ready = Cond(ConditionType.CLUSTER_READY, ConditionStatus.TRUE, Reason.CLUSTER_READY, f"{cluster} is ready")
-    if str(ray.get("jobStatus") or "") == "RUNNING":
+    job = str(ray.get("jobStatus") or "")
+    if job == "RUNNING":
         return Observation(Phase.RUNNING, [
             ready, Cond(ConditionType.TRAINING, ConditionStatus.TRUE, Reason.TRAINER_RUNNING,
                         f"the trainer runs on {cluster}"),
+        ])
+    if job in ("SUCCEEDED", "FAILED", "STOPPED"):
+        # the Ray job ended and KubeRay has yet to say Complete (it waits for its submitter pod to end): still
+        # Running, not back to "waits to start" (the real node showed Running -> Provisioning -> Succeeded)
+        return Observation(Phase.RUNNING, [
+            ready, Cond(ConditionType.TRAINING, ConditionStatus.TRUE, Reason.TRAINER_RUNNING,
+                        f"the trainer ended ({job}) on {cluster}; KubeRay is completing the RayJob"),
         ])
     return Observation(Phase.PROVISIONING, [
         ready, Cond(ConditionType.TRAINING, ConditionStatus.FALSE, Reason.TRAINER_PENDING,
