@@ -19,20 +19,13 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from test_megatron_model import report
-from test_train_sglang import SGLANG_ARGS, _sglang_version, engine_calls
+from test_train_sglang import SGLANG_ARGS, engine_calls
+from test_train_sglang import pytestmark as pytestmark  # the same GPU and SGLang 0.5.17 gates
 
 from trainkit import TrainRun, wait_all
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.sglang,
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(_sglang_version() != "0.5.17", reason="needs sglang 0.5.17 (hack/gpu_sglang_env.sh)"),
-]
 STEPS = int(os.environ.get("KORA_SGLANG_TEST_STEPS", "6"))
 
 
