@@ -257,13 +257,13 @@ class MultiLoRATrainer:
         a.pending = None
         # with pipeline stages only the last computes losses: summed over the stages too
         loss, kl, clip_frac = b.stages.sum(dp.sum([acc.loss, acc.kl, acc.clip_frac]))
-        acc.gap_max = b.stages.max(dp.max(acc.gap_max))
+        gap_max = b.stages.max(dp.max(acc.gap_max))
         rewards = torch.tensor(acc.rewards)
         return AdapterStepMetrics(
             name=s.name, step=a.step, reward_mean=float(rewards.mean()), samples=acc.samples,
             loss=loss, clip_frac=clip_frac, kl=kl, grad_norm=grad_norm,
             response_len=acc.response_tokens / acc.samples,
-            rollout_logp_gap_max=acc.gap_max if acc.on_policy else None,
+            rollout_logp_gap_max=gap_max if acc.on_policy else None,
             rollout_version_lag=a.step - 1 - min(acc.served) if acc.served else 0,
             train_ms=round(acc.ms + (time.monotonic() - t0) * 1000, 1),
             reward_std=float(rewards.std()) if len(rewards) > 1 else 0.0, reward_min=float(rewards.min()),

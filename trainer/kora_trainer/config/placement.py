@@ -1,5 +1,5 @@
 """Where a job's Ray actors go, as pure functions (no Ray, no torch): the trainer places by them
-(`orchestration/cluster.launch` makes the placement group), and `kora plan` / `train --dry-run` predict, for a
+(`orchestration/cluster.place` makes the placement group), and `kora plan` / `train --dry-run` predict, for a
 given set of nodes, each rank's node, GPU and parallel coordinates and each engine's GPUs.
 
 Bundles: one per trainer rank, plus one per engine that has GPUs of its own.

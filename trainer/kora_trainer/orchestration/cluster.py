@@ -119,14 +119,6 @@ class Models:
     ranks: list[dict[str, Any]]  # each rank's setup answer (node, device, backend, ...)
 
 
-def launch(cfg: TrainerConfig, run_dir: Path, threads: int | None = None) -> Job:
-    """The placement group, then the engines and the trainer's ranks (which load the model while the engines
-    start), then the rollout manager and each rank's transport to the engines it feeds."""
-    placed = place(cfg)
-    models = start_models(placed, run_dir, threads or 1)
-    return start_rollout(placed, models)
-
-
 def place(cfg: TrainerConfig) -> Placed:
     """The job's placement group (config/placement.py's plan on this cluster's GPUs), once it is ready."""
     import ray  # noqa: PLC0415 - Ray loads when a job runs, not on import

@@ -1,6 +1,6 @@
 """The workers of a multi-adapter job (multiLora.maxAdapters > 0): the trainer ranks with adapter slots and the
-rollout manager with per-adapter data. `cluster.launch` picks these classes for such a job; the driver is
-recipes/multi_lora.py."""
+rollout manager with per-adapter data. `cluster.start_models` / `start_rollout` pick these classes for such a
+job; the driver is recipes/multi_lora.py."""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """The GRPO recipe: one LoRA adapter on a language model, trained on Ray by GRPO.
 
 The driver, top to bottom (`GRPO.train`): Ray, the placement group, the engines and the trainer's ranks, the
-rollout manager (orchestration/cluster.launch); resume from the newest good checkpoint under `checkpoint.path`
-if there is one, push the (initial or restored) policy; then per step: generate -> score -> GRPO update ->
-update the engines' weights, publishing progress on the control plane, with a LoRA-only checkpoint every
-`checkpoint.interval` steps and at the last step (`checkpoint.exportHF` / --save-hf also writes
-`<checkpoint.path>/lora_adapter/` at the end). With `deployment.async` the engines generate the next steps'
+rollout manager (orchestration/cluster: place, start_models, start_rollout); resume from the newest good
+checkpoint under `checkpoint.path` if there is one, push the (initial or restored) policy; then per step:
+generate -> score -> GRPO update -> update the engines' weights, publishing progress on the control plane, with a
+LoRA-only checkpoint every `checkpoint.interval` steps and at the last step (`checkpoint.exportHF` / --save-hf also
+writes `<checkpoint.path>/lora_adapter/` at the end). With `deployment.async` the engines generate the next steps'
 rollouts while the current step trains, at most `deployment.maxStaleness` (default 1) steps ahead, so a rollout
 lags the policy by at most that many versions (`rollout_lag_max`). It ends with one JSON line: {"event":
 "summary", "steps", "first_step", "resumed_from_step", "sync_mode", "reward_first", "reward_last", "loss_curve",

@@ -398,11 +398,10 @@ class WeightSender:
         def load(c: EngineClient, payload: str) -> dict[str, Any]:
             if not first:
                 c.unload_lora_adapter(name)
-                return c.load_lora_adapter_from_tensors(name, config, payload)
             try:
                 return c.load_lora_adapter_from_tensors(name, config, payload)
             except EngineError as e:
-                if "already" not in e.message:
+                if not first or "already" not in e.message:
                     raise
             c.unload_lora_adapter(name)
             return c.load_lora_adapter_from_tensors(name, config, payload)
