@@ -372,7 +372,7 @@ def main() -> None:
         "anchors_ms": {f"copy_{k}": copy_ms(v, device) for k, v in sizes.items()}, "modes": {}}
     fold = fold_ms(model_dir, device)
     res["anchors_ms"].update(fold_adapted=fold and fold["device"], fold_adapted_host=fold and fold["host"])
-    for mode in args.modes.split(","):
+    for mode in filter(None, args.modes.split(",")):  # --modes "" --engine sglang: SGLang's own anchor alone
         res["modes"][mode] = run_mode(model_dir, mode, args, work)
         print(json.dumps({mode: {k: v for k, v in res["modes"][mode].items() if k != "steps"}}, indent=1), flush=True)
         if args.out:

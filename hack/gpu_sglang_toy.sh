@@ -23,7 +23,7 @@ rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
 for mode in ${MODES:-Merge Adapter}; do
   mkdir -p "$out/$mode"
-  find "/tmp/kora-ht-$mode" \( -name 'curve-*.json' -o -name 'engine-*.log' -o -name out.log \) \
+  find "/tmp/kora-ht-$mode" \( -name 'curve-*.json' -o -name 'engine-*.log' -o -name out.log -o -name events.jsonl \) \
     -exec cp {} "$out/$mode/" \; 2>/dev/null
   tail -n 3 "$out/pytest-$mode.log"
 done
