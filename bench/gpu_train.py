@@ -37,8 +37,10 @@ linear_proj), as the sync benches.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -252,7 +254,8 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
                "sync_what": e["sync"]["what"], "sync_path": e["sync"]["path"], "sync_phases": e["sync"].get("phases"),
                "checkpoint_ms": ckpt.get(e["step"]),
                "step_ms": round((e["wall_s"] - prev) * 1000, 1), "tokens": e.get("tokens"),
-               "generated_tokens": round(e.get("samples", 0) * e.get("response_len", 0.0))}
+               "generated_tokens": round(e.get("samples", 0) * e.get("response_len", 0.0)),
+               "served_gap": e.get("rollout_logp_gap_max"), "stale_gap": e.get("stale_logp_gap_max")}
         prev = e["wall_s"]
         rows.append(row)
     later = rows[1:] or rows  # step 1 carries the first fast push (Merge: full) and warm-up
@@ -270,7 +273,24 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
         "notes": [e["sync"]["note"] for e in [start, *steps] if e["sync"].get("note")],
         "rollout_logp_gap_max": summary.get("rollout_logp_gap_max"),
         "peak_gpu_mib": mem.by_role() if mem.available else "nvidia-smi not found",
+        "engine_http_status": engine_statuses(run_dir),
     }
+
+
+ACCESS = re.compile(r'"(?:GET|POST) (/[^ ?"]*)[^"]*" (\d{3})')
+
+
+def engine_statuses(run_dir: Path) -> dict[str, int]:
+    """How many requests SGLang's access log answered with each status, per route (`/route status`): the trainer
+    must get a 2xx for every one. SGLang answers its start-up readiness probes 503 by design (until ready), so
+    /health 503s before the first /generate are left out, as tests/gpu/test_train_sglang.engine_calls does. The
+    reference engine logs no access lines: {}."""
+    counts: collections.Counter[str] = collections.Counter()
+    for log in sorted((run_dir / "logs").glob("engine-*.log")):
+        calls = ACCESS.findall(log.read_text(errors="replace"))
+        first = next((i for i, c in enumerate(calls) if c[0] == "/generate"), len(calls))
+        counts.update(f"{r} {c}" for i, (r, c) in enumerate(calls) if not (i < first and r == "/health" and c == "503"))
+    return dict(sorted(counts.items()))
 
 
 # the kernels the carried SGLang 0.5.17 has on the device (hack/sglang_carry.sh: no FA3, no flashinfer JIT sources)
