@@ -29,7 +29,8 @@ import pytest
 import torch
 from test_megatron_multi_lora import METRICS, PROMPTS, RESPONSES, REWARDS, _max_diff, _rel, settings, train
 
-from engine_helpers import load_hf
+from engine_helpers import ATOL, load_hf, served_engine
+from engine_helpers import PROMPTS as GREEDY_PROMPTS
 from kora_trainer.backends.megatron import megatron_available
 from kora_trainer.wire.ports import free_port
 from megatron_cpu import run_ranks
@@ -239,3 +240,71 @@ def test_moe_slots_at_expert_2_train_as_in_one_process(root, moe, one, data):
     print(f"expert 2 vs one process: metrics {metrics:.1e} relative, adapters {adapters:.1e}")
     assert metrics < SPLIT_REL and adapters < SPLIT_ATOL
 
+
+
+def sync_rank(rank: int, world: int, port: int, model_dir: str, out: str, url: str, layout: list[int]) -> None:
+    """One rank of a 2-rank expert-parallel policy with slots a and b (rank 0 holds the colocated transport): the
+    base pushed once, each adapter by name (its expert factors gathered from both ranks); a trained and pushed, then
+    b."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from kora_trainer.backends.megatron.backend import MegatronBackend
+    from kora_trainer.backends.megatron.multi_lora import MegatronMultiLoRATrainer
+    from kora_trainer.backends.megatron.parallel import destroy_parallel
+    from kora_trainer.sync.transport import ColocatedTransport
+    from kora_trainer.wire.engine_client import EngineClient
+
+    mg = MegatronBackend(_cfg(model_dir, tuple(layout)), dtype=torch.float32, micro_batch_size=3)
+    trainer = MegatronMultiLoRATrainer(mg)
+    for n in ("a", "b"):
+        trainer.add(settings(n))
+    client = EngineClient(url)
+    sender = trainer.make_sender(ColocatedTransport([client]) if rank == 0 else None)
+    res: dict = {"reports": [sender.push_base()], "gaps": []}
+
+    def publish(name: str) -> None:
+        config = trainer.peft_config(name)
+        with trainer.active(name):
+            res["reports"].append(sender.publish(name, trainer.step(name), config))
+        torch.distributed.barrier()  # as the driver does: generation resumes once every rank's push is done
+
+    def gaps() -> dict[str, float]:
+        out = {}
+        for n in ("a", "b"):
+            outs = client.generate(GREEDY_PROMPTS, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                                   lora_path=n)
+            ours = trainer.logprobs(n, GREEDY_PROMPTS, [o.output_ids for o in outs])  # a collective of both ranks
+            out[n] = max(abs(x - y) for o, mine in zip(outs, ours, strict=True)
+                         for x, y in zip(o.output_logprobs, mine, strict=True))
+        return out
+
+    for n in ("a", "b"):
+        publish(n)
+    res["gaps"].append(gaps())  # both at version 0
+    train(trainer, ["a", "b"], steps=1)
+    publish("a")
+    res["gaps"].append(gaps())  # a served as trained, b one version behind
+    publish("b")
+    res["gaps"].append(gaps())
+    client.close()
+    torch.save(res, f"{out}.{rank}")
+    destroy_parallel()
+
+
+@pytest.mark.full  # an engine and two ranks
+def test_engines_serve_each_moe_slot_as_two_expert_parallel_ranks_hold_it(root, moe, tmp_path):
+    out = tmp_path / "sync.pt"
+    with served_engine(moe, tmp_path, "--max-lora-rank", "4", "--max-loras-per-batch", "2") as (engine, _):
+        run_ranks("test_megatron_multi_lora_moe", "sync_rank", 2, free_port(), str(moe), str(out), engine.url,
+                  [1, 1, 2, 2])
+    lead, follower = (torch.load(f"{out}.{r}", weights_only=False) for r in range(2))
+    assert [r.transport for r in follower["reports"]] == ["follower"] * 5
+    base, *pushes = lead["reports"]
+    assert base.what == "base" and [r.what for r in pushes] == ["adapter"] * 4
+    assert [r.adapter_version for r in pushes] == [0, 0, 1, 1]
+    assert pushes[1].bytes * 2 == pushes[0].bytes  # b's rank 2 is half a's 4: each slot its own tensors
+    first, after_a, after_b = lead["gaps"]
+    print(f"engine vs expert-2 trainer log-probs: {lead['gaps']}")
+    assert max(first.values()) < ATOL and after_a["a"] < ATOL and max(after_b.values()) < ATOL, lead["gaps"]
+    assert after_a["b"] > 1e-3  # b stepped but was not pushed: the engine still serves its version 0
+    assert lead["gaps"] == follower["gaps"]
