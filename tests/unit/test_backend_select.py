@@ -153,22 +153,21 @@ def test_make_backend_builds_the_torch_backend_on_cpu(tmp_path):
     assert set(tensors) == set(names) and config["r"] == 2 and modules
 
 
-def test_multi_lora_on_megatron_starts_and_its_moe_targets_are_refused_with_the_fix():
+def test_multi_lora_on_megatron_starts_with_moe_expert_and_router_targets():
+    """Megatron's adapter slots hold expert and router adapters too (tests/unit/test_megatron_multi_lora_moe.py)."""
     from kora_trainer.backends.select import check_actor_layout
-    from kora_trainer.config import Backend, ConfigError, TrainerConfig
+    from kora_trainer.config import Backend, TrainerConfig
 
     cfg = TrainerConfig.model_validate({"model": {"path": "/m"}, "data": {"path": "/d.jsonl"},
                                         "lora": {"rank": 8, "syncMode": "Adapter", "targetModules": [
-                                            "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]},
+                                            "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "router"]},
                                         "multiLora": {"maxAdapters": 2}})
-    check_actor_layout(cfg, Backend.MEGATRON)
-    check_actor_layout(cfg, Backend.TORCH)
+    for backend in (Backend.MEGATRON, Backend.TORCH):
+        check_actor_layout(cfg, backend)
     check_actor_layout(cfg, Backend.MEGATRON, num_experts=0)
-    with pytest.raises(ConfigError, match=r"lora.targetModules \['linear_fc1', 'linear_fc2'\] on an MoE model.*"
-                                          r"remove linear_fc1, linear_fc2 from lora.targetModules"):
-        check_actor_layout(cfg, Backend.MEGATRON, num_experts=8)
-    attention = cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"target_modules": ["linear_qkv"]})})
-    check_actor_layout(attention, Backend.MEGATRON, num_experts=8)  # the attention's adapters: dense linears
+    check_actor_layout(cfg, Backend.MEGATRON, num_experts=8)
+    expert2 = cfg.parallelism.model_copy(update={"expert": 2, "data": 2})
+    check_actor_layout(cfg.model_copy(update={"parallelism": expert2}), Backend.MEGATRON, num_experts=8)
 
 
 def test_auto_keeps_a_model_megatron_does_not_map_on_torch_and_megatron_refuses_it():

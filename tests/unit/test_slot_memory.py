@@ -46,6 +46,18 @@ def test_one_slot_is_its_factor_elements_times_the_bytes_each_side_keeps(tmp_pat
     assert slot_bytes(HF, gpu).engine == 16384 * 2 // 2  # SGLang's pool in bf16, over its TP ranks
 
 
+def test_an_moe_slot_on_a_trainer_rank_splits_its_experts_by_expert_parallel_not_tensor(tmp_path):
+    """megatron's MoE slots (docs/multi_lora.md): every expert's factors, each on the expert-parallel rank that holds
+    it and whole on its TP peers (expertTensor 1); the routers' whole on every TP rank."""
+    moe = {**HF, "model_type": "qwen3_moe", "num_experts": 8, "moe_intermediate_size": 32}
+    cfg = job(tmp_path, **{"lora.targetModules": "[linear_fc1, linear_fc2, router]", "parallelism.tensor": 2,
+                           "parallelism.expert": 2, "parallelism.data": 2})
+    # per layer: gate_up 8 x 2 x (64 + 32), down 8 x (32 + 64), router 64 + 8; x rank 8 x 2 layers
+    fc, router = (1536 + 768) * 16, 72 * 16
+    assert slot_elements(moe, cfg) == fc + router
+    assert slot_bytes(moe, cfg).trainer == (fc // 2 + router) * 16
+
+
 def test_the_count_is_what_a_quarter_of_the_free_memory_after_the_bases_holds(tmp_path):
     """On CPU one host pays for every rank and engine: 0.25 x (1024 MiB - 2 x 100 MiB) = 206 MiB; less the
     engine's base-only buffer 0.0625 MiB, / (0.25 + 0.0625) MiB a slot = 659 -> capped at 256."""

@@ -5,7 +5,9 @@ measures at start, config/placement.py prints the per-slot part in `kora plan` /
 One slot's bytes:
 - trainer: every LoRA factor element at lora.rank (A [r, in] + B [out, r] of each target module of each layer,
   from config.json) x 16 bytes: the fp32 factor, its gradient and AdamW's exp_avg and exp_avg_sq; divided by
-  tensor x pipeline (the factors are split like their modules; every data-parallel rank holds every slot).
+  tensor x pipeline (the factors are split like their modules; every data-parallel rank holds every slot), an MoE
+  model's experts by expert x pipeline instead (megatron never splits an expert by tensor parallelism) and its
+  routers by pipeline (whole on every TP rank).
 - engine: SGLang's LoRA memory pool (python/sglang/srt/lora/mem_pool.py, `get_lora_A_shape` / `get_lora_B_shape`)
   holds, per layer and target module, A [max_loras_per_batch, max_lora_rank x stacked, in / tp] and
   B [max_loras_per_batch, out / tp, max_lora_rank] in the model's dtype: per buffer slot the same factor elements
@@ -37,6 +39,11 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 def slot_elements(hf: Mapping[str, Any], cfg: TrainerConfig) -> int:
     """LoRA factor elements of one slot at lora.rank: r x (in + out) of every targeted projection of every layer."""
+    return sum(_target_elements(hf, cfg).values())
+
+
+def _target_elements(hf: Mapping[str, Any], cfg: TrainerConfig) -> dict[TargetModule, int]:
+    """One slot's factor elements per target module (every layer; an MoE model's MLP linears: every expert's)."""
     text = hf.get("text_config") or hf
     hidden, layers = int(text["hidden_size"]), int(text["num_hidden_layers"])
     heads = int(text["num_attention_heads"])
@@ -56,7 +63,24 @@ def slot_elements(hf: Mapping[str, Any], cfg: TrainerConfig) -> int:
     if unknown:
         raise ConfigError([f"multiLora.maxAdapters auto cannot size a slot of lora.targetModules {unknown} (their "
                            "shapes are not read from config.json here): set multiLora.maxAdapters to a number"])
-    return cfg.lora.rank * layers * sum(i + o for t in cfg.lora.target_modules for i, o in shapes[t])
+    return {t: cfg.lora.rank * layers * sum(i + o for i, o in shapes[t]) for t in cfg.lora.target_modules}
+
+
+def _rank_elements(hf: Mapping[str, Any], cfg: TrainerConfig) -> float:
+    """One slot's elements on one trainer rank: the attention's (and a dense MLP's) split over tensor x pipeline; an
+    MoE model's experts over expert x pipeline (never split by tensor parallelism: expertTensor 1) and its routers'
+    over the pipeline only (whole on every TP rank)."""
+    p = cfg.parallelism
+    moe = bool(config_experts(hf.get("text_config") or hf))
+    total = 0.0
+    for t, n in _target_elements(hf, cfg).items():
+        if t is TargetModule.ROUTER:
+            total += n / p.pipeline
+        elif moe and t in (TargetModule.LINEAR_FC1, TargetModule.LINEAR_FC2):
+            total += n / (p.expert * p.pipeline)
+        else:
+            total += n / (p.tensor * p.pipeline)
+    return total
 
 
 @dataclass(frozen=True)
@@ -67,11 +91,10 @@ class SlotBytes:
 
 def slot_bytes(hf: Mapping[str, Any], cfg: TrainerConfig) -> SlotBytes:
     elements = slot_elements(hf, cfg)
-    p = cfg.parallelism
     text = hf.get("text_config") or hf
     on_cpu = cfg.rollout.gpus_per_engine == 0
     engine_dtype = 4 if on_cpu else _DTYPE_BYTES.get(str(text.get("torch_dtype") or hf.get("torch_dtype")), 2)
-    return SlotBytes(math.ceil(elements * TRAINER_BYTES_PER_ELEMENT / (p.tensor * p.pipeline)),
+    return SlotBytes(math.ceil(_rank_elements(hf, cfg) * TRAINER_BYTES_PER_ELEMENT),
                      math.ceil(elements * engine_dtype / max(cfg.rollout.gpus_per_engine, 1)))
 
 

@@ -50,17 +50,8 @@ def actor_layout_problems(cfg: TrainerConfig, backend: Backend, num_layers: int 
                         "tensor, pipeline and expert parallelism so far (context parallelism and expertTensor > 1 "
                         "are not launched yet): set them to 1 and spread the GPUs over parallelism.tensor, "
                         "parallelism.pipeline, parallelism.expert and parallelism.data")
-    moe_targets = sorted(str(t) for t in cfg.lora.target_modules if str(t) in MOE_TARGETS)
-    if cfg.multi_lora.on and backend is Backend.MEGATRON and num_experts and moe_targets:
-        problems.append(f"multiLora.maxAdapters {cfg.multi_lora.max_adapters} with lora.targetModules {moe_targets} "
-                        f"on an MoE model ({num_experts} experts per layer): megatron's adapter slots hold dense "
-                        "linear targets only so far (no expert or router adapters in a slot): remove "
-                        f"{', '.join(moe_targets)} from lora.targetModules, or set multiLora.maxAdapters to 0")
     return problems
 
-
-# the targets that adapt an MoE layer's experts (the MLP linears) or its router
-MOE_TARGETS = frozenset({"linear_fc1", "linear_fc2", "router"})
 
 # where config.json says how many experts a MoE layer has: Qwen3-MoE as published (`num_experts`), as transformers 5
 # saves it and Mixtral (`num_local_experts`), DeepSeek (`n_routed_experts`), ERNIE (`moe_num_experts`)

@@ -32,8 +32,16 @@ AdamW layout (tp_checkpoint.py gathers it over TP and the stages).
 What leaves the trainer is gathered over TP, the pipeline stages and expert parallelism, as the single-adapter
 megatron export does: `adapter_named` gives HF-PEFT names (export.py), `state` the slot's factors and AdamW
 state whole in megatron's one-rank layout (tp_checkpoint.py, written once by global rank 0, resumable at another
-TP / pipeline size), and `make_sender` a `SlotSender` with megatron's HF sources (sync.py). Dense linear targets
-only: MoE experts and routers are refused here (the torch slots refuse them too).
+TP / pipeline size), and `make_sender` a `SlotSender` with megatron's HF sources (sync.py).
+
+MoE (Qwen3-MoE): the experts' linears (linear_fc1 / linear_fc2: one (A, B) per expert, as apply_lora wraps them) and
+the routers (lora.LoRARouter: A and B whole on every rank) hold slot factors like any wrapper. Under expert
+parallelism a slot holds this rank's experts' factors only (marked `expert_parallel` as the wrapper's own are), their
+gradients summed over the expert-data-parallel group instead of the data-parallel one and their squares over the
+expert-parallel group in the clip (backend.py, as the single adapter's); its AdamW state is split over the
+expert-data-parallel group (the ranks holding the same experts) rather than the data-parallel one, whole where that
+group is one rank or holds TP peers. Exported in PEFT's grouped `target_parameters` layout, every expert gathered
+(moe.py), the names the torch slots write for the same model.
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from kora_trainer.backends.megatron.backend import MegatronBackend, clip_grad_no
 from kora_trainer.backends.megatron.export import peft_config
 from kora_trainer.backends.megatron.lora import (
     LoRAColumnParallelLinear,
+    LoRARouter,
     MegatronLoRA,
     _ParallelLoRA,
     adapter_disabled,
@@ -70,6 +79,7 @@ from kora_trainer.checkpoint.lora_only import select_state
 from kora_trainer.lora.slots import AdapterSlots, Slot
 from kora_trainer.sync.sender import SyncReport
 from kora_trainer.sync.slot_sender import SlotSender
+from kora_trainer.wire.group import WeightUpdateGroup
 
 # what megatron (and kora's wrappers) mark on a LoRA factor; a slot's factors carry the same marks
 PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "sequence_parallel",
@@ -83,18 +93,16 @@ class MegatronAdapterSlots(AdapterSlots):
 
     def __init__(self, model: nn.Module):  # not super().__init__: that one walks the HF wrappers
         wrapped = lora_modules(model)
-        refused = [n for n, m in wrapped.items() if is_expert_module(n) or not isinstance(m, _ParallelLoRA)]
-        if refused:
-            raise ValueError(f"multi-LoRA on the megatron backend trains dense linear targets only so far, and "
-                             f"{refused[:3]} are MoE expert / router adapters: remove router and the expert linears "
-                             "(linear_fc1 / linear_fc2 on an MoE model) from lora.targetModules, or set "
-                             "multiLora.maxAdapters to 0")
+        unknown = [n for n, m in wrapped.items() if not isinstance(m, (_ParallelLoRA, LoRARouter))]
+        if unknown:  # every wrapper apply_lora makes is one of these: a new kind needs its slot draw below
+            raise ValueError(f"multi-LoRA on the megatron backend: no adapter slot for the LoRA wrappers {unknown[:3]}")
         self.model = model
         self.modules = cast(Any, wrapped)  # the attribute swap reads the same names off a MegatronLoRA
         # the wrappers' own factors: the shapes and parallel marks a slot's copy, and what a cleared slot leaves
         self.own: dict[str, tuple[nn.Parameter, nn.Parameter]] = {
             n: (cast(nn.Parameter, m.lora_A.weight), cast(nn.Parameter, m.lora_B.weight)) for n, m in wrapped.items()}
-        self.max_rank = max(m.rank for m in wrapped.values())
+        # the job's rank from the factors' rows: a wrapper's `rank` is the last active slot's
+        self.max_rank = max(a.shape[0] for a, _ in self.own.values())
         self.slots: dict[str, Slot] = {}
         self.current: str | None = None
         self._off()
@@ -107,12 +115,13 @@ class MegatronAdapterSlots(AdapterSlots):
         factors = {}
         for mod_name, m in cast(dict[str, MegatronLoRA], self.modules).items():
             own_a, own_b = self.own[mod_name]
-            column = isinstance(m, LoRAColumnParallelLinear)
-            in_full = own_a.shape[1] * (1 if column else m.tp_size)  # a row wrapper's A is this rank's columns
+            # A whole on every TP rank: a column wrapper's, a router's (and an expert's: its TP group is of size 1)
+            whole = isinstance(m, (LoRAColumnParallelLinear, LoRARouter)) or m.tp_size == 1
+            in_full = own_a.shape[1] * (1 if whole else m.tp_size)  # a row wrapper's A is this rank's columns
             gen = torch.Generator().manual_seed(module_seed(seed, mod_name))
             bound = 1.0 / math.sqrt(in_full)  # PEFT's kaiming_uniform_(a=√5) on [r, in], as apply_lora draws it
             a_full = torch.empty(rank, in_full).uniform_(-bound, bound, generator=gen)
-            a_local = a_full if column else a_full.chunk(m.tp_size, dim=1)[m.tp_rank]
+            a_local = a_full if whole else a_full.chunk(m.tp_size, dim=1)[m.tp_rank]
             a = nn.Parameter(a_local.to(own_a.device, own_a.dtype).contiguous())
             b = nn.Parameter(torch.zeros(own_b.shape[0], rank, device=own_b.device, dtype=own_b.dtype))
             for mine, theirs in ((a, own_a), (b, own_b)):
@@ -172,16 +181,37 @@ class MegatronMultiLoRATrainer(MultiLoRATrainer):
         return adapter_disabled(self.mg.model)
 
     def _optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-        """At data > 1 the slot's AdamW state split over the data-parallel ranks (sharded_adamw.py)."""
-        dp = self.mg.dp
-        if self.shard_optimizer and dp.size > 1 and dp.group is not None:
+        """At data > 1 the slot's AdamW state split over the ranks that hold the same factors (sharded_adamw.py)."""
+        dp = self._optimizer_ranks(params)
+        if self.shard_optimizer and dp is not None:
             return ShardedAdamW(params, lr, dp)
         return super()._optimizer(params, lr)
 
+    def _optimizer_ranks(self, params: list[torch.nn.Parameter]) -> DataParallel | None:
+        """The ranks whose copies of `params` are alike (None: this rank alone). The data-parallel group, but for
+        a slot with expert factors at expert > 1, where the data-parallel ranks hold different experts: then its
+        expert-data-parallel group (the ranks holding the same experts and, at tensor 1, the same dense factors;
+        at tensor > 1 it holds the TP peers, whose shards differ: the slot's AdamW stays whole)."""
+        from megatron.core import parallel_state  # noqa: PLC0415 - megatron-core is optional: this module imports without it
+
+        dp = self.mg.dp
+        experts = any(getattr(p, "expert_parallel", False) for p in params)
+        if not experts or parallel_state.get_expert_model_parallel_world_size() == 1:
+            return dp if dp.size > 1 and dp.group is not None else None
+        edp = parallel_state.get_expert_data_parallel_group()
+        if parallel_state.get_tensor_model_parallel_world_size() > 1 or edp.size() == 1:
+            return None
+        return DataParallel(edp.rank(), edp.size(), WeightUpdateGroup.wrap(edp))
+
     def _data_parallel(self, slot: Slot) -> DataParallel:
-        """The backend's groups with the slot's own factors as the sequence-parallel ones (summed over TP too)."""
-        return replace(self.mg.dp, sequence_params=frozenset(id(p) for p in slot.params
-                                                             if getattr(p, "sequence_parallel", False)))
+        """The backend's groups with the slot's own factors as the sequence-parallel ones (summed over TP too) and
+        as the expert ones (summed over the expert-data-parallel group instead of the data-parallel one, where the
+        backend has such a group: expert parallelism, or sequence parallelism on an MoE model)."""
+        dp = self.mg.dp
+        experts = frozenset(id(p) for name, (a, b) in slot.factors.items() if is_expert_module(name) for p in (a, b))
+        return replace(dp, sequence_params=frozenset(id(p) for p in slot.params
+                                                     if getattr(p, "sequence_parallel", False)),
+                       expert_params=experts if dp.expert_params else frozenset())
 
     def make_sender(self, transport: Any) -> SlotSender:
         b = self.mg
