@@ -301,7 +301,8 @@ def engine_overrides(args: argparse.Namespace) -> list[str]:
     """`--engine sglang`: real SGLang 0.5.17 (rollout.sglangBuild), its kernels and CUDA graphs up to the batch."""
     if args.engine != "sglang":
         return []
-    flags = [*SGLANG_KERNELS, "--cuda-graph-max-bs", str(args.prompts * args.samples)]
+    # quoted: the override is a YAML list of strings (an unquoted 64 is an int, refused)
+    flags = [*SGLANG_KERNELS, "--cuda-graph-max-bs", f"'{args.prompts * args.samples}'"]
     return ["rollout.engine=sglang", "rollout.sglangBuild=0.5.17", f"rollout.sglangArgs=[{','.join(flags)}]"]
 
 

@@ -329,3 +329,22 @@ def test_an_engine_hung_mid_generate_fails_the_job_naming_it(toy_dir, tmp_path):
     for part in ("EngineLost", "engine 0 (pid", " hung: GET /health unanswered", "stopped (SIGSTOP)",
                  "a round of adapters odd", "each adapter from its own newest checkpoint"):
         assert part in msg, (part, msg)
+
+
+@pytest.mark.slow
+def test_a_job_that_can_start_none_of_its_adapters_fails_naming_why(toy_dir, tmp_path):
+    """Each adapter's data lacks the prompt column (its rows cannot be read when it loads: that adapter fails and
+    the job goes on without it); with every listed adapter failed the job has nothing to train and ends Failed,
+    the message naming each and its error (the exception, not Ray's traceback), not Succeeded with nothing done."""
+    bad = tmp_path / "no_prompt.jsonl"
+    bad.write_text("".join(json.dumps({"question": f"{i}+1", "label": str(i + 1)}) + "\n" for i in range(8)))
+    adapters = [{"name": "odd", "rank": 8, "numSteps": 2, "data": {**EVEN, "path": str(bad)}},
+                {"name": "even", "rank": 4, "numSteps": 2, "data": {**EVEN, "path": str(bad)}}]
+    run = TrainRun(toy_dir, tmp_path, config=job_file(toy_dir, tmp_path, adapters),
+                   env={"KORA_CONTROL_LINGER_S": "60"})
+    wait_all([run])
+    msg = run.seen[-1]["message"]
+    assert run.proc.returncode != 0 and run.seen[-1]["phase"] == "Failed", run.output[-3000:]
+    assert "every adapter of multiLora.adapters failed" in msg and "Traceback" not in msg, msg
+    for name in ("odd", "even"):
+        assert f"{name}: could not start: ValueError: data.path {bad}: rows lack ['prompt']" in msg, msg

@@ -115,3 +115,23 @@ def test_the_trainer_refuses_a_missing_model_path_and_names_the_fix(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert f"model.path {missing} does not exist" in proc.stderr and "--make-toy" in proc.stderr
     assert not missing.exists()
+
+
+def test_the_trainer_refuses_a_missing_data_path_and_names_the_fix(tmp_path):
+    """A missing data.path is refused before Ray starts (exit 2, naming the field and the fix), not a rollout
+    manager that dies at its creation with Ray's traceback (found on the GPU: multi-LoRA reported it per adapter)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kora_trainer.toys.lm import make_toy
+
+    toy_yaml = Path(__file__).resolve().parents[2] / "trainer" / "examples" / "toy.yaml"
+    make_toy(tmp_path / "toy", dataset="train.jsonl")
+    missing = tmp_path / "toy" / "train.parquet"
+    proc = subprocess.run([sys.executable, "-m", "kora_trainer.train", "--config", str(toy_yaml),
+                           f"model.path={tmp_path / 'toy'}", f"data.path={missing}", "--run-dir",
+                           str(tmp_path / "run")], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"data.path {missing} does not exist" in proc.stderr and "--make-toy" in proc.stderr, proc.stderr
+    assert "Ray" not in proc.stdout + proc.stderr

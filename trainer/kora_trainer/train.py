@@ -104,6 +104,11 @@ def load(args: argparse.Namespace) -> TrainerConfig | None:
         print(f"model.path {cfg.model.path} does not exist: point model.path at an HF checkpoint directory, or "
               "pass --make-toy to make the toy model and dataset there", file=sys.stderr)
         return None
+    if not args.dry_run and not args.make_toy and not Path(cfg.data.path).exists():  # else a Ray actor dies on it
+        print(f"data.path {cfg.data.path} does not exist: point data.path at a .parquet or .jsonl file of prompts "
+              f"(columns data.inputKey, data.labelKey), or pass --make-toy to make the toy dataset there",
+              file=sys.stderr)
+        return None
     return cfg
 
 

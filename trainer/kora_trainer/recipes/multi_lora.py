@@ -89,9 +89,13 @@ class MultiLoRARun:
             got = self.job.trainer.all("add_adapter", s, self.root)[0]
             added = True
             rows = ray.get(self.job.rollout.add_adapter.remote(s, got["data_position"], got["step"]))
+        except ray.exceptions.RayActorError:
+            raise  # a trainer rank or the rollout manager died (even at its creation): the job's failure, not its
         except Exception as e:  # its data or reward cannot be read: that adapter fails, the job goes on
-            self.registry.finished(s.name, AdapterPhase.FAILED, f"could not start: {e}")
-            self.rec.event("adapter_failed", adapter=s.name, error=str(e))
+            cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e  # not Ray's traceback
+            error = f"{type(cause).__name__}: {cause}"
+            self.registry.finished(s.name, AdapterPhase.FAILED, f"could not start: {error}")
+            self.rec.event("adapter_failed", adapter=s.name, error=error)
             if added:
                 self.job.trainer.all("remove_adapter", s.name)
             return
@@ -293,7 +297,18 @@ def run(job: Job, cfg: TrainerConfig, registry: AdapterRegistry, rec: StepRecord
             loop.round()
     for name in list(loop.steps) if root else []:  # stopped with adapters still training: keep where they are
         loop.save(name)
+    if not service:
+        raise_if_all_failed(registry)
     return loop
+
+
+def raise_if_all_failed(registry: AdapterRegistry) -> None:
+    """A job of given adapters that trained none of them (each Failed: its data, reward or start) ends Failed,
+    naming each adapter's error, rather than Succeeded with nothing done; one that trained some ends as they did."""
+    adapters = registry.state().adapters
+    if adapters and all(a.phase is AdapterPhase.FAILED for a in adapters):
+        raise RuntimeError("every adapter of multiLora.adapters failed: "
+                           + "; ".join(f"{a.name}: {a.message}" for a in adapters))
 
 
 def summary(loop: MultiLoRARun, rec: StepRecorder) -> dict[str, Any]:
