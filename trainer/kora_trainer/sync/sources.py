@@ -8,7 +8,7 @@ largest single tensor), not a second copy of the model.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +26,14 @@ Named = tuple[str, torch.Tensor]
 class Source:
     groups: list[list[Named]]  # meta tensors; a group of several (an A/B pair) travels in one bucket
     get: Callable[[Sequence[str]], dict[str, torch.Tensor]]  # names -> real tensors (folds, or live parameters)
+    adapted: frozenset[str] | None = None  # Merge: the names a fold changes (the rest is the frozen base); None: all
+
+    def only_adapted(self) -> Source:
+        """The groups holding an adapted name (a Merge push after the first: the engine holds the rest already)."""
+        if self.adapted is None:
+            return self
+        keep = self.adapted
+        return Source([g for g in self.groups if any(n in keep for n, _ in g)], self.get, keep)
 
     @property
     def names(self) -> list[str]:
@@ -40,7 +48,8 @@ def meta_tensor(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
-def _per_expert_source(live: Mapping[str, torch.Tensor], make: Callable[[str], torch.Tensor]) -> Source:
+def _per_expert_source(live: Mapping[str, torch.Tensor], make: Callable[[str], torch.Tensor],
+                       adapted: Collection[str] | None = None) -> Source:
     """`live` (HF names -> tensors) as a Source whose fused MoE expert tensors go out under their per-expert
     names (hf_experts.py: what SGLang's load_weights and checkpoints use); `make(name)` produces a live name's
     tensor when its bucket goes out (once per bucket, however many of its experts the bucket holds)."""
@@ -53,7 +62,8 @@ def _per_expert_source(live: Mapping[str, torch.Tensor], make: Callable[[str], t
             made[n] = dict(per_expert_views(n, make(n)))
         return {x: made[parent_of[x]][x] for x in names}
 
-    return Source(groups, get)
+    pieces = None if adapted is None else frozenset(x for x, n in parent_of.items() if n in adapted)
+    return Source(groups, get, pieces)
 
 
 def merged_source(model: nn.Module) -> Source:
@@ -66,7 +76,7 @@ def merged_source(model: nn.Module) -> Source:
         return m.folded_weight() if m is not None and m.enabled else live[n].detach()
 
     # a folded weight has its base weight's name, shape and dtype: plan from the base, fold per bucket
-    return _per_expert_source(live, make)
+    return _per_expert_source(live, make, adapted=folded_modules.keys())
 
 
 def base_source(model: nn.Module) -> Source:

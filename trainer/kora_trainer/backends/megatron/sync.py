@@ -118,7 +118,10 @@ def _joined(src: Source, group: Any, device: torch.device) -> Source:
     members of `group` can be one another's TP peers."""
     plan = [[(n, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for n, t in g] for g in src.groups]
     plans: list[Any] = [None] * group.size()
-    dist.all_gather_object(plans, plan, group=group)
+    dist.all_gather_object(plans, (plan, None if src.adapted is None else sorted(src.adapted)), group=group)
+    # the names a Merge fold changes, over every member (None where one member cannot say: then all of them)
+    adapted = None if any(a is None for _, a in plans) else frozenset(n for _, a in plans for n in a)
+    plans = [p for p, _ in plans]
     ranks = dist.get_process_group_ranks(group)  # global rank of each member, in member order
     me = group.rank()
     groups: list[list[Named]] = []
@@ -142,7 +145,7 @@ def _joined(src: Source, group: Any, device: torch.device) -> Source:
             out[n] = t
         return out
 
-    return Source(groups, get)
+    return Source(groups, get, adapted)
 
 
 def _tp_size() -> int:
@@ -270,7 +273,8 @@ def megatron_source(model: nn.Module, layout: Layout, merged: bool, flavour: str
                                         whole=is_expert_module(base)))
         return {n: out[n].contiguous() for n in names}
 
-    return Source(groups, get)
+    adapted = frozenset(h for h, base in owner.items() if base in wrapped) if merged else None
+    return Source(groups, get, adapted)
 
 
 def megatron_adapter_source(model: nn.Module, layout: Layout, flavour: str = "hf") -> Source:
