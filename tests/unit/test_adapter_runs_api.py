@@ -161,6 +161,7 @@ def test_the_trainer_refuses_a_given_adapter_the_registry_would_refuse(tmp_path,
     from kora_trainer.train import main
 
     job = tmp_path / "job.yaml"
+    (tmp_path / "x.jsonl").write_text('{"prompt": "1+1", "label": "2"}\n')  # the job's own data is there
     job.write_text(json.dumps({
         "model": {"path": str(tmp_path)}, "lora": {"rank": 16, "syncMode": "Adapter"},
         "data": {"path": str(tmp_path / "x.jsonl")}, "rollout": {"engine": "hf"},
