@@ -262,12 +262,19 @@ def sync_rank(rank: int, world: int, port: int, model_dir: str, out: str, url: s
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from kora_trainer.backends.megatron.backend import MegatronBackend
+
+    mg = MegatronBackend(_cfg(model_dir, TARGETS["all"], *layout), dtype=torch.float32, micro_batch_size=3)
+    serve_two_slots(mg, rank, url, out)
+
+
+def serve_two_slots(mg, rank: int, url: str, out: str) -> None:
+    """Slots a and b on `mg` pushed to the engine at `url` (rank 0's colocated transport) and checked after each
+    push: the engine's greedy log-probs per adapter name against the trainer's (`res["gaps"]`), saved to out.rank."""
     from kora_trainer.backends.megatron.multi_lora import MegatronMultiLoRATrainer
     from kora_trainer.backends.megatron.parallel import destroy_parallel
     from kora_trainer.sync.transport import ColocatedTransport
     from kora_trainer.wire.engine_client import EngineClient
 
-    mg = MegatronBackend(_cfg(model_dir, TARGETS["all"], *layout), dtype=torch.float32, micro_batch_size=3)
     trainer = MegatronMultiLoRATrainer(mg)
     for n in ("a", "b"):
         trainer.add(settings(n))

@@ -33,10 +33,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_megatron_multi_lora import METRICS, PROMPTS, RESPONSES, REWARDS, _max_diff, _rel, settings, train
+from test_megatron_multi_lora import (
+    METRICS,
+    PROMPTS,
+    RESPONSES,
+    REWARDS,
+    _max_diff,
+    _rel,
+    serve_two_slots,
+    settings,
+    train,
+)
 
 from engine_helpers import ATOL, load_hf, served_engine
-from engine_helpers import PROMPTS as GREEDY_PROMPTS
 from kora_trainer.backends.megatron import megatron_available
 from kora_trainer.wire.ports import free_port
 from megatron_cpu import run_ranks
@@ -266,46 +275,9 @@ def sync_rank(rank: int, world: int, port: int, model_dir: str, out: str, url: s
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     from kora_trainer.backends.megatron.backend import MegatronBackend
-    from kora_trainer.backends.megatron.multi_lora import MegatronMultiLoRATrainer
-    from kora_trainer.backends.megatron.parallel import destroy_parallel
-    from kora_trainer.sync.transport import ColocatedTransport
-    from kora_trainer.wire.engine_client import EngineClient
 
     mg = MegatronBackend(_cfg(model_dir, tuple(layout)), dtype=torch.float32, micro_batch_size=3)
-    trainer = MegatronMultiLoRATrainer(mg)
-    for n in ("a", "b"):
-        trainer.add(settings(n))
-    client = EngineClient(url)
-    sender = trainer.make_sender(ColocatedTransport([client]) if rank == 0 else None)
-    res: dict = {"reports": [sender.push_base()], "gaps": []}
-
-    def publish(name: str) -> None:
-        config = trainer.peft_config(name)
-        with trainer.active(name):
-            res["reports"].append(sender.publish(name, trainer.step(name), config))
-        torch.distributed.barrier()  # as the driver does: generation resumes once every rank's push is done
-
-    def gaps() -> dict[str, float]:
-        out = {}
-        for n in ("a", "b"):
-            outs = client.generate(GREEDY_PROMPTS, {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
-                                   lora_path=n)
-            ours = trainer.logprobs(n, GREEDY_PROMPTS, [o.output_ids for o in outs])  # a collective of both ranks
-            out[n] = max(abs(x - y) for o, mine in zip(outs, ours, strict=True)
-                         for x, y in zip(o.output_logprobs, mine, strict=True))
-        return out
-
-    for n in ("a", "b"):
-        publish(n)
-    res["gaps"].append(gaps())  # both at version 0
-    train(trainer, ["a", "b"], steps=1)
-    publish("a")
-    res["gaps"].append(gaps())  # a served as trained, b one version behind
-    publish("b")
-    res["gaps"].append(gaps())
-    client.close()
-    torch.save(res, f"{out}.{rank}")
-    destroy_parallel()
+    serve_two_slots(mg, rank, url, out)
 
 
 @pytest.mark.full  # an engine and two ranks
