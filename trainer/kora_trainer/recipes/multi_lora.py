@@ -90,7 +90,7 @@ class MultiLoRARun:
             added = True
             rows = ray.get(self.job.rollout.add_adapter.remote(s, got["data_position"], got["step"]))
         except ray.exceptions.RayActorError:
-            raise  # a trainer rank or the rollout manager died (even at its creation): the job's failure, not its
+            raise  # a trainer rank or the rollout manager died (even at creation): the job fails, not this adapter
         except Exception as e:  # its data or reward cannot be read: that adapter fails, the job goes on
             cause = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause else e  # not Ray's traceback
             error = f"{type(cause).__name__}: {cause}"

@@ -446,8 +446,8 @@ class ModePush:
 class MergePush(ModePush):
     """Merge: the model, adapters folded in, under HF names through the weight routes: the whole model first, then
     only the weights a fold changes. The rest is the frozen base, which nothing overwrites on the engine (kora never
-    releases an engine's weight memory), so pushing it again moved bytes for nothing: 7.3 GB of a 4B model's
-    pushes where the adapted q/k/v/o are 1.9 GB (bench/results/sglang_gpu_train_4b_h100_2026-12-07.json)."""
+    releases an engine's weight memory), so pushing it again would move most of the model's bytes for nothing
+    (docs/sglang_builds.md, the 4B table)."""
 
     def __init__(self) -> None:
         self.pushed = False
