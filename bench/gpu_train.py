@@ -229,7 +229,8 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
            "sync.deltaSkipThreshold=0", "data.rewardType=custom", "data.customRewardPath=toy_rewards.odd_first_digit",
            f"checkpoint.path={run_dir / 'ckpt'}", "checkpoint.interval=1",
            f"rollout.gpusPerEngine={1 if gpu else 0}", f"rollout.numEngines={args.engines}",
-           f"sync.fastPath={'false' if http else 'true'}", *engine_overrides(args), *args.set]
+           f"sync.fastPath={'false' if http else 'true'}", f"sync.bufferSize={args.buffer_size}",
+           *engine_overrides(args), *args.set]
     # the e2e tests' reward (tests/e2e/toy_rewards.py): it varies from the first step on an untrained model, so
     # every step has advantages, the adapter moves and every sync pushes
     path = os.pathsep.join([str(ROOT / "tests" / "e2e"), str(ROOT / "trainer"), str(ROOT / "engine"),
@@ -376,6 +377,12 @@ def main() -> None:
     ap.add_argument("--engines", type=int, default=1, help="rollout.numEngines")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a further override of every run (e.g. parallelism.tensor=2; repeat it)")
+    # the product's default cap, not the toy recipe's 1Mi (which exists to make a toy model span several buckets:
+    # at the 4B shape it sent every tensor in its own call)
+    from kora_trainer.config.sections import SyncSpec  # after the sys.path set-up above
+
+    ap.add_argument("--buffer-size", default=str(SyncSpec().buffer_size),
+                    help="sync.bufferSize: the largest in-memory / broadcast call (default: the product's)")
     ap.add_argument("--workdir", default="/tmp/kora-gpu-train")
     ap.add_argument("--timeout", type=float, default=900)
     ap.add_argument("--out", type=Path, default=None)

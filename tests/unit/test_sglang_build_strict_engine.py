@@ -142,6 +142,12 @@ def test_the_sender_speaks_only_the_build_and_the_engine_serves_the_policy(stric
     plan = sb.route_plan(sb.BUILDS[SGLangBuild(build)], SyncMode(mode), deployment, False)
     used = {c["path"] for c in calls} - {"/generate", "/health"}
     assert used <= set(plan.routes), f"routes outside the table's row: {used - set(plan.routes)}"
+    # in memory, each call is one flattened bucket where the build reads that (one CUDA IPC handle, not one per
+    # tensor: 0.5.17), else the tensors one by one
+    in_memory = [c["body"].get("load_format") for c in calls
+                 if c["path"] in ("/update_weights_from_tensor", "/load_lora_adapter_from_tensors")]
+    assert in_memory or transport == "distributed"
+    assert set(in_memory) <= {"flattened_bucket" if sb.BUILDS[SGLangBuild(build)].flat_in_memory else None}
     # every call answered 200: the first in-memory push only loads (an unload of a name the engine never had is a 400
     # in SGLang's access log: the first real-SGLang Adapter run showed it, issue 43)
     assert all(c["status"] == 200 for c in calls), [c for c in calls if c["status"] != 200]

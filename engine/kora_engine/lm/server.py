@@ -414,12 +414,11 @@ class HFEngineServer:
         return _json(strict.response_body(self.build, out), 200 if out["success"] else 400)
 
     def _update_from_tensor(self, b: rq.UpdateWeightsFromTensorReqInput) -> dict[str, Any]:
-        payload = b.serialized_named_tensors[self.receiver.tp_rank]
+        payload, strict = b.serialized_named_tensors[self.receiver.tp_rank], self.build is not None
         if b.load_format == FLAT:
-            bucket = deserialize_payload(payload)
-            named = flat_bucket.unflatten(bucket)
+            named = flat_bucket.unflatten(deserialize_payload(payload, strict), attrs_only=strict)
         elif b.load_format in (None, "direct"):
-            named = deserialize_named_tensors(payload)
+            named = deserialize_named_tensors(payload, strict)
         else:
             raise ValueError(f"Unknown load_format={b.load_format}")
         self._abort_if_asked(b.abort_all_requests)
@@ -457,9 +456,13 @@ class HFEngineServer:
         def load(b: rq.LoadLoRAAdapterFromTensorsReqInput) -> dict[str, Any]:
             if b.added_tokens_config:
                 raise ValueError("LoRA adapters that add tokens are not supported.")
-            # a build's strict mode takes only SGLang's shape, a dict; kora's own mode takes a list of pairs too
-            named = deserialize_adapter_tensors(b.serialized_named_tensors[self.receiver.tp_rank],
-                                                pairs_ok=self.build is None)
+            # a build's strict mode takes only SGLang's shapes, a dict or (0.5.17's tp_worker.py:241) a flattened
+            # bucket; kora's own mode takes a list of pairs too. SGLang ignores any other load_format here.
+            payload, strict = b.serialized_named_tensors[self.receiver.tp_rank], self.build is not None
+            if b.load_format == FLAT and (self.build is None or self.build.flat_in_memory):
+                named = flat_bucket.unflatten(deserialize_payload(payload, strict), attrs_only=strict)
+            else:
+                named = deserialize_adapter_tensors(payload, pairs_ok=not strict)
             self.adapters.load_from_tensors(b.lora_name, b.config_dict, named)
             return {"checksum": checksum(named)}  # kora: what was applied, for the sender to compare
 

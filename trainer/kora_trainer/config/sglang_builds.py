@@ -86,6 +86,10 @@ class Build:
     # anyone unless the engine also has an --api-key, which then opens them (wire/engine_auth.py)
     normal_routes: frozenset[str] = frozenset()
     stock_version: str | None = None  # a PyPI release: the installed sglang must be exactly this version
+    # /update_weights_from_tensor and /load_lora_adapter_from_tensors read load_format "flattened_bucket" (one
+    # tensor + metadata read by attribute): read in 0.5.17 (weight_updater.py:330, tp_worker.py:241); not checked
+    # in the others' source, so they get the tensors one by one
+    flat_in_memory: bool = False
 
     def has(self, route: str) -> bool:
         return route in self.routes
@@ -105,7 +109,7 @@ BUILDS: dict[SGLangBuild, Build] = {
     SGLangBuild.STOCK_0_5_17: Build(
         SGLangBuild.STOCK_0_5_17, _STOCK_0_5_17_ROUTES, "PyPI sglang 0.5.17 (docs/sglang_builds.md)",
         adapter_over_group=False, abort_prefix=False, pip_requirement="sglang==0.5.17",
-        normal_routes=frozenset({TENSOR_ADAPTER}), stock_version="0.5.17"),
+        normal_routes=frozenset({TENSOR_ADAPTER}), stock_version="0.5.17", flat_in_memory=True),
     SGLangBuild.MILES_94949DA7: Build(
         SGLangBuild.MILES_94949DA7, _STOCK_ROUTES | {ADAPTER_OVER_GROUP},
         f"sgl-project/sglang sglang-miles @ {MILES_COMMIT}",

@@ -37,7 +37,7 @@ from kora_trainer.config.sglang_builds import effective_build, plan_for
 from kora_trainer.lora import adapter_tensors, peft_config_dict
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.sources import Source, adapter_source, base_source, merged_source, served_adapter_source
-from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, SyncError
+from kora_trainer.sync.transport import ColocatedTransport, DistributedTransport, PhaseClock, SyncError
 from kora_trainer.wire.engine_client import EngineClient, EngineError, applied_checksum
 from kora_trainer.wire.gdn_lora import to_sglang_config
 from kora_trainer.wire.group import WeightUpdateGroup
@@ -200,6 +200,9 @@ class WeightSender:
         self.adapter_config = self.make_adapter_config()
         # a named SGLang build (config/sglang_builds.py): only its routes and fields, SGLang's per-tensor form
         self.build = effective_build(cfg)
+        # in-memory pushes as one flattened bucket per call where the engine reads it (kora's engine, 0.5.17)
+        self.flat = self.build is None or self.build.flat_in_memory
+        self.clock = PhaseClock()  # the HTTP path's phases of the push under way (SyncReport.phases)
 
     # ---- what the policy is made of (the torch backend's HF model; backends/megatron/sync.py overrides) ----
 
@@ -239,6 +242,7 @@ class WeightSender:
         if not push:
             return SyncReport.skip(str(self.mode), self._transport_kind(), self.engine_version, delta)
         checksum = RunningChecksum()
+        self.clock = PhaseClock()
         nbytes, nbuckets, what = 0, 0, ""
         if self.transport is not None:
             nbytes, nbuckets, what = self._push(version, checksum)
@@ -248,7 +252,8 @@ class WeightSender:
         return SyncReport(mode=str(self.mode), transport=self._transport_kind(), pushed=True, bytes=nbytes,
                           ms=round(ms, 2), adapter_version=version,
                           checksum=checksum.hexdigest() if self.transport is not None else None, buckets=nbuckets,
-                          max_delta=None if first else delta, what=what, note=self._route_note() if first else "")
+                          max_delta=None if first else delta, what=what, note=self._route_note() if first else "",
+                          phases=dict(self.clock.ms))
 
     def _route_note(self) -> str:
         """The named build's row of config/sglang_builds.py (which route carries the policy), for the sync line."""
@@ -292,10 +297,11 @@ class WeightSender:
         assert isinstance(transport, ColocatedTransport)
 
         def send_ipc(named: list[tuple[str, torch.Tensor]], wv: str | None) -> None:
-            def call_ipc(c: EngineClient, payload: str) -> dict[str, Any]:
-                return c.update_weights_from_tensor(payload, weight_version=wv, **extra)
+            def call_ipc(c: EngineClient, payload: str, fmt: str | None) -> dict[str, Any]:
+                return c.update_weights_from_tensor(payload, load_format=fmt, weight_version=wv, **extra)
 
-            self._check(transport.send(named, call_ipc), checksum, lambda: protocol_checksum(named))
+            results = transport.send(named, call_ipc, flat=self.flat, clock=self.clock)
+            self._check(results, checksum, lambda: protocol_checksum(named))
 
         return self._push_name_buckets(src, version, checksum, send_ipc)
 
@@ -384,7 +390,8 @@ class WeightSender:
         hand = self.transport if isinstance(self.transport, ColocatedTransport) else \
             ColocatedTransport(self.transport.clients if self.transport is not None else [])
         name = self.adapter_name
-        results = hand.send(named, self._replace_adapter(name, self.adapter_config, wv), as_dict=True)
+        results = hand.send(named, self._replace_adapter(name, self.adapter_config, wv), as_dict=True, flat=self.flat,
+                            clock=self.clock)
         self._check(results, checksum, lambda: protocol_checksum(named))
         self._loaded.add(name)
         return sum(t.numel() * t.element_size() for _, t in named)
@@ -394,25 +401,30 @@ class WeightSender:
         # (an unload of a name the engine never had is a 400 in SGLang's access log); should the engine still
         # hold the name from an earlier trainer (a restart), its refusal says so and the name is replaced.
         first = name not in self._loaded
+        clock = self.clock
 
-        def load(c: EngineClient, payload: str) -> dict[str, Any]:
+        def load(c: EngineClient, payload: str, fmt: str | None) -> dict[str, Any]:
+            def load_once() -> dict[str, Any]:
+                return clock.timed("load_ms", lambda: c.load_lora_adapter_from_tensors(name, config, payload,
+                                                                                       load_format=fmt))
+
             if not first:
-                c.unload_lora_adapter(name)
+                clock.timed("unload_ms", lambda: c.unload_lora_adapter(name))
             try:
-                return c.load_lora_adapter_from_tensors(name, config, payload)
+                return load_once()
             except EngineError as e:
                 if not first or "already" not in e.message:
                     raise
             c.unload_lora_adapter(name)
-            return c.load_lora_adapter_from_tensors(name, config, payload)
+            return load_once()
 
-        def replace_adapter(c: EngineClient, payload: str) -> dict[str, Any]:
-            out = load(c, payload)
+        def replace_adapter(c: EngineClient, payload: str, fmt: str | None) -> dict[str, Any]:
+            out = load(c, payload, fmt)
             # SGLang's tensor route takes no version: label the new adapter's rollouts ourselves, after
             # the load (a request in between shows the older version: a lag, never a false "current").
             # The engine's one version serves one adapter only: multi-LoRA tags its rollouts itself.
             if name == POLICY_ADAPTER:
-                c.update_weight_version(wv)
+                clock.timed("version_ms", lambda: c.update_weight_version(wv))
             return out
 
         return replace_adapter

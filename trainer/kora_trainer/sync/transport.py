@@ -15,19 +15,23 @@ compares it with its own (a wrong or torn push fails the sync instead of silentl
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from kora_trainer.wire import flat_bucket
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.group import WeightUpdateGroup, init_weight_update_group
 from kora_trainer.wire.ports import free_port
-from kora_trainer.wire.protocol import Bucket, dtype_name, pack
-from kora_trainer.wire.serialize import serialize_named_tensors, serialize_tensor_dict
+from kora_trainer.wire.protocol import FLAT, Bucket, dtype_name, pack
+from kora_trainer.wire.serialize import serialize_named_tensors, serialize_payload, serialize_tensor_dict
 
 GROUP_NAME = "weight_update_group"
+T = TypeVar("T")
 
 
 class SyncError(RuntimeError):
@@ -118,25 +122,67 @@ def packed_views(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch
     return [o for o in out if o is not None]
 
 
+# call(client, payload, load_format): one engine's in-memory route, with the payload ColocatedTransport made
+InMemoryCall = Callable[[EngineClient, str, str | None], dict[str, Any]]
+
+
 class ColocatedTransport:
     kind = "colocated"
 
     def __init__(self, clients: Sequence[EngineClient], timeout_s: float = 300.0):
         self.clients, self.timeout_s = list(clients), timeout_s
 
-    def send(self, named: list[tuple[str, torch.Tensor]], call: Callable[[EngineClient, str], dict[str, Any]],
-             as_dict: bool = False) -> list[dict[str, Any]]:
-        """Hand `named` to every engine in memory. The tensors are copied first: serialising moves a
-        CPU tensor's storage into shared memory, which must not happen to a live parameter, and the
-        copies stay alive until every engine has answered (they alias them until then). `as_dict`: the
-        payload is a {name: tensor} dict (SGLang's LoRA route), not the weight routes' list of pairs."""
-        copies = packed_views(named)
-        payload = serialize_tensor_dict(copies) if as_dict else serialize_named_tensors(copies)
-        futs = [c.submit(call, c, payload) for c in self.clients]
+    def send(self, named: list[tuple[str, torch.Tensor]], call: InMemoryCall,
+             as_dict: bool = False, flat: bool = False, clock: PhaseClock | None = None) -> list[dict[str, Any]]:
+        """Hand `named` to every engine in memory; `call(client, payload, load_format)`. The tensors are copied
+        first: serialising moves a CPU tensor's storage into shared memory, which must not happen to a live
+        parameter, and the copies stay alive until every engine has answered (they alias them until then).
+        `flat` (an engine that reads SGLang's flattened bucket on these routes): tensors of one dtype go as ONE
+        tensor plus their metadata (`load_format` "flattened_bucket"), so the pickle carries one CUDA IPC handle and
+        one reference count instead of one per tensor; else (or several dtypes) the list or dict of tensors, as
+        views of one buffer per dtype. `as_dict`: a {name: tensor} dict (SGLang's LoRA route), not the weight
+        routes' list of pairs."""
+        t0 = time.perf_counter()
+        fmt: str | None = None
+        keep: Any
+        if flat and len({t.dtype for _, t in named}) == 1:
+            keep, fmt = flat_bucket.flatten(named), FLAT
+            payload = serialize_payload(keep)
+        else:
+            keep = packed_views(named)
+            payload = serialize_tensor_dict(keep) if as_dict else serialize_named_tensors(keep)
+        if clock is not None:
+            clock.add("pack_ms", time.perf_counter() - t0)
+        futs = [c.submit(call, c, payload, fmt) for c in self.clients]
         try:
             return wait_all(futs, self.timeout_s)
         finally:
-            del copies
+            del keep
 
     def close(self) -> None:
         pass
+
+
+class PhaseClock:
+    """Where an HTTP push's time went (SyncReport.phases), in ms: a phase several engines run at once counts its
+    slowest engine (`most`); a phase repeated per bucket adds up (`add`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.ms: dict[str, float] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.ms[phase] = round(self.ms.get(phase, 0.0) + seconds * 1000, 2)
+
+    def most(self, phase: str, seconds: float) -> None:
+        with self._lock:
+            self.ms[phase] = round(max(self.ms.get(phase, 0.0), seconds * 1000), 2)
+
+    def timed(self, phase: str, fn: Callable[[], T]) -> T:
+        """`fn()` on a client thread, its time the phase's slowest engine's."""
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            self.most(phase, time.perf_counter() - t0)

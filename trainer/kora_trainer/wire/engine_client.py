@@ -237,11 +237,14 @@ class EngineClient:
                                                                         "pinned": pinned}))
 
     def load_lora_adapter_from_tensors(self, name: str, config_dict: dict[str, Any], serialized: str | Sequence[str],
-                                       pinned: bool = False) -> dict[str, Any]:
-        """`config_dict` = the PEFT adapter_config.json contents; tensors named like PEFT's save."""
-        return cast("dict[str, Any]", self.post("/load_lora_adapter_from_tensors", {
-            "lora_name": name, "config_dict": config_dict, "pinned": pinned,
-            "serialized_named_tensors": [serialized] if isinstance(serialized, str) else list(serialized)}))
+                                       pinned: bool = False, load_format: str | None = None) -> dict[str, Any]:
+        """`config_dict` = the PEFT adapter_config.json contents; tensors named like PEFT's save (a {name: tensor}
+        dict, or with `load_format` "flattened_bucket" one flat tensor and its metadata: wire/flat_bucket.py)."""
+        body = {"lora_name": name, "config_dict": config_dict, "pinned": pinned,
+                "serialized_named_tensors": [serialized] if isinstance(serialized, str) else list(serialized)}
+        if load_format is not None:  # left out otherwise: the body stays what it was for every build
+            body["load_format"] = load_format
+        return cast("dict[str, Any]", self.post("/load_lora_adapter_from_tensors", body))
 
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
         return cast("dict[str, Any]", self.post("/unload_lora_adapter", {"lora_name": name}))

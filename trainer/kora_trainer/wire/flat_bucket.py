@@ -8,12 +8,18 @@ with name, shape, dtype, start_idx, end_idx, numel; the payload is the dict {"fl
 Two layouts of the flat tensor exist there: the older one holds tensors of one dtype and indexes elements; the
 newer (`supports_multi_dtypes`) holds uint8 bytes and indexes bytes. `unflatten` reads both; `flatten` writes the
 one-dtype layout (every bucket kora builds this way is of one dtype) and refuses a mix rather than cast.
+
+SGLang's receivers read the metadata by attribute (`meta.start_idx`: weight_updater.py:366 and tp_worker.py:243 in
+0.5.17) and unpickle with an allowlist of modules (utils/common.py `SafeUnpickler`: `types.` and `torch.` among
+them, kora's modules not), so each entry is a `types.SimpleNamespace`: it unpickles on both sides without
+importing SGLang here or kora there.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -23,7 +29,7 @@ FIELDS = ("name", "shape", "dtype", "start_idx", "end_idx", "numel")
 
 
 def flatten(named: Sequence[Named]) -> dict[str, Any]:
-    """[(name, tensor), ...] of one dtype and device -> {"flattened_tensor": 1-D copy, "metadata": [dict, ...]}.
+    """[(name, tensor), ...] of one dtype and device -> {"flattened_tensor": 1-D copy, "metadata": [entry, ...]}.
 
     The flat tensor is a new allocation; the sender keeps the returned dict alive until the engine has answered.
     """
@@ -36,14 +42,15 @@ def flatten(named: Sequence[Named]) -> dict[str, Any]:
     metadata, start = [], 0
     for name, t in named:
         end = start + t.numel()
-        metadata.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                         "start_idx": start, "end_idx": end, "numel": t.numel()})
+        metadata.append(SimpleNamespace(name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=end,
+                                        numel=t.numel()))
         start = end
     return {"flattened_tensor": flat, "metadata": metadata}
 
 
-def unflatten(bucket: Any) -> list[Named]:
-    """The payload dict (metadata as dicts or as SGLang's dataclass) -> views of its flat tensor, in order.
+def unflatten(bucket: Any, attrs_only: bool = False) -> list[Named]:
+    """The payload dict (metadata as dicts or as objects with the fields as attributes) -> views of its flat
+    tensor, in order. `attrs_only` (a strict SGLang build): metadata read by attribute only, as SGLang reads it.
 
     ValueError for a payload of another shape (e.g. a plain named-tensor list sent with this load_format) or a
     tensor whose range lies outside the flat tensor."""
@@ -54,6 +61,9 @@ def unflatten(bucket: Any) -> list[Named]:
     flat = bucket["flattened_tensor"]
     out: list[Named] = []
     for m in bucket["metadata"]:
+        if attrs_only and not all(hasattr(m, k) for k in FIELDS):
+            raise ValueError(f"flattened_bucket metadata entries need the attributes {', '.join(FIELDS)} (SGLang "
+                             f"reads them so), got {type(m).__name__}")
         f: dict[str, Any] = m if isinstance(m, dict) else {k: getattr(m, k) for k in FIELDS if hasattr(m, k)}
         dtype = f["dtype"] if isinstance(f["dtype"], torch.dtype) else getattr(torch, str(f["dtype"]))
         if not 0 <= f["start_idx"] <= f["end_idx"] <= flat.numel():

@@ -17,13 +17,16 @@ its tensors alive until the receiver has read them — i.e. until the HTTP call 
 segment / IPC handle is gone when the engine opens it.
 
 The receiving side unpickles: only accept these payloads from a trusted trainer (the engine binds
-127.0.0.1 and these routes are admin routes, as in SGLang).
+127.0.0.1 and these routes are admin routes, as in SGLang). SGLang unpickles them with an allowlist of modules
+(0.5.17 `srt/utils/common.py` `SafeUnpickler`); a strict build's reference engine does the same
+(`strict=True` below), so a payload naming a class SGLang refuses (one of kora's) fails on CPU too.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import pickle
 import threading
 from collections.abc import Sequence
 from multiprocessing.reduction import ForkingPickler
@@ -38,14 +41,29 @@ NamedTensors = list[tuple[str, torch.Tensor]]
 _strategy_lock = threading.Lock()
 
 
+# SGLang 0.5.17's SafeUnpickler.ALLOWED_MODULE_PREFIXES (utils/common.py:2798), less its own modules and
+# torch_npu; a class outside them is refused there ("Blocked unsafe class loading")
+SGLANG_UNPICKLE_PREFIXES = ("builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.",
+                            "weakref.", "torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.",
+                            "pickletools.", "peft.", "transformers.", "huggingface_hub.")
+
+
+class _AllowlistUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if not (module + ".").startswith(SGLANG_UNPICKLE_PREFIXES):
+            raise ValueError(f"the payload names {module}.{name}, which SGLang's SafeUnpickler refuses: send only "
+                             "builtins, types and torch objects")
+        return super().find_class(module, name)
+
+
 def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     """`[(name, tensor)]` -> one base64 string (what SGLang's serializer emits with output_str=True)."""
     return serialize_payload([(name, t.detach()) for name, t in named])
 
 
-def deserialize_named_tensors(data: str | bytes) -> NamedTensors:
+def deserialize_named_tensors(data: str | bytes, strict: bool = False) -> NamedTensors:
     """The inverse. Accepts the base64 text (or its raw bytes); tensors alias the sender's memory."""
-    return _pairs(deserialize_payload(data))
+    return _pairs(deserialize_payload(data, strict))
 
 
 def _pairs(obj: Any) -> NamedTensors:
@@ -65,7 +83,7 @@ def serialize_tensor_dict(named: Sequence[tuple[str, torch.Tensor]]) -> str:
 def deserialize_adapter_tensors(data: str | bytes, pairs_ok: bool = True) -> NamedTensors:
     """The LoRA route's payload: the dict SGLang takes, or (`pairs_ok`, kora's reference engine outside a build's
     strict mode) a list of pairs. ValueError names the shape wanted."""
-    obj = deserialize_payload(data)
+    obj = deserialize_payload(data, strict=not pairs_ok)
     if isinstance(obj, dict) and all(isinstance(t, torch.Tensor) for t in obj.values()):
         return [(str(name), tensor) for name, tensor in obj.items()]
     if pairs_ok and isinstance(obj, list):
@@ -87,10 +105,13 @@ def serialize_payload(payload: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def deserialize_payload(data: str | bytes) -> Any:
+def deserialize_payload(data: str | bytes, strict: bool = False) -> Any:
+    """`strict`: only the modules SGLang's unpickler allows (a build's strict engine)."""
     raw = data.encode("ascii") if isinstance(data, str) else data
     if not _looks_like_pickle(raw):
         raw = base64.b64decode(raw, validate=True)
+    if strict:
+        return _AllowlistUnpickler(io.BytesIO(raw)).load()
     return ForkingPickler.loads(raw)
 
 
