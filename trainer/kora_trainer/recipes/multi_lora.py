@@ -72,6 +72,7 @@ class MultiLoRARun:
     calls: dict[str, int] = field(default_factory=dict)  # adapter -> train calls its current batch took so far
     rewards: dict[str, list[float]] = field(default_factory=dict)  # adapter -> its reward curve (this process)
     checks: dict[str, ServingCheck] = field(default_factory=dict)  # adapter -> its serving check
+    saved: dict[str, int] = field(default_factory=dict)  # adapter -> the step its newest checkpoint holds
 
     # ---- reconcile: the registry says what to retire and what to load -------------------------------------
 
@@ -100,6 +101,8 @@ class MultiLoRARun:
                 self.job.trainer.all("remove_adapter", s.name)
             return
         self.steps[s.name], self.positions[s.name] = got["step"], got["data_position"]
+        if got["step"]:
+            self.saved[s.name] = got["step"]  # resumed from that checkpoint
         self.rewards.setdefault(s.name, [])
         report = self.publish(s.name)
         num_steps = s.steps_for(rows)
@@ -127,12 +130,14 @@ class MultiLoRARun:
         self.inflight.pop(name, None)  # its generation returns aborted (or finished): dropped either way
         export = None
         if self.root:
-            self.save(name)
+            if self.saved.get(name) != self.steps[name]:  # its last interval's checkpoint may hold this step already
+                self.save(name)
             export = self.job.trainer.written("export_adapter", name, self.root, {"phase": str(phase)})
         self.job.trainer.all("remove_adapter", name)
         ray.get(self.job.rollout.remove_adapter.remote(name))
         step = self.steps.pop(name)
         self.positions.pop(name, None)
+        self.saved.pop(name, None)
         partial = self.groups.pop(name, 0)  # its partly trained batch went with its slot
         self.calls.pop(name, None)
         why = "its numSteps reached" if phase is AdapterPhase.SUCCEEDED else "deleted"
@@ -256,6 +261,7 @@ class MultiLoRARun:
         meta = {"base_model": self.cfg.model.path, "sync_mode": "Adapter"}
         path = self.job.trainer.written("save_adapter", name, self.root, self.positions.get(name, 0), meta)
         self.registry.checkpointed(name, path, self.steps[name])
+        self.saved[name] = self.steps[name]
         self.rec.adapter_checkpointed(name, self.steps[name], path, (time.monotonic() - t0) * 1000)
 
 
