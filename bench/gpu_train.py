@@ -271,6 +271,8 @@ def run_mode(model_dir: Path, label: str, args: argparse.Namespace, work: Path) 
                                                         * 1000 for r in later), 1),
         "sync_paths": summary.get("sync_paths"), "loss_curve": summary.get("loss_curve"),
         "world": start.get("world"), "transport": start.get("transport"),
+        # the push before step 1 (the initial policy: Merge's whole model, Adapter's base + adapter); steps push after
+        "first_push": {k: start.get("sync", {}).get(k) for k in ("what", "ms", "bytes", "buckets", "phases")},
         "notes": [e["sync"]["note"] for e in [start, *steps] if e["sync"].get("note")],
         "rollout_logp_gap_max": summary.get("rollout_logp_gap_max"),
         "peak_gpu_mib": mem.by_role() if mem.available else "nvidia-smi not found",
@@ -415,10 +417,12 @@ def main() -> None:
             ratios[f"{mode}_generated_over_sglang_alone"] = round(r["tokens_per_s_generated"] / alone, 3)
         if "steps" not in r:
             continue
-        first, later = r["steps"][0], r["steps"][1:]
+        later = r["steps"][1:]
         anchors = res["anchors_ms"]
+        full = r["first_push"] if r["first_push"].get("what") == "full" else None
         if mode == "Merge" and anchors["copy_model"]:
-            ratios["merge_full_push_over_copy_model"] = round(first["sync_ms"] / anchors["copy_model"], 3)
+            if full and full.get("ms"):
+                ratios["merge_full_push_over_copy_model"] = round(full["ms"] / anchors["copy_model"], 3)
             if later:
                 ratios["merge_push_over_copy_adapted"] = round(statistics.median(x["sync_ms"] for x in later)
                                                                / anchors["copy_adapted"], 3)

@@ -73,6 +73,7 @@ def test_two_adapters_on_megatron_are_served_by_real_sglang_each_step(toy, tmp_p
     assert pushed["small"] == {b // 2 for b in pushed["big"]}, pushed
     calls = engine_calls(run)
     bad = [c for c in calls if not 200 <= c[2] < 300]
-    report(test="multi_lora_sglang", steps=STEPS, gaps=gaps, pushed=pushed, routes=sorted({r for _, r, _ in calls}),
+    report(test="multi_lora_sglang", steps=STEPS, gaps=gaps, pushed={n: sorted(b) for n, b in pushed.items()},
+           routes=sorted({r for _, r, _ in calls}),
            bad=bad[:5])
     assert calls and not bad, f"SGLang answered {len(bad)} of {len(calls)} requests with an error: {bad[:5]}"

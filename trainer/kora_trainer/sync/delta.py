@@ -33,13 +33,19 @@ class DeltaTracker:
         """max |current − last pushed| over this rank's tensors; inf before the first push."""
         if self._pushed is None:
             return float("inf")
-        worst = 0.0
+        now, before = [], []
         for name, t in named:
-            before = self._pushed.get(name)
-            if before is None or before.shape != t.shape:
+            b = self._pushed.get(name)
+            if b is None or b.shape != t.shape:
                 return float("inf")
-            worst = max(worst, float((t.float() - before).abs().max()) if t.numel() else 0.0)
-        return worst
+            if t.numel():
+                now.append(t.float())
+                before.append(b)
+        if not now:
+            return 0.0
+        # every tensor's max |Δ| on its device, then ONE host read: a read per tensor waits for the device each time
+        worst = torch._foreach_norm(torch._foreach_sub(now, before), float("inf"))
+        return float(torch.stack([w.to(worst[0].device) for w in worst]).max())
 
     @torch.no_grad()
     def mark_pushed(self, named: Iterable[Named]) -> None:

@@ -236,17 +236,20 @@ class WeightSender:
     def sync(self, version: int) -> SyncReport:
         """Push policy `version` (or skip it, collectively). Call on every trainer rank."""
         t0 = time.perf_counter()
+        self.clock = PhaseClock()
         adapter = self.adapter_named()
         first = not self.tracker.ever_pushed
         push, delta = should_push(self.tracker, adapter, self.threshold, self.trainer_group)
+        self.clock.add("decide_ms", time.perf_counter() - t0)
         if not push:
             return SyncReport.skip(str(self.mode), self._transport_kind(), self.engine_version, delta)
         checksum = RunningChecksum()
-        self.clock = PhaseClock()
         nbytes, nbuckets, what = 0, 0, ""
         if self.transport is not None:
             nbytes, nbuckets, what = self._push(version, checksum)
+        t1 = time.perf_counter()
         self.tracker.mark_pushed(adapter)
+        self.clock.add("track_ms", time.perf_counter() - t1)
         self.engine_version = version
         ms = (time.perf_counter() - t0 - checksum.seconds) * 1000
         return SyncReport(mode=str(self.mode), transport=self._transport_kind(), pushed=True, bytes=nbytes,
@@ -312,8 +315,10 @@ class WeightSender:
         name_buckets = colocated_buckets(src.groups, self.cap)
         total = 0
         for i, names in enumerate(name_buckets):
-            tensors = src.get(names)
+            t0 = time.perf_counter()
+            tensors = src.get(names)  # Merge: the bucket's folds
             named = [(n, tensors[n]) for n in names]
+            self.clock.add("gather_ms", time.perf_counter() - t0)
             send(named, str(version) if i == len(name_buckets) - 1 else None)
             for n, t in named:
                 checksum.add(n, t)
@@ -340,8 +345,10 @@ class WeightSender:
     def _push_adapter(self, src: Source, version: int, checksum: RunningChecksum) -> tuple[int, int]:
         """The adapter: kora's bucketed route (the reference engine), a build's route over the group
         (sglang-miles), or in memory (colocated; a stock build's engine on this node)."""
+        t0 = time.perf_counter()
         tensors = src.get(src.names)
         named = [(n, tensors[n]) for n in src.names]
+        self.clock.add("gather_ms", time.perf_counter() - t0)
         distributed = isinstance(self.transport, DistributedTransport)
         if distributed and self.build is None:
             nbytes, nbuckets = self._adapter_buckets(src, tensors, named, str(version), checksum)
