@@ -413,12 +413,17 @@ class HFEngineServer:
             return _json({"success": False, "message": str(e)}, 400)
         return _json(strict.response_body(self.build, out), 200 if out["success"] else 400)
 
+    def _unflatten(self, payload: str) -> list[tuple[str, torch.Tensor]]:
+        """A flattened bucket's tensors; a build's strict mode unpickles and reads its metadata as SGLang does."""
+        strict = self.build is not None
+        return flat_bucket.unflatten(deserialize_payload(payload, strict), attrs_only=strict)
+
     def _update_from_tensor(self, b: rq.UpdateWeightsFromTensorReqInput) -> dict[str, Any]:
-        payload, strict = b.serialized_named_tensors[self.receiver.tp_rank], self.build is not None
+        payload = b.serialized_named_tensors[self.receiver.tp_rank]
         if b.load_format == FLAT:
-            named = flat_bucket.unflatten(deserialize_payload(payload, strict), attrs_only=strict)
+            named = self._unflatten(payload)
         elif b.load_format in (None, "direct"):
-            named = deserialize_named_tensors(payload, strict)
+            named = deserialize_named_tensors(payload, strict=self.build is not None)
         else:
             raise ValueError(f"Unknown load_format={b.load_format}")
         self._abort_if_asked(b.abort_all_requests)
@@ -458,11 +463,11 @@ class HFEngineServer:
                 raise ValueError("LoRA adapters that add tokens are not supported.")
             # a build's strict mode takes only SGLang's shapes, a dict or (0.5.17's tp_worker.py:241) a flattened
             # bucket; kora's own mode takes a list of pairs too. SGLang ignores any other load_format here.
-            payload, strict = b.serialized_named_tensors[self.receiver.tp_rank], self.build is not None
+            payload = b.serialized_named_tensors[self.receiver.tp_rank]
             if b.load_format == FLAT and (self.build is None or self.build.flat_in_memory):
-                named = flat_bucket.unflatten(deserialize_payload(payload, strict), attrs_only=strict)
+                named = self._unflatten(payload)
             else:
-                named = deserialize_adapter_tensors(payload, pairs_ok=not strict)
+                named = deserialize_adapter_tensors(payload, pairs_ok=self.build is None)
             self.adapters.load_from_tensors(b.lora_name, b.config_dict, named)
             return {"checksum": checksum(named)}  # kora: what was applied, for the sender to compare
 

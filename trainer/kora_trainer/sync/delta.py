@@ -45,7 +45,7 @@ class DeltaTracker:
             return 0.0
         # every tensor's max |Δ| on its device, then ONE host read: a read per tensor waits for the device each time
         worst = torch._foreach_norm(torch._foreach_sub(now, before), float("inf"))
-        return float(torch.stack([w.to(worst[0].device) for w in worst]).max())
+        return float(torch.stack(worst).max())
 
     @torch.no_grad()
     def mark_pushed(self, named: Iterable[Named]) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from kora_trainer.sync.delta import DeltaTracker, should_push
 from kora_trainer.sync.sender import RunningChecksum, SyncReport, WeightSender
+from kora_trainer.sync.transport import PhaseClock
 from kora_trainer.wire.engine_client import EngineClient, EngineError
 from kora_trainer.wire.gdn_lora import to_sglang_config
 
@@ -47,6 +48,7 @@ class SlotSender(WeightSender):
     def push_base(self) -> SyncReport:
         """The frozen base, once (adapters are kept out of it: every slot is off outside `active`)."""
         t0 = time.perf_counter()
+        self.clock = PhaseClock()
         checksum = RunningChecksum()
         nbytes = nbuckets = 0
         if self.transport is not None:
@@ -54,11 +56,13 @@ class SlotSender(WeightSender):
         ms = (time.perf_counter() - t0 - checksum.seconds) * 1000
         return SyncReport(mode="Adapter", transport=self._transport_kind(), pushed=True, bytes=nbytes,
                           ms=round(ms, 2), adapter_version=0, buckets=nbuckets, what="base",
-                          checksum=checksum.hexdigest() if self.transport is not None else None)
+                          checksum=checksum.hexdigest() if self.transport is not None else None,
+                          phases=dict(self.clock.ms))
 
     def publish(self, name: str, version: int, config: dict[str, Any]) -> SyncReport:
         """Push adapter `name` at `version` (or skip it, collectively). Its slot must be active."""
         t0 = time.perf_counter()
+        self.clock = PhaseClock()  # this publish's phases, not the last one's
         tracker = self.trackers.setdefault(name, DeltaTracker())
         adapter = self.adapter_named()  # this rank's tensors of the active slot (its shards on megatron)
         first = not tracker.ever_pushed
@@ -76,7 +80,8 @@ class SlotSender(WeightSender):
         return SyncReport(mode="Adapter", transport=self._transport_kind(), pushed=True, bytes=nbytes,
                           ms=round(ms, 2), adapter_version=version, buckets=nbuckets, what="adapter",
                           max_delta=None if first else delta,
-                          checksum=checksum.hexdigest() if self.transport is not None else None)
+                          checksum=checksum.hexdigest() if self.transport is not None else None,
+                          phases=dict(self.clock.ms))
 
     def retire(self, name: str, wait_s: float = RETIRE_WAIT_S) -> dict[str, Any]:
         """Abort its requests by prefix where the build can, wait for none in flight (bounded, where the engine
